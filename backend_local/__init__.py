@@ -1,0 +1,21 @@
+"""llama.cpp backend: GGUF models served with continuous batching over parallel sequences."""
+
+from backend_local.config import EngineConfig
+from backend_local.engine import LocalEngine
+from backend_local.errors import DecodeError, EngineDeadError, ModelLoadError, PromptTooLongError
+from backend_local.requests import RequestOutput
+from backend_local.sampling import SamplingParams, TokenLogprob
+from backend_local.stats import EngineStats
+
+__all__ = [
+    "DecodeError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStats",
+    "LocalEngine",
+    "ModelLoadError",
+    "PromptTooLongError",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]

@@ -1,0 +1,245 @@
+"""The gateway alone: requests/s and added latency over calling the fake backend directly.
+
+    python -m bench.gateway_overhead [--duration 10] [--rate 1000] [--out docs/perf]
+
+Starts two servers, each one process pinned to CPU 0, and drives them from CPU 1:
+- kvgate: `kvgate serve --backend fake` with auth, quota (a tenant with limits) and
+  group-committed usage rows on SQLite;
+- direct: a bare aiohttp handler that calls the same FakeBackend and returns the same
+  JSON, with no auth, quota or usage.
+Throughput comes from wrk (closed loop, 64 connections) when it is installed, else from
+an aiohttp client; latency from an open-loop aiohttp client at a fixed request rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 16}  # fmt: skip
+ADMIN = "kvg-bench-admin-" + "a" * 32
+
+
+def _pinned(cpu: int) -> list[str]:
+    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and os.cpu_count() > 1 else []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def start_kvgate(port: int, tmp: Path) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN,
+               KVGATE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp / 'bench.db'}")  # fmt: skip
+    proc = subprocess.Popen(
+        [*_pinned(0), sys.executable, "-m", "gateway.cli", "serve", "--backend", "fake",
+         "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    _wait_up(url)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    tenant = httpx.post(url + "/admin/tenants", headers=admin,
+                        json={"name": "bench", "rpm": 10**9, "tpm": 10**12,
+                              "max_concurrent": 10**6}).json()  # fmt: skip
+    key = httpx.post(url + f"/admin/tenants/{tenant['id']}/keys", headers=admin, json={}).json()
+    return proc, key["key"]
+
+
+def start_direct(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [*_pinned(0), sys.executable, "-m", "bench.gateway_overhead", "--direct-server", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    _wait_up(f"http://127.0.0.1:{port}")
+    return proc
+
+
+def run_direct_server(port: int) -> None:
+    """The baseline: the fake backend behind one aiohttp handler, nothing else."""
+    from aiohttp import web
+
+    from gateway.backends import BackendSpec, GenRequest, SamplingOptions
+    from gateway.backends.fake import FakeBackend
+
+    fake = FakeBackend(BackendSpec("fake", "fake", "", "fake-model"))
+
+    async def chat(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        ids = await fake.render(body["model"], body["messages"])
+        req = GenRequest(os.urandom(12).hex(), body["model"], ids,
+                         SamplingOptions(max_tokens=body["max_tokens"]))  # fmt: skip
+        text, n = [], 0
+        async for chunk in fake.generate(req):
+            text.append(chunk.text)
+            n += len(chunk.token_ids)
+        return web.json_response({
+            "id": req.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
+                      "total_tokens": len(ids) + n},
+        })  # fmt: skip
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def main() -> None:
+        await fake.start()
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def wrk_throughput(url: str, key: str, duration: int, tmp: Path) -> float:
+    script = tmp / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(json.dumps(BODY))}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+    )
+    out = subprocess.run(
+        [*_pinned(1), "wrk", "-t1", "-c64", f"-d{duration}s", "-s", str(script),
+         url + "/v1/chat/completions"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if non2xx:
+        raise RuntimeError(f"wrk saw {non2xx.group(1)} failed responses:\n{out}")
+    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+
+async def _closed_loop(url: str, key: str, duration: float, conns: int = 64) -> float:
+    headers = {"Authorization": f"Bearer {key}"}
+    done = 0
+    end = time.perf_counter() + duration
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns)) as http:
+
+        async def worker():
+            nonlocal done
+            while time.perf_counter() < end:
+                async with http.post(url + "/v1/chat/completions", json=BODY,
+                                     headers=headers) as r:  # fmt: skip
+                    await r.read()
+                    assert r.status == 200, r.status
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(conns)))
+    return done / duration
+
+
+async def _open_loop(url: str, key: str, rate: float, duration: float) -> list[float]:
+    """Requests sent on a fixed schedule, whatever the server does: latency under load."""
+    headers = {"Authorization": f"Bearer {key}"}
+    latencies: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+        async def one(at: float) -> None:
+            delay = at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t0 = time.perf_counter()
+            async with http.post(url + "/v1/chat/completions", json=BODY,
+                                 headers=headers) as r:  # fmt: skip
+                await r.read()
+                assert r.status == 200, r.status
+            latencies.append(time.perf_counter() - t0)
+
+        start = time.perf_counter() + 0.5
+        n = int(rate * duration)
+        await asyncio.gather(*(one(start + i / rate) for i in range(n)))
+    return latencies
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def measure(url: str, key: str, args: argparse.Namespace, tmp: Path) -> dict:
+    # warm up both the server and the connection pool
+    asyncio.run(_closed_loop(url, key, 2))
+    if shutil.which("wrk"):
+        rps, tool = wrk_throughput(url, key, args.duration, tmp), "wrk -t1 -c64"
+    else:
+        rps, tool = asyncio.run(_closed_loop(url, key, args.duration)), "aiohttp, 64 connections"
+    lat = asyncio.run(_open_loop(url, key, args.rate, args.duration))
+    return {"rps": rps, "tool": tool, "p50_ms": 1000 * _pct(lat, 50),
+            "p99_ms": 1000 * _pct(lat, 99), "n": len(lat)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=int, default=10)
+    p.add_argument("--rate", type=float, default=1000)
+    p.add_argument("--out", default="docs/perf")
+    p.add_argument("--direct-server", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.direct_server:
+        run_direct_server(args.direct_server)
+        return 0
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        direct = start_direct(free_port())
+        try:
+            print("measuring the fake backend directly ...", flush=True)
+            base = measure(f"http://127.0.0.1:{direct.args[-1]}", "none", args, tmp)
+        finally:
+            direct.terminate()
+            direct.wait()
+        port = free_port()
+        gw, key = start_kvgate(port, tmp)
+        try:
+            print("measuring kvgate (auth + quota + usage commit) ...", flush=True)
+            kv = measure(f"http://127.0.0.1:{port}", key, args, tmp)
+        finally:
+            gw.terminate()
+            gw.wait()
+    result = {"direct": base, "kvgate": kv, "rate": args.rate, "duration_s": args.duration,
+              "added_p50_ms": kv["p50_ms"] - base["p50_ms"],
+              "added_p99_ms": kv["p99_ms"] - base["p99_ms"],
+              "rps_ratio": kv["rps"] / base["rps"]}  # fmt: skip
+    print(json.dumps(result, indent=2))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gateway_overhead.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

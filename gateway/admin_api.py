@@ -1,0 +1,247 @@
+"""The admin API under /admin/: tenants, keys, usage, backends and live stats.
+
+Admin keys (scope `admin`, no tenant) may do everything. A tenant's own key may read
+its own tenant and usage, and nothing of any other tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from gateway.auth import Principal
+from gateway.errors import ApiError
+from gateway.http_util import json_response, parse_body, sse
+from gateway.openai_api import GW
+from gateway.schemas import KeyCreate, TenantCreate, TenantUpdate
+from gateway.state import GatewayState
+from gateway.tenants import Conflict, NotFound
+
+
+async def _principal(request: web.Request) -> Principal:
+    gw = request.app[GW]
+    try:
+        return await gw.authenticate(request, scope="admin")
+    except ApiError as e:
+        if e.status != 403:
+            raise
+    return await gw.authenticate(request, scope="inference")
+
+
+async def _admin(request: web.Request) -> Principal:
+    principal = await _principal(request)
+    if not principal.is_admin:
+        raise ApiError(403, "This route needs an admin key.")
+    return principal
+
+
+def _own_tenant(principal: Principal, tenant_id: str) -> None:
+    # 404, not 403: another tenant's ids are not even confirmed to exist.
+    if not principal.is_admin and principal.tenant_id != tenant_id:
+        raise ApiError(404, f"No tenant {tenant_id!r}.")
+
+
+def _handle_service_errors(fn):
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await fn(request)
+        except NotFound as e:
+            raise ApiError(404, str(e)) from None
+        except Conflict as e:
+            raise ApiError(409, str(e)) from None
+
+    return wrapped
+
+
+@_handle_service_errors
+async def create_tenant(request: web.Request) -> web.Response:
+    actor = await _admin(request)
+    body = await parse_body(request, TenantCreate)
+    fields = body.model_dump(exclude={"name"})
+    tenant = await request.app[GW].tenants.create_tenant(body.name, fields, actor.key_id)
+    return json_response(tenant, status=201)
+
+
+@_handle_service_errors
+async def list_tenants(request: web.Request) -> web.Response:
+    await _admin(request)
+    return json_response({"object": "list", "data": await request.app[GW].tenants.list_tenants()})
+
+
+@_handle_service_errors
+async def get_tenant(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    tenant_id = request.match_info["tenant_id"]
+    _own_tenant(principal, tenant_id)
+    return json_response(await request.app[GW].tenants.get_tenant(tenant_id))
+
+
+@_handle_service_errors
+async def update_tenant(request: web.Request) -> web.Response:
+    actor = await _admin(request)
+    body = await parse_body(request, TenantUpdate)
+    gw = request.app[GW]
+    tenant_id = request.match_info["tenant_id"]
+    tenant = await gw.tenants.update_tenant(tenant_id, body.model_dump(exclude_unset=True),
+                                            actor.key_id)  # fmt: skip
+    gw.auth.forget_tenant(tenant_id)
+    return json_response(tenant)
+
+
+@_handle_service_errors
+async def delete_tenant(request: web.Request) -> web.Response:
+    actor = await _admin(request)
+    gw = request.app[GW]
+    tenant_id = request.match_info["tenant_id"]
+    await gw.tenants.delete_tenant(tenant_id, actor.key_id)
+    gw.auth.forget_tenant(tenant_id)
+    return json_response({"id": tenant_id, "object": "tenant", "deleted": True})
+
+
+@_handle_service_errors
+async def create_key(request: web.Request) -> web.Response:
+    actor = await _admin(request)
+    body = await parse_body(request, KeyCreate)
+    expires_at = body.expires_at
+    if body.expires_in_s is not None:
+        expires_at = time.time() + body.expires_in_s
+    record, key = await request.app[GW].tenants.create_key(
+        request.match_info["tenant_id"], body.name, list(body.scopes), expires_at, actor.key_id
+    )
+    return json_response(record | {"key": key}, status=201)
+
+
+@_handle_service_errors
+async def list_keys(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    tenant_id = request.match_info["tenant_id"]
+    _own_tenant(principal, tenant_id)
+    await request.app[GW].tenants.get_tenant(tenant_id)
+    keys = await request.app[GW].tenants.list_keys(tenant_id)
+    return json_response({"object": "list", "data": keys})
+
+
+@_handle_service_errors
+async def revoke_key(request: web.Request) -> web.Response:
+    actor = await _admin(request)
+    gw = request.app[GW]
+    key_id = request.match_info["key_id"]
+    record = await gw.tenants.revoke_key(key_id, actor.key_id)
+    gw.auth.forget_key(key_id)
+    return json_response(record)
+
+
+@_handle_service_errors
+async def usage(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    tenant_id = request.query.get("tenant_id")
+    if not principal.is_admin:
+        if tenant_id is not None and tenant_id != principal.tenant_id:
+            raise ApiError(404, f"No tenant {tenant_id!r}.")
+        tenant_id = principal.tenant_id
+    data = await request.app[GW].tenants.usage(
+        tenant_id, request.query.get("since"), request.query.get("until")
+    )
+    return json_response(data)
+
+
+async def backends(request: web.Request) -> web.Response:
+    await _admin(request)
+    return json_response({"object": "list", "data": _backends(request.app[GW])})
+
+
+async def stats(request: web.Request) -> web.Response:
+    await _admin(request)
+    return json_response(await snapshot(request.app[GW]))
+
+
+async def stats_stream(request: web.Request) -> web.StreamResponse:
+    await _admin(request)
+    try:
+        interval = max(0.1, float(request.query.get("interval", "1")))
+    except ValueError:
+        raise ApiError(400, "interval must be a number of seconds") from None
+    gw = request.app[GW]
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    try:
+        while True:
+            await resp.write(sse(await snapshot(gw)))
+            await asyncio.sleep(interval)
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    return resp
+
+
+def _backends(gw: GatewayState) -> list[dict]:
+    out = []
+    for b in gw.backends:
+        s = b.stats()
+        broken = gw.router.broken.get(b.name)
+        out.append(
+            {
+                "name": b.name,
+                "type": gw.backend_types.get(b.name, ""),
+                "healthy": s.healthy and broken is None,
+                "error": broken,
+                "models": [m for m, bs in gw.router.serving.items() if b in bs],
+                "running": s.running,
+                "waiting": s.waiting,
+                "kv_usage": s.kv_usage,
+                "prefix_queries": s.prefix_queries,
+                "prefix_hits": s.prefix_hits,
+                "preemptions": s.preemptions,
+                "prompt_tokens_per_s": s.prompt_tokens_per_s,
+                "gen_tokens_per_s": s.gen_tokens_per_s,
+            }
+        )
+    return out
+
+
+async def snapshot(gw: GatewayState) -> dict:
+    now = time.time()
+    snap = gw.traffic.snapshot(now)
+    tenants = {t["id"]: t for t in await gw.tenants.list_tenants()}
+    for row in snap["tenants"]:
+        tenant = tenants.get(row["id"])
+        if tenant is None:
+            row["quota"] = None
+            continue
+        used = await gw.quota.used(row["id"], now)
+        row["quota"] = {
+            "rpm": tenant["rpm"],
+            "rpm_used": used["requests"],
+            "tpm": tenant["tpm"],
+            "tpm_used": used["tokens"],
+            "daily_tokens": tenant["daily_tokens"],
+            "daily_used": used["daily"],
+            "monthly_tokens": tenant["monthly_tokens"],
+            "monthly_used": used["monthly"],
+        }
+    snap["gateway"] = {
+        "url": gw.url,
+        "version": "0.1.0",
+        "started_at": gw.traffic.started_at,
+        "uptime_s": now - gw.traffic.started_at,
+    }
+    snap["backends"] = _backends(gw)
+    return snap
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/admin/tenants", create_tenant)
+    app.router.add_get("/admin/tenants", list_tenants)
+    app.router.add_get("/admin/tenants/{tenant_id}", get_tenant)
+    app.router.add_patch("/admin/tenants/{tenant_id}", update_tenant)
+    app.router.add_delete("/admin/tenants/{tenant_id}", delete_tenant)
+    app.router.add_post("/admin/tenants/{tenant_id}/keys", create_key)
+    app.router.add_get("/admin/tenants/{tenant_id}/keys", list_keys)
+    app.router.add_delete("/admin/keys/{key_id}", revoke_key)
+    app.router.add_get("/admin/usage", usage)
+    app.router.add_get("/admin/backends", backends)
+    app.router.add_get("/admin/stats", stats)
+    app.router.add_get("/admin/stats/stream", stats_stream)

@@ -1,0 +1,73 @@
+"""Backend adapters. `build_backend` turns a config entry into a live adapter.
+
+Adapters are imported lazily so that the gateway starts without torch or
+llama.cpp loaded when it does not serve them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.backends.base import (
+    Backend,
+    BackendError,
+    BackendStats,
+    BadRequestError,
+    GenChunk,
+    GenRequest,
+    ModelCard,
+    PromptTooLongError,
+    SamplingOptions,
+    TokenLogprob,
+    Usage,
+)
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BackendSpec",
+    "BackendStats",
+    "BadRequestError",
+    "GenChunk",
+    "GenRequest",
+    "ModelCard",
+    "PromptTooLongError",
+    "SamplingOptions",
+    "TokenLogprob",
+    "Usage",
+    "build_backend",
+]
+
+
+@dataclass
+class BackendSpec:
+    """One `[[backends]]` entry of the config.
+
+    name: unique name of this backend instance; type: fake | gpu | local;
+    model: a path (GGUF file, HF directory) or "" for the backend's default;
+    served_model_name: the model id clients ask for ("" derives one from model);
+    options: type-specific settings (engine arguments, fake timings...).
+    """
+
+    name: str
+    type: str
+    model: str = ""
+    served_model_name: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_ADAPTERS = {
+    "fake": "gateway.backends.fake:FakeBackend",
+    "gpu": "gateway.backends.gpu:GpuBackend",
+    "local": "gateway.backends.local:LocalBackend",
+}
+
+
+def build_backend(spec: BackendSpec) -> Backend:
+    if spec.type not in _ADAPTERS:
+        raise ValueError(f"unknown backend type {spec.type!r}; expected one of {sorted(_ADAPTERS)}")
+    module_name, cls_name = _ADAPTERS[spec.type].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(spec)

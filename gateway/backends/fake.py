@@ -1,0 +1,227 @@
+"""A deterministic backend for testing and measuring the gateway alone.
+
+It tokenizes by words, "generates" words chosen by a hash of the prompt, the seed and
+the position, at a configurable pace, and can be told to fail. It never stands in
+for an engine feature; it exists so the gateway can be tested and measured without one.
+
+Options: tokens_per_second (0: as fast as possible), ttft_ms, fail_rate (0..1 of
+requests fail with BackendError), down (every request fails), context_length,
+max_running (only for the KV-usage figure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import re
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator
+
+from gateway.backends import BackendSpec
+from gateway.backends.base import (
+    BackendError,
+    BackendStats,
+    BadRequestError,
+    GenChunk,
+    GenRequest,
+    ModelCard,
+    PromptInput,
+    TokenLogprob,
+    Usage,
+)
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "bright",
+    "stars",
+    "watch",
+    "silent",
+    "rivers",
+    "flow",
+    "past",
+    "green",
+    "hills",
+    "under",
+    "a",
+    "pale",
+    "moon",
+    "and",
+    "every",
+    "small",
+    "bird",
+    "sings",
+    "its",
+    "own",
+    "soft",
+    "song",
+    "to",
+    "the",
+    "cold",
+    "wind",
+    "that",
+    "carries",
+    "old",
+    "stories",
+    "across",
+    "wide",
+    "open",
+    "plains",
+]
+EOS_ID = 0
+WORD_ID_BASE = 1
+PROMPT_ID_BASE = 1000
+BLOCK = 16
+_WORD_RE = re.compile(r"\S+")
+
+
+class FakeBackend:
+    def __init__(self, spec: BackendSpec) -> None:
+        opts = spec.options
+        self.name = spec.name
+        self.model_id = spec.served_model_name or spec.model or "fake-model"
+        self.tokens_per_second = float(opts.get("tokens_per_second", 0))
+        self.ttft_s = float(opts.get("ttft_ms", 0)) / 1000
+        self.fail_rate = float(opts.get("fail_rate", 0))
+        self.down = bool(opts.get("down", False))
+        self.context_length = int(opts.get("context_length", 4096))
+        self.max_running = int(opts.get("max_running", 256))
+        self.rng = random.Random(int(opts.get("seed", 0)))
+        self.running = 0
+        self.started = False
+        self.aborted: list[str] = []
+        self.cached_blocks: set[bytes] = set()
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._generated: deque[tuple[float, int]] = deque()
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self, drain: bool = True) -> None:
+        self.started = False
+
+    def models(self) -> list[ModelCard]:
+        return [ModelCard(self.model_id, self.name, self.context_length)]
+
+    async def render(self, model: str, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant:"
+        elif isinstance(prompt, list):
+            return list(prompt)
+        else:
+            text = prompt
+        ids = [PROMPT_ID_BASE + zlib.crc32(w.encode()) % 30000 for w in _WORD_RE.findall(text)]
+        if not ids:
+            raise BadRequestError("The prompt is empty.")
+        return ids
+
+    def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        return self._generate(req)
+
+    async def _generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        if self.down or not self.started:
+            raise BackendError(f"backend {self.name} is down")
+        if self.fail_rate and self.rng.random() < self.fail_rate:
+            raise BackendError(f"backend {self.name} failed the request")
+        sp = req.sampling
+        cached = self._match_prefix(req.prompt_token_ids, req.cache_salt)
+        self.running += 1
+        finished = False
+        try:
+            if self.ttft_s:
+                await asyncio.sleep(self.ttft_s)
+            text = ""
+            for i in range(sp.max_tokens):
+                if i and self.tokens_per_second:
+                    await asyncio.sleep(1 / self.tokens_per_second)
+                word_index = self._pick(req, i)
+                token_id = WORD_ID_BASE + word_index
+                piece = ("" if i == 0 else " ") + WORDS[word_index]
+                text += piece
+                self._generated.append((time.monotonic(), 1))
+                stop_at = _first_stop(text, sp.stop)
+                logprobs = _logprobs(WORDS[word_index], sp.logprobs)
+                if stop_at is not None:
+                    finished = True
+                    keep = len(piece) - (len(text) - stop_at)
+                    yield GenChunk(
+                        [token_id],
+                        piece[: max(keep, 0)],
+                        "stop",
+                        Usage(len(req.prompt_token_ids), i + 1, cached),
+                        logprobs,
+                    )
+                    return
+                last = i == sp.max_tokens - 1
+                finished = last
+                yield GenChunk(
+                    [token_id],
+                    piece,
+                    "length" if last else None,
+                    Usage(len(req.prompt_token_ids), i + 1, cached) if last else None,
+                    logprobs,
+                )
+                if not self.tokens_per_second and i % 64 == 63:
+                    await asyncio.sleep(0)  # be fair to other requests on the loop
+        finally:
+            self.running -= 1
+            if not finished:
+                self.aborted.append(req.request_id)
+
+    def stats(self) -> BackendStats:
+        now = time.monotonic()
+        while self._generated and self._generated[0][0] < now - 10:
+            self._generated.popleft()
+        return BackendStats(
+            name=self.name,
+            healthy=self.started and not self.down,
+            running=self.running,
+            waiting=0,
+            kv_usage=min(1.0, self.running / self.max_running),
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            gen_tokens_per_s=sum(n for _, n in self._generated) / 10,
+        )
+
+    def _pick(self, req: GenRequest, i: int) -> int:
+        seed = req.sampling.seed if req.sampling.temperature > 0 else None
+        h = hashlib.blake2b(f"{req.prompt_token_ids[-8:]}|{seed}|{i}".encode(), digest_size=4)
+        return int.from_bytes(h.digest(), "little") % len(WORDS)
+
+    def _match_prefix(self, ids: list[int], salt: str | None) -> int:
+        """Full prompt blocks seen before under the same salt count as cached."""
+        parent, cached, hit = (salt or "").encode(), 0, True
+        for start in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
+            parent = hashlib.blake2b(parent + str(ids[start : start + BLOCK]).encode()).digest()
+            if hit and parent in self.cached_blocks:
+                cached += BLOCK
+            else:
+                hit = False
+                self.cached_blocks.add(parent)
+        self.prefix_queries += len(ids)
+        self.prefix_hits += cached
+        return cached
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _logprobs(word: str, n: int | None) -> list[TokenLogprob] | None:
+    if n is None:
+        return None
+    top = [(word, -0.1)] + [(w, -3.0 - k) for k, w in enumerate(WORDS[: max(n - 1, 0)])]
+    return [TokenLogprob(word, -0.1, top[:n])]

@@ -1,0 +1,154 @@
+"""`kvgate tenants|keys|usage|db`: administration straight on the database.
+
+They work with or without a running gateway; a running one sees key changes within
+its key-cache TTL (admin API changes apply at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from gateway.config import Settings
+from gateway.db import Database, migrate
+from gateway.tenants import QUOTA_FIELDS, Conflict, NotFound, TenantService
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    db = sub.add_parser("db", help="database schema")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    db_sub.add_parser("upgrade", help="migrate the database to the newest schema")
+
+    tenants = sub.add_parser("tenants", help="create, list, update and delete tenants")
+    t_sub = tenants.add_subparsers(dest="tenants_command", required=True)
+    create = t_sub.add_parser("create", help="create a tenant")
+    create.add_argument("name")
+    _quota_args(create)
+    t_sub.add_parser("list", help="list tenants")
+    update = t_sub.add_parser("update", help="change a tenant's name or quotas")
+    update.add_argument("tenant_id")
+    update.add_argument("--name")
+    _quota_args(update)
+    delete = t_sub.add_parser("delete", help="delete a tenant and its keys")
+    delete.add_argument("tenant_id")
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    k_sub = keys.add_subparsers(dest="keys_command", required=True)
+    kc = k_sub.add_parser("create", help="create a key (shown once)")
+    kc.add_argument("tenant_id", help="the tenant; 'admin' for an admin key of no tenant")
+    kc.add_argument("--name", default="")
+    kc.add_argument("--scopes", default="inference", help="comma-separated: inference,admin")
+    kc.add_argument("--expires-in", type=float, help="seconds until the key expires")
+    kl = k_sub.add_parser("list", help="list keys")
+    kl.add_argument("tenant_id", nargs="?")
+    kr = k_sub.add_parser("revoke", help="revoke a key")
+    kr.add_argument("key_id")
+
+    usage = sub.add_parser("usage", help="daily usage per tenant and model")
+    usage.add_argument("--tenant")
+    usage.add_argument("--since", help="YYYY-MM-DD")
+    usage.add_argument("--until", help="YYYY-MM-DD")
+
+
+def _quota_args(p: argparse.ArgumentParser) -> None:
+    for f in ("rpm", "tpm", "max-concurrent", "daily-tokens", "monthly-tokens", "priority"):
+        p.add_argument(f"--{f}", type=int)
+    p.add_argument("--weight", type=float)
+    p.add_argument("--models", help="comma-separated model ids the tenant may use")
+
+
+def _quota_values(args: argparse.Namespace) -> dict[str, Any]:
+    values = {f: getattr(args, f) for f in QUOTA_FIELDS if f != "models"}
+    if args.models is not None:
+        values["models"] = [m for m in args.models.split(",") if m]
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        return asyncio.run(_run(args, settings))
+    except (NotFound, Conflict, ValueError) as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 1
+
+
+async def _run(args: argparse.Namespace, settings: Settings) -> int:
+    db = Database(settings.database_url, settings.database_schema)
+    try:
+        await migrate(db)
+        service = TenantService(db)
+        if args.command == "db":
+            print(f"kvgate: database at {settings.database_url} is up to date")
+        elif args.command == "tenants":
+            await _tenants(args, service)
+        elif args.command == "keys":
+            await _keys(args, service)
+        elif args.command == "usage":
+            _print(await service.usage(args.tenant, args.since, args.until), args.json)
+        return 0
+    finally:
+        await db.close()
+
+
+async def _tenants(args: argparse.Namespace, service: TenantService) -> None:
+    cmd = args.tenants_command
+    if cmd == "create":
+        _print(await service.create_tenant(args.name, _quota_values(args)), args.json)
+    elif cmd == "list":
+        _print(await service.list_tenants(), args.json)
+    elif cmd == "update":
+        changes = _quota_values(args) | ({"name": args.name} if args.name else {})
+        _print(await service.update_tenant(args.tenant_id, changes), args.json)
+    elif cmd == "delete":
+        await service.delete_tenant(args.tenant_id)
+        print(f"deleted tenant {args.tenant_id}")
+
+
+async def _keys(args: argparse.Namespace, service: TenantService) -> None:
+    cmd = args.keys_command
+    if cmd == "create":
+        tenant = None if args.tenant_id == "admin" else args.tenant_id
+        expires = time.time() + args.expires_in if args.expires_in else None
+        scopes = [s for s in args.scopes.split(",") if s]
+        bad = set(scopes) - {"inference", "admin"}
+        if bad:
+            raise ValueError(f"unknown scopes {sorted(bad)}; use inference and/or admin")
+        record, key = await service.create_key(tenant, args.name, scopes, expires)
+        if args.json:
+            _print(record | {"key": key}, True)
+        else:
+            print(f"key id {record['id']} for tenant {record['tenant_id'] or '(admin)'}")
+            print(f"    {key}")
+            print("This key is shown only once; store it now.")
+    elif cmd == "list":
+        _print(await service.list_keys(args.tenant_id), args.json)
+    elif cmd == "revoke":
+        _print(await service.revoke_key(args.key_id), args.json)
+
+
+def _print(data: Any, as_json: bool) -> None:
+    if as_json or not isinstance(data, list):
+        print(json.dumps(data, indent=2))
+        return
+    if not data:
+        print("(none)")
+        return
+    cols = list(data[0])
+    widths = [max(len(c), *(len(_cell(r[c])) for r in data)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in data:
+        print("  ".join(_cell(r[c]).ljust(w) for c, w in zip(cols, widths, strict=True)))
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and v > 1e9:  # a timestamp
+        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(v))
+    if isinstance(v, list):
+        return ",".join(map(str, v))
+    return str(v)

@@ -1,0 +1,128 @@
+"""Settings from one TOML file, `KVGATE_*` environment variables and CLI flags
+(later sources win)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gateway.backends import BackendSpec
+
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    database_url: str = DEFAULT_DATABASE_URL
+    database_schema: str | None = None
+    admin_key: str | None = None
+    secret: str | None = None  # HMAC secret for cache salts; generated and stored when unset
+    max_body_bytes: int = MAX_BODY_BYTES
+    key_cache_ttl_s: float = 5.0
+    metrics_auth: bool = False  # /metrics names tenants: require the admin key for it
+    # "auto" picks gpu with CUDA, else local (llama.cpp), else fake; "" uses [[backends]].
+    backend: str = "auto"
+    model: str = ""
+    served_model_name: str = ""
+    backends: list[BackendSpec] = field(default_factory=list)
+
+    def resolved_backends(self) -> list[BackendSpec]:
+        if self.backends and not self.model and self.backend in ("", "auto"):
+            return self.backends
+        kind = pick_backend_type() if self.backend in ("", "auto") else self.backend
+        return [BackendSpec(kind, kind, self.model, self.served_model_name)]
+
+
+_ENV_FIELDS = {
+    "host": str,
+    "port": int,
+    "database_url": str,
+    "database_schema": str,
+    "admin_key": str,
+    "secret": str,
+    "max_body_bytes": int,
+    "key_cache_ttl_s": float,
+    "metrics_auth": lambda v: v.lower() in ("1", "true", "yes"),
+    "backend": str,
+    "model": str,
+    "served_model_name": str,
+}
+
+
+def load_settings(
+    config_file: str | os.PathLike | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Settings:
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    config_file = config_file or environ.get("KVGATE_CONFIG")
+    if config_file:
+        values.update(_read_toml(Path(config_file)))
+    for name, cast in _ENV_FIELDS.items():
+        env_name = "KVGATE_" + name.upper()
+        if environ.get(env_name):
+            values[name] = cast(environ[env_name])
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+    known = {f.name for f in fields(Settings)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown settings: {sorted(unknown)}")
+    return Settings(**values)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    values: dict[str, Any] = dict(data.get("server", {}))
+    specs = []
+    for entry in data.get("backends", []):
+        entry = dict(entry)
+        try:
+            name, kind = entry.pop("name"), entry.pop("type")
+        except KeyError as e:
+            raise ValueError(f"{path}: each [[backends]] entry needs {e.args[0]!r}") from None
+        specs.append(
+            BackendSpec(
+                name=name,
+                type=kind,
+                model=str(entry.pop("model", "")),
+                served_model_name=entry.pop("served_model_name", ""),
+                options=entry.pop("options", {}) | entry,
+            )
+        )
+    if specs:
+        values["backends"] = specs
+        values.setdefault("backend", "")
+    return values
+
+
+def pick_backend_type() -> str:
+    """gpu when CUDA is there, else llama.cpp, else the fake backend (the caller says so)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and _importable("gateway.backends.gpu"):
+            return "gpu"
+    except ImportError:
+        pass
+    if _importable("llama_cpp") and _importable("gateway.backends.local"):
+        return "local"
+    return "fake"
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False

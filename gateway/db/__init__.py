@@ -1,0 +1,28 @@
+"""Persistence: SQLAlchemy 2 (async) tables, engine set-up and Alembic migrations."""
+
+from gateway.db.engine import Database, migrate
+from gateway.db.tables import (
+    ApiKey,
+    AuditLog,
+    Base,
+    DailyUsage,
+    Quota,
+    QuotaCounter,
+    ServerSetting,
+    Tenant,
+    UsageRecord,
+)
+
+__all__ = [
+    "ApiKey",
+    "AuditLog",
+    "Base",
+    "DailyUsage",
+    "Database",
+    "Quota",
+    "QuotaCounter",
+    "ServerSetting",
+    "Tenant",
+    "UsageRecord",
+    "migrate",
+]

@@ -1,0 +1,132 @@
+"""The tables. Times are UNIX seconds (floats): one representation on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    quota: Mapped[Quota] = relationship(
+        back_populates="tenant", cascade="all, delete-orphan", uselist=False, lazy="joined"
+    )
+
+
+class Quota(Base):
+    """A tenant's limits; NULL means unlimited."""
+
+    __tablename__ = "quotas"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    models: Mapped[list[str] | None] = mapped_column(JSON)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    tenant: Mapped[Tenant] = relationship(back_populates="quota")
+
+
+class ApiKey(Base):
+    """Only the SHA-256 of a key is stored, with a short visible prefix to find it by."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    name: Mapped[str] = mapped_column(String(200), default="")
+    prefix: Mapped[str] = mapped_column(String(16), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[list[str]] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float | None] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float)
+
+
+class UsageRecord(Base):
+    __tablename__ = "usage_records"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_id: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(200))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    status: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    user: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (Index("ix_usage_records_tenant_created", "tenant_id", "created_at"),)
+
+
+class DailyUsage(Base):
+    __tablename__ = "daily_usage"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)  # YYYY-MM-DD, UTC
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class QuotaCounter(Base):
+    """Shared quota windows for several gateways on one PostgreSQL database."""
+
+    __tablename__ = "quota_counters"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    window: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
+    limit_value: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class AuditLog(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    ts: Mapped[float] = mapped_column(Float)
+    actor: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text, default="")
+
+
+class ServerSetting(Base):
+    """Values the server generates once and must keep across restarts (the cache-salt secret)."""
+
+    __tablename__ = "server_settings"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

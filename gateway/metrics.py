@@ -1,0 +1,80 @@
+"""Prometheus metrics, named after vLLM's where the meaning is the same."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.backends import BackendStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5)  # fmt: skip
+
+
+class Metrics:
+    def __init__(self, backend_stats: Callable[[], Iterable[BackendStats]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvgate:requests", "Finished requests", ["tenant", "model", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvgate:time_to_first_token_seconds", "Time to first token", ["model"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "kvgate:time_per_output_token_seconds", "Time per output token after the first",
+            ["model"], buckets=_TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "kvgate:e2e_request_latency_seconds", "End-to-end request latency", ["model"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "kvgate:prompt_tokens", "Prompt tokens processed", ["tenant", "model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvgate:generation_tokens", "Tokens generated", ["tenant", "model"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvgate:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+            ["tenant", "model"], registry=r,
+        )  # fmt: skip
+        self.quota_rejections = Counter(
+            "kvgate:quota_rejections", "Requests refused with 429", ["tenant", "limit"], registry=r
+        )
+        r.register(_BackendCollector(backend_stats))
+
+
+class _BackendCollector(Collector):
+    """Backend queue gauges, read from the backends at scrape time."""
+
+    def __init__(self, backend_stats: Callable[[], Iterable[BackendStats]]) -> None:
+        self.backend_stats = backend_stats
+
+    def collect(self):
+        gauges = {
+            "running": GaugeMetricFamily(
+                "kvgate:num_requests_running", "Requests running in the backend", labels=["backend"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "kvgate:num_requests_waiting", "Requests queued in the backend", labels=["backend"]
+            ),
+            "kv_usage": GaugeMetricFamily(
+                "kvgate:kv_cache_usage_perc", "KV cache usage, 0 to 1", labels=["backend"]
+            ),
+            "healthy": GaugeMetricFamily(
+                "kvgate:backend_healthy", "1 when the backend serves", labels=["backend"]
+            ),
+        }
+        for s in self.backend_stats():
+            gauges["running"].add_metric([s.name], s.running)
+            gauges["waiting"].add_metric([s.name], s.waiting)
+            gauges["kv_usage"].add_metric([s.name], s.kv_usage)
+            gauges["healthy"].add_metric([s.name], 1.0 if s.healthy else 0.0)
+        yield from gauges.values()

@@ -1,0 +1,139 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.backends import BackendError, BadRequestError, TokenLogprob, Usage
+from gateway.errors import ApiError, error_body
+from gateway.http_util import json_response, parse_body, sse
+from gateway.openai_format import (
+    chat_choice,
+    chunk_body,
+    completion_choice,
+    response_body,
+    usage_chunk,
+)
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving import Job, prepare
+from gateway.state import GatewayState
+
+GW = web.AppKey("gateway", GatewayState)
+_CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    data = [
+        {
+            "id": card.id,
+            "object": "model",
+            "created": int(gw.traffic.started_at),
+            "owned_by": card.owned_by,
+            "max_model_len": card.context_length,
+        }
+        for card in gw.router.cards.values()
+        if principal.may_use(card.id)
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
+    job = await prepare(gw, principal, body, chat)
+    if body.stream:
+        return await _stream(request, job, body.include_usage)
+    return await _whole(job)
+
+
+async def _whole(job: Job) -> web.Response:
+    k = job.num_choices
+    texts: list[list[str]] = [[] for _ in range(k)]
+    finish: list[str | None] = [None] * k
+    logprobs: list[list[TokenLogprob]] | None = None
+    if job.requests[0].sampling.logprobs is not None:
+        logprobs = [[] for _ in range(k)]
+    try:
+        async for i, chunk in job.events():
+            texts[i].append(chunk.text)
+            if chunk.finish_reason:
+                finish[i] = chunk.finish_reason
+            if logprobs is not None and chunk.logprobs:
+                logprobs[i].extend(chunk.logprobs)
+    except (BackendError, BadRequestError) as e:
+        status = 400 if isinstance(e, BadRequestError) else 503
+        await job.finish(status, None, str(e))
+        raise ApiError(status, str(e)) from None
+    except _CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    await _finish_or_503(job, 200, finish[0])
+    make = chat_choice if job.chat else completion_choice
+    choices = [
+        make(i, "".join(texts[i]), finish[i], logprobs[i] if logprobs is not None else None)
+        for i in range(k)
+    ]
+    body = response_body(job.chat, job.request_id, job.created, job.model, choices, _usage(job))
+    return json_response(body, headers=job.headers())
+
+
+async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | job.headers()
+    )
+    first = [True] * job.num_choices
+    last_finish: str | None = None
+    try:
+        await resp.prepare(request)
+        async for i, chunk in job.events():
+            if chunk.finish_reason:
+                last_finish = chunk.finish_reason
+            await resp.write(
+                sse(chunk_body(job.chat, job.request_id, job.created, job.model, i, chunk.text,
+                               chunk.finish_reason, chunk.logprobs, first[i]))
+            )  # fmt: skip
+            first[i] = False
+    except (BackendError, BadRequestError) as e:
+        status = 400 if isinstance(e, BadRequestError) else 503
+        await job.finish(status, None, str(e))
+        await resp.write(sse(error_body(status, str(e))))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    except _CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    try:
+        await _finish_or_503(job, 200, last_finish)
+    except ApiError as e:
+        await resp.write(sse(e.body()))
+        return resp  # no [DONE]: the response is not complete without its usage row
+    if include_usage:
+        await resp.write(sse(usage_chunk(job.chat, job.request_id, job.created, job.model,
+                                         _usage(job))))  # fmt: skip
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _finish_or_503(job: Job, status: int, finish_reason: str | None) -> None:
+    try:
+        await job.finish(status, finish_reason)
+    except Exception as e:  # the row could not be committed: the response must not complete
+        raise ApiError(503, f"usage could not be recorded: {e}", code="usage_unavailable") from e
+
+
+def _usage(job: Job) -> Usage:
+    return Usage(job.prompt_tokens, job.completion_tokens, job.cached_tokens)

@@ -1,0 +1,125 @@
+"""Response bodies in OpenAI's shapes: whole responses and stream chunks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.backends import TokenLogprob, Usage
+
+
+def usage_body(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": list(lp.token.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in lp.top
+                ],
+            }
+            for lp in items
+        ]
+    }
+
+
+def completion_logprobs(items: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    offsets, pos = [], text_offset
+    for lp in items:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [dict(lp.top) for lp in items],
+        "text_offset": offsets,
+    }
+
+
+def chat_choice(index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None):
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": chat_logprobs(lps) if lps is not None else None,
+        "finish_reason": finish,
+    }
+
+
+def completion_choice(index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None):
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": completion_logprobs(lps) if lps is not None else None,
+        "finish_reason": finish,
+    }
+
+
+def response_body(
+    chat: bool, request_id: str, created: int, model: str, choices: list, usage: Usage
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(usage),
+        "system_fingerprint": None,
+    }
+
+
+def chunk_body(
+    chat: bool,
+    request_id: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str | None,
+    finish: str | None,
+    lps: list[TokenLogprob] | None,
+    first: bool = False,
+) -> dict[str, Any]:
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": chat_logprobs(lps) if lps else None,
+            "finish_reason": finish,
+        }
+    else:
+        choice = {
+            "index": index,
+            "text": text or "",
+            "logprobs": completion_logprobs(lps) if lps else None,
+            "finish_reason": finish,
+        }
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(chat: bool, request_id: str, created: int, model: str, usage: Usage):
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }

@@ -1,0 +1,13 @@
+"""Cache salts: tenants never share cached KV blocks unless an admin publishes a prefix."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+PUBLIC_SALT = "public"
+
+
+def tenant_cache_salt(secret: str, tenant_id: str) -> str:
+    """HMAC of the tenant id: stable across restarts, unguessable without the secret."""
+    return hmac.new(secret.encode(), tenant_id.encode(), hashlib.sha256).hexdigest()[:32]

@@ -1,0 +1,135 @@
+"""Quota limits, the windows they count in, and what a refusal says."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+# The counters a request moves, and the window each one counts in.
+REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT = (
+    "requests",
+    "tokens",
+    "daily",
+    "monthly",
+    "concurrent",
+)
+
+
+@dataclass(frozen=True)
+class QuotaLimits:
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    daily_tokens: int | None = None
+    monthly_tokens: int | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> QuotaLimits:
+        if row is None:
+            return cls()
+        return cls(row.rpm, row.tpm, row.max_concurrent, row.daily_tokens, row.monthly_tokens)
+
+    def limit_for(self, kind: str) -> int | None:
+        return {
+            REQUESTS: self.rpm,
+            TOKENS: self.tpm,
+            DAILY: self.daily_tokens,
+            MONTHLY: self.monthly_tokens,
+            CONCURRENT: self.max_concurrent,
+        }[kind]
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Window ids at one instant: UTC minute, day and month, and seconds until each resets."""
+
+    minute: int
+    day: int
+    month: int
+    minute_reset_s: float
+    day_reset_s: float
+    month_reset_s: float
+
+    def of(self, kind: str) -> int:
+        return {
+            REQUESTS: self.minute,
+            TOKENS: self.minute,
+            DAILY: self.day,
+            MONTHLY: self.month,
+        }.get(kind, 0)
+
+    def reset_s(self, kind: str) -> float:
+        return {
+            REQUESTS: self.minute_reset_s,
+            TOKENS: self.minute_reset_s,
+            DAILY: self.day_reset_s,
+            MONTHLY: self.month_reset_s,
+        }.get(kind, 1.0)
+
+
+def windows_at(now: float) -> Windows:
+    dt = datetime.fromtimestamp(now, UTC)
+    next_month = datetime(dt.year + dt.month // 12, dt.month % 12 + 1, 1, tzinfo=UTC)
+    return Windows(
+        minute=int(now // 60),
+        day=int(now // 86400),
+        month=dt.year * 12 + dt.month - 1,
+        minute_reset_s=60 - now % 60,
+        day_reset_s=86400 - now % 86400,
+        month_reset_s=next_month.timestamp() - now,
+    )
+
+
+@dataclass
+class Reservation:
+    """What admission took from a tenant's counters, to be settled at completion."""
+
+    tenant_id: str
+    tokens: int
+    windows: Windows
+    # remaining requests/tokens after admission, for the x-ratelimit-* headers
+    remaining: dict[str, int | None] = field(default_factory=dict)
+    limits: QuotaLimits = field(default_factory=QuotaLimits)
+    settled: bool = False
+
+
+class QuotaExceeded(Exception):
+    """A refusal: HTTP 429 with Retry-After and x-ratelimit-* headers."""
+
+    def __init__(self, kind: str, limit: int, used: int, requested: int, reset_s: float) -> None:
+        self.kind, self.limit, self.used, self.requested = kind, limit, used, requested
+        self.reset_s = reset_s
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        what = {
+            REQUESTS: ("requests per minute (RPM)", "requests"),
+            TOKENS: ("tokens per minute (TPM)", "tokens"),
+            DAILY: ("tokens per day", "tokens"),
+            MONTHLY: ("tokens per month", "tokens"),
+            CONCURRENT: ("concurrent requests", "requests"),
+        }[self.kind]
+        return (
+            f"Rate limit reached for {what[0]}: limit {self.limit}, used {self.used}, "
+            f"requested {self.requested} {what[1]}. Please try again in {self.reset_s:.1f}s."
+        )
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, math.ceil(self.reset_s))
+
+
+def ratelimit_headers(
+    limits: QuotaLimits, remaining: dict[str, int | None], windows: Windows
+) -> dict[str, str]:
+    headers = {}
+    for kind, limit in ((REQUESTS, limits.rpm), (TOKENS, limits.tpm)):
+        if limit is None:
+            continue
+        left = remaining.get(kind)
+        headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, left if left is not None else limit))
+        headers[f"x-ratelimit-reset-{kind}"] = f"{windows.reset_s(kind):.3f}s"
+    return headers

@@ -1,0 +1,27 @@
+"""The interface both quota stores (memory, PostgreSQL) implement."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gateway.quota.limits import QuotaLimits, Reservation
+
+
+class QuotaStore(Protocol):
+    async def admit(
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float
+    ) -> Reservation:
+        """Take one request and `tokens` from every window, or raise QuotaExceeded and
+        take nothing."""
+        ...
+
+    async def settle(self, res: Reservation, used_tokens: int, count_request: bool = True) -> None:
+        """Replace the reserved tokens with those used, free the concurrency slot, and
+        give the request back when `count_request` is false. Idempotent."""
+        ...
+
+    async def used(self, tenant_id: str, now: float) -> dict[str, int]:
+        """Current values of the tenant's counters, for stats."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,60 @@
+"""`kvgate serve`: run the gateway until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import Settings
+from gateway.openai_api import GW
+
+
+async def serve(settings: Settings) -> None:
+    app = create_app(settings)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts
+    # the request in the backend instead of generating for nobody.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    gw = app[GW]
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+    await site.start()
+    _announce(settings, gw)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("kvgate: shutting down (draining requests)", flush=True)
+    await runner.cleanup()
+
+
+def _announce(settings: Settings, gw) -> None:
+    for backend in gw.backends:
+        kind = gw.backend_types[backend.name]
+        models = ", ".join(m for m, bs in gw.router.serving.items() if backend in bs) or "-"
+        print(f"kvgate: backend {backend.name} ({kind}) serving: {models}", flush=True)
+        if kind == "fake":
+            print(
+                "kvgate: NOTE this is the fake backend: deterministic made-up words, no model. "
+                "Use --backend gpu|local --model PATH for real inference.",
+                flush=True,
+            )
+    for why in gw.router.broken.values():
+        print(f"kvgate: WARNING {why}", file=sys.stderr, flush=True)
+    if gw.generated_admin_key:
+        print(
+            "kvgate: generated an admin key; it is shown only this once, store it now:\n"
+            f"    {gw.generated_admin_key}",
+            flush=True,
+        )
+    print(f"kvgate: listening on http://{settings.host}:{settings.port}", flush=True)
+
+
+def run(settings: Settings) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(settings))

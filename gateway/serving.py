@@ -1,0 +1,273 @@
+"""One completion request from admission to its usage row.
+
+`prepare` turns a validated body into a `Job` (model, backend, prompt token ids,
+a quota reservation) or raises an ApiError; `Job.events` streams the backend's
+chunks for every choice; `Job.finish` commits the usage row, settles the quota and
+updates metrics. The HTTP layer (openai_api) only formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.auth import Principal
+from gateway.backends import (
+    Backend,
+    BackendError,
+    BadRequestError,
+    GenChunk,
+    GenRequest,
+    SamplingOptions,
+)
+from gateway.errors import ApiError
+from gateway.prefix import tenant_cache_salt
+from gateway.quota import QuotaExceeded, Reservation
+from gateway.quota.limits import ratelimit_headers
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.state import GatewayState
+from gateway.stats import Finished
+from gateway.usage import UsageRow
+
+
+@dataclass
+class Job:
+    gw: GatewayState
+    principal: Principal
+    chat: bool
+    model: str
+    backend: Backend
+    request_id: str
+    created: int
+    requests: list[GenRequest]  # one per choice, prompt-major
+    n: int
+    reservation: Reservation
+    user: str | None
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
+    finished: bool = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        # A prompt counts once however many choices it has (as OpenAI counts it).
+        return sum(len(r.prompt_token_ids) for r in self.requests[:: self.n])
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_by_prompt.values())
+
+    def headers(self) -> dict[str, str]:
+        r = self.reservation
+        return ratelimit_headers(r.limits, r.remaining, r.windows) | {
+            "x-request-id": self.request_id
+        }
+
+    async def events(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        gens = [self.backend.generate(r) for r in self.requests]
+        stream = _single(gens[0]) if len(gens) == 1 else _merged(gens)
+        try:
+            async for index, chunk in stream:
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    self.last_token_at = now
+                    self.completion_tokens += len(chunk.token_ids)
+                if chunk.usage is not None:
+                    self.cached_by_prompt.setdefault(index // self.n, chunk.usage.cached_tokens)
+                yield index, chunk
+        finally:
+            await stream.aclose()
+
+    async def finish(self, status: int, finish_reason: str | None, error: str = "") -> None:
+        """Commit the usage row, then settle quota and count. Safe to call once."""
+        assert not self.finished
+        self.finished = True
+        gw, p = self.gw, self.principal
+        end = time.perf_counter()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.started
+        tpot = None
+        if self.first_token_at is not None and self.completion_tokens > self.num_choices:
+            tpot = (self.last_token_at - self.first_token_at) / (
+                self.completion_tokens - self.num_choices
+            )
+        prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
+        row = UsageRow(
+            request_id=self.request_id,
+            tenant_id=p.tenant_id or "",
+            key_id=p.key_id,
+            model=self.model,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            ttft_ms=None if ttft is None else ttft * 1000,
+            latency_ms=(end - self.started) * 1000,
+            status=status,
+            finish_reason=finish_reason,
+            user=self.user,
+        )
+        try:
+            # Shielded: a client that goes away must not lose the row.
+            await asyncio.shield(gw.usage.record(row))
+        finally:
+            used = prompt_tokens + self.completion_tokens
+            await gw.quota.settle(self.reservation, used, count_request=status not in (503,))
+            m, tenant = gw.metrics, p.tenant_name
+            m.requests.labels(tenant, self.model, str(status)).inc()
+            m.prompt_tokens.labels(tenant, self.model).inc(prompt_tokens)
+            m.generation_tokens.labels(tenant, self.model).inc(self.completion_tokens)
+            if self.cached_tokens:
+                m.cached_tokens.labels(tenant, self.model).inc(self.cached_tokens)
+            if ttft is not None:
+                m.ttft.labels(self.model).observe(ttft)
+            if tpot is not None:
+                m.tpot.labels(self.model).observe(tpot)
+            m.e2e.labels(self.model).observe(end - self.started)
+            gw.traffic.request_finished(
+                p.tenant_id or "",
+                tenant,
+                Finished(time.time(), prompt_tokens, self.completion_tokens, ttft, tpot,
+                         end - self.started),
+                ok=status == 200,
+            )  # fmt: skip
+            if status >= 500:
+                gw.traffic.error(tenant, self.model, status, error)
+
+
+async def prepare(
+    gw: GatewayState,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+) -> Job:
+    if principal.tenant_id is None:
+        raise ApiError(403, "Admin keys belong to no tenant; use a tenant's key for inference.")
+    card = gw.router.card(body.model)
+    if card is None:
+        raise ApiError(404, f"The model `{body.model}` does not exist.", code="model_not_found")
+    if not principal.may_use(body.model):
+        raise ApiError(403, f"Your tenant may not use the model `{body.model}`.",
+                       code="model_not_allowed")  # fmt: skip
+    try:
+        backend = gw.router.pick(body.model)
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompts = [await backend.render(body.model, messages)]
+        else:
+            prompts = [await backend.render(body.model, p) for p in body.prompts()]
+    except BadRequestError as e:
+        raise ApiError(400, str(e)) from None
+    except BackendError as e:
+        gw.traffic.error(principal.tenant_name, body.model, 503, str(e))
+        raise ApiError(503, str(e), code="backend_unavailable") from None
+
+    request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
+    salt = tenant_cache_salt(gw.secret, principal.tenant_id)
+    requests, reserve = [], 0
+    for p_index, prompt in enumerate(prompts):
+        if not prompt:
+            raise ApiError(400, "The prompt is empty.", param="prompt")
+        max_tokens = body.max_tokens or card.context_length - len(prompt)
+        if len(prompt) + max(max_tokens, 1) > card.context_length:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {card.context_length} tokens. "
+                f"However, you requested {len(prompt) + (body.max_tokens or 0)} tokens "
+                f"({len(prompt)} in the messages, {body.max_tokens or 0} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                code="context_length_exceeded",
+                param="messages" if chat else "prompt",
+            )
+        reserve += len(prompt) + body.n * max_tokens
+        for choice in range(body.n):
+            sampling = SamplingOptions(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                stop=body.stop or [],
+                stop_token_ids=body.stop_token_ids or [],
+                seed=None if body.seed is None else body.seed + choice,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logprobs=body.num_logprobs,
+                ignore_eos=body.ignore_eos,
+            )
+            suffix = "" if len(prompts) * body.n == 1 else f"-{p_index * body.n + choice}"
+            requests.append(
+                GenRequest(request_id + suffix, body.model, prompt, sampling,
+                           principal.tenant_id, salt, principal.priority)
+            )  # fmt: skip
+    try:
+        reservation = await gw.quota.admit(
+            principal.tenant_id, principal.limits, reserve, time.time()
+        )
+    except QuotaExceeded as e:
+        gw.metrics.quota_rejections.labels(principal.tenant_name, e.kind).inc()
+        gw.traffic.rejected(principal.tenant_id, principal.tenant_name)
+        headers = {"Retry-After": str(e.retry_after_s)}
+        if e.kind in ("requests", "tokens"):
+            headers[f"x-ratelimit-limit-{e.kind}"] = str(e.limit)
+            headers[f"x-ratelimit-remaining-{e.kind}"] = str(max(0, e.limit - e.used))
+            headers[f"x-ratelimit-reset-{e.kind}"] = f"{e.reset_s:.3f}s"
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers=headers) from None
+    gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
+    return Job(gw, principal, chat, body.model, backend, request_id, int(time.time()), requests,
+               body.n, reservation, body.user)  # fmt: skip
+
+
+async def _single(gen: AsyncIterator[GenChunk]) -> AsyncIterator[tuple[int, GenChunk]]:
+    try:
+        async for chunk in gen:
+            yield 0, chunk
+    finally:
+        await gen.aclose()
+
+
+_DONE = object()
+
+
+async def _merged(gens: list[AsyncIterator[GenChunk]]) -> AsyncIterator[tuple[int, GenChunk]]:
+    """Interleave several choices' streams as their chunks come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: AsyncIterator[GenChunk]) -> None:
+        try:
+            async for chunk in gen:
+                queue.put_nowait((index, chunk))
+            queue.put_nowait((index, _DONE))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        finally:
+            await gen.aclose()
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,108 @@
+"""Everything a running gateway holds, built at start-up and torn down at exit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gateway.auth import Authenticator, AuthError, Principal
+from gateway.backends import Backend, build_backend
+from gateway.config import Settings
+from gateway.db import Database, migrate
+from gateway.errors import ApiError
+from gateway.metrics import Metrics
+from gateway.quota import MemoryQuotaStore, QuotaStore
+from gateway.quota.postgres import PostgresQuotaStore
+from gateway.router import Router
+from gateway.stats import TrafficStats
+from gateway.tenants import TenantService
+from gateway.usage import UsageRecorder
+
+log = logging.getLogger("kvgate")
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    db: Database
+    tenants: TenantService
+    auth: Authenticator
+    quota: QuotaStore
+    usage: UsageRecorder
+    router: Router
+    metrics: Metrics
+    traffic: TrafficStats
+    secret: str
+    backends: list[Backend] = field(default_factory=list)
+    backend_types: dict[str, str] = field(default_factory=dict)
+    generated_admin_key: str | None = None
+    url: str = ""
+
+    async def authenticate(self, request: web.Request, scope: str = "inference") -> Principal:
+        try:
+            principal = await self.auth.authenticate(request.headers.get("Authorization"))
+        except AuthError as e:
+            raise ApiError(401, str(e), code="invalid_api_key") from None
+        if scope not in principal.scopes:
+            raise ApiError(403, f"This API key does not have the {scope!r} scope.")
+        return principal
+
+
+async def start_gateway(settings: Settings) -> GatewayState:
+    db = Database(settings.database_url, settings.database_schema)
+    await migrate(db)
+    tenants = TenantService(db)
+    generated = await tenants.ensure_admin_key(settings.admin_key)
+    secret = await tenants.server_secret(settings.secret)
+    quota: QuotaStore
+    if db.is_postgres:
+        quota = PostgresQuotaStore(db)
+    else:
+        quota = MemoryQuotaStore()
+        now = time.time()
+        used = await tenants.budget_usage(time.strftime("%Y-%m-%d", time.gmtime(now)),
+                                          time.strftime("%Y-%m", time.gmtime(now)))  # fmt: skip
+        for tenant_id, (day, month) in used.items():
+            quota.preload(tenant_id, day, month, now)
+    usage = UsageRecorder(db)
+    usage.start()
+    router = Router([])
+    state = GatewayState(
+        settings=settings,
+        db=db,
+        tenants=tenants,
+        auth=Authenticator(db, settings.key_cache_ttl_s),
+        quota=quota,
+        usage=usage,
+        router=router,
+        metrics=Metrics(lambda: [b.stats() for b in router.backends]),
+        traffic=TrafficStats(),
+        secret=secret,
+        generated_admin_key=generated,
+    )
+    for spec in settings.resolved_backends():
+        backend = build_backend(spec)
+        state.backends.append(backend)
+        state.backend_types[backend.name] = spec.type
+        router.backends.append(backend)
+        try:
+            await backend.start()
+            router.add_models(backend)
+        except Exception as e:  # one broken backend must not take the gateway down
+            log.exception("backend %s failed to start", spec.name)
+            router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
+    return state
+
+
+async def stop_gateway(state: GatewayState) -> None:
+    for backend in state.backends:
+        try:
+            await backend.stop(drain=True)
+        except Exception:
+            log.exception("backend %s failed to stop", backend.name)
+    await state.usage.stop()
+    await state.quota.close()
+    await state.db.close()

@@ -1,0 +1,254 @@
+"""Tenants, their quotas and their API keys: the one service behind the admin API and
+the CLI."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+
+from gateway.auth import generate_key, hash_key, visible_prefix
+from gateway.db import ApiKey, AuditLog, DailyUsage, Database, Quota, ServerSetting, Tenant
+
+QUOTA_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "daily_tokens",
+    "monthly_tokens",
+    "models",
+    "priority",
+    "weight",
+)
+
+
+class NotFound(LookupError):
+    pass
+
+
+class Conflict(ValueError):
+    pass
+
+
+def tenant_dict(t: Tenant) -> dict[str, Any]:
+    q = t.quota
+    out: dict[str, Any] = {
+        "id": t.id,
+        "object": "tenant",
+        "name": t.name,
+        "created_at": t.created_at,
+    }
+    for f in QUOTA_FIELDS:
+        out[f] = getattr(q, f) if q is not None else None
+    return out
+
+
+def key_dict(k: ApiKey) -> dict[str, Any]:
+    return {
+        "id": k.id,
+        "object": "api_key",
+        "tenant_id": k.tenant_id,
+        "name": k.name,
+        "prefix": k.prefix,
+        "scopes": list(k.scopes),
+        "created_at": k.created_at,
+        "expires_at": k.expires_at,
+        "revoked_at": k.revoked_at,
+    }
+
+
+def _new_id(kind: str) -> str:
+    return f"{kind}_{secrets.token_hex(8)}"
+
+
+class TenantService:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def create_tenant(self, name: str, quota: dict[str, Any], actor: str = "cli") -> dict:
+        tenant = Tenant(id=_new_id("t"), name=name, created_at=time.time())
+        tenant.quota = Quota(
+            **{f: quota.get(f) for f in QUOTA_FIELDS if f not in ("priority", "weight")},
+            priority=quota.get("priority") or 0,
+            weight=quota.get("weight") or 1.0,
+        )
+        try:
+            async with self.db.session() as s, s.begin():
+                s.add(tenant)
+                s.add(_audit(actor, "tenant.create", tenant.id, {"name": name, **quota}))
+        except IntegrityError:
+            raise Conflict(f"a tenant named {name!r} already exists") from None
+        return tenant_dict(tenant)
+
+    async def get_tenant(self, tenant_id: str) -> dict:
+        async with self.db.session() as s:
+            tenant = await s.get(Tenant, tenant_id)
+            if tenant is None:
+                raise NotFound(f"no tenant {tenant_id!r}")
+            return tenant_dict(tenant)
+
+    async def list_tenants(self) -> list[dict]:
+        async with self.db.session() as s:
+            rows = (await s.scalars(select(Tenant).order_by(Tenant.created_at))).unique().all()
+            return [tenant_dict(t) for t in rows]
+
+    async def update_tenant(
+        self, tenant_id: str, changes: dict[str, Any], actor: str = "cli"
+    ) -> dict:
+        try:
+            async with self.db.session() as s, s.begin():
+                tenant = await s.get(Tenant, tenant_id)
+                if tenant is None:
+                    raise NotFound(f"no tenant {tenant_id!r}")
+                if "name" in changes:
+                    tenant.name = changes["name"]
+                for f in QUOTA_FIELDS:
+                    if f in changes:
+                        setattr(tenant.quota, f, changes[f])
+                s.add(_audit(actor, "tenant.update", tenant_id, changes))
+                await s.flush()
+                return tenant_dict(tenant)
+        except IntegrityError:
+            raise Conflict(f"a tenant named {changes.get('name')!r} already exists") from None
+
+    async def delete_tenant(self, tenant_id: str, actor: str = "cli") -> None:
+        async with self.db.session() as s, s.begin():
+            tenant = await s.get(Tenant, tenant_id)
+            if tenant is None:
+                raise NotFound(f"no tenant {tenant_id!r}")
+            await s.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))
+            await s.delete(tenant)
+            s.add(_audit(actor, "tenant.delete", tenant_id, {"name": tenant.name}))
+
+    async def create_key(
+        self,
+        tenant_id: str | None,
+        name: str = "",
+        scopes: list[str] | None = None,
+        expires_at: float | None = None,
+        actor: str = "cli",
+        key: str | None = None,
+    ) -> tuple[dict, str]:
+        """Returns the key's record and the key itself, which is never shown again."""
+        key = key or generate_key()
+        record = ApiKey(
+            id=_new_id("key"),
+            tenant_id=tenant_id,
+            name=name,
+            prefix=visible_prefix(key),
+            key_hash=hash_key(key),
+            scopes=scopes or ["inference"],
+            created_at=time.time(),
+            expires_at=expires_at,
+            revoked_at=None,
+        )
+        async with self.db.session() as s, s.begin():
+            if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
+                raise NotFound(f"no tenant {tenant_id!r}")
+            s.add(record)
+            s.add(_audit(actor, "key.create", record.id, {"tenant_id": tenant_id, "name": name}))
+        return key_dict(record), key
+
+    async def list_keys(self, tenant_id: str | None = None) -> list[dict]:
+        query = select(ApiKey).order_by(ApiKey.created_at)
+        if tenant_id is not None:
+            query = query.where(ApiKey.tenant_id == tenant_id)
+        async with self.db.session() as s:
+            return [key_dict(k) for k in (await s.scalars(query)).all()]
+
+    async def get_key(self, key_id: str) -> dict:
+        async with self.db.session() as s:
+            key = await s.get(ApiKey, key_id)
+            if key is None:
+                raise NotFound(f"no key {key_id!r}")
+            return key_dict(key)
+
+    async def revoke_key(self, key_id: str, actor: str = "cli") -> dict:
+        async with self.db.session() as s, s.begin():
+            key = await s.get(ApiKey, key_id)
+            if key is None:
+                raise NotFound(f"no key {key_id!r}")
+            if key.revoked_at is None:
+                key.revoked_at = time.time()
+                s.add(_audit(actor, "key.revoke", key_id, {}))
+            return key_dict(key)
+
+    async def usage(
+        self, tenant_id: str | None = None, since: str | None = None, until: str | None = None
+    ) -> dict:
+        """Daily totals per tenant and model; `since`/`until` are inclusive YYYY-MM-DD."""
+        query = select(DailyUsage).order_by(DailyUsage.day, DailyUsage.tenant_id, DailyUsage.model)
+        if tenant_id is not None:
+            query = query.where(DailyUsage.tenant_id == tenant_id)
+        if since:
+            query = query.where(DailyUsage.day >= since)
+        if until:
+            query = query.where(DailyUsage.day <= until)
+        async with self.db.session() as s:
+            rows = (await s.scalars(query)).all()
+        cols = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+        data = [
+            {"tenant_id": r.tenant_id, "day": r.day, "model": r.model}
+            | {c: getattr(r, c) for c in cols}
+            for r in rows
+        ]
+        total = {c: sum(d[c] for d in data) for c in cols}
+        return {"object": "list", "data": data, "total": total}
+
+    async def budget_usage(self, day: str, month_prefix: str) -> dict[str, tuple[int, int]]:
+        """Tokens each tenant used on `day` and in the month `YYYY-MM`, from committed rows."""
+        tokens = DailyUsage.prompt_tokens + DailyUsage.completion_tokens
+        async with self.db.session() as s:
+            month = (
+                await s.execute(
+                    select(DailyUsage.tenant_id, func.sum(tokens))
+                    .where(DailyUsage.day.startswith(month_prefix))
+                    .group_by(DailyUsage.tenant_id)
+                )
+            ).all()
+            today = (
+                await s.execute(
+                    select(DailyUsage.tenant_id, func.sum(tokens))
+                    .where(DailyUsage.day == day)
+                    .group_by(DailyUsage.tenant_id)
+                )
+            ).all()
+        by_day = {t: int(v or 0) for t, v in today}
+        return {t: (by_day.get(t, 0), int(v or 0)) for t, v in month}
+
+    async def ensure_admin_key(self, admin_key: str | None) -> str | None:
+        """Make sure an admin key exists. Returns a newly generated key (to print once),
+        or None when the configured key or an existing one is used."""
+        async with self.db.session() as s:
+            if admin_key is not None:
+                found = await s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(admin_key)))
+                if found is not None:
+                    return None
+            else:
+                admins = (await s.scalars(select(ApiKey).where(ApiKey.tenant_id.is_(None)))).all()
+                if any("admin" in k.scopes and k.revoked_at is None for k in admins):
+                    return None
+        _, key = await self.create_key(
+            None, "bootstrap admin", ["admin"], actor="bootstrap", key=admin_key
+        )
+        return None if admin_key is not None else key
+
+    async def server_secret(self, configured: str | None) -> str:
+        if configured:
+            return configured
+        async with self.db.session() as s, s.begin():
+            row = await s.get(ServerSetting, "cache_salt_secret")
+            if row is None:
+                row = ServerSetting(key="cache_salt_secret", value=secrets.token_hex(32))
+                s.add(row)
+            return row.value
+
+
+def _audit(actor: str, action: str, target: str, detail: dict[str, Any]) -> AuditLog:
+    return AuditLog(
+        ts=time.time(), actor=actor, action=action, target=target, detail=json.dumps(detail)
+    )

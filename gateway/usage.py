@@ -1,0 +1,131 @@
+"""Usage rows with group commit.
+
+Each finished request hands its row to the recorder and waits until the row is
+committed; only then does the gateway send the response's final bytes. Rows that
+arrive while a transaction is being written go together in the next one, so under
+load one commit carries many requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from sqlalchemy import insert as generic_insert
+from sqlalchemy.dialects import postgresql, sqlite
+
+from gateway.db import DailyUsage, Database, UsageRecord
+
+
+@dataclass
+class UsageRow:
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_ms: float | None
+    latency_ms: float
+    status: int
+    finish_reason: str | None
+    user: str | None = None
+    created_at: float = 0.0
+
+    @property
+    def day(self) -> str:
+        return time.strftime("%Y-%m-%d", time.gmtime(self.created_at))
+
+
+class UsageRecorder:
+    def __init__(self, db: Database, max_batch: int = 1000) -> None:
+        self.db = db
+        self.max_batch = max_batch
+        self.pending: list[tuple[UsageRow, asyncio.Future[None]]] = []
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.commits = 0
+        self.rows_committed = 0
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="usage-recorder")
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        while self.pending:  # drain: every waiting request gets its row
+            self.wakeup.set()
+            await asyncio.sleep(0.005)
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.task = None
+
+    async def record(self, row: UsageRow) -> None:
+        """Return once `row` is committed. Raises if the commit failed."""
+        if not row.created_at:
+            row.created_at = time.time()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.pending.append((row, fut))
+        self.wakeup.set()
+        await fut
+
+    async def _run(self) -> None:
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            while self.pending:
+                batch = self.pending[: self.max_batch]
+                del self.pending[: self.max_batch]
+                try:
+                    await self._commit([row for row, _ in batch])
+                except Exception as e:  # the requests fail, the recorder goes on
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    continue
+                self.commits += 1
+                self.rows_committed += len(batch)
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+
+    async def _commit(self, rows: list[UsageRow]) -> None:
+        async with self.db.session() as session, session.begin():
+            await session.execute(generic_insert(UsageRecord), [asdict(r) for r in rows])
+            for stmt in self._daily_upserts(rows):
+                await session.execute(stmt)
+
+    def _daily_upserts(self, rows: list[UsageRow]) -> list:
+        totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        for r in rows:
+            t = totals[(r.tenant_id, r.day, r.model)]
+            t[0] += 1
+            t[1] += r.prompt_tokens
+            t[2] += r.completion_tokens
+            t[3] += r.cached_tokens
+        insert = postgresql.insert if self.db.is_postgres else sqlite.insert
+        values = [
+            {
+                "tenant_id": tenant,
+                "day": day,
+                "model": model,
+                "requests": n,
+                "prompt_tokens": p,
+                "completion_tokens": c,
+                "cached_tokens": k,
+            }
+            for (tenant, day, model), (n, p, c, k) in sorted(totals.items())
+        ]
+        stmt = insert(DailyUsage).values(values)
+        cols = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+        return [
+            stmt.on_conflict_do_update(
+                index_elements=["tenant_id", "day", "model"],
+                set_={c: getattr(DailyUsage, c) + getattr(stmt.excluded, c) for c in cols},
+            )
+        ]

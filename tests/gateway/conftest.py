@@ -1,0 +1,89 @@
+"""An in-process gateway on a real socket, with helpers to make tenants and keys."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.app import create_app
+from gateway.backends import BackendSpec
+from gateway.config import Settings
+from gateway.openai_api import GW
+from gateway.state import GatewayState
+from tests.conftest import ADMIN_KEY
+
+
+@dataclass
+class Gateway:
+    server: TestServer
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url("")).rstrip("/")
+
+    @property
+    def state(self) -> GatewayState:
+        return self.server.app[GW]
+
+    def backend(self, name: str):
+        return next(b for b in self.state.backends if b.name == name)
+
+    async def admin(self, method: str, path: str, json: Any = None) -> tuple[int, Any]:
+        async with self.http.request(
+            method, self.url + path, json=json, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        ) as r:
+            return r.status, await r.json()
+
+    async def tenant(self, name: str = "acme", **quota: Any) -> tuple[dict, str]:
+        status, tenant = await self.admin("POST", "/admin/tenants", {"name": name, **quota})
+        assert status == 201, tenant
+        status, key = await self.admin("POST", f"/admin/tenants/{tenant['id']}/keys", {})
+        assert status == 201, key
+        return tenant, key["key"]
+
+    async def post(self, path: str, key: str | None, body: Any, **kw: Any):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return await self.http.post(self.url + path, json=body, headers=headers, **kw)
+
+    async def chat(self, key: str, content: str = "hello there", **fields: Any):
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": content}]}
+        return await self.post("/v1/chat/completions", key, body | fields)
+
+
+def fake_backends(**options: Any) -> list[BackendSpec]:
+    return [BackendSpec("fake", "fake", "", "fake-model", options)]
+
+
+@pytest.fixture
+async def make_gateway(tmp_path) -> AsyncIterator:
+    started: list[Gateway] = []
+
+    async def make(backends: list[BackendSpec] | None = None, **settings: Any) -> Gateway:
+        s = Settings(
+            database_url=f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}",
+            admin_key=ADMIN_KEY,
+            backend="",
+            backends=backends or fake_backends(),
+            **settings,
+        )
+        server = TestServer(create_app(s), handler_cancellation=True)
+        await server.start_server()
+        gw = Gateway(server, aiohttp.ClientSession())
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        await gw.http.close()
+        await gw.server.close()
+
+
+@pytest.fixture
+async def gw(make_gateway) -> Gateway:
+    return await make_gateway()

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import load_settings
+
+
+def test_toml_env_and_flags_layer(tmp_path):
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text(
+        """
+[server]
+port = 9000
+host = "0.0.0.0"
+
+[[backends]]
+name = "a"
+type = "fake"
+served_model_name = "model-a"
+tokens_per_second = 50
+
+[[backends]]
+name = "b"
+type = "fake"
+served_model_name = "model-b"
+options = { ttft_ms = 5 }
+"""
+    )
+    s = load_settings(cfg, environ={"KVGATE_PORT": "9100"})
+    assert s.port == 9100 and s.host == "0.0.0.0"
+    a, b = s.resolved_backends()
+    assert (a.name, a.served_model_name, a.options) == ("a", "model-a", {"tokens_per_second": 50})
+    assert b.options == {"ttft_ms": 5}
+    s = load_settings(cfg, overrides={"port": 9200, "backend": "fake"}, environ={})
+    assert s.port == 9200
+    assert [x.type for x in s.resolved_backends()] == ["fake"]
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[[backends]]\ntype = 'fake'\n")
+    with pytest.raises(ValueError, match="needs 'name'"):
+        load_settings(cfg, environ={})
+    cfg.write_text("[server]\nprot = 1\n")
+    with pytest.raises(ValueError, match="prot"):
+        load_settings(cfg, environ={})

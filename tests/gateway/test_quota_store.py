@@ -1,0 +1,103 @@
+"""Both quota stores, same rules: exact limits, refusals take nothing, settle corrects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.db import Database, migrate
+from gateway.quota import MemoryQuotaStore, QuotaExceeded, QuotaLimits
+from gateway.quota.postgres import PostgresQuotaStore
+from tests.conftest import PG_URL
+
+NOW = 1_800_000_000.0 + 5  # 5 s into a minute
+
+
+@pytest.fixture(params=["memory", "postgres"])
+async def store(request):
+    if request.param == "memory":
+        yield MemoryQuotaStore()
+        return
+    schema = request.getfixturevalue("pg_schema")
+    db = Database(PG_URL, schema)
+    await migrate(db)
+    yield PostgresQuotaStore(db)
+    await db.close()
+
+
+async def test_rpm_is_exact_and_refusal_takes_nothing(store):
+    limits = QuotaLimits(rpm=3)
+    for _ in range(3):
+        await store.admit("t", limits, 10, NOW)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 10, NOW)
+    assert e.value.kind == "requests" and e.value.limit == 3
+    assert 54 < e.value.reset_s <= 55
+    used = await store.used("t", NOW)
+    assert used["requests"] == 3 and used["tokens"] == 30
+    await store.admit("t", limits, 10, NOW + 60)  # the next minute starts empty
+
+
+async def test_tokens_reserved_then_settled(store):
+    limits = QuotaLimits(tpm=100)
+    res = await store.admit("t", limits, 80, NOW)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 30, NOW)
+    assert e.value.kind == "tokens" and e.value.used == 80
+    await store.settle(res, 20)  # used far less than reserved
+    await store.settle(res, 20)  # idempotent
+    assert (await store.used("t", NOW))["tokens"] == 20
+    await store.admit("t", limits, 80, NOW)
+
+
+async def test_request_larger_than_the_limit(store):
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", QuotaLimits(tpm=50), 51, NOW)
+    assert e.value.kind == "tokens"
+    assert (await store.used("t", NOW))["requests"] == 0
+
+
+async def test_concurrency_slot_freed_by_settle(store):
+    limits = QuotaLimits(max_concurrent=1)
+    res = await store.admit("t", limits, 1, NOW)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 1, NOW)
+    assert e.value.kind == "concurrent"
+    await store.settle(res, 1, count_request=False)
+    assert (await store.used("t", NOW))["requests"] == 0
+    await store.admit("t", limits, 1, NOW)
+
+
+async def test_daily_and_monthly_budgets(store):
+    limits = QuotaLimits(daily_tokens=100, monthly_tokens=150)
+    await store.admit("t", limits, 100, NOW)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 1, NOW)
+    assert e.value.kind == "daily"
+    await store.admit("t", limits, 50, NOW + 86400)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 1, NOW + 86400)
+    assert e.value.kind == "monthly"
+
+
+async def test_tenants_do_not_share_counters(store):
+    limits = QuotaLimits(rpm=1)
+    await store.admit("a", limits, 1, NOW)
+    await store.admit("b", limits, 1, NOW)
+    with pytest.raises(QuotaExceeded):
+        await store.admit("a", limits, 1, NOW)
+
+
+async def test_concurrent_admissions_are_exact(store):
+    limits = QuotaLimits(rpm=50)
+
+    async def one():
+        try:
+            await store.admit("t", limits, 1, NOW)
+            return True
+        except QuotaExceeded:
+            return False
+
+    results = await asyncio.gather(*(one() for _ in range(120)))
+    assert sum(results) == 50
