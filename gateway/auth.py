@@ -9,6 +9,7 @@ cache entry at once, other writers (the CLI, another gateway) within the TTL.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -64,6 +65,8 @@ class Authenticator:
         self.db = db
         self.ttl_s = ttl_s
         self._cache: dict[str, tuple[Principal, float, float | None]] = {}
+        # one database lookup per key at a time, however many requests wait on it
+        self._loading: dict[str, asyncio.Future[tuple[Principal, float | None]]] = {}
 
     def forget_key(self, key_id: str) -> None:
         for digest, (principal, _, _) in list(self._cache.items()):
@@ -86,7 +89,12 @@ class Authenticator:
                 if expires_at is not None and now >= expires_at:
                     raise AuthError("API key has expired.")
                 return principal
-        principal, expires_at = await self._load(token, digest, now)
+        loading = self._loading.get(digest)
+        if loading is None:
+            loading = asyncio.ensure_future(self._load(token, digest, now))
+            self._loading[digest] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(digest, None))
+        principal, expires_at = await asyncio.shield(loading)
         self._cache[digest] = (principal, now, expires_at)
         return principal
 

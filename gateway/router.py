@@ -22,6 +22,8 @@ class Router:
 
     def pick(self, model: str) -> Backend:
         candidates = [b for b in self.serving.get(model, []) if b.name not in self.broken]
+        if len(candidates) == 1 and candidates[0].stats().healthy:
+            return candidates[0]
         healthy = [b for b in candidates if b.stats().healthy]
         if not healthy:
             reasons = "; ".join(self.broken.values()) or "no healthy backend"

@@ -12,9 +12,8 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from sqlalchemy import insert as generic_insert
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.db import DailyUsage, Database, UsageRecord
@@ -95,10 +94,23 @@ class UsageRecorder:
                         fut.set_result(None)
 
     async def _commit(self, rows: list[UsageRow]) -> None:
-        async with self.db.session() as session, session.begin():
-            await session.execute(generic_insert(UsageRecord), [asdict(r) for r in rows])
-            for stmt in self._daily_upserts(rows):
-                await session.execute(stmt)
+        # Core statements on a bare connection: executemany, no ORM unit of work.
+        values = [dict(vars(r)) for r in rows]
+        daily = self._daily_upserts(rows)
+        if self.db.sync_engine is not None:
+            await asyncio.to_thread(self._commit_sync, values, daily)
+            return
+        async with self.db.engine.begin() as conn:
+            await conn.execute(UsageRecord.__table__.insert(), values)
+            for stmt in daily:
+                await conn.execute(stmt)
+
+    def _commit_sync(self, values: list[dict], daily: list) -> None:
+        assert self.db.sync_engine is not None
+        with self.db.sync_engine.begin() as conn:
+            conn.execute(UsageRecord.__table__.insert(), values)
+            for stmt in daily:
+                conn.execute(stmt)
 
     def _daily_upserts(self, rows: list[UsageRow]) -> list:
         totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])

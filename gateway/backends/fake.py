@@ -104,7 +104,7 @@ class FakeBackend:
         self.cached_blocks: set[bytes] = set()
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self._generated: deque[tuple[float, int]] = deque()
+        self._generated_per_s: deque[list[float]] = deque()  # [second, tokens]
 
     async def start(self) -> None:
         self.started = True
@@ -150,7 +150,7 @@ class FakeBackend:
                 token_id = WORD_ID_BASE + word_index
                 piece = ("" if i == 0 else " ") + WORDS[word_index]
                 text += piece
-                self._generated.append((time.monotonic(), 1))
+                self._count_generated()
                 stop_at = _first_stop(text, sp.stop)
                 logprobs = _logprobs(WORDS[word_index], sp.logprobs)
                 if stop_at is not None:
@@ -180,10 +180,18 @@ class FakeBackend:
             if not finished:
                 self.aborted.append(req.request_id)
 
+    def _count_generated(self) -> None:
+        second = int(time.monotonic())
+        if self._generated_per_s and self._generated_per_s[-1][0] == second:
+            self._generated_per_s[-1][1] += 1
+        else:
+            self._generated_per_s.append([second, 1])
+            while self._generated_per_s[0][0] < second - 10:
+                self._generated_per_s.popleft()
+
     def stats(self) -> BackendStats:
         now = time.monotonic()
-        while self._generated and self._generated[0][0] < now - 10:
-            self._generated.popleft()
+        recent = sum(n for s, n in self._generated_per_s if s >= now - 10)
         return BackendStats(
             name=self.name,
             healthy=self.started and not self.down,
@@ -192,7 +200,7 @@ class FakeBackend:
             kv_usage=min(1.0, self.running / self.max_running),
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
-            gen_tokens_per_s=sum(n for _, n in self._generated) / 10,
+            gen_tokens_per_s=recent / 10,
         )
 
     def _pick(self, req: GenRequest, i: int) -> int:

@@ -7,7 +7,8 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import Engine, event
+from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
@@ -47,6 +48,12 @@ class Database:
         self.schema = schema
         self.engine = create_engine(url, schema)
         self.session = async_sessionmaker(self.engine, expire_on_commit=False)
+        # SQLite writes from a worker thread on a plain sqlite3 connection: one thread
+        # hop per group commit instead of one per statement through aiosqlite.
+        self.sync_engine: Engine | None = None
+        if url.startswith("sqlite+aiosqlite"):
+            self.sync_engine = create_sync_engine(url.replace("+aiosqlite", "+pysqlite", 1))
+            event.listen(self.sync_engine, "connect", _sqlite_pragmas)
 
     @property
     def is_postgres(self) -> bool:
@@ -54,6 +61,8 @@ class Database:
 
     async def close(self) -> None:
         await self.engine.dispose()
+        if self.sync_engine is not None:
+            self.sync_engine.dispose()
 
 
 def alembic_config(url: str) -> Config:

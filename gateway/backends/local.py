@@ -1,0 +1,182 @@
+"""Adapter: the gateway's Backend protocol over `backend_local.LocalEngine` (llama.cpp)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+from collections.abc import AsyncIterator
+
+from backend_local import (
+    DecodeError,
+    EngineConfig,
+    EngineDeadError,
+    LocalEngine,
+    ModelLoadError,
+    RequestOutput,
+    SamplingParams,
+)
+from backend_local import PromptTooLongError as EnginePromptTooLongError
+from gateway.backends import BackendSpec
+from gateway.backends.base import (
+    BackendError,
+    BackendStats,
+    BadRequestError,
+    GenChunk,
+    GenRequest,
+    ModelCard,
+    PromptInput,
+    PromptTooLongError,
+    SamplingOptions,
+    TokenLogprob,
+    Usage,
+)
+from gateway.chat_template import render_chat
+from gateway.default_model import DEFAULT_MODEL_ID, default_model_path
+
+ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
+
+
+def _sampling_params(options: SamplingOptions) -> SamplingParams:
+    return SamplingParams(
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        max_tokens=options.max_tokens,
+        min_tokens=options.min_tokens,
+        stop=list(options.stop),
+        stop_token_ids=list(options.stop_token_ids),
+        seed=options.seed,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
+        logprobs=options.logprobs,
+        ignore_eos=options.ignore_eos,
+    )
+
+
+class LocalBackend:
+    def __init__(self, spec: BackendSpec) -> None:
+        unknown = set(spec.options) - set(ENGINE_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"unknown options for local backend {spec.name!r}: {sorted(unknown)}; "
+                f"expected some of {list(ENGINE_OPTIONS)}"
+            )
+        self.name = spec.name
+        self.spec = spec
+        self.model_id = spec.served_model_name or (
+            pathlib.Path(spec.model).stem if spec.model else DEFAULT_MODEL_ID
+        )
+        self._engine: LocalEngine | None = None
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        path = self.spec.model or str(await asyncio.to_thread(default_model_path))
+        try:
+            config = EngineConfig(model_path=path, **self.spec.options)
+            self._engine = await asyncio.to_thread(LocalEngine, config)
+        except (ModelLoadError, ValueError) as exc:
+            raise BackendError(f"local backend {self.name!r}: {exc}") from exc
+
+    async def stop(self, drain: bool = True) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await engine.stop(drain)
+
+    @property
+    def engine(self) -> LocalEngine:
+        if self._engine is None:
+            raise BackendError(f"local backend {self.name!r} is not running")
+        return self._engine
+
+    def models(self) -> list[ModelCard]:
+        length = self._engine.context_length if self._engine else 0
+        return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise BadRequestError(
+                f"model {model!r} is not served here (this serves {self.model_id!r})"
+            )
+
+    async def render(self, model: str, prompt: PromptInput) -> list[int]:
+        self._check_model(model)
+        engine = self.engine
+        if isinstance(prompt, str):
+            return engine.tokenize(prompt)
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not prompt or not all(isinstance(m, dict) for m in prompt):
+            raise BadRequestError("the prompt must be a string, token ids, or chat messages")
+        llama = engine.model
+        try:
+            text = render_chat(
+                prompt,
+                llama.chat_template,
+                llama.architecture,
+                bos_token=llama.bos_text,
+                eos_token=llama.eos_text,
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from exc
+        # Templates usually write the BOS token themselves; do not add a second one.
+        add_bos = not (llama.bos_text and text.startswith(llama.bos_text))
+        return engine.tokenize(text, add_special=add_bos, parse_special=True)
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        self._check_model(req.model)
+        engine = self.engine
+        try:
+            params = _sampling_params(req.sampling)
+            engine.check_request(req.prompt_token_ids, params)
+        except EnginePromptTooLongError as exc:
+            raise PromptTooLongError(exc.prompt_tokens, exc.max_tokens, exc.context_length) from exc
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from exc
+        stream = engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt)
+        async with contextlib.aclosing(stream):
+            try:
+                async for out in stream:
+                    yield self._chunk(out)
+            except ValueError as exc:
+                raise BadRequestError(str(exc)) from exc
+            except (EngineDeadError, DecodeError) as exc:
+                raise BackendError(str(exc)) from exc
+
+    def _chunk(self, out: RequestOutput) -> GenChunk:
+        usage = None
+        if out.finish_reason is not None:
+            usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+        logprobs = None
+        if out.logprobs is not None:
+            text = self.engine.model.token_text
+            logprobs = [
+                TokenLogprob(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
+                for lp in out.logprobs
+            ]
+        return GenChunk(out.token_ids, out.text, out.finish_reason, usage, logprobs)
+
+    def stats(self) -> BackendStats:
+        if self._engine is None:
+            return BackendStats(name=self.name, healthy=False)
+        s = self._engine.stats()
+        return BackendStats(
+            name=self.name,
+            healthy=s.healthy,
+            running=s.busy,
+            waiting=s.waiting,
+            kv_usage=s.kv_cells_busy / s.n_ctx,
+            prefix_queries=s.prefix_query_tokens,
+            prefix_hits=s.prefix_reused_tokens,
+            prompt_tokens_per_s=s.prompt_tokens_per_s,
+            gen_tokens_per_s=s.gen_tokens_per_s,
+            extra={
+                "n_parallel": s.n_parallel,
+                "free_sequences": s.free,
+                "prompt_tokens_total": s.prompt_tokens_total,
+                "gen_tokens_total": s.gen_tokens_total,
+            },
+        )
