@@ -57,4 +57,9 @@ def _announce(settings: Settings, gw) -> None:
 
 def run(settings: Settings) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(settings))
+    try:
+        import uvloop  # the event loop is most of the gateway's per-request cost
+
+        uvloop.run(serve(settings))
+    except ImportError:
+        asyncio.run(serve(settings))

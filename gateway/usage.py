@@ -14,9 +14,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import text
 
-from gateway.db import DailyUsage, Database, UsageRecord
+from gateway.db import Database, UsageRecord
 
 
 @dataclass
@@ -96,23 +96,21 @@ class UsageRecorder:
     async def _commit(self, rows: list[UsageRow]) -> None:
         # Core statements on a bare connection: executemany, no ORM unit of work.
         values = [dict(vars(r)) for r in rows]
-        daily = self._daily_upserts(rows)
+        daily = self._daily_totals(rows)
         if self.db.sync_engine is not None:
             await asyncio.to_thread(self._commit_sync, values, daily)
             return
         async with self.db.engine.begin() as conn:
             await conn.execute(UsageRecord.__table__.insert(), values)
-            for stmt in daily:
-                await conn.execute(stmt)
+            await conn.execute(_DAILY_UPSERT, daily)
 
-    def _commit_sync(self, values: list[dict], daily: list) -> None:
+    def _commit_sync(self, values: list[dict], daily: list[dict]) -> None:
         assert self.db.sync_engine is not None
         with self.db.sync_engine.begin() as conn:
             conn.execute(UsageRecord.__table__.insert(), values)
-            for stmt in daily:
-                conn.execute(stmt)
+            conn.execute(_DAILY_UPSERT, daily)
 
-    def _daily_upserts(self, rows: list[UsageRow]) -> list:
+    def _daily_totals(self, rows: list[UsageRow]) -> list[dict]:
         totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         for r in rows:
             t = totals[(r.tenant_id, r.day, r.model)]
@@ -120,24 +118,22 @@ class UsageRecorder:
             t[1] += r.prompt_tokens
             t[2] += r.completion_tokens
             t[3] += r.cached_tokens
-        insert = postgresql.insert if self.db.is_postgres else sqlite.insert
-        values = [
-            {
-                "tenant_id": tenant,
-                "day": day,
-                "model": model,
-                "requests": n,
-                "prompt_tokens": p,
-                "completion_tokens": c,
-                "cached_tokens": k,
-            }
-            for (tenant, day, model), (n, p, c, k) in sorted(totals.items())
-        ]
-        stmt = insert(DailyUsage).values(values)
-        cols = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+        # sorted: concurrent writers (several gateways) lock daily rows in one order
         return [
-            stmt.on_conflict_do_update(
-                index_elements=["tenant_id", "day", "model"],
-                set_={c: getattr(DailyUsage, c) + getattr(stmt.excluded, c) for c in cols},
-            )
-        ]
+            {"tenant_id": tenant, "day": day, "model": model, "requests": n,
+             "prompt_tokens": p, "completion_tokens": c, "cached_tokens": k}
+            for (tenant, day, model), (n, p, c, k) in sorted(totals.items())
+        ]  # fmt: skip
+
+
+# The same upsert syntax on SQLite and PostgreSQL; one prepared statement, executemany.
+_DAILY_UPSERT = text(
+    "INSERT INTO daily_usage (tenant_id, day, model, requests, prompt_tokens, "
+    "completion_tokens, cached_tokens) VALUES (:tenant_id, :day, :model, :requests, "
+    ":prompt_tokens, :completion_tokens, :cached_tokens) "
+    "ON CONFLICT (tenant_id, day, model) DO UPDATE SET "
+    "requests = daily_usage.requests + excluded.requests, "
+    "prompt_tokens = daily_usage.prompt_tokens + excluded.prompt_tokens, "
+    "completion_tokens = daily_usage.completion_tokens + excluded.completion_tokens, "
+    "cached_tokens = daily_usage.cached_tokens + excluded.cached_tokens"
+)

@@ -143,15 +143,16 @@ class FakeBackend:
             if self.ttft_s:
                 await asyncio.sleep(self.ttft_s)
             text = ""
+            start = self._start(req)
             for i in range(sp.max_tokens):
                 if i and self.tokens_per_second:
                     await asyncio.sleep(1 / self.tokens_per_second)
-                word_index = self._pick(req, i)
+                word_index = self._pick(start, i)
                 token_id = WORD_ID_BASE + word_index
                 piece = ("" if i == 0 else " ") + WORDS[word_index]
                 text += piece
                 self._count_generated()
-                stop_at = _first_stop(text, sp.stop)
+                stop_at = _first_stop(text, sp.stop) if sp.stop else None
                 logprobs = _logprobs(WORDS[word_index], sp.logprobs)
                 if stop_at is not None:
                     finished = True
@@ -203,10 +204,12 @@ class FakeBackend:
             gen_tokens_per_s=recent / 10,
         )
 
-    def _pick(self, req: GenRequest, i: int) -> int:
+    def _pick(self, start: int, i: int) -> int:
+        return (start + i * 2654435761) % 1000003 % len(WORDS)
+
+    def _start(self, req: GenRequest) -> int:
         seed = req.sampling.seed if req.sampling.temperature > 0 else None
-        h = hashlib.blake2b(f"{req.prompt_token_ids[-8:]}|{seed}|{i}".encode(), digest_size=4)
-        return int.from_bytes(h.digest(), "little") % len(WORDS)
+        return zlib.crc32(f"{req.prompt_token_ids[-8:]}|{seed}".encode())
 
     def _match_prefix(self, ids: list[int], salt: str | None) -> int:
         """Full prompt blocks seen before under the same salt count as cached."""

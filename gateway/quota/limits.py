@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -69,16 +70,24 @@ class Windows:
         }.get(kind, 1.0)
 
 
-def windows_at(now: float) -> Windows:
-    dt = datetime.fromtimestamp(now, UTC)
+@functools.lru_cache(maxsize=4)
+def _month_of_day(day: int) -> tuple[int, float]:
+    """(month id, the UNIX time the month ends) for a UTC day number."""
+    dt = datetime.fromtimestamp(day * 86400, UTC)
     next_month = datetime(dt.year + dt.month // 12, dt.month % 12 + 1, 1, tzinfo=UTC)
+    return dt.year * 12 + dt.month - 1, next_month.timestamp()
+
+
+def windows_at(now: float) -> Windows:
+    day = int(now // 86400)
+    month, month_end = _month_of_day(day)
     return Windows(
         minute=int(now // 60),
-        day=int(now // 86400),
-        month=dt.year * 12 + dt.month - 1,
+        day=day,
+        month=month,
         minute_reset_s=60 - now % 60,
         day_reset_s=86400 - now % 86400,
-        month_reset_s=next_month.timestamp() - now,
+        month_reset_s=month_end - now,
     )
 
 

@@ -1,0 +1,205 @@
+"""Adapter: the gateway's Backend protocol over `backend_gpu.AsyncLLM` (in-process engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import pathlib
+import time
+from collections.abc import AsyncIterator
+
+from backend_gpu import AsyncLLM, EngineDeadError, RequestOutput, SamplingParams
+from backend_gpu import PromptTooLongError as EnginePromptTooLongError
+from backend_gpu.config import EngineConfig
+from gateway.backends import BackendSpec
+from gateway.backends.base import (
+    BackendError,
+    BackendStats,
+    BadRequestError,
+    GenChunk,
+    GenRequest,
+    ModelCard,
+    PromptInput,
+    PromptTooLongError,
+    SamplingOptions,
+    TokenLogprob,
+    Usage,
+)
+from gateway.chat_template import render_chat
+from gateway.default_model import DEFAULT_MODEL_ID, default_model_path
+
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+
+
+def _sampling_params(options: SamplingOptions) -> SamplingParams:
+    return SamplingParams(
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        max_tokens=options.max_tokens,
+        min_tokens=options.min_tokens,
+        stop=list(options.stop),
+        stop_token_ids=list(options.stop_token_ids),
+        seed=options.seed,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
+        logprobs=options.logprobs,
+        ignore_eos=options.ignore_eos,
+    )
+
+
+def _architecture(model_type: str) -> str:
+    return "gemma3" if model_type == "gemma3_text" else model_type
+
+
+class GpuBackend:
+    def __init__(self, spec: BackendSpec) -> None:
+        unknown = set(spec.options) - set(ENGINE_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"unknown options for gpu backend {spec.name!r}: {sorted(unknown)}; "
+                f"expected some of {list(ENGINE_OPTIONS)}"
+            )
+        self.name = spec.name
+        self.spec = spec
+        if spec.served_model_name:
+            self.model_id = spec.served_model_name
+        elif spec.model:
+            self.model_id = pathlib.Path(spec.model.rstrip("/")).stem
+        else:
+            self.model_id = DEFAULT_MODEL_ID
+        self._engine: AsyncLLM | None = None
+        self._rate_sample = (time.monotonic(), 0, 0)  # time, prompt tokens, generated tokens
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        path = self.spec.model or str(await asyncio.to_thread(default_model_path))
+        try:
+            self._engine = await asyncio.to_thread(AsyncLLM, path, **self.spec.options)
+        except (OSError, ValueError, NotImplementedError) as exc:
+            raise BackendError(f"gpu backend {self.name!r}: {exc}") from exc
+
+    async def stop(self, drain: bool = True) -> None:
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        if drain:
+            while engine.stats().running or engine.stats().waiting:
+                if engine.error is not None:
+                    break
+                await asyncio.sleep(0.05)
+        await engine.shutdown()
+
+    @property
+    def engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise BackendError(f"gpu backend {self.name!r} is not running")
+        if self._engine.error is not None:
+            raise BackendError(f"gpu backend {self.name!r} failed: {self._engine.error!r}")
+        return self._engine
+
+    def models(self) -> list[ModelCard]:
+        length = self._engine.max_model_len if self._engine else 0
+        return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise BadRequestError(
+                f"model {model!r} is not served here (this serves {self.model_id!r})"
+            )
+
+    async def render(self, model: str, prompt: PromptInput) -> list[int]:
+        self._check_model(model)
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not prompt or not all(isinstance(m, dict) for m in prompt):
+            raise BadRequestError("the prompt must be a string, token ids, or chat messages")
+        bos = tokenizer.bos_token or ""
+        try:
+            text = render_chat(
+                prompt,
+                tokenizer.chat_template,
+                _architecture(self.engine.engine.hf_config.model_type),
+                bos_token=bos,
+                eos_token=tokenizer.eos_token or "",
+                add_generation_prompt=True,
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from exc
+        # templates usually write the BOS token themselves; do not add a second one
+        return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        self._check_model(req.model)
+        engine = self.engine
+        try:
+            params = _sampling_params(req.sampling)
+            params.validate()
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from exc
+        stream = engine.generate(
+            req.prompt_token_ids, params, req.request_id, req.cache_salt, req.priority
+        )
+        async with contextlib.aclosing(stream):
+            try:
+                async for out in stream:
+                    yield self._chunk(out, len(req.prompt_token_ids))
+            except EnginePromptTooLongError as exc:
+                raise PromptTooLongError(
+                    exc.prompt_tokens, req.sampling.max_tokens, exc.max_model_len
+                ) from exc
+            except EngineDeadError as exc:
+                raise BackendError(str(exc)) from exc
+            except ValueError as exc:
+                raise BadRequestError(str(exc)) from exc
+
+    def _chunk(self, out: RequestOutput, num_prompt_tokens: int) -> GenChunk:
+        usage = None
+        if out.finished:
+            usage = Usage(num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
+        logprobs = None
+        if out.logprobs and out.new_token_ids:
+            decode = self.engine.tokenizer.decode
+            logprobs = [
+                TokenLogprob(
+                    decode([lp.token_id]), lp.logprob, [(decode([t]), v) for t, v in lp.top]
+                )
+                for lp in out.logprobs[-len(out.new_token_ids) :]
+            ]
+        return GenChunk(out.new_token_ids, out.text_delta, out.finish_reason, usage, logprobs)
+
+    def stats(self) -> BackendStats:
+        if self._engine is None:
+            return BackendStats(name=self.name, healthy=False)
+        s = self._engine.stats()
+        now = time.monotonic()
+        prompt_total = s.num_batched_tokens_total - s.num_generated_tokens_total
+        then, prompt_then, gen_then = self._rate_sample
+        elapsed = max(now - then, 1e-9)
+        self._rate_sample = (now, prompt_total, s.num_generated_tokens_total)
+        return BackendStats(
+            name=self.name,
+            healthy=self._engine.error is None,
+            running=s.running,
+            waiting=s.waiting,
+            kv_usage=s.kv_usage,
+            prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits,
+            preemptions=s.preemptions,
+            prompt_tokens_per_s=(prompt_total - prompt_then) / elapsed,
+            gen_tokens_per_s=(s.num_generated_tokens_total - gen_then) / elapsed,
+            extra={
+                "num_blocks": s.num_blocks,
+                "num_free_blocks": s.num_free_blocks,
+                "num_steps": s.num_steps,
+                "kv_cache_bytes": s.kv_cache_bytes,
+                "weight_bytes": s.weight_bytes,
+            },
+        )
