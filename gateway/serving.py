@@ -74,21 +74,32 @@ class Job:
         }
 
     async def events(self) -> AsyncIterator[tuple[int, GenChunk]]:
-        gens = [self.backend.generate(r) for r in self.requests]
-        stream = _single(gens[0]) if len(gens) == 1 else _merged(gens)
+        if len(self.requests) == 1:  # the common case, one generator layer less
+            gen = self.backend.generate(self.requests[0])
+            try:
+                async for chunk in gen:
+                    self._account(0, chunk)
+                    yield 0, chunk
+            finally:
+                await gen.aclose()
+            return
+        stream = _merged([self.backend.generate(r) for r in self.requests])
         try:
             async for index, chunk in stream:
-                now = time.perf_counter()
-                if chunk.token_ids:
-                    if self.first_token_at is None:
-                        self.first_token_at = now
-                    self.last_token_at = now
-                    self.completion_tokens += len(chunk.token_ids)
-                if chunk.usage is not None:
-                    self.cached_by_prompt.setdefault(index // self.n, chunk.usage.cached_tokens)
+                self._account(index, chunk)
                 yield index, chunk
         finally:
             await stream.aclose()
+
+    def _account(self, index: int, chunk: GenChunk) -> None:
+        if chunk.token_ids:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.completion_tokens += len(chunk.token_ids)
+        if chunk.usage is not None:
+            self.cached_by_prompt.setdefault(index // self.n, chunk.usage.cached_tokens)
 
     async def finish(self, status: int, finish_reason: str | None, error: str = "") -> None:
         """Commit the usage row, then settle quota and count. Safe to call once."""
@@ -228,14 +239,6 @@ async def prepare(
     gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
     return Job(gw, principal, chat, body.model, backend, request_id, int(time.time()), requests,
                body.n, reservation, body.user)  # fmt: skip
-
-
-async def _single(gen: AsyncIterator[GenChunk]) -> AsyncIterator[tuple[int, GenChunk]]:
-    try:
-        async for chunk in gen:
-            yield 0, chunk
-    finally:
-        await gen.aclose()
 
 
 _DONE = object()
