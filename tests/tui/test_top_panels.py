@@ -1,0 +1,123 @@
+"""The dashboard fed by a recorded file: panels, sorting, filtering, pause, help, quit."""
+
+from __future__ import annotations
+
+from top_helpers import DATA, SIZE, played_out, replay_app, wait_for
+
+from tui import fmt
+from tui.app import HelpScreen
+from tui.source import load_replay
+from tui.view import quota_used
+from tui.widgets import EnginePanel, LatencyPanel, StatusBar, TenantsTable
+
+
+def screen_text(widget) -> str:
+    """The characters a widget shows on screen, row by row."""
+    return "\n".join(strip.text for strip in widget.render_lines(widget.region.reset_offset))
+
+
+def tenant_names(app) -> list[str]:
+    table = app.query_one(TenantsTable)
+    return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+
+
+async def test_panels_show_the_numbers_in_the_file():
+    last = load_replay(DATA)[-1]
+    app = replay_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+
+        status = screen_text(app.query_one(StatusBar))
+        assert fmt.duration(last["gateway"]["uptime_s"]) in status
+        assert f"in flight {last['totals']['in_flight']}" in status
+        assert "gemma-3-270m" in status and "replay finished" in status
+
+        latency = screen_text(app.query_one(LatencyPanel))
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+            assert fmt.ms(last["latency"][key]) in latency
+
+        engine = screen_text(app.query_one(EnginePanel))
+        running = sum(b["running"] for b in last["backends"])
+        hits = sum(b["prefix_hits"] for b in last["backends"])
+        queries = sum(b["prefix_queries"] for b in last["backends"])
+        assert f"running {running}" in " ".join(engine.split())
+        assert fmt.pct(hits / queries) in engine
+
+        chart = app.query_one("#chart-output")
+        assert chart.border_title == f"output {fmt.si(last['rates']['output_tokens_per_s'])} tok/s"
+
+        table = app.query_one(TenantsTable)
+        by_tokens = sorted(last["tenants"], key=lambda t: -t["tokens_per_s"])
+        assert tenant_names(app) == [t["name"] for t in by_tokens]
+        top = by_tokens[0]
+        row = [str(cell) for cell in table.get_row_at(0)]
+        assert row[2] == fmt.si(top["tokens_per_s"])
+        assert row[5] == fmt.pct(quota_used(top["quota"]))
+
+        backends = app.query_one("#backends")
+        assert backends.row_count == len(last["backends"])
+        errors = app.query_one("#errors")
+        assert errors.row_count == len(last["errors"])
+        # Newest first.
+        assert str(errors.get_row_at(0)[4]) == last["errors"][-1]["message"]
+
+
+async def test_s_cycles_the_tenant_sort():
+    last = load_replay(DATA)[-1]
+    app = replay_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        await pilot.press("s")
+        assert app.dashboard.sort_key == "requests_per_s"
+        assert tenant_names(app) == [
+            t["name"] for t in sorted(last["tenants"], key=lambda t: -t["requests_per_s"])
+        ]
+        await pilot.press("s", "s", "s")
+        assert app.dashboard.sort_key == "name"
+        assert tenant_names(app) == sorted(t["name"] for t in last["tenants"])
+        await pilot.press("s")
+        assert app.dashboard.sort_key == "tokens_per_s"
+
+
+async def test_slash_filters_tenants_and_escape_clears():
+    app = replay_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        await pilot.press("slash", "i", "n")
+        assert tenant_names(app) == ["initech"]
+        assert "1/6 matching 'in'" in app.query_one(TenantsTable).border_title
+        await pilot.press("enter")  # keeps the filter, hides the box
+        assert not app.query_one("#filter").display
+        assert tenant_names(app) == ["initech"]
+
+        await pilot.press("slash", "z", "z")
+        assert tenant_names(app) == []
+        await pilot.press("escape")
+        assert app.dashboard.tenant_filter == "" and len(tenant_names(app)) == 6
+
+
+async def test_p_pauses_the_replay_and_resumes_it():
+    app = replay_app(speed=10.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.source.received >= 2)
+        await pilot.press("p")
+        assert "PAUSED" in screen_text(app.query_one(StatusBar))
+        held = app.source.received
+        await pilot.pause(0.3)
+        assert app.source.received == held
+        await pilot.press("p")
+        await wait_for(pilot, lambda: app.source.received > held)
+        assert "PAUSED" not in screen_text(app.query_one(StatusBar))
+
+
+async def test_question_mark_opens_help_and_q_quits():
+    app = replay_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.return_code == 0

@@ -1,0 +1,200 @@
+"""The panels. Each one draws a plain record from `tui.view` and keeps no state of its own."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import RenderResult
+from textual.containers import Vertical
+from textual.widget import Widget
+from textual.widgets import DataTable, Static
+
+from tui import fmt
+from tui.view import TENANT_SORTS, BackendRow, Dashboard, Engine, ErrorRow, Latency, Series
+
+BARS = " ▁▂▃▄▅▆▇█"
+
+STATE_STYLE = {
+    "connected": "bold green",
+    "polling": "bold green",
+    "replaying": "bold cyan",
+    "replay finished": "bold cyan",
+    "connecting": "bold yellow",
+    "reconnecting": "bold yellow",
+    "disconnected": "bold red",
+}
+
+
+class StatusBar(Static):
+    """Where the data comes from, the gateway's identity, and the connection state."""
+
+    def show(self, board: Dashboard, paused: bool) -> None:
+        c = board.connection
+        line1 = Text.assemble(
+            ("kvgate top", "bold"),
+            f"  {board.source}" if board.source != board.url else "",
+            f"  gateway {board.url}",
+            f"  v{board.version}" if board.version else "",
+            f"  up {fmt.duration(board.uptime_s)}",
+            f"  backends {board.backends_up}/{len(board.backends)}",
+            f"  in flight {board.in_flight}",
+            f"  models: {', '.join(board.models) or '-'}",
+        )
+        line2 = Text.assemble(("● " + c.state, STATE_STYLE.get(c.state, "bold")))
+        if c.state == "disconnected":
+            line2.append(f"  {c.error}, retry in {c.retry_in_s:g}s (attempt {c.attempt})")
+        elif c.state == "reconnecting":
+            line2.append(f"  (last error: {c.error})")
+        if paused:
+            line2.append("  PAUSED", "bold reverse")
+        self.update(Text("\n").join([line1, line2]))
+
+
+class RateChart(Widget):
+    """A bar chart of one rate over time, newest on the right, scaled from zero."""
+
+    DEFAULT_CSS = "RateChart { height: 1fr; color: $accent; }"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.values: list[float] = []
+
+    def plot(self, values: list[float]) -> None:
+        self.values = values
+        self.refresh()
+
+    def render(self) -> RenderResult:
+        width, height = self.size.width, self.size.height
+        columns = _fit(self.values, width)
+        top = max(columns, default=0.0)
+        eighths = [round(v / top * height * 8) if top > 0 else 0 for v in columns]
+        pad = " " * (width - len(columns))
+        rows = [
+            pad + "".join(BARS[min(max(e - row * 8, 0), 8)] for e in eighths)
+            for row in range(height - 1, -1, -1)
+        ]
+        return Text("\n".join(rows))
+
+
+def _fit(values: list[float], width: int) -> list[float]:
+    """At most `width` columns: one per value, or the mean of each slice when there are more."""
+    if len(values) <= width:
+        return values
+    step = Fraction(len(values), width)
+    slices = [values[int(step * i) : int(step * (i + 1))] for i in range(width)]
+    return [sum(s) / len(s) for s in slices]
+
+
+class ChartPanel(Vertical):
+    def compose(self):
+        yield RateChart()
+
+    def show(self, series: Series, window_s: float) -> None:
+        self.border_title = f"{series.label} {fmt.si(series.current)} {series.unit}"
+        peak = fmt.si(max(series.values, default=0.0))
+        self.border_subtitle = f"last {fmt.duration(window_s)}, max {peak}"
+        self.query_one(RateChart).plot(series.values)
+
+
+class LatencyPanel(Static):
+    def show(self, latency: Latency) -> None:
+        table = Table.grid(padding=(0, 2))
+        table.add_column()
+        table.add_column(justify="right")
+        table.add_column(justify="right")
+        table.add_row("", Text("p50", "bold"), Text("p99", "bold"))
+        table.add_row("TTFT", fmt.ms(latency.ttft_p50_ms), fmt.ms(latency.ttft_p99_ms))
+        table.add_row("TPOT", fmt.ms(latency.tpot_p50_ms), fmt.ms(latency.tpot_p99_ms))
+        table.add_row("E2E", fmt.ms(latency.e2e_p50_ms), fmt.ms(latency.e2e_p99_ms))
+        self.update(table)
+
+
+class EnginePanel(Static):
+    def show(self, engine: Engine) -> None:
+        table = Table.grid(padding=(0, 2))
+        table.add_column()
+        table.add_column(justify="right")
+        filled = round(engine.kv_usage * 10)
+        kv = Text.assemble(("█" * filled, "bold"), ("░" * (10 - filled), "dim"))
+        table.add_row("running", str(engine.running))
+        table.add_row("waiting", str(engine.waiting))
+        table.add_row("KV cache", Text.assemble(kv, f" {fmt.pct(engine.kv_usage):>4}"))
+        table.add_row("prefix hits", fmt.pct(engine.prefix_hit_rate))
+        table.add_row("preemptions", str(engine.preemptions))
+        self.update(table)
+
+
+class TenantsTable(DataTable):
+    COLUMNS = [
+        ("name", "tenant"),
+        ("requests_per_s", "req/s"),
+        ("tokens_per_s", "tok/s"),
+        ("rejected_429", "429s"),
+        ("in_flight", "in flight"),
+        ("quota_used", "quota"),
+        ("budget_left", "budget left"),
+    ]
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.zebra_stripes = True
+
+    def show(self, board: Dashboard) -> None:
+        self.clear(columns=True)
+        for key, title in self.COLUMNS:
+            marked = f"{title} ▼" if key == board.sort_key else title
+            self.add_column(marked, key=key)
+        for t in board.tenants:
+            self.add_row(
+                t.name,
+                Text(fmt.si(t.requests_per_s), justify="right"),
+                Text(fmt.si(t.tokens_per_s), justify="right"),
+                Text(str(t.rejected_429), "red" if t.rejected_429 else "", justify="right"),
+                Text(str(t.in_flight), justify="right"),
+                Text(fmt.pct(t.quota_used), _quota_style(t.quota_used), justify="right"),
+                Text(fmt.tokens(t.budget_left), justify="right"),
+                key=t.id,
+            )
+        sort_title = dict(TENANT_SORTS)[board.sort_key]
+        shown = f"{len(board.tenants)}/{board.tenant_count}"
+        where = f" matching '{board.tenant_filter}'" if board.tenant_filter else ""
+        self.border_title = f"tenants {shown}{where}, by {sort_title}"
+
+
+def _quota_style(share: float | None) -> str:
+    if share is None:
+        return "dim"
+    return "bold red" if share >= 0.9 else "yellow" if share >= 0.7 else ""
+
+
+class BackendsTable(DataTable):
+    def on_mount(self) -> None:
+        self.cursor_type = "none"
+        self.add_columns("backend", "type", "health", "running", "queue", "KV", "gen tok/s")
+
+    def show(self, backends: list[BackendRow]) -> None:
+        self.clear()
+        for b in backends:
+            self.add_row(
+                b.name,
+                b.type,
+                Text("up", "green") if b.healthy else Text("DOWN", "bold red"),
+                Text(str(b.running), justify="right"),
+                Text(str(b.waiting), justify="right"),
+                Text(fmt.pct(b.kv_usage), justify="right"),
+                Text(fmt.si(b.gen_tokens_per_s), justify="right"),
+            )
+
+
+class ErrorsTable(DataTable):
+    def on_mount(self) -> None:
+        self.cursor_type = "none"
+        self.add_columns("time (UTC)", "status", "tenant", "model", "message")
+
+    def show(self, errors: list[ErrorRow]) -> None:
+        self.clear()
+        for e in errors:
+            self.add_row(fmt.clock(e.ts), Text(str(e.status), "red"), e.tenant, e.model, e.message)
+        self.border_title = f"recent errors ({len(errors)})"
