@@ -67,6 +67,7 @@ async def start_gateway(settings: Settings) -> GatewayState:
                                           time.strftime("%Y-%m", time.gmtime(now)))  # fmt: skip
         for tenant_id, (day, month) in used.items():
             quota.preload(tenant_id, day, month, now)
+    await quota.start()
     usage = UsageRecorder(db)
     usage.start()
     router = Router([])

@@ -112,6 +112,17 @@ class QuotaCounter(Base):
     limit_value: Mapped[int | None] = mapped_column(BigInteger)
 
 
+class QuotaLease(Base):
+    """Concurrency slots each gateway holds, so a crashed one's slots can be taken back."""
+
+    __tablename__ = "quota_leases"
+
+    instance_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    held: Mapped[int] = mapped_column(Integer)
+    heartbeat: Mapped[float] = mapped_column(Float, index=True)
+
+
 class AuditLog(Base):
     __tablename__ = "audit_log"
 

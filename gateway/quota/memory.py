@@ -74,6 +74,9 @@ class MemoryQuotaStore:
             for kind in (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT)
         }
 
+    async def start(self) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 

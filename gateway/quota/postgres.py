@@ -8,10 +8,15 @@ come back than were offered, a limit was hit and the transaction rolls back whol
 
 from __future__ import annotations
 
-from sqlalchemy import and_, or_, select, update
+import asyncio
+import contextlib
+import secrets
+import time
+
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 
-from gateway.db import Database, QuotaCounter
+from gateway.db import Database, QuotaCounter, QuotaLease
 from gateway.quota.limits import (
     CONCURRENT,
     DAILY,
@@ -25,12 +30,61 @@ from gateway.quota.limits import (
 )
 
 KINDS = (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT)
+HEARTBEAT_S = 10.0
+STALE_AFTER_S = 45.0
 
 
 class PostgresQuotaStore:
     def __init__(self, db: Database) -> None:
         assert db.is_postgres
         self.db = db
+        self.instance_id = secrets.token_hex(8)
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.reclaim_stale(time.time())
+        self._heartbeat = asyncio.create_task(self._beat(), name="quota-lease-heartbeat")
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            now = time.time()
+            async with self.db.session() as session, session.begin():
+                await session.execute(
+                    update(QuotaLease)
+                    .where(QuotaLease.instance_id == self.instance_id)
+                    .values(heartbeat=now)
+                )
+            await self.reclaim_stale(now)
+
+    async def reclaim_stale(self, now: float) -> int:
+        """Give back the concurrency slots of gateways silent for STALE_AFTER_S."""
+        reclaimed = 0
+        async with self.db.session() as session, session.begin():
+            stale = (
+                await session.scalars(
+                    select(QuotaLease)
+                    .where(
+                        QuotaLease.heartbeat < now - STALE_AFTER_S,
+                        QuotaLease.instance_id != self.instance_id,
+                    )
+                    .with_for_update(skip_locked=True)
+                )
+            ).all()
+            for lease in stale:
+                if lease.held:
+                    await session.execute(
+                        update(QuotaCounter)
+                        .where(
+                            QuotaCounter.tenant_id == lease.tenant_id,
+                            QuotaCounter.kind == CONCURRENT,
+                            QuotaCounter.window == 0,
+                        )
+                        .values(value=QuotaCounter.value - lease.held)
+                    )
+                    reclaimed += lease.held
+                await session.delete(lease)
+        return reclaimed
 
     async def admit(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float
@@ -63,9 +117,18 @@ class PostgresQuotaStore:
                 QuotaCounter.value + stmt.excluded.value <= stmt.excluded.limit_value,
             ),
         ).returning(QuotaCounter.kind, QuotaCounter.value)
+        lease = insert(QuotaLease).values(
+            instance_id=self.instance_id, tenant_id=tenant_id, held=1, heartbeat=now
+        )
+        lease = lease.on_conflict_do_update(
+            index_elements=["instance_id", "tenant_id"],
+            set_={"held": QuotaLease.held + 1, "heartbeat": lease.excluded.heartbeat},
+        )
         async with self.db.session() as session, session.begin():
             taken = {kind: value for kind, value in (await session.execute(stmt)).all()}
-            if len(taken) < len(rows):
+            if len(taken) == len(rows):
+                await session.execute(lease)
+            else:
                 await session.rollback()
                 refused = next(k for k in KINDS if k not in taken)
                 used = await self._value(tenant_id, refused, w.of(refused))
@@ -105,6 +168,14 @@ class PostgresQuotaStore:
                     )
                     .values(value=QuotaCounter.value + amount)
                 )
+            await session.execute(
+                update(QuotaLease)
+                .where(
+                    QuotaLease.instance_id == self.instance_id,
+                    QuotaLease.tenant_id == res.tenant_id,
+                )
+                .values(held=QuotaLease.held - 1)
+            )
 
     async def used(self, tenant_id: str, now: float) -> dict[str, int]:
         w = windows_at(now)
@@ -120,7 +191,16 @@ class PostgresQuotaStore:
         return {kind: current.get(kind, 0) for kind in KINDS}
 
     async def close(self) -> None:
-        pass
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        async with self.db.session() as session, session.begin():
+            await session.execute(
+                delete(QuotaLease).where(
+                    QuotaLease.instance_id == self.instance_id, QuotaLease.held == 0
+                )
+            )
 
     async def _value(self, tenant_id: str, kind: str, window: int) -> int:
         async with self.db.session() as session:

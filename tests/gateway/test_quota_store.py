@@ -101,3 +101,21 @@ async def test_concurrent_admissions_are_exact(store):
 
     results = await asyncio.gather(*(one() for _ in range(120)))
     assert sum(results) == 50
+
+
+async def test_slots_of_a_dead_gateway_are_taken_back(pg_schema):
+    db = Database(PG_URL, pg_schema)
+    await migrate(db)
+    dead, alive = PostgresQuotaStore(db), PostgresQuotaStore(db)
+    limits = QuotaLimits(max_concurrent=2)
+    await dead.admit("t", limits, 1, NOW)
+    await dead.admit("t", limits, 1, NOW)  # then it is killed: never settles
+    with pytest.raises(QuotaExceeded) as e:
+        await alive.admit("t", limits, 1, NOW + 1)
+    assert e.value.kind == "concurrent"
+    assert await alive.reclaim_stale(NOW + 10) == 0  # a recent heartbeat is respected
+    assert await alive.reclaim_stale(NOW + 600) == 2
+    res = await alive.admit("t", limits, 1, NOW + 600)
+    await alive.settle(res, 1)
+    assert (await alive.used("t", NOW + 600))["concurrent"] == 0
+    await db.close()
