@@ -1,9 +1,9 @@
 """Quota counters in PostgreSQL, so that N gateways enforce one limit, not N.
 
 Admission is one conditional upsert of every counter the request moves, in one
-transaction: a row is only incremented `WHERE value + amount <= limit`, and the row
-lock makes concurrent gateways queue on the same tenant's counters. If fewer rows
-come back than were offered, a limit was hit and the transaction rolls back whole.
+transaction: a row is only incremented `WHERE value + amount <= limit`, and the
+tenant's advisory lock makes concurrent gateways queue on the same tenant. If fewer
+rows come back than were offered, a limit was hit and the transaction rolls back whole.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import contextlib
 import secrets
 import time
 
-from sqlalchemy import and_, delete, or_, select, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import BigInteger, bindparam, delete, select, text, update
 
 from gateway.db import Database, QuotaCounter, QuotaLease
 from gateway.quota.limits import (
@@ -32,6 +31,52 @@ from gateway.quota.limits import (
 KINDS = (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT)
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 45.0
+
+# Admission and settlement each take the tenant's advisory lock first: one tenant's
+# counter rows are then always locked by one transaction at a time, in no order that
+# could deadlock, and each is one statement (one round trip) after the lock.
+_TENANT_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:t))")
+
+_ADMIT = text("""
+WITH taken AS (
+  INSERT INTO quota_counters (tenant_id, kind, "window", value, limit_value) VALUES
+    (:t, 'requests', :wm, 1, :l_requests), (:t, 'tokens', :wm, :n, :l_tokens),
+    (:t, 'daily', :wd, :n, :l_daily), (:t, 'monthly', :wmo, :n, :l_monthly),
+    (:t, 'concurrent', 0, 1, :l_concurrent)
+  ON CONFLICT (tenant_id, kind, "window") DO UPDATE
+    SET value = quota_counters.value + excluded.value, limit_value = excluded.limit_value
+    WHERE excluded.limit_value IS NULL
+       OR quota_counters.value + excluded.value <= excluded.limit_value
+  RETURNING kind, value
+), lease AS (
+  INSERT INTO quota_leases (instance_id, tenant_id, held, heartbeat)
+  SELECT :i, :t, 1, :now WHERE (SELECT count(*) FROM taken) = 5
+  ON CONFLICT (instance_id, tenant_id) DO UPDATE
+    SET held = quota_leases.held + 1, heartbeat = excluded.heartbeat
+)
+SELECT kind, value FROM taken
+""").bindparams(
+    bindparam("wm", type_=BigInteger), bindparam("wd", type_=BigInteger),
+    bindparam("wmo", type_=BigInteger), bindparam("n", type_=BigInteger),
+    *(bindparam("l_" + k, type_=BigInteger) for k in KINDS),
+)  # fmt: skip
+
+_SETTLE = text("""
+WITH counters AS (
+  UPDATE quota_counters SET value = quota_counters.value + d.delta
+  FROM (VALUES ('tokens', CAST(:wm AS BIGINT), CAST(:dt AS BIGINT)), ('daily', :wd, :dt),
+               ('monthly', :wmo, :dt), ('concurrent', 0, -1), ('requests', :wm, :dr))
+       AS d(kind, win, delta)
+  WHERE quota_counters.tenant_id = :t AND quota_counters.kind = d.kind
+    AND quota_counters."window" = d.win AND d.delta <> 0
+  RETURNING 1
+)
+UPDATE quota_leases SET held = held - 1 WHERE instance_id = :i AND tenant_id = :t
+""").bindparams(
+    bindparam("wm", type_=BigInteger), bindparam("wd", type_=BigInteger),
+    bindparam("wmo", type_=BigInteger), bindparam("dt", type_=BigInteger),
+    bindparam("dr", type_=BigInteger),
+)  # fmt: skip
 
 
 class PostgresQuotaStore:
@@ -95,50 +140,25 @@ class PostgresQuotaStore:
             limit = limits.limit_for(kind)
             if limit is not None and amount > limit:  # a fresh row is inserted unchecked
                 raise QuotaExceeded(kind, limit, 0, amount, w.reset_s(kind))
-        rows = [
-            {
-                "tenant_id": tenant_id,
-                "kind": kind,
-                "window": w.of(kind),
-                "value": amount,
-                "limit_value": limits.limit_for(kind),
-            }
-            for kind, amount in wanted.items()
-        ]
-        stmt = insert(QuotaCounter).values(rows)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["tenant_id", "kind", "window"],
-            set_={
-                "value": QuotaCounter.value + stmt.excluded.value,
-                "limit_value": stmt.excluded.limit_value,
-            },
-            where=or_(
-                stmt.excluded.limit_value.is_(None),
-                QuotaCounter.value + stmt.excluded.value <= stmt.excluded.limit_value,
-            ),
-        ).returning(QuotaCounter.kind, QuotaCounter.value)
-        lease = insert(QuotaLease).values(
-            instance_id=self.instance_id, tenant_id=tenant_id, held=1, heartbeat=now
-        )
-        lease = lease.on_conflict_do_update(
-            index_elements=["instance_id", "tenant_id"],
-            set_={"held": QuotaLease.held + 1, "heartbeat": lease.excluded.heartbeat},
-        )
-        async with self.db.session() as session, session.begin():
-            taken = {kind: value for kind, value in (await session.execute(stmt)).all()}
-            if len(taken) == len(rows):
-                await session.execute(lease)
-            else:
-                await session.rollback()
+        params = {"t": tenant_id, "i": self.instance_id, "now": now, "n": tokens,
+                  "wm": w.minute, "wd": w.day, "wmo": w.month}  # fmt: skip
+        for kind in KINDS:
+            params["l_" + kind] = limits.limit_for(kind)
+        async with self.db.engine.begin() as conn:
+            await conn.execute(_TENANT_LOCK, params)
+            taken = {kind: value for kind, value in (await conn.execute(_ADMIT, params)).all()}
+            if len(taken) < len(wanted):
                 refused = next(k for k in KINDS if k not in taken)
-                used = await self._value(tenant_id, refused, w.of(refused))
-                raise QuotaExceeded(
-                    refused,
-                    limits.limit_for(refused) or 0,
-                    used,
-                    wanted[refused],
-                    w.reset_s(refused),
+                used = await conn.scalar(
+                    select(QuotaCounter.value).where(
+                        QuotaCounter.tenant_id == tenant_id,
+                        QuotaCounter.kind == refused,
+                        QuotaCounter.window == w.of(refused),
+                    )
                 )
+                await conn.rollback()
+                raise QuotaExceeded(refused, limits.limit_for(refused) or 0, used or 0,
+                                    wanted[refused], w.reset_s(refused))  # fmt: skip
         remaining = {
             kind: None if limits.limit_for(kind) is None else limits.limit_for(kind) - taken[kind]
             for kind in (REQUESTS, TOKENS)
@@ -149,33 +169,13 @@ class PostgresQuotaStore:
         if res.settled:
             return
         res.settled = True
-        w, delta = res.windows, used_tokens - res.tokens
-        changes = [(TOKENS, delta), (DAILY, delta), (MONTHLY, delta), (CONCURRENT, -1)]
-        if not count_request:
-            changes.append((REQUESTS, -1))
-        async with self.db.session() as session, session.begin():
-            for kind, amount in changes:
-                if amount == 0:
-                    continue
-                await session.execute(
-                    update(QuotaCounter)
-                    .where(
-                        and_(
-                            QuotaCounter.tenant_id == res.tenant_id,
-                            QuotaCounter.kind == kind,
-                            QuotaCounter.window == w.of(kind),
-                        )
-                    )
-                    .values(value=QuotaCounter.value + amount)
-                )
-            await session.execute(
-                update(QuotaLease)
-                .where(
-                    QuotaLease.instance_id == self.instance_id,
-                    QuotaLease.tenant_id == res.tenant_id,
-                )
-                .values(held=QuotaLease.held - 1)
-            )
+        w = res.windows
+        params = {"t": res.tenant_id, "i": self.instance_id, "dt": used_tokens - res.tokens,
+                  "dr": 0 if count_request else -1, "wm": w.minute, "wd": w.day,
+                  "wmo": w.month}  # fmt: skip
+        async with self.db.engine.begin() as conn:
+            await conn.execute(_TENANT_LOCK, params)
+            await conn.execute(_SETTLE, params)
 
     async def used(self, tenant_id: str, now: float) -> dict[str, int]:
         w = windows_at(now)
@@ -201,14 +201,3 @@ class PostgresQuotaStore:
                     QuotaLease.instance_id == self.instance_id, QuotaLease.held == 0
                 )
             )
-
-    async def _value(self, tenant_id: str, kind: str, window: int) -> int:
-        async with self.db.session() as session:
-            value = await session.scalar(
-                select(QuotaCounter.value).where(
-                    QuotaCounter.tenant_id == tenant_id,
-                    QuotaCounter.kind == kind,
-                    QuotaCounter.window == window,
-                )
-            )
-        return value or 0
