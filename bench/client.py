@@ -1,0 +1,130 @@
+"""One streaming request to an OpenAI-compatible server, timed the way vLLM's benchmark does.
+
+TTFT is the time to the first chunk that carries generated text; each later text
+chunk adds one inter-chunk gap to `itl`; the request ends at its last text chunk.
+Token counts come only from the server's final `usage` chunk
+(`stream_options.include_usage`); a server that sends none leaves them None.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class RequestOutput:
+    success: bool = False
+    start_time: float = 0.0  # perf_counter seconds, when the request was sent
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0  # start to the last text chunk
+    prompt_tokens: int | None = None  # from usage
+    output_tokens: int | None = None  # from usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    generated_text: str = ""
+    error: str = ""
+    tenant: int = 0
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The `data:` payloads of a Server-Sent Events stream, in order; comments skipped."""
+    buffer = b""
+    async for chunk in response.content.iter_any():
+        # Events end at a blank line; a chunk may hold several events or part of one.
+        buffer = (buffer + chunk).replace(b"\r\n", b"\n")
+        while (cut := buffer.find(b"\n\n")) >= 0:
+            event, buffer = buffer[:cut], buffer[cut + 2 :]
+            data = [
+                line[5:].removeprefix(" ")
+                for line in event.decode("utf-8").split("\n")
+                if line.startswith("data:")
+            ]
+            if data:
+                yield "\n".join(data)
+    tail = buffer.decode("utf-8").strip()
+    if tail.startswith("data:"):
+        yield tail[5:].removeprefix(" ")
+
+
+def chunk_text(data: dict, endpoint: str) -> str:
+    choices = data.get("choices") or []
+    if not choices:
+        return ""
+    if endpoint == "chat":
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def build_payload(
+    endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float, ignore_eos: bool
+) -> dict:
+    payload: dict = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if endpoint == "chat":
+        payload["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        payload["prompt"] = prompt
+    if ignore_eos:
+        payload["ignore_eos"] = True  # vLLM and kvgate extension: fixed output lengths
+    return payload
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    endpoint: str,
+    payload: dict,
+    api_key: str | None,
+    tenant: int = 0,
+) -> RequestOutput:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    out = RequestOutput(tenant=tenant)
+    start = last = time.perf_counter()
+    out.start_time = start
+    text_parts = []
+    try:
+        async with session.post(base_url + path, json=payload, headers=headers) as response:
+            if response.status != 200:
+                out.error = f"HTTP {response.status}: {(await response.text())[:300]}"
+                return out
+            async for event in sse_events(response):
+                if event == "[DONE]":
+                    break
+                data = json.loads(event)
+                if data.get("error"):
+                    out.error = f"stream error: {json.dumps(data['error'])[:300]}"
+                    return out
+                if text := chunk_text(data, endpoint):
+                    now = time.perf_counter()
+                    if not text_parts:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    text_parts.append(text)
+                if usage := data.get("usage"):
+                    out.prompt_tokens = usage.get("prompt_tokens")
+                    out.output_tokens = usage.get("completion_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens")
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    if not text_parts:
+        out.error = "the stream carried no generated text"
+        return out
+    out.generated_text = "".join(text_parts)
+    out.latency = last - start
+    out.success = True
+    return out

@@ -1,0 +1,202 @@
+"""`kvgate bench serve`: drive an OpenAI-compatible server with a workload and measure it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from bench.client import RequestOutput, build_payload, send_request
+from bench.datasets import SampleRequest
+from bench.metrics import compute_metrics, format_report, metrics_to_dict
+
+
+@dataclass
+class ServeConfig:
+    url: str
+    model: str | None
+    api_keys: list[str]
+    endpoint: str = "completions"
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_tenants: int = 1
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    seed: int = 0
+    percentile_metrics: list[str] = field(default_factory=lambda: ["ttft", "tpot", "itl", "e2el"])
+    metric_percentiles: list[float] = field(default_factory=lambda: [99.0])
+    goodput: dict[str, float] = field(default_factory=dict)
+    show_progress: bool = True
+
+
+def arrival_times(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send offsets (s) of n requests: gaps drawn from a gamma distribution with mean
+    1/rate and shape `burstiness` (1: a Poisson process; <1 burstier; >1 steadier).
+    An infinite rate sends everything at once. The first request goes at 0."""
+    if burstiness <= 0:
+        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
+    if request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {request_rate}")
+    if math.isinf(request_rate) or n == 0:
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def tenant_keys(api_keys: Sequence[str], num_tenants: int) -> list[str | None]:
+    """One API key per tenant; requests go round-robin over tenants."""
+    if num_tenants < 1:
+        raise ValueError(f"--num-tenants must be >= 1, got {num_tenants}")
+    if not api_keys:
+        if num_tenants > 1:
+            raise ValueError(f"--num-tenants {num_tenants} needs {num_tenants} API keys")
+        return [None]
+    if len(api_keys) < num_tenants:
+        raise ValueError(
+            f"--num-tenants {num_tenants} needs {num_tenants} API keys, got {len(api_keys)}"
+        )
+    return list(api_keys[:num_tenants])
+
+
+def normalize_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with session.get(base_url + "/v1/models", headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"GET {base_url}/v1/models: HTTP {response.status}")
+        models = (await response.json()).get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url} serves no models")
+    return models[0]["id"]
+
+
+async def run_requests(
+    cfg: ServeConfig, requests: Sequence[SampleRequest]
+) -> tuple[list[RequestOutput], float, str]:
+    """Send every request on its arrival schedule; returns outputs, duration and model."""
+    base_url = normalize_url(cfg.url)
+    keys = tenant_keys(cfg.api_keys, cfg.num_tenants)
+    offsets = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        model = cfg.model or await first_model(session, base_url, keys[0])
+        progress = tqdm(total=len(requests), disable=not cfg.show_progress, desc="requests")
+
+        async def one(i: int, req: SampleRequest) -> RequestOutput:
+            tenant = i % len(keys)
+            payload = build_payload(
+                cfg.endpoint, model, req.prompt, req.max_tokens, cfg.temperature, cfg.ignore_eos
+            )
+            async with limit or contextlib.nullcontext():
+                out = await send_request(
+                    session, base_url, cfg.endpoint, payload, keys[tenant], tenant
+                )
+            progress.update(1)
+            return out
+
+        start = time.perf_counter()
+        tasks = []
+        for i, (req, offset) in enumerate(zip(requests, offsets, strict=True)):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, req)))
+        outputs = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        progress.close()
+    return outputs, duration, model
+
+
+def per_tenant(outputs: Sequence[RequestOutput], num_tenants: int) -> list[dict]:
+    rows = []
+    for tenant in range(num_tenants):
+        mine = [o for o in outputs if o.tenant == tenant]
+        ok = [o for o in mine if o.success]
+        rows.append(
+            {
+                "tenant": tenant,
+                "completed": len(ok),
+                "failed": len(mine) - len(ok),
+                "output_tokens": sum(o.output_tokens or 0 for o in ok),
+                "mean_ttft_ms": float(np.mean([o.ttft for o in ok]) * 1000) if ok else 0.0,
+            }
+        )
+    return rows
+
+
+def build_result(
+    cfg: ServeConfig,
+    requests: Sequence[SampleRequest],
+    outputs: Sequence[RequestOutput],
+    duration: float,
+    model: str,
+    extra: dict,
+) -> tuple[dict, str]:
+    """The JSON result (config, metrics, per-request series) and the printed block."""
+    metrics = compute_metrics(outputs, duration, cfg.metric_percentiles, cfg.goodput or None)
+    header: dict[str, object] = {}
+    if cfg.max_concurrency:
+        header["Maximum request concurrency:"] = cfg.max_concurrency
+    if not math.isinf(cfg.request_rate):
+        header["Request rate configured (RPS):"] = float(cfg.request_rate)
+    if cfg.num_tenants > 1:
+        header["Tenants:"] = cfg.num_tenants
+    result = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "url": normalize_url(cfg.url),
+        "model": model,
+        "endpoint": cfg.endpoint,
+        "num_prompts": len(requests),
+        "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+        "burstiness": cfg.burstiness,
+        "max_concurrency": cfg.max_concurrency,
+        "num_tenants": cfg.num_tenants,
+        "seed": cfg.seed,
+        "goodput_slos_ms": cfg.goodput or None,
+        **extra,
+        **metrics_to_dict(metrics, cfg.percentile_metrics),
+        "per_tenant": per_tenant(outputs, cfg.num_tenants),
+        "input_lens": [o.prompt_tokens for o in outputs],
+        "output_lens": [o.output_tokens for o in outputs],
+        "ttfts": [o.ttft for o in outputs],
+        "itls": [o.itl for o in outputs],
+        "latencies": [o.latency for o in outputs],
+        "start_times": [o.start_time for o in outputs],
+        "errors": [o.error for o in outputs],
+    }
+    return result, format_report(metrics, cfg.percentile_metrics, header)
+
+
+def serve_benchmark(
+    cfg: ServeConfig, requests: Sequence[SampleRequest], extra: dict | None = None
+) -> tuple[dict, str]:
+    outputs, duration, model = asyncio.run(run_requests(cfg, requests))
+    return build_result(cfg, requests, outputs, duration, model, extra or {})
+
+
+PER_REQUEST_TIMINGS = ("ttfts", "itls", "latencies", "start_times")
+
+
+def save_json(result: dict, path: str, detailed: bool = True) -> None:
+    """Write the result; without `detailed`, leave out the per-request timings."""
+    if not detailed:
+        result = {k: v for k, v in result.items() if k not in PER_REQUEST_TIMINGS}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
