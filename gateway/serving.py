@@ -134,17 +134,17 @@ class Job:
         finally:
             used = prompt_tokens + self.completion_tokens
             await gw.quota.settle(self.reservation, used, count_request=status not in (503,))
-            m, tenant = gw.metrics, p.tenant_name
-            m.requests.labels(tenant, self.model, str(status)).inc()
-            m.prompt_tokens.labels(tenant, self.model).inc(prompt_tokens)
-            m.generation_tokens.labels(tenant, self.model).inc(self.completion_tokens)
+            m, tenant, model = gw.metrics, p.tenant_name, self.model
+            m.child(m.requests, tenant, model, str(status)).inc()
+            m.child(m.prompt_tokens, tenant, model).inc(prompt_tokens)
+            m.child(m.generation_tokens, tenant, model).inc(self.completion_tokens)
             if self.cached_tokens:
-                m.cached_tokens.labels(tenant, self.model).inc(self.cached_tokens)
+                m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
             if ttft is not None:
-                m.ttft.labels(self.model).observe(ttft)
+                m.child(m.ttft, model).observe(ttft)
             if tpot is not None:
-                m.tpot.labels(self.model).observe(tpot)
-            m.e2e.labels(self.model).observe(end - self.started)
+                m.child(m.tpot, model).observe(tpot)
+            m.child(m.e2e, model).observe(end - self.started)
             gw.traffic.request_finished(
                 p.tenant_id or "",
                 tenant,
@@ -228,7 +228,8 @@ async def prepare(
             principal.tenant_id, principal.limits, reserve, time.time()
         )
     except QuotaExceeded as e:
-        gw.metrics.quota_rejections.labels(principal.tenant_name, e.kind).inc()
+        m = gw.metrics
+        m.child(m.quota_rejections, principal.tenant_name, e.kind).inc()
         gw.traffic.rejected(principal.tenant_id, principal.tenant_name)
         headers = {"Retry-After": str(e.retry_after_s)}
         if e.kind in ("requests", "tokens"):

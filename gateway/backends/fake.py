@@ -139,19 +139,20 @@ class FakeBackend:
         cached = self._match_prefix(req.prompt_token_ids, req.cache_salt)
         self.running += 1
         finished = False
+        emitted = 0
         try:
             if self.ttft_s:
                 await asyncio.sleep(self.ttft_s)
             text = ""
             start = self._start(req)
             for i in range(sp.max_tokens):
+                emitted = i + 1
                 if i and self.tokens_per_second:
                     await asyncio.sleep(1 / self.tokens_per_second)
                 word_index = self._pick(start, i)
                 token_id = WORD_ID_BASE + word_index
                 piece = ("" if i == 0 else " ") + WORDS[word_index]
                 text += piece
-                self._count_generated()
                 stop_at = _first_stop(text, sp.stop) if sp.stop else None
                 logprobs = _logprobs(WORDS[word_index], sp.logprobs)
                 if stop_at is not None:
@@ -178,15 +179,16 @@ class FakeBackend:
                     await asyncio.sleep(0)  # be fair to other requests on the loop
         finally:
             self.running -= 1
+            self._count_generated(emitted)
             if not finished:
                 self.aborted.append(req.request_id)
 
-    def _count_generated(self) -> None:
+    def _count_generated(self, n: int) -> None:
         second = int(time.monotonic())
         if self._generated_per_s and self._generated_per_s[-1][0] == second:
-            self._generated_per_s[-1][1] += 1
+            self._generated_per_s[-1][1] += n
         else:
-            self._generated_per_s.append([second, 1])
+            self._generated_per_s.append([second, n])
             while self._generated_per_s[0][0] < second - 10:
                 self._generated_per_s.popleft()
 

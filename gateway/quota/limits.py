@@ -18,6 +18,15 @@ REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT = (
 )
 
 
+_LIMIT_FIELD = {
+    REQUESTS: "rpm",
+    TOKENS: "tpm",
+    DAILY: "daily_tokens",
+    MONTHLY: "monthly_tokens",
+    CONCURRENT: "max_concurrent",
+}
+
+
 @dataclass(frozen=True)
 class QuotaLimits:
     rpm: int | None = None
@@ -33,13 +42,7 @@ class QuotaLimits:
         return cls(row.rpm, row.tpm, row.max_concurrent, row.daily_tokens, row.monthly_tokens)
 
     def limit_for(self, kind: str) -> int | None:
-        return {
-            REQUESTS: self.rpm,
-            TOKENS: self.tpm,
-            DAILY: self.daily_tokens,
-            MONTHLY: self.monthly_tokens,
-            CONCURRENT: self.max_concurrent,
-        }[kind]
+        return getattr(self, _LIMIT_FIELD[kind])
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,9 @@ class Windows:
     month_reset_s: float
 
     def of(self, kind: str) -> int:
-        return {
-            REQUESTS: self.minute,
-            TOKENS: self.minute,
-            DAILY: self.day,
-            MONTHLY: self.month,
-        }.get(kind, 0)
+        if kind in (REQUESTS, TOKENS):
+            return self.minute
+        return {DAILY: self.day, MONTHLY: self.month}.get(kind, 0)
 
     def reset_s(self, kind: str) -> float:
         return {
