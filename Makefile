@@ -2,6 +2,20 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+
+# llama.cpp's default -march=native enables AMX where the CPU reports it, and some VMs
+# report AMX but fault on it (Illegal instruction in libggml-cpu). On x86 build for the
+# reported AVX levels instead, without AMX; elsewhere keep llama.cpp's defaults.
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+ifneq ($(findstring avx2,$(CPU_FLAGS)),)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON $(if $(findstring avx_vnni,$(CPU_FLAGS)),-DGGML_AVX_VNNI=ON) \
+	$(if $(findstring avx512f,$(CPU_FLAGS)),-DGGML_AVX512=ON) \
+	$(if $(findstring avx512vbmi,$(CPU_FLAGS)),-DGGML_AVX512_VBMI=ON) \
+	$(if $(findstring avx512_vnni,$(CPU_FLAGS)),-DGGML_AVX512_VNNI=ON) \
+	$(if $(findstring avx512_bf16,$(CPU_FLAGS)),-DGGML_AVX512_BF16=ON)
+endif
 
 .PHONY: install serve test lint format bench clean
 
@@ -11,6 +25,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: pip takes the CPU build from this machine's disk
 	$(BIN)/pip install --quiet torch==2.13.0
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet '$(LLAMA_CPP_PYTHON)'
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

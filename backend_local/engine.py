@@ -1,0 +1,123 @@
+"""The asyncio face of the llama.cpp backend.
+
+    engine = LocalEngine(EngineConfig("model.gguf", n_parallel=4))
+    async for out in engine.generate("req-1", engine.tokenize("Hello"), SamplingParams()):
+        print(out.text, end="")
+    engine.shutdown()
+
+Closing a `generate` iterator early (or cancelling the task reading it) aborts the request:
+the worker frees its sequence before its next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from backend_local.config import EngineConfig
+from backend_local.errors import PromptTooLongError
+from backend_local.model import LlamaModel
+from backend_local.requests import Request, RequestOutput
+from backend_local.sampling import SamplingParams
+from backend_local.stats import EngineStats
+from backend_local.worker import Worker
+
+
+class LocalEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model = LlamaModel(config.model_path, verbose=config.verbose)
+        try:
+            self._worker = Worker(self.model, config)
+        except BaseException:
+            self.model.close()
+            raise
+        self._active: set[str] = set()
+        self._worker.start()
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt plus completion) one request may hold."""
+        return self.config.n_ctx_per_seq
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        return self.model.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.model.detokenize(token_ids)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (PromptTooLongError for size) if the request can never be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise ValueError(
+                f"token ids out of the vocabulary (size {self.model.n_vocab}): {bad[:5]}"
+            )
+        if len(prompt_token_ids) + params.max_tokens > self.context_length:
+            raise PromptTooLongError(len(prompt_token_ids), params.max_tokens, self.context_length)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last one has finish_reason and usage set.
+
+        Raises ValueError / PromptTooLongError for requests that cannot be served,
+        EngineDeadError when the worker is gone, DecodeError if llama.cpp fails on it.
+        """
+        self.check_request(prompt_token_ids, params)
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already running")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def emit(item: RequestOutput | BaseException) -> None:
+            # RuntimeError: the caller's loop is closed, nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        request = Request(request_id, list(prompt_token_ids), params, cache_salt, emit)
+        self._worker.submit(request)
+        self._active.add(request_id)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._active.discard(request_id)
+            if not finished:
+                self._worker.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._worker.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self._worker.stats()
+
+    @property
+    def healthy(self) -> bool:
+        return self._worker.alive
+
+    def shutdown(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop the worker (finishing running requests first if `drain`) and free the model."""
+        if self._worker.stop(drain, timeout):
+            self.model.close()
+
+    async def stop(self, drain: bool = True) -> None:
+        await asyncio.to_thread(self.shutdown, drain)

@@ -1,0 +1,36 @@
+"""The records that cross between the asyncio side and the worker thread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backend_local.sampling import SamplingParams, TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """One step of a request. The last one has finish_reason set ("stop", "length", "abort")
+    and the usage counts filled in."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    # Hands a RequestOutput, or the exception that ended the request, to its caller; safe
+    # to call from the worker thread.
+    emit: Callable[[RequestOutput | BaseException], None]
+    arrival: float = field(default_factory=time.monotonic)

@@ -1,0 +1,296 @@
+"""The decode loop. One thread owns the llama context; nothing else ever touches it.
+
+Each step: take new requests and aborts from the inbox, give free sequences to waiting
+requests (reusing cached prefixes), then build one llama_batch holding the next token of
+every generating sequence followed by prompt chunks of the prefilling ones (up to n_batch
+tokens), decode it, and sample each sequence that produced logits with its own sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+
+import llama_cpp
+import numpy as np
+
+from backend_local.config import EngineConfig
+from backend_local.errors import DecodeError, EngineDeadError
+from backend_local.model import LlamaModel
+from backend_local.requests import Request, RequestOutput
+from backend_local.sampling import build_sampler, token_logprob
+from backend_local.slots import Slot, place
+from backend_local.stats import EngineStats, Throughput
+from backend_local.text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, model: LlamaModel, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.ctx = model.new_context(config)
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
+        self.slots = [Slot(i) for i in range(config.n_parallel)]
+        self.waiting: deque[Request] = deque()
+        self.throughput = Throughput()
+        self.prefix_query_tokens = 0
+        self.prefix_reused_tokens = 0
+        self.error: BaseException | None = None  # why the loop ended, if it crashed
+        self._cond = threading.Condition()
+        self._inbox: deque[Request] = deque()
+        self._aborts: set[str] = set()
+        self._stopping = False
+        self._drain = True
+        self._thread = threading.Thread(target=self._run, name="llama-worker", daemon=True)
+
+    # -- called from other threads -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            if not self.alive:
+                raise EngineDeadError(self._dead_reason())
+            self._inbox.append(request)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.add(request_id)
+            self._cond.notify()
+
+    def stop(self, drain: bool, timeout: float | None = None) -> bool:
+        """Stop taking requests; finish the running ones (drain) or abort them; join.
+        True once the thread has ended (and freed the context)."""
+        with self._cond:
+            self._stopping = True
+            self._drain = drain
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        busy = [s for s in self.slots if s.request is not None]
+        prompt_rate, gen_rate = self.throughput.rates()
+        return EngineStats(
+            healthy=self.alive,
+            n_parallel=len(self.slots),
+            busy=len(busy),
+            free=len(self.slots) - len(busy),
+            waiting=len(self.waiting) + len(self._inbox),
+            n_ctx=self.config.n_ctx,
+            kv_cells_busy=sum(len(s.cached) for s in busy),
+            prompt_tokens_total=self.throughput.prompt_total,
+            gen_tokens_total=self.throughput.gen_total,
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_reused_tokens=self.prefix_reused_tokens,
+            prompt_tokens_per_s=prompt_rate,
+            gen_tokens_per_s=gen_rate,
+        )
+
+    def _dead_reason(self) -> str:
+        if self.error is not None:
+            return f"the llama.cpp worker crashed: {self.error!r}"
+        return "the llama.cpp engine is shut down"
+
+    # -- the worker thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as exc:  # every request must learn that the worker died
+            log.exception("llama.cpp worker crashed")
+            self.error = exc
+        finally:
+            with self._cond:
+                self._stopping = True
+                orphans = list(self._inbox) + list(self.waiting)
+                self._inbox.clear()
+                self.waiting.clear()
+            dead = EngineDeadError(self._dead_reason())
+            for slot in self.slots:
+                if slot.request is not None:
+                    self._fail(slot, dead)
+            for request in orphans:
+                request.emit(dead)
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.ctx)
+
+    def _has_work(self) -> bool:
+        return bool(self.waiting) or any(s.request is not None for s in self.slots)
+
+    def _step(self) -> bool:
+        """One decode step; False when the loop should end."""
+        with self._cond:
+            while not (self._inbox or self._aborts or self._stopping or self._has_work()):
+                self._cond.wait()
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts, self._aborts = self._aborts, set()
+            stopping, drain = self._stopping, self._drain
+        if stopping and not drain:
+            aborts |= {r.request_id for r in self.waiting}
+            aborts |= {s.request.request_id for s in self.slots if s.request is not None}
+        self._apply_aborts(aborts)
+        if stopping and not self._has_work():
+            return False
+        self._admit()
+        self._decode_step()
+        return True
+
+    def _apply_aborts(self, request_ids: set[str]) -> None:
+        if not request_ids:
+            return
+        for slot in self.slots:
+            if slot.request is not None and slot.request.request_id in request_ids:
+                self._release(slot, RequestOutput(slot.request.request_id, [], "", "abort"))
+        for request in [r for r in self.waiting if r.request_id in request_ids]:
+            self.waiting.remove(request)
+            request.emit(
+                RequestOutput(request.request_id, [], "", "abort", len(request.prompt), 0, 0)
+            )
+
+    def _admit(self) -> None:
+        while self.waiting and any(s.request is None for s in self.slots):
+            request = self.waiting.popleft()
+            placement = place(self.slots, request.prompt, request.cache_salt)
+            slot, reuse = placement.slot, placement.reuse
+            if placement.source is slot:
+                if not llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1):
+                    reuse = 0  # this memory cannot cut a sequence short: start over
+                    llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            else:
+                llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+                if placement.source is not None:
+                    src = placement.source.seq_id
+                    llama_cpp.llama_memory_seq_cp(self.mem, src, slot.seq_id, 0, reuse)
+            slot.cached = request.prompt[:reuse]
+            slot.salt = request.cache_salt
+            slot.request = request
+            slot.sampler = build_sampler(request.params, self.model.n_vocab)
+            slot.stream = TextStream(request.params.stop)
+            slot.output_ids = []
+            slot.next_token = None
+            slot.reused = reuse
+            self.prefix_query_tokens += len(request.prompt)
+            self.prefix_reused_tokens += reuse
+
+    def _add(self, n: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
+        b = self.batch
+        b.token[n] = token
+        b.pos[n] = pos
+        b.n_seq_id[n] = 1
+        b.seq_id[n][0] = seq_id
+        b.logits[n] = logits
+
+    def _decode_step(self) -> None:
+        busy = [s for s in self.slots if s.request is not None]
+        if not busy:
+            return
+        n = 0
+        added: list[tuple[Slot, list[int]]] = []
+        outputs: list[tuple[Slot, int]] = []  # slot, batch index of its logits
+        for slot in busy:
+            if slot.next_token is not None:
+                self._add(n, slot.next_token, len(slot.cached), slot.seq_id, True)
+                added.append((slot, [slot.next_token]))
+                outputs.append((slot, n))
+                n += 1
+        n_gen = n
+        # Oldest prompts first, so a long prompt cannot starve the ones behind it forever.
+        for slot in sorted((s for s in busy if s.prefilling), key=lambda s: s.request.arrival):
+            if n == self.config.n_batch:
+                break
+            prompt = slot.request.prompt
+            start = len(slot.cached)
+            chunk = prompt[start : start + self.config.n_batch - n]
+            last = start + len(chunk) == len(prompt)
+            for i, token in enumerate(chunk):
+                self._add(n, token, start + i, slot.seq_id, last and i == len(chunk) - 1)
+                n += 1
+            added.append((slot, chunk))
+            if last:
+                outputs.append((slot, n - 1))
+        if n == 0:
+            return
+        self.batch.n_tokens = n
+        rc = llama_cpp.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            error = DecodeError(f"llama_decode failed with status {rc} for a batch of {n} tokens")
+            for slot, _ in added:
+                self._fail(slot, error)
+            return
+        for slot, tokens in added:
+            slot.cached.extend(tokens)
+            slot.next_token = None
+            assert len(slot.cached) <= self.config.n_ctx_per_seq
+        self.throughput.record(n - n_gen, len(outputs))
+        for slot, index in outputs:
+            self._sample(slot, index)
+
+    def _sample(self, slot: Slot, index: int) -> None:
+        request = slot.request
+        params = request.params
+        logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+        if params.ignore_eos or len(slot.output_ids) < params.min_tokens:
+            for token in self.model.eog_ids:
+                logits[token] = -math.inf
+        token = llama_cpp.llama_sampler_sample(slot.sampler, self.ctx, index)
+        slot.output_ids.append(token)
+        logprobs = None
+        if params.logprobs is not None:
+            row = np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
+            logprobs = [token_logprob(row, token, params.logprobs)]
+        finish = None
+        if self.model.is_eog(token) or token in params.stop_token_ids:
+            finish, text = "stop", slot.stream.flush()
+        else:
+            text, hit_stop = slot.stream.add(self.model.piece(token))
+            if hit_stop:
+                finish = "stop"
+            elif len(slot.output_ids) >= params.max_tokens:
+                finish, text = "length", text + slot.stream.flush()
+        output = RequestOutput(request.request_id, [token], text, finish, logprobs=logprobs)
+        if finish is None:
+            slot.next_token = token
+            request.emit(output)
+        else:
+            self._release(slot, output)
+
+    def _release(self, slot: Slot, last: RequestOutput) -> None:
+        """End the slot's request with `last`; the slot keeps its cells for prefix reuse."""
+        request = slot.request
+        last.prompt_tokens = len(request.prompt)
+        last.completion_tokens = len(slot.output_ids)
+        last.cached_tokens = slot.reused
+        self._clear(slot)
+        request.emit(last)
+
+    def _fail(self, slot: Slot, error: BaseException) -> None:
+        """End the slot's request with an error; its cells are dropped (they may be partial)."""
+        request = slot.request
+        self._clear(slot)
+        llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        slot.cached = []
+        request.emit(error)
+
+    def _clear(self, slot: Slot) -> None:
+        llama_cpp.llama_sampler_free(slot.sampler)
+        slot.request = None
+        slot.sampler = None
+        slot.stream = None
+        slot.next_token = None
+        slot.last_used = time.monotonic()

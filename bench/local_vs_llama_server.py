@@ -1,0 +1,399 @@
+"""kvgate's llama.cpp backend against llama-cpp-python's own server, in one run.
+
+    python -m bench.local_vs_llama_server [--clients 8] [--max-tokens 64] [--threads 2]
+
+Same GGUF (the default Gemma 3 270M), same threads and batch size, same machine; the
+servers run one at a time so they never share the CPU. For each server: a warm-up request,
+then `--clients` concurrent streaming greedy completions (distinct prompts, cold caches),
+then each prompt alone for the full-text agreement check. llama_cpp.server runs twice:
+with interrupt_requests off (it serializes) and with its default (on). Last, single-stream
+speed: one streaming request through kvgate against a bare in-process
+`Llama.create_completion(stream=True)`, alternated, median of `--repeats`.
+
+Output tokens are counted by tokenizing each response with the model's own vocabulary, the
+same way for every server. Writes docs/perf/local.json and docs/perf/local.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+from tqdm import tqdm
+
+from backend_local.slots import common_prefix_len
+from bench.client import sse_events
+
+MODEL_ID = "gemma-3-270m"
+PROMPTS = [
+    "The history of the Roman Empire began when",
+    "Here is a Python function that checks whether a number is prime:\n\ndef is_prime(n):",
+    "The three most important things to remember when baking bread are",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived",
+    "Photosynthesis is the process by which plants",
+    "The main differences between TCP and UDP are",
+    "To make a good cup of coffee, you should first",
+    "The planets of the solar system, in order from the sun, are",
+]
+SINGLE_PROMPT = "Write a long story about a dragon who learns to sing. Once upon a time,"
+
+
+@dataclass
+class Response:
+    text: str = ""
+    finish_reason: str | None = None
+    ttft: float = 0.0
+    latency: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class RunReport:
+    server: str
+    wall_s: float
+    output_tokens: int
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    complete: int
+    clients: int
+    agree_with_solo: int  # responses equal to the same prompt sent alone
+    agree_prefix_tokens: float  # mean length of the token prefix they share with it
+    notes: list[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, key: str | None
+) -> Response:
+    payload = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens,
+               "temperature": 0.0, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    out, parts = Response(), []
+    start = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=payload, headers=headers) as r:
+            if r.status != 200:
+                out.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return out
+            async for event in sse_events(r):
+                if event == "[DONE]":
+                    break
+                data = json.loads(event)
+                for choice in data.get("choices") or []:
+                    if choice.get("text"):
+                        if not parts:
+                            out.ttft = time.perf_counter() - start
+                        parts.append(choice["text"])
+                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
+    except (aiohttp.ClientError, json.JSONDecodeError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    out.latency = time.perf_counter() - start
+    out.text = "".join(parts)
+    return out
+
+
+async def measure_server(
+    name: str, url: str, keys: list[str | None], max_tokens: int, tokenize, clients: int
+) -> RunReport:
+    """keys: one for the concurrent run, one for the solo runs (on kvgate two tenants, so the
+    solo runs compute their prompts afresh instead of reusing the concurrent run's cells)."""
+    key, solo_key = keys
+    prompts = PROMPTS[:clients]
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await stream_completion(session, url, "Hello, my name is", 8, key)  # warm-up
+        start = time.perf_counter()
+        batch = await asyncio.gather(
+            *(stream_completion(session, url, p, max_tokens, key) for p in prompts)
+        )
+        wall = time.perf_counter() - start
+        solo = [await stream_completion(session, url, p, max_tokens, solo_key) for p in prompts]
+    tokens = [len(tokenize(r.text)) for r in batch]
+    complete = sum(
+        not r.error
+        and r.finish_reason in ("length", "stop")
+        and (n == max_tokens or r.finish_reason == "stop")
+        for r, n in zip(batch, tokens, strict=True)
+    )
+    notes = [f"client {i}: {r.error}" for i, r in enumerate(batch) if r.error]
+    ttfts = [r.ttft for r in batch if r.text]
+    return RunReport(
+        server=name,
+        wall_s=wall,
+        output_tokens=sum(tokens),
+        tokens_per_s=sum(tokens) / wall,
+        ttft_p50_s=percentile(ttfts, 50) if ttfts else float("nan"),
+        ttft_p99_s=percentile(ttfts, 99) if ttfts else float("nan"),
+        complete=complete,
+        clients=clients,
+        agree_with_solo=sum(b.text == s.text for b, s in zip(batch, solo, strict=True)),
+        agree_prefix_tokens=statistics.mean(
+            common_prefix_len(tokenize(b.text), tokenize(s.text))
+            for b, s in zip(batch, solo, strict=True)
+        ),
+        notes=notes,
+    )
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    async def probe() -> bool:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
+                return r.status in (200, 401)
+        return False
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{log.read_text()[-3000:]}")
+        if asyncio.run(probe()):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"server did not come up in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def kvgate_server(workdir: Path, args: argparse.Namespace):
+    port = free_port()
+    config = workdir / "kvgate.toml"
+    config.write_text(
+        f'[[backends]]\nname = "local"\ntype = "local"\nserved_model_name = "{MODEL_ID}"\n'
+        f"[backends.options]\nn_ctx = {args.clients * args.ctx_per_seq}\n"
+        f"n_parallel = {args.clients}\nn_threads = {args.threads}\nn_batch = {args.batch}\n"
+    )
+    admin_key = "kvg-bench-admin-" + "x" * 32
+    env = dict(os.environ, KVGATE_ADMIN_KEY=admin_key,
+               KVGATE_DATABASE_URL=f"sqlite+aiosqlite:///{workdir / 'kvgate.db'}")  # fmt: skip
+    log = workdir / "kvgate.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "--config",
+        str(config),
+        "serve",
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url, proc, log)
+        yield url, [asyncio.run(make_api_key(url, admin_key, name)) for name in ("bench", "solo")]
+    finally:
+        stop(proc)
+
+
+async def make_api_key(url: str, admin_key: str, tenant_name: str) -> str:
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        async with s.post(url + "/admin/tenants", json={"name": tenant_name}) as r:
+            tenant = await r.json()
+            assert r.status == 201, tenant
+        async with s.post(f"{url}/admin/tenants/{tenant['id']}/keys", json={}) as r:
+            key = await r.json()
+            assert r.status == 201, key
+    return key["key"]
+
+
+@contextlib.contextmanager
+def llama_cpp_server(workdir: Path, args: argparse.Namespace, model: str, interrupt: bool):
+    port = free_port()
+    log = workdir / f"llama_cpp_server_{port}.log"
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--model_alias", MODEL_ID,
+           "--n_ctx", str(args.ctx_per_seq), "--n_threads", str(args.threads),
+           "--n_threads_batch", str(args.threads), "--n_batch", str(args.batch),
+           "--n_ubatch", str(args.batch), "--logits_all", "False", "--flash_attn", "False",
+           "--interrupt_requests", str(interrupt), "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url, proc, log)
+        yield url
+    finally:
+        stop(proc)
+
+
+def single_stream(args: argparse.Namespace, model: str, url: str, key: str) -> dict:
+    """Tokens/s of one streaming request: a bare Llama, the engine in this process (no HTTP),
+    and kvgate over HTTP, in turns; medians of `args.repeats` rounds."""
+    from llama_cpp import Llama
+
+    from backend_local import EngineConfig, LocalEngine, SamplingParams
+
+    engine = LocalEngine(EngineConfig(model, n_ctx=args.clients * args.ctx_per_seq,
+                                      n_parallel=args.clients, n_batch=args.batch,
+                                      n_threads=args.threads))  # fmt: skip
+
+    llama = Llama(model, n_ctx=args.ctx_per_seq, n_threads=args.threads,
+                  n_threads_batch=args.threads, n_batch=args.batch, n_ubatch=args.batch,
+                  flash_attn=False, verbose=False)  # fmt: skip
+    count = lambda text: len(llama.tokenize(text.encode(), add_bos=False))  # noqa: E731
+
+    def bare() -> tuple[float, str]:
+        start, parts = time.perf_counter(), []
+        for chunk in llama.create_completion(
+            SINGLE_PROMPT, max_tokens=args.single_tokens, temperature=0.0, stream=True
+        ):
+            parts.append(chunk["choices"][0]["text"])
+        return time.perf_counter() - start, "".join(parts)
+
+    async def through_kvgate() -> tuple[float, str]:
+        async with aiohttp.ClientSession() as session:
+            r = await stream_completion(session, url, SINGLE_PROMPT, args.single_tokens, key)
+        assert not r.error, r.error
+        return r.latency, r.text
+
+    async def through_engine(round_: int) -> tuple[float, str]:
+        start, parts = time.perf_counter(), []
+        params = SamplingParams(temperature=0.0, max_tokens=args.single_tokens)
+        # A new salt each round: the prompt is computed afresh, as in the other two.
+        prompt = engine.tokenize(SINGLE_PROMPT)
+        async for out in engine.generate(f"single-{round_}", prompt, params, f"r{round_}"):
+            parts.append(out.text)
+        return time.perf_counter() - start, "".join(parts)
+
+    runs: dict[str, list[float]] = {"bare": [], "engine": [], "kvgate": []}
+    for round_ in tqdm(range(args.repeats), desc="single stream", unit="round"):
+        for name, seconds_text in (
+            ("bare", bare()),
+            ("engine", asyncio.run(through_engine(round_))),
+            ("kvgate", asyncio.run(through_kvgate())),
+        ):
+            runs[name].append(count(seconds_text[1]) / seconds_text[0])
+    llama.close()
+    engine.shutdown()
+    result = {f"{name}_tokens_per_s": statistics.median(r) for name, r in runs.items()}
+    result["runs"] = runs
+    result["engine_ratio"] = result["engine_tokens_per_s"] / result["bare_tokens_per_s"]
+    result["kvgate_ratio"] = result["kvgate_tokens_per_s"] / result["bare_tokens_per_s"]
+    return result
+
+
+def plot(reports: list[RunReport], single: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    names = [r.server.replace(" (", "\n(") for r in reports]
+    axes[0].bar(names, [r.tokens_per_s for r in reports], color="tab:blue")
+    axes[0].set_title(f"{reports[0].clients} concurrent streams: output tokens/s")
+    axes[1].bar(names, [r.ttft_p50_s for r in reports], label="p50")
+    axes[1].bar(names, [r.ttft_p99_s - r.ttft_p50_s for r in reports],
+                bottom=[r.ttft_p50_s for r in reports], alpha=0.5, label="p99")  # fmt: skip
+    axes[1].set_title("TTFT (s)")
+    axes[1].legend()
+    axes[2].bar(["bare Llama", "engine (no HTTP)", "kvgate (HTTP)"],
+                [single["bare_tokens_per_s"], single["engine_tokens_per_s"],
+                 single["kvgate_tokens_per_s"]], color="tab:green")  # fmt: skip
+    axes[2].set_title("single stream: tokens/s")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--single-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--ctx-per-seq", type=int, default=1024)
+    parser.add_argument("--out", default="docs/perf")
+    args = parser.parse_args(argv)
+    assert args.clients <= len(PROMPTS), f"at most {len(PROMPTS)} clients"
+
+    from llama_cpp import Llama
+
+    from gateway.default_model import default_model_path
+
+    model = str(default_model_path())
+    vocab = Llama(model, vocab_only=True, verbose=False)
+    tokenize = lambda text: vocab.tokenize(text.encode(), add_bos=False)  # noqa: E731
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        phases = tqdm(total=4, desc="servers", unit="phase")
+        with kvgate_server(work, args) as (url, keys):
+            run = measure_server(
+                "kvgate (local)", url, keys, args.max_tokens, tokenize, args.clients
+            )
+            reports.append(asyncio.run(run))
+            phases.update()
+            single = single_stream(args, model, url, keys[0])
+            phases.update()
+        for interrupt in (False, True):
+            with llama_cpp_server(work, args, model, interrupt) as url:
+                name = f"llama_cpp.server (interrupt_requests={interrupt})"
+                run = measure_server(
+                    name, url, [None, None], args.max_tokens, tokenize, args.clients
+                )
+                reports.append(asyncio.run(run))
+            phases.update()
+        phases.close()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(args, k) for k in ("clients", "max_tokens", "single_tokens",
+                                              "threads", "batch", "ctx_per_seq", "repeats")}  # fmt: skip
+    result = {"settings": settings, "model": model, "cpus": os.cpu_count(),
+              "runs": [asdict(r) for r in reports], "single_stream": single}  # fmt: skip
+    (out / "local.json").write_text(json.dumps(result, indent=2))
+    plot(reports, single, out / "local.png")
+
+    base = reports[1].tokens_per_s
+    print("\n| server | output tok/s | vs llama_cpp.server | TTFT p50 | TTFT p99 | complete "
+          "| = solo | tokens = solo |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in reports:
+        print(f"| {r.server} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x | "
+              f"{r.ttft_p50_s:.2f} s | {r.ttft_p99_s:.2f} s | {r.complete}/{r.clients} | "
+              f"{r.agree_with_solo}/{r.clients} | {r.agree_prefix_tokens:.1f} |")  # fmt: skip
+    print(f"\nsingle stream: bare Llama {single['bare_tokens_per_s']:.1f} tok/s, engine "
+          f"{single['engine_tokens_per_s']:.1f} ({single['engine_ratio']:.2f}x), kvgate "
+          f"{single['kvgate_tokens_per_s']:.1f} ({single['kvgate_ratio']:.2f}x)")  # fmt: skip
+    for r in reports:
+        for note in r.notes:
+            print(f"{r.server}: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from gateway.default_model import default_model_path
+
+    return str(default_model_path())

@@ -1,0 +1,41 @@
+from backend_local.requests import Request
+from backend_local.sampling import SamplingParams
+from backend_local.slots import Slot, common_prefix_len, place
+
+
+def busy(slot: Slot) -> Slot:
+    slot.request = Request("r", [1], SamplingParams(), None, lambda _: None)
+    return slot
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_len([], [1]) == 0
+
+
+def test_free_slot_with_the_prefix_is_reused_in_place():
+    slots = [Slot(0, [9, 9], "a", 5.0), Slot(1, [1, 2, 3, 4], "a", 1.0)]
+    p = place(slots, [1, 2, 3, 7, 8], "a")
+    assert (p.slot.seq_id, p.source.seq_id, p.reuse) == (1, 1, 3)
+
+
+def test_other_salt_never_shares_cells():
+    slots = [Slot(0, [1, 2, 3, 4], "tenant-a", 1.0), Slot(1, [], None, 0.0)]
+    p = place(slots, [1, 2, 3, 4, 5], "tenant-b")
+    assert p.source is None and p.reuse == 0
+    assert p.slot.seq_id == 1  # the empty slot, keeping tenant-a's cache
+
+
+def test_prefix_of_a_busy_slot_is_copied_to_a_free_one():
+    slots = [busy(Slot(0, [1, 2, 3, 4], "a")), Slot(1, [7], "a", 2.0), Slot(2, [8], "a", 1.0)]
+    p = place(slots, [1, 2, 3, 9], "a")
+    assert (p.slot.seq_id, p.source.seq_id, p.reuse) == (2, 0, 3)  # LRU free slot evicted
+
+
+def test_last_prompt_token_is_always_recomputed():
+    slots = [Slot(0, [1, 2, 3], None, 1.0)]
+    p = place(slots, [1, 2, 3], None)
+    assert p.reuse == 2
+    p = place([Slot(0, [1], None, 1.0)], [1], None)
+    assert p.reuse == 0 and p.source is None
