@@ -1,0 +1,166 @@
+"""Drives the engine from an asyncio loop: the engine steps in a worker thread, and each
+request's outputs flow back to its own asyncio queue.
+
+Only the worker thread touches the engine. The loop hands it adds and aborts through a
+command queue, applied between steps, so a long step never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from backend_gpu.config import EngineConfig
+from backend_gpu.engine import LLMEngine
+from backend_gpu.outputs import EngineStats, RequestOutput
+from backend_gpu.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; no request can be served any more."""
+
+
+class AsyncLLM:
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = self.engine.stats()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int] | str,
+        sampling_params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's incremental outputs; leaving early aborts it. Bad input
+        raises ValueError (PromptTooLongError) here, before anything is yielded."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:
+            self.engine.add_request(
+                request_id, prompt_token_ids, sampling_params, cache_salt, priority
+            )
+            self._outputs[request_id] = (loop, outputs)
+
+        await self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"engine failed: {item!r}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and self.error is None and not self._stopping:
+                self._commands.put((lambda: self._abort(request_id), None, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with finish_reason "abort"); unknown ids are
+        ignored."""
+        await self._call(lambda: self._abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats  # a copy the engine thread refreshes after each step
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put((lambda: None, None, None))  # wake the thread
+        await asyncio.to_thread(self._thread.join)
+        for request_id in list(self.engine.seqs):
+            self._abort(request_id)
+
+    # -- engine thread side ---------------------------------------------------------
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error!r}")
+        if self._stopping:
+            raise EngineDeadError("engine is shut down")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put((fn, loop, future))
+        return await future
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        target = self._outputs.pop(request_id, None)
+        if out is not None and target is not None:
+            loop, outputs = target
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, loop, future = command
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # bad input: the caller's error, not the engine's
+                result, error = None, exc
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands(block=not self.engine.has_unfinished_requests())
+                if self._stopping or not self.engine.has_unfinished_requests():
+                    self._stats = self.engine.stats()
+                    continue
+                for out in self.engine.step():
+                    target = self._outputs.get(out.request_id)
+                    if target is None:
+                        continue
+                    if out.finished:
+                        del self._outputs[out.request_id]
+                    loop, outputs = target
+                    loop.call_soon_threadsafe(outputs.put_nowait, out)
+                self._stats = self.engine.stats()
+            self._stats = self.engine.stats()
+            self._fail_pending(EngineDeadError("engine is shut down"))
+        except BaseException as exc:  # the engine is dead: tell every waiting request
+            self.error = exc
+            for loop, outputs in self._outputs.values():
+                loop.call_soon_threadsafe(outputs.put_nowait, exc)
+            self._outputs.clear()
+            self._fail_pending(EngineDeadError(f"engine failed: {exc!r}"))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        while True:
+            try:
+                _, loop, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, None, error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

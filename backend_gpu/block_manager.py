@@ -1,0 +1,192 @@
+"""A fixed pool of KV blocks with ref counts, an O(1) LRU free queue and prefix caching.
+
+A full block's hash chains its parent's hash, its tokens and the request's cache salt,
+so two requests share a block only when their whole prefix and their salt agree.
+Freed blocks keep their hash and stay findable until the free queue hands them out
+again, oldest first (LRU eviction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from backend_gpu.sequence import Sequence
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
+    h = hashlib.sha256()
+    h.update(parent or b"root")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if salt is not None:
+        h.update(b"salt:" + salt.encode())
+    return h.digest()
+
+
+def hash_blocks(token_ids: list[int], block_size: int, salt: str | None) -> list[bytes]:
+    """The chain of hashes of the full blocks of `token_ids`."""
+    hashes: list[bytes] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], salt)
+        hashes.append(parent)
+    return hashes
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: pop the least recently freed, remove any, O(1)."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self.head = Block(-1)  # sentinels
+        self.tail = Block(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.size = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, block: Block) -> None:
+        last = self.tail.prev
+        assert last is not None and block.prev is None and block.next is None
+        last.next, block.prev = block, last
+        block.next, self.tail.prev = self.tail, block
+        self.size += 1
+
+    def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, "block is not free"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> Block:
+        assert self.size > 0, "no free block"
+        block = self.head.next
+        assert block is not None
+        self.remove(block)
+        return block
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, tokens found in the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _pop_free(self) -> Block:
+        block = self.free_queue.popleft()
+        if block.hash is not None:  # evict: its old contents are about to be overwritten
+            if self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+            block.hash = None
+        assert block.ref_count == 0
+        block.ref_count = 1
+        return block
+
+    def find_cached_blocks(self, seq: Sequence) -> list[Block]:
+        """The longest run of the prompt's full blocks already in the cache.
+
+        At least one prompt token is always left to compute, so that the step that
+        finishes the prefill has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(seq) - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in hash_blocks(seq.token_ids, self.block_size, seq.cache_salt)[:max_blocks]:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: Sequence, cached: list[Block], num_new_tokens: int) -> bool:
+        # cached blocks with no owner sit in the free queue: taking them uses it up too
+        num_revived = sum(1 for b in cached if b.ref_count == 0)
+        num_tokens = len(cached) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(cached)
+        return num_revived + num_new_blocks <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached: list[Block]) -> None:
+        """Give a waiting sequence its prefix-cache hits; its other blocks come from
+        `append_slots`."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(seq)
+            self.prefix_hits += len(cached) * self.block_size
+        for block in cached:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            assert block.hash is not None
+            seq.block_hashes.append(block.hash)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return needed - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for the KV of the next `num_new_tokens` tokens of `seq`."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < needed:
+            seq.block_table.append(self._pop_free().block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks whose KV is now fully computed under their chain hash."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        bs = self.block_size
+        while len(seq.block_hashes) < num_full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
+            seq.block_hashes.append(block_hash)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and block_hash not in self.cached:
+                block.hash = block_hash
+                self.cached[block_hash] = block
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a sequence's hold on its blocks. The tail goes to the free queue first,
+        so it is evicted before the prefix that other requests are likelier to share."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

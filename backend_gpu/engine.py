@@ -1,0 +1,231 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, detokenize."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+from backend_gpu.block_manager import BlockManager
+from backend_gpu.config import EngineConfig
+from backend_gpu.detokenizer import IncrementalDetokenizer
+from backend_gpu.loader import open_model
+from backend_gpu.model_runner import ModelRunner
+from backend_gpu.outputs import EngineStats, PromptTooLongError, RequestOutput
+from backend_gpu.sampler import Sampler
+from backend_gpu.sampling_params import SamplingParams
+from backend_gpu.scheduler import Scheduler
+from backend_gpu.sequence import Sequence
+
+
+def eos_token_ids(model_dir_or_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (model_dir_or_config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        hf_config, self.tokenizer, weights = open_model(os.fspath(config.model))
+        self.hf_config = hf_config
+        self.runner = ModelRunner(config, hf_config, weights)
+        self.max_model_len = min(
+            config.max_model_len or hf_config.max_position_embeddings,
+            hf_config.max_position_embeddings,
+        )
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.stats_ = EngineStats(
+            num_blocks=self.runner.num_blocks,
+            weight_bytes=self.runner.weight_bytes,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+        )
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Admit a request, or raise ValueError (PromptTooLongError) and change nothing."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        prompt_ids = self.tokenize(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt_ids), self.max_model_len)
+        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs up to {longest} tokens of KV cache, but the whole pool holds "
+                f"{self.block_manager.num_blocks * self.config.block_size}"
+            )
+        seq = Sequence(request_id, prompt_ids, params, cache_salt, priority)
+        self.seqs[request_id] = seq
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.stop
+        )
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; unknown ids are ignored."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits, sampled = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        self._record_step(batch.num_tokens)
+        sampled_seqs = [batch.seqs[i] for i in sampled]
+        tokens = self.sampler(logits, sampled_seqs) if sampled_seqs else []
+        for seq in batch.seqs:
+            self.block_manager.cache_full_blocks(seq)
+        outputs = []
+        for seq, token in zip(sampled_seqs, tokens, strict=True):
+            seq.token_ids.append(token)
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._output(seq, [token]))
+        self.stats_.num_generated_tokens_total += len(tokens)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        stop_string = self.detokenizers[seq.request_id].add([token])
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if stop_string is not None:
+                seq.stop_reason = stop_string
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        detok = self.detokenizers[seq.request_id]
+        finished = seq.is_finished
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=detok.output_text,
+            new_token_ids=new_tokens,
+            text_delta=detok.take_delta(finished),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs),
+        )
+        if finished:
+            del self.seqs[seq.request_id]
+            del self.detokenizers[seq.request_id]
+            self.sampler.forget(seq.request_id)
+        return out
+
+    def _record_step(self, num_tokens: int) -> None:
+        s = self.stats_
+        s.num_steps += 1
+        s.num_batched_tokens_total += num_tokens
+        used = self.block_manager.num_used_blocks
+        if used > s.peak_blocks_used:
+            s.peak_blocks_used = used
+            held = sum(seq.num_computed_tokens for seq in self.scheduler.running)
+            s.peak_tokens_in_blocks = min(held, used * self.config.block_size)
+
+    def stats(self) -> EngineStats:
+        s = self.stats_
+        bm = self.block_manager
+        s.running = len(self.scheduler.running)
+        s.waiting = len(self.scheduler.waiting)
+        s.num_free_blocks = bm.num_free_blocks
+        s.kv_usage = bm.num_used_blocks / bm.num_blocks
+        s.prefix_queries, s.prefix_hits = bm.prefix_queries, bm.prefix_hits
+        s.preemptions = self.scheduler.num_preemptions
+        return EngineStats(**vars(s))
+
+
+class LLM:
+    """Offline use: a list of prompts in, their outputs out (vLLM's `LLM`)."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                ids.append(str(self._next_id))
+                self._next_id += 1
+                self.engine.add_request(ids[-1], prompt, params)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()

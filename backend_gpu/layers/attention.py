@@ -1,0 +1,128 @@
+"""Paged attention, a torch reference that runs wherever torch does.
+
+Each step writes the new keys and values into the paged cache through the slot
+mapping, then reads every sequence's context back block by block (whole blocks are
+long contiguous rows, far cheaper to gather than single slots) into a reused
+workspace: decodes (one query each) as padded batches of similar length (so little
+is gathered and attended for nothing), prefill chunks one by one,
+each with the causal (and sliding-window) mask its position calls for. A chunk that
+starts a sequence attends to its own fresh keys and skips the gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int  # first row of this chunk's queries in the flat batch
+    q_end: int
+    start_pos: int  # position of the first query in its sequence
+    block_ids: torch.Tensor  # [n] blocks holding positions [0, start_pos + q_len)
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar context length, run as one padded batch."""
+
+    rows: torch.Tensor  # [B] rows of the one-token queries in the flat batch
+    block_ids: torch.Tensor  # [B * max_blocks] block tables, padded
+    lens: torch.Tensor  # [B] context lengths
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's KV goes
+    block_size: int
+    k_workspace: torch.Tensor  # flat buffers the gathered context is read into
+    v_workspace: torch.Tensor
+    decodes: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, g: int, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, L]: keys inside the context (and the window) of each decode query."""
+        key = ("decode", g, window)
+        if key not in self._masks:
+            group = self.decodes[g]
+            num_keys = group.block_ids.numel() // group.lens.numel() * self.block_size
+            key_pos = torch.arange(num_keys, device=group.lens.device)
+            lens = group.lens[:, None]
+            mask = key_pos[None, :] < lens
+            if window is not None:
+                mask &= key_pos[None, :] > lens - 1 - window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """[q_len, ctx_len] causal (and windowed) mask of a chunk; None for plain causal."""
+        span = self.prefills[i]
+        if window is None and span.start_pos == 0:
+            return None
+        key = (i, window)
+        if key not in self._masks:
+            q_len = span.q_end - span.q_start
+            device = self.slot_mapping.device
+            key_pos = torch.arange(span.start_pos + q_len, device=device)
+            q_pos = torch.arange(span.start_pos, span.start_pos + q_len, device=device)[:, None]
+            mask = key_pos[None, :] <= q_pos
+            if window is not None:
+                mask &= key_pos[None, :] > q_pos - window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor, bs: int):
+    """[n * bs, Hkv, D]: the cache rows of blocks `block_ids`, in order."""
+    _, heads, dim = cache.shape
+    row = bs * heads * dim
+    out = workspace[: block_ids.numel() * row].view(-1, row)
+    torch.index_select(cache.view(-1, row), 0, block_ids, out=out)
+    return out.view(-1, heads, dim)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    bs = meta.block_size
+    for g, group in enumerate(meta.decodes):
+        batch = group.rows.numel()
+        qd = q.index_select(0, group.rows).unsqueeze(2)  # [B, H, 1, D]
+        kd = _gather(k_cache, group.block_ids, meta.k_workspace, bs)
+        vd = _gather(v_cache, group.block_ids, meta.v_workspace, bs)
+        kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask(g, window), scale=scale, enable_gqa=True
+        )
+        out.index_copy_(0, group.rows, od.squeeze(2))
+    for i, span in enumerate(meta.prefills):
+        if span.start_pos == 0:  # the whole context is this chunk: no need to gather it
+            kp, vp = k[span.q_start : span.q_end], v[span.q_start : span.q_end]
+        else:
+            ctx_len = span.start_pos + span.q_end - span.q_start
+            kp = _gather(k_cache, span.block_ids, meta.k_workspace, bs)[:ctx_len]
+            vp = _gather(v_cache, span.block_ids, meta.v_workspace, bs)[:ctx_len]
+        qp = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        mask = meta.prefill_mask(i, window)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+        out[span.q_start : span.q_end] = op[0].transpose(0, 1)
+    return out

@@ -1,0 +1,86 @@
+"""Load weights from a Hugging Face directory of safetensors into our models.
+
+Checkpoint tensors keep their HF names; the ones our models pack into one matmul
+(q/k/v, gate/up) are copied into their shard of the packed weight.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from backend_gpu.layers.linear import PackedLinear
+
+# checkpoint module name -> (our packed module name, shard)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def iter_safetensors(model_dir: str):
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights) -> None:
+    """Copy (name, tensor) pairs into `model`; every parameter must be set exactly once."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    missing = {n for n in params if not (n == "lm_head.weight" and tied)}
+    for name, tensor in weights:
+        if name.startswith("model.language_model."):  # multimodal checkpoints' text tower
+            name = "model." + name[len("model.language_model.") :]
+        if "rotary_emb" in name or (name == "lm_head.weight" and tied):
+            continue
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in PACKED_MODULES:
+            packed, shard = PACKED_MODULES[leaf]
+            target = modules.get(f"{parent}.{packed}")
+            if not isinstance(target, PackedLinear):
+                raise ValueError(f"unexpected checkpoint tensor {name}")
+            target.load_shard(param_name, shard, tensor)
+            missing.discard(f"{parent}.{packed}.{param_name}")
+            continue
+        if name not in params:
+            raise ValueError(f"unexpected checkpoint tensor {name}")
+        if params[name].shape != tensor.shape:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                f"model shape {tuple(params[name].shape)}"
+            )
+        with torch.no_grad():
+            params[name].copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} missing)")
+
+
+def open_model(path: str):
+    """(hf_config, tokenizer, weight iterator) of an HF directory or a GGUF file."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if path.endswith(".gguf"):
+        from backend_gpu.gguf_loader import convert_gguf
+
+        path = convert_gguf(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model {path!r} is neither a directory nor a .gguf file")
+    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = getattr(hf_config, "text_config", None) or hf_config
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return hf_config, tokenizer, iter_safetensors(path)

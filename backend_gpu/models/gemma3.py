@@ -1,0 +1,115 @@
+"""Gemma 3 text on the paged KV cache: sliding-window and global layers (each with its
+own rope base), RMS norm on q and k, GeGLU, scaled embeddings, tied head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend_gpu.layers.attention import AttentionMetadata, paged_attention
+from backend_gpu.layers.linear import PackedLinear
+from backend_gpu.layers.norm import RMSNorm
+from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
+from backend_gpu.models.llama import head_dim_of, sliding_window_of
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config, layer: int) -> None:
+        super().__init__()
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise NotImplementedError("attention logit soft-capping is not supported")
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.qkv_proj = PackedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        self.window = sliding_window_of(config, layer)
+        layer_type = "sliding_attention" if self.window else "full_attention"
+        theta, scaling = rope_settings(config, layer_type)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        return self.o_proj(o.flatten(1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer)
+        self.mlp = Gemma3MLP(config)
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(dim, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(dim, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, offset=1.0)
+
+    def forward(self, positions, x, meta):
+        h = self.self_attn(positions, self.input_layernorm(x), meta)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        # the scale is rounded to the weights' dtype first, as in the reference
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.model = Gemma3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # always tied
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

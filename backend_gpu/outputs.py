@@ -1,0 +1,54 @@
+"""What the engine hands back: per-request outputs, engine-wide stats, admission errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend_gpu.sequence import Logprob
+
+
+class PromptTooLongError(ValueError):
+    def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens, but the model's context is "
+            f"{max_model_len} tokens and at least one must be left to generate"
+        )
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    text: str  # all generated so far (stop strings excluded)
+    new_token_ids: list[int]  # since the previous output of this request
+    text_delta: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token or string that ended it
+    num_cached_tokens: int = 0
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token in token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    num_steps: int = 0
+    num_batched_tokens_total: int = 0
+    num_generated_tokens_total: int = 0
+    peak_blocks_used: int = 0
+    peak_tokens_in_blocks: int = 0
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0

@@ -1,0 +1,121 @@
+"""Turns a batch of logits into next tokens, each row with its own sampling settings.
+
+Everything that can be one tensor op over the batch is; the loops left run only over
+rows that asked for something special (penalties, a seed, min_tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend_gpu.sequence import Logprob, Sequence
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: set[int]) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.seq_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.seq_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits [S, V] float32 -> one token per sequence; logprobs are stored on seqs."""
+        raw = logits
+        logits = logits.clone()
+        self._apply_penalties(logits, seqs)
+        self._block_stops_before_min_tokens(logits, seqs)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=self.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, seqs))
+        token_list = tokens.tolist()
+        self._record_logprobs(raw, token_list, seqs)
+        return token_list
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        vocab = logits.shape[1]
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if not p.has_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(seq.token_ids, device=self.device).clamp_(max=vocab - 1)
+                values = logits[row, seen]
+                logits[row, seen] = torch.where(
+                    values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+                )
+            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+                out = torch.tensor(seq.output_token_ids, device=self.device).clamp_(max=vocab - 1)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].float()
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+    def _block_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        vocab = logits.shape[1]
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens >= seq.params.min_tokens:
+                continue
+            stops = set(seq.params.stop_token_ids)
+            if not seq.params.ignore_eos:
+                stops.update(self.eos_token_ids)
+            stops = [t for t in stops if t < vocab]
+            if stops:
+                logits[row, stops] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temps = torch.tensor(
+            [s.params.temperature if not s.params.greedy else 1.0 for s in seqs],
+            device=self.device,
+        )
+        logits = logits / temps[:, None]
+        if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
+            logits = self._top_k_top_p(logits, seqs)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=self.device)
+        if bool((min_p > 0).any()):
+            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+        # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1) per entry
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and not seq.params.greedy:
+                gen = self.seq_generators.get(seq.request_id)
+                if gen is None:
+                    gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+                    self.seq_generators[seq.request_id] = gen
+                noise[row].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    def _top_k_top_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        top_k = torch.tensor(
+            [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=self.device
+        ).clamp_(max=vocab)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=self.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=self.device)
+        drop = rank[None, :] >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the best token is always kept
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+    def _record_logprobs(self, raw: torch.Tensor, tokens: list[int], seqs: list[Sequence]):
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not wanted:
+            return
+        logprobs = raw[wanted].log_softmax(dim=-1)
+        max_n = max(seqs[i].params.logprobs for i in wanted)
+        top_vals, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
+        for j, i in enumerate(wanted):
+            n = seqs[i].params.logprobs
+            seqs[i].logprobs.append(
+                Logprob(
+                    token_id=tokens[i],
+                    logprob=float(logprobs[j, tokens[i]]),
+                    top=list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True)),
+                )
+            )

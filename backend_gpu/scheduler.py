@@ -1,0 +1,136 @@
+"""Decides, each step, which requests run and how many of their tokens.
+
+There is one token budget per step. A request only has `num_computed_tokens` chasing
+`len(token_ids)`: a prompt is a run of tokens to compute (in chunks when it does not
+fit the budget), a decode is one token to compute, so both share one batch. When the
+KV pool runs dry the lowest-priority running request is preempted: its blocks are freed
+and it is computed again later (its full blocks are likely still in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from backend_gpu.block_manager import BlockManager
+from backend_gpu.config import EngineConfig
+from backend_gpu.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence, tokens computed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.static = config.scheduling_policy == "static"
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.static_batch: set[str] = set()  # static policy: the batch being run
+        self.num_preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue by priority, first come first served within one priority."""
+        key = seq.sort_key()
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].sort_key() > key:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        budget = self._schedule_running(batch, budget)
+        if self.static and not self.running:
+            self._form_static_batch()
+        self._schedule_waiting(batch, budget)
+        return batch
+
+    def _form_static_batch(self) -> None:
+        """The next batch: the first waiting requests whose whole lengths fit the pool
+        together; newcomers wait until all of them finish."""
+        bm = self.block_manager
+        self.static_batch.clear()
+        free = bm.num_free_blocks
+        for seq in list(self.waiting)[: self.max_num_seqs]:
+            need = bm.blocks_needed(seq.num_prompt_tokens + seq.params.max_tokens)
+            if need > free and self.static_batch:
+                break
+            free -= need
+            self.static_batch.add(seq.request_id)
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        self.running.sort(key=Sequence.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            assert num_new > 0
+            while not bm.can_append_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, num_new)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted: everything after it is gone too
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.static and seq.request_id not in self.static_batch:
+                break
+            cached = bm.find_cached_blocks(seq)
+            num_new = len(seq) - len(cached) * bm.block_size
+            if not self.chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not bm.can_allocate(seq, cached, num_new):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, cached)
+            bm.append_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish or abort a sequence wherever it is and give its blocks back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)

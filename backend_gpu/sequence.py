@@ -1,0 +1,72 @@
+"""One request's state inside the engine: its tokens, its KV blocks, how far it got."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from backend_gpu.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Sequence:
+    _arrival = itertools.count()
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.arrival = next(Sequence._arrival)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.status = SequenceStatus.WAITING
+        # KV of token_ids[:num_computed_tokens] is in the cache; the scheduler moves it
+        # towards len(token_ids), whatever mix of prefill and decode that takes.
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hashes of the full blocks, in order
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[Logprob] = []
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority, then arrival."""
+        return (self.priority, self.arrival)

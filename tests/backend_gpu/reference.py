@@ -1,0 +1,48 @@
+"""Greedy reference outputs from transformers, and the token-for-token comparison."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+# Two tokens whose logits are this close may swap places under a different (but
+# equally valid) floating-point summation order; vLLM's tests accept that too.
+NEAR_TIE = 1e-4
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load_kwargs):
+    """Per prompt: (generated ids, per-step logits [steps, V])."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs)
+    model.eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            ids = out.sequences[0, len(prompt) :].tolist()
+            results.append((ids, torch.cat(out.logits).float()))
+    return results
+
+
+def assert_greedy_matches(ours: list[int], ref_ids: list[int], ref_logits: torch.Tensor) -> None:
+    """Equal token for token, except that at the first difference our token may be the
+    reference's second choice within NEAR_TIE (after that the two runs diverge)."""
+    assert len(ours) == len(ref_ids), (ours, ref_ids)
+    for step, (a, b) in enumerate(zip(ours, ref_ids, strict=True)):
+        if a == b:
+            continue
+        top2 = ref_logits[step].topk(2)
+        second, gap = top2.indices[1].item(), (top2.values[0] - top2.values[1]).item()
+        assert a == second and gap <= NEAR_TIE, (
+            f"step {step}: ours {a}, reference {b} (2nd choice {second}, gap {gap:.2e})\n"
+            f"ours {ours}\nref  {ref_ids}"
+        )
+        return

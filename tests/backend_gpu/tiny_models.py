@@ -1,0 +1,114 @@
+"""Tiny seeded random models (Llama, Qwen3, Gemma 3) with a locally trained tokenizer,
+saved like a hub checkpoint so that the engine and transformers load the same files."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 384
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets requests join and leave at every step.",
+    "Un café très chaud, s'il vous plaît. Déjà vu, naïve façade.",
+    "日本語のテキストも少し入れておきます。",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2026.",
+    "def generate(prompts, sampling_params): return outputs",
+]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A sentencepiece-style BPE (word-start marker, byte fallback) trained on a few lines."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8, special_tokens=specials + byte_tokens, show_progress=False
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    assert len(fast) <= VOCAB
+    return fast
+
+
+def _config(arch: str):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        initializer_range=0.2,  # big enough logit gaps that greedy is well defined
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if arch == "gemma3":
+        return _gemma3(common)
+    raise ValueError(arch)
+
+
+def _gemma3(common: dict):
+    common = dict(common, num_hidden_layers=3)
+    return Gemma3TextConfig(
+        **common,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=16,
+    )
+
+
+def save_tiny_model(arch: str, directory: str) -> str:
+    """Write a tiny seeded random `arch` model and its tokenizer to `directory`."""
+    path = os.path.join(directory, f"tiny-{arch}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(0)
+    config = _config(arch)
+    config.architectures = [ARCHITECTURES[arch]]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
