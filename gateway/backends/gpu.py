@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import pathlib
 import time
 from collections.abc import AsyncIterator
 
@@ -26,29 +25,15 @@ from gateway.backends.base import (
     TokenLogprob,
     Usage,
 )
+from gateway.backends.common import check_model, check_options, sampling_kwargs, served_model_id
 from gateway.chat_template import render_chat
-from gateway.default_model import DEFAULT_MODEL_ID, default_model_path
+from gateway.default_model import default_model_path
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 
 
 def _sampling_params(options: SamplingOptions) -> SamplingParams:
-    return SamplingParams(
-        temperature=options.temperature,
-        top_p=options.top_p,
-        top_k=options.top_k,
-        min_p=options.min_p,
-        max_tokens=options.max_tokens,
-        min_tokens=options.min_tokens,
-        stop=list(options.stop),
-        stop_token_ids=list(options.stop_token_ids),
-        seed=options.seed,
-        presence_penalty=options.presence_penalty,
-        frequency_penalty=options.frequency_penalty,
-        repetition_penalty=options.repetition_penalty,
-        logprobs=options.logprobs,
-        ignore_eos=options.ignore_eos,
-    )
+    return SamplingParams(**sampling_kwargs(options))
 
 
 def _architecture(model_type: str) -> str:
@@ -57,20 +42,10 @@ def _architecture(model_type: str) -> str:
 
 class GpuBackend:
     def __init__(self, spec: BackendSpec) -> None:
-        unknown = set(spec.options) - set(ENGINE_OPTIONS)
-        if unknown:
-            raise ValueError(
-                f"unknown options for gpu backend {spec.name!r}: {sorted(unknown)}; "
-                f"expected some of {list(ENGINE_OPTIONS)}"
-            )
+        check_options(spec, ENGINE_OPTIONS)
         self.name = spec.name
         self.spec = spec
-        if spec.served_model_name:
-            self.model_id = spec.served_model_name
-        elif spec.model:
-            self.model_id = pathlib.Path(spec.model.rstrip("/")).stem
-        else:
-            self.model_id = DEFAULT_MODEL_ID
+        self.model_id = served_model_id(spec)
         self._engine: AsyncLLM | None = None
         self._rate_sample = (time.monotonic(), 0, 0)  # time, prompt tokens, generated tokens
 
@@ -107,10 +82,7 @@ class GpuBackend:
         return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise BadRequestError(
-                f"model {model!r} is not served here (this serves {self.model_id!r})"
-            )
+        check_model(model, self.model_id)
 
     async def render(self, model: str, prompt: PromptInput) -> list[int]:
         self._check_model(model)

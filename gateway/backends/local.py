@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import pathlib
 from collections.abc import AsyncIterator
 
 from backend_local import (
@@ -31,44 +30,23 @@ from gateway.backends.base import (
     TokenLogprob,
     Usage,
 )
+from gateway.backends.common import check_model, check_options, sampling_kwargs, served_model_id
 from gateway.chat_template import render_chat
-from gateway.default_model import DEFAULT_MODEL_ID, default_model_path
+from gateway.default_model import default_model_path
 
 ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
 
 
 def _sampling_params(options: SamplingOptions) -> SamplingParams:
-    return SamplingParams(
-        temperature=options.temperature,
-        top_p=options.top_p,
-        top_k=options.top_k,
-        min_p=options.min_p,
-        max_tokens=options.max_tokens,
-        min_tokens=options.min_tokens,
-        stop=list(options.stop),
-        stop_token_ids=list(options.stop_token_ids),
-        seed=options.seed,
-        presence_penalty=options.presence_penalty,
-        frequency_penalty=options.frequency_penalty,
-        repetition_penalty=options.repetition_penalty,
-        logprobs=options.logprobs,
-        ignore_eos=options.ignore_eos,
-    )
+    return SamplingParams(**sampling_kwargs(options))
 
 
 class LocalBackend:
     def __init__(self, spec: BackendSpec) -> None:
-        unknown = set(spec.options) - set(ENGINE_OPTIONS)
-        if unknown:
-            raise ValueError(
-                f"unknown options for local backend {spec.name!r}: {sorted(unknown)}; "
-                f"expected some of {list(ENGINE_OPTIONS)}"
-            )
+        check_options(spec, ENGINE_OPTIONS)
         self.name = spec.name
         self.spec = spec
-        self.model_id = spec.served_model_name or (
-            pathlib.Path(spec.model).stem if spec.model else DEFAULT_MODEL_ID
-        )
+        self.model_id = served_model_id(spec)
         self._engine: LocalEngine | None = None
 
     async def start(self) -> None:
@@ -97,10 +75,7 @@ class LocalBackend:
         return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
 
     def _check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise BadRequestError(
-                f"model {model!r} is not served here (this serves {self.model_id!r})"
-            )
+        check_model(model, self.model_id)
 
     async def render(self, model: str, prompt: PromptInput) -> list[int]:
         self._check_model(model)
