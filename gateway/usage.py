@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from sqlalchemy import text
 
 from gateway.db import Database, UsageRecord
+
+INLINE_COMMIT_ROWS = 32
 
 
 @dataclass
@@ -98,17 +100,32 @@ class UsageRecorder:
         values = [dict(vars(r)) for r in rows]
         daily = self._daily_totals(rows)
         if self.db.sync_engine is not None:
-            await asyncio.to_thread(self._commit_sync, values, daily)
+            # A small batch costs less than the two thread switches that would hide it;
+            # a large one goes to a worker thread so the event loop keeps serving.
+            if len(rows) <= INLINE_COMMIT_ROWS:
+                self._commit_sync(values, daily)
+            else:
+                await asyncio.to_thread(self._commit_sync, values, daily)
             return
         async with self.db.engine.begin() as conn:
             await conn.execute(UsageRecord.__table__.insert(), values)
             await conn.execute(_DAILY_UPSERT, daily)
 
     def _commit_sync(self, values: list[dict], daily: list[dict]) -> None:
+        # The plain sqlite3 cursor: SQLAlchemy's per-statement work would be most of a
+        # small batch's cost, and this thread holds the GIL the event loop needs.
         assert self.db.sync_engine is not None
-        with self.db.sync_engine.begin() as conn:
-            conn.execute(UsageRecord.__table__.insert(), values)
-            conn.execute(_DAILY_UPSERT, daily)
+        raw = self.db.sync_engine.raw_connection()
+        try:
+            cur = raw.cursor()
+            cur.executemany(_SQLITE_USAGE_INSERT, values)
+            cur.executemany(_SQLITE_DAILY_UPSERT, daily)
+            raw.commit()
+        except BaseException:
+            raw.rollback()
+            raise
+        finally:
+            raw.close()
 
     def _daily_totals(self, rows: list[UsageRow]) -> list[dict]:
         totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
@@ -126,6 +143,12 @@ class UsageRecorder:
         ]  # fmt: skip
 
 
+_USAGE_COLUMNS = [f.name for f in fields(UsageRow)]
+_SQLITE_USAGE_INSERT = (
+    f"INSERT INTO usage_records ({', '.join(_USAGE_COLUMNS)}) "
+    f"VALUES ({', '.join(':' + c for c in _USAGE_COLUMNS)})"
+)
+
 # The same upsert syntax on SQLite and PostgreSQL; one prepared statement, executemany.
 _DAILY_UPSERT = text(
     "INSERT INTO daily_usage (tenant_id, day, model, requests, prompt_tokens, "
@@ -137,3 +160,4 @@ _DAILY_UPSERT = text(
     "completion_tokens = daily_usage.completion_tokens + excluded.completion_tokens, "
     "cached_tokens = daily_usage.cached_tokens + excluded.cached_tokens"
 )
+_SQLITE_DAILY_UPSERT = _DAILY_UPSERT.text
