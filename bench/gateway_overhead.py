@@ -264,7 +264,34 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gateway_overhead.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "gateway_overhead.png")
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, colors = ["direct (fake backend)", "kvgate"], ["#999999", "#1f77b4"]
+    runs = [result["direct"], result["kvgate"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(names, [r["rps"] for r in runs], color=colors)
+    left.axhline(2000, color="red", linestyle="--", label="goal: 2,000 req/s")
+    left.set_title("non-streaming requests/s (wrk, 64 connections)")
+    left.legend()
+    x = range(2)
+    for offset, key in ((-0.2, "p50_ms"), (0.2, "p99_ms")):
+        right.bar([i + offset for i in x], [r[key] for r in runs], width=0.4,
+                  label=key.split("_")[0], alpha=0.6 if key == "p50_ms" else 1.0)  # fmt: skip
+    right.set_xticks(list(x), names)
+    right.set_ylabel("ms")
+    right.set_title(f"latency at a paced {result['rate']:.0f} req/s offered")
+    right.legend()
+    fig.suptitle("The gateway alone: auth + quota + usage commit over the fake backend")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
