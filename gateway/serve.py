@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -23,6 +24,12 @@ async def serve(settings: Settings) -> None:
     gw = app[GW]
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
     await site.start()
+    # Everything allocated so far lives as long as the process: keep it out of the
+    # collector's way, and collect young objects less often. Full collections over a
+    # large heap were the longest pauses in the latency tail.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     _announce(settings, gw)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

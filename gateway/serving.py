@@ -130,7 +130,7 @@ class Job:
         )
         try:
             # Shielded: a client that goes away must not lose the row.
-            await asyncio.shield(gw.usage.record(row))
+            await asyncio.shield(gw.usage.submit(row))
         finally:
             used = prompt_tokens + self.completion_tokens
             await gw.quota.settle(self.reservation, used, count_request=status not in (503,))

@@ -1,6 +1,6 @@
 """Usage rows with group commit.
 
-Each finished request hands its row to the recorder and waits until the row is
+Each finished request submits its row to the recorder and waits until the row is
 committed; only then does the gateway send the response's final bytes. Rows that
 arrive while a transaction is being written go together in the next one, so under
 load one commit carries many requests.
@@ -19,6 +19,7 @@ from sqlalchemy import text
 from gateway.db import Database, UsageRecord
 
 INLINE_COMMIT_ROWS = 32
+CHECKPOINT_EVERY_S = 2.0
 
 
 @dataclass
@@ -51,6 +52,8 @@ class UsageRecorder:
         self.task: asyncio.Task[None] | None = None
         self.commits = 0
         self.rows_committed = 0
+        self._checkpoint: asyncio.Task[None] | None = None
+        self._last_checkpoint = time.monotonic()
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name="usage-recorder")
@@ -61,19 +64,22 @@ class UsageRecorder:
         while self.pending:  # drain: every waiting request gets its row
             self.wakeup.set()
             await asyncio.sleep(0.005)
+        if self._checkpoint is not None:
+            await self._checkpoint
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         self.task = None
 
-    async def record(self, row: UsageRow) -> None:
-        """Return once `row` is committed. Raises if the commit failed."""
+    def submit(self, row: UsageRow) -> asyncio.Future[None]:
+        """Queue `row`; the future resolves once it is committed, or fails with the commit.
+        A plain future, not a task: cancelling a waiter does not withdraw the row."""
         if not row.created_at:
             row.created_at = time.time()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending.append((row, fut))
         self.wakeup.set()
-        await fut
+        return fut
 
     async def _run(self) -> None:
         while True:
@@ -91,6 +97,7 @@ class UsageRecorder:
                     continue
                 self.commits += 1
                 self.rows_committed += len(batch)
+                self._maybe_checkpoint()
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_result(None)
@@ -110,6 +117,26 @@ class UsageRecorder:
         async with self.db.engine.begin() as conn:
             await conn.execute(UsageRecord.__table__.insert(), values)
             await conn.execute(_DAILY_UPSERT, daily)
+
+    def _maybe_checkpoint(self) -> None:
+        """Fold the SQLite WAL back into the database now and then, off the event loop."""
+        if (
+            self.db.sync_engine is None
+            or time.monotonic() - self._last_checkpoint < CHECKPOINT_EVERY_S
+        ):
+            return
+        if self._checkpoint is not None and not self._checkpoint.done():
+            return
+        self._last_checkpoint = time.monotonic()
+        self._checkpoint = asyncio.create_task(asyncio.to_thread(self._checkpoint_sync))
+
+    def _checkpoint_sync(self) -> None:
+        assert self.db.sync_engine is not None
+        raw = self.db.sync_engine.raw_connection()
+        try:
+            raw.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            raw.close()
 
     def _commit_sync(self, values: list[dict], daily: list[dict]) -> None:
         # The plain sqlite3 cursor: SQLAlchemy's per-statement work would be most of a

@@ -42,6 +42,10 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
+    dbapi_conn.execute("PRAGMA wal_autocheckpoint=0")
+
+
 class Database:
     def __init__(self, url: str, schema: str | None = None) -> None:
         self.url = url
@@ -54,6 +58,9 @@ class Database:
         if url.startswith("sqlite+aiosqlite"):
             self.sync_engine = create_sync_engine(url.replace("+aiosqlite", "+pysqlite", 1))
             event.listen(self.sync_engine, "connect", _sqlite_pragmas)
+            # The usage writer must not pay a checkpoint's fsync inside a commit that
+            # requests wait on; UsageRecorder checkpoints from a worker thread instead.
+            event.listen(self.sync_engine, "connect", _no_autocheckpoint)
 
     @property
     def is_postgres(self) -> bool:
