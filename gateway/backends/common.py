@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gateway.backends import BackendSpec
-from gateway.backends.base import BadRequestError, SamplingOptions
+from gateway.backends.base import BadRequestError, PromptInput, SamplingOptions
+from gateway.chat_template import render_chat
 from gateway.default_model import DEFAULT_MODEL_ID
 
 
@@ -39,3 +40,28 @@ def sampling_kwargs(options: SamplingOptions) -> dict[str, Any]:
     """The gateway's sampling options as keyword arguments: both engines' SamplingParams
     take the same names."""
     return dataclasses.asdict(options)
+
+
+def render_prompt(
+    prompt: PromptInput,
+    encode: Callable[[str, bool], list[int]],
+    chat_template: str | None,
+    architecture: str,
+    bos_token: str,
+    eos_token: str,
+) -> list[int]:
+    """Text, token ids or chat messages -> token ids. `encode(text, add_bos)` tokenizes;
+    chat messages go through the model's template first."""
+    if isinstance(prompt, str):
+        return encode(prompt, True)
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if not prompt or not all(isinstance(m, dict) for m in prompt):
+        raise BadRequestError("the prompt must be a string, token ids, or chat messages")
+    try:
+        text = render_chat(prompt, chat_template, architecture, bos_token=bos_token,
+                           eos_token=eos_token, add_generation_prompt=True)  # fmt: skip
+    except ValueError as exc:
+        raise BadRequestError(str(exc)) from exc
+    # templates usually write the BOS token themselves; do not add a second one
+    return encode(text, not (bos_token and text.startswith(bos_token)))

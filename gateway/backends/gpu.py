@@ -25,8 +25,13 @@ from gateway.backends.base import (
     TokenLogprob,
     Usage,
 )
-from gateway.backends.common import check_model, check_options, sampling_kwargs, served_model_id
-from gateway.chat_template import render_chat
+from gateway.backends.common import (
+    check_model,
+    check_options,
+    render_prompt,
+    sampling_kwargs,
+    served_model_id,
+)
 from gateway.default_model import default_model_path
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
@@ -81,35 +86,20 @@ class GpuBackend:
         length = self._engine.max_model_len if self._engine else 0
         return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
 
-    def _check_model(self, model: str) -> None:
-        check_model(model, self.model_id)
-
     async def render(self, model: str, prompt: PromptInput) -> list[int]:
-        self._check_model(model)
+        check_model(model, self.model_id)
         tokenizer = self.engine.tokenizer
-        if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
-        if prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if not prompt or not all(isinstance(m, dict) for m in prompt):
-            raise BadRequestError("the prompt must be a string, token ids, or chat messages")
-        bos = tokenizer.bos_token or ""
-        try:
-            text = render_chat(
-                prompt,
-                tokenizer.chat_template,
-                _architecture(self.engine.engine.hf_config.model_type),
-                bos_token=bos,
-                eos_token=tokenizer.eos_token or "",
-                add_generation_prompt=True,
-            )
-        except ValueError as exc:
-            raise BadRequestError(str(exc)) from exc
-        # templates usually write the BOS token themselves; do not add a second one
-        return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        return render_prompt(
+            prompt,
+            lambda text, add_bos: tokenizer.encode(text, add_special_tokens=add_bos),
+            tokenizer.chat_template,
+            _architecture(self.engine.engine.hf_config.model_type),
+            bos_token=tokenizer.bos_token or "",
+            eos_token=tokenizer.eos_token or "",
+        )
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
-        self._check_model(req.model)
+        check_model(req.model, self.model_id)
         engine = self.engine
         try:
             params = _sampling_params(req.sampling)

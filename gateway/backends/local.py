@@ -30,8 +30,13 @@ from gateway.backends.base import (
     TokenLogprob,
     Usage,
 )
-from gateway.backends.common import check_model, check_options, sampling_kwargs, served_model_id
-from gateway.chat_template import render_chat
+from gateway.backends.common import (
+    check_model,
+    check_options,
+    render_prompt,
+    sampling_kwargs,
+    served_model_id,
+)
 from gateway.default_model import default_model_path
 
 ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
@@ -74,35 +79,21 @@ class LocalBackend:
         length = self._engine.context_length if self._engine else 0
         return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
 
-    def _check_model(self, model: str) -> None:
-        check_model(model, self.model_id)
-
     async def render(self, model: str, prompt: PromptInput) -> list[int]:
-        self._check_model(model)
+        check_model(model, self.model_id)
         engine = self.engine
-        if isinstance(prompt, str):
-            return engine.tokenize(prompt)
-        if prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if not prompt or not all(isinstance(m, dict) for m in prompt):
-            raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         llama = engine.model
-        try:
-            text = render_chat(
-                prompt,
-                llama.chat_template,
-                llama.architecture,
-                bos_token=llama.bos_text,
-                eos_token=llama.eos_text,
-            )
-        except ValueError as exc:
-            raise BadRequestError(str(exc)) from exc
-        # Templates usually write the BOS token themselves; do not add a second one.
-        add_bos = not (llama.bos_text and text.startswith(llama.bos_text))
-        return engine.tokenize(text, add_special=add_bos, parse_special=True)
+        return render_prompt(
+            prompt,
+            lambda text, add_bos: engine.tokenize(text, add_special=add_bos),
+            llama.chat_template,
+            llama.architecture,
+            bos_token=llama.bos_text,
+            eos_token=llama.eos_text,
+        )
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
-        self._check_model(req.model)
+        check_model(req.model, self.model_id)
         engine = self.engine
         try:
             params = _sampling_params(req.sampling)
