@@ -3,15 +3,22 @@ own rope base), RMS norm on q and k, GeGLU, scaled embeddings, tied head."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend_gpu.layers.attention import AttentionMetadata, paged_attention
+from backend_gpu.layers.attention import AttentionMetadata
 from backend_gpu.layers.linear import PackedLinear
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
-from backend_gpu.models.llama import head_dim_of, sliding_window_of
+from backend_gpu.models.llama import (
+    GatedMLP,
+    LlamaAttention,
+    head_dim_of,
+    sliding_window_of,
+)
 
 
 class Gemma3Attention(nn.Module):
@@ -31,6 +38,7 @@ class Gemma3Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
+        self.qk_norm = True
         self.window = sliding_window_of(config, layer)
         layer_type = "sliding_attention" if self.window else "full_attention"
         theta, scaling = rope_settings(config, layer_type)
@@ -38,33 +46,15 @@ class Gemma3Attention(nn.Module):
         self.scale = config.query_pre_attn_scalar**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
-        return self.o_proj(o.flatten(1))
-
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+    # project, per-head q/k norm, rope, paged attention: the same steps as Llama's
+    forward = LlamaAttention.forward
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config, layer: int) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(config, layer)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = GatedMLP(config, partial(F.gelu, approximate="tanh"))
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(dim, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(dim, eps, offset=1.0)

@@ -3,6 +3,8 @@ Qwen2 (bias on q/k/v) and Qwen3 (RMS norm on q and k per head)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,23 +67,26 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+class GatedMLP(nn.Module):
+    """down(activation(gate(x)) * up(x)): SwiGLU with silu (Llama), GeGLU with gelu (Gemma)."""
+
+    def __init__(self, config, activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config)
+        self.mlp = GatedMLP(config, F.silu)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
