@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.tiny_model import build_tiny_llama, parameter_count
+
 VOCAB = 32000
 
 
@@ -43,31 +45,9 @@ class Run:
 
 def build_model(directory: str, seed: int) -> int:
     """Save the random model and a word-level tokenizer; return the parameter count."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(directory)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(directory)
-    return sum(p.numel() for p in model.parameters())
+    build_tiny_llama(directory, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                     seed=seed, vocab_size=VOCAB, max_position_embeddings=1024)  # fmt: skip
+    return parameter_count(directory)
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:

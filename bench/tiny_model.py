@@ -6,6 +6,7 @@ like HF's initializer, which spares importing the transformers model code."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from bench.datasets import WORDS
@@ -20,15 +21,20 @@ def build_tiny_llama(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     seed: int = 0,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 4096,
 ) -> Path:
-    """Write config, safetensors weights and tokenizer into out_dir; returns it."""
+    """Write config, safetensors weights and tokenizer into out_dir; returns it. The vocabulary
+    is the dataset's words, padded with `w<i>` tokens up to `vocab_size` when given."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *WORDS])}
+    tokens = [*SPECIALS, *WORDS]
+    tokens += [f"w{i}" for i in range(len(tokens), vocab_size or len(tokens))]
+    vocab = {token: i for i, token in enumerate(tokens)}
     word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
@@ -41,7 +47,7 @@ def build_tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         tie_word_embeddings=False,
@@ -78,3 +84,10 @@ def build_tiny_llama(
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
