@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 ADMIN_KEY = "kvg-test-admin-" + "x" * 32
@@ -39,6 +41,16 @@ class LiveGateway:
     @property
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+    def tenant_key(self, name: str, **quota: Any) -> tuple[dict, str]:
+        """A tenant made through the admin API, and a key for it."""
+        with httpx.Client(base_url=self.url, headers=self.admin_headers, timeout=30) as http:
+            tenant = http.post("/admin/tenants", json={"name": name, **quota})
+            assert tenant.status_code == 201, tenant.text
+            tenant_id = tenant.json()["id"]
+            key = http.post(f"/admin/tenants/{tenant_id}/keys", json={})
+            assert key.status_code == 201, key.text
+        return tenant.json(), key.json()["key"]
 
     def stop(self, sig: int | None = None) -> None:
         if self.proc.poll() is None:

@@ -1,13 +1,10 @@
 """`kvgate serve` with the local backend and the default model, driven by the openai client."""
 
-import json
-import urllib.request
-
 import openai
 import pytest
 
 from gateway.default_model import DEFAULT_MODEL_ID
-from tests.conftest import ADMIN_KEY, start_gateway
+from tests.conftest import start_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -19,16 +16,6 @@ options = { n_ctx = 1024, n_parallel = 2, n_batch = 128, n_threads = 1 }
 """
 
 
-def admin(url: str, path: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url + path,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, model_path):
     gw = start_gateway(tmp_path_factory.mktemp("serve-local"), config=CONFIG, timeout=120)
@@ -38,8 +25,7 @@ def gateway(tmp_path_factory, model_path):
 
 @pytest.fixture(scope="module")
 def client(gateway):
-    tenant = admin(gateway.url, "/admin/tenants", {"name": "local-e2e"})
-    key = admin(gateway.url, f"/admin/tenants/{tenant['id']}/keys", {})["key"]
+    _, key = gateway.tenant_key("local-e2e")
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
 
 

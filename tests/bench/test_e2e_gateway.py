@@ -2,23 +2,12 @@
 with two tenants whose keys are made through the admin API."""
 
 import json
-import urllib.request
 
 import pytest
 
 from bench.cli import main
 from bench.metrics import METRIC_NAMES
-from tests.conftest import ADMIN_KEY, start_gateway
-
-
-def call(url: str, path: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url + path,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {ADMIN_KEY}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+from tests.conftest import start_gateway
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +15,7 @@ def gateway(tmp_path_factory):
     """One real `kvgate serve --backend fake`, two tenants with a key each."""
     gw = start_gateway(tmp_path_factory.mktemp("gateway"), "--backend", "fake")
     try:
-        keys = []
-        for name in ("bench-a", "bench-b"):
-            tenant = call(gw.url, "/admin/tenants", {"name": name})
-            keys.append(call(gw.url, f"/admin/tenants/{tenant['id']}/keys", {"name": "b"})["key"])
-        yield gw.url, keys
+        yield gw.url, [gw.tenant_key(name)[1] for name in ("bench-a", "bench-b")]
     finally:
         gw.stop()
 

@@ -17,15 +17,8 @@ import pytest
 from tests.conftest import ADMIN_KEY, start_gateway
 
 
-def _tenant_key(gw, name: str = "acme", **quota) -> tuple[dict, str]:
-    with httpx.Client(base_url=gw.url, headers=gw.admin_headers) as http:
-        tenant = http.post("/admin/tenants", json={"name": name, **quota}).json()
-        key = http.post(f"/admin/tenants/{tenant['id']}/keys", json={}).json()["key"]
-    return tenant, key
-
-
 def test_openai_client_chat_completions_and_streaming(live_gateway):
-    _, key = _tenant_key(live_gateway)
+    _, key = live_gateway.tenant_key("acme")
     client = openai.OpenAI(base_url=live_gateway.url + "/v1", api_key=key)
     assert [m.id for m in client.models.list()] == ["fake-model"]
 
@@ -60,7 +53,7 @@ def test_openai_client_chat_completions_and_streaming(live_gateway):
 
 
 def test_openai_client_errors(live_gateway):
-    _, key = _tenant_key(live_gateway, rpm=1)
+    _, key = live_gateway.tenant_key("acme", rpm=1)
     bad = openai.OpenAI(base_url=live_gateway.url + "/v1", api_key="kvg-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}])
@@ -78,7 +71,7 @@ def test_openai_client_errors(live_gateway):
 def test_restart_keeps_tenants_keys_and_usage(tmp_path):
     gw = start_gateway(tmp_path, "--backend", "fake")
     try:
-        tenant, key = _tenant_key(gw, daily_tokens=100)
+        tenant, key = gw.tenant_key("acme", daily_tokens=100)
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
         client.completions.create(model="fake-model", prompt="a b c d", max_tokens=50)
     finally:
@@ -99,7 +92,7 @@ def test_restart_keeps_tenants_keys_and_usage(tmp_path):
 
 def test_kill_9_under_load_loses_no_usage_row(tmp_path):
     gw = start_gateway(tmp_path, "--backend", "fake")
-    _, key = _tenant_key(gw)
+    _, key = gw.tenant_key("acme")
     completed: list[str] = []
 
     async def client_loop(http: aiohttp.ClientSession, i: int) -> None:
