@@ -166,7 +166,10 @@ async def prepare(
         raise ApiError(403, "Admin keys belong to no tenant; use a tenant's key for inference.")
     card = gw.router.card(body.model)
     if card is None:
-        raise ApiError(404, f"The model `{body.model}` does not exist.", code="model_not_found")
+        # name what this tenant can use instead (GET /v1/models lists the same)
+        usable = ", ".join(m for m in gw.router.cards if principal.may_use(m)) or "none"
+        raise ApiError(404, f"The model `{body.model}` does not exist. Available: {usable}.",
+                       code="model_not_found")  # fmt: skip
     if not principal.may_use(body.model):
         raise ApiError(403, f"Your tenant may not use the model `{body.model}`.",
                        code="model_not_allowed")  # fmt: skip

@@ -65,7 +65,9 @@ async def test_model_not_allowed_and_unknown(gw):
     assert (await _error(await gw.chat(key, "x"), 403))["code"] == "model_not_allowed"
     _, key = await gw.tenant("t2", max_concurrent=1)
     r = await gw.chat(key, "x", model="no-such-model")
-    assert (await _error(r, 404))["code"] == "model_not_found"
+    err = await _error(r, 404)
+    assert err["code"] == "model_not_found"
+    assert "Available: fake-model." in err["message"]
     await _slot_is_free(gw, key)
 
 
