@@ -64,6 +64,9 @@ class GenRequest:
     tenant_id: str = ""
     cache_salt: str | None = None
     priority: int = 0
+    # leading prompt tokens that are an admin-published prefix: their full blocks are
+    # cached without the tenant's salt, so every tenant shares them (on purpose)
+    shared_prefix_len: int = 0
 
 
 @dataclass
@@ -93,6 +96,24 @@ class GenChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class KVEvent:
+    """A change in which prompt blocks one replica holds in its prefix cache.
+
+    kind: "stored" (the block's KV is computed and findable) or "removed" (evicted).
+    block_hash: hex of the backend's chain hash, the same value `block_hashes` returns.
+    cache_salt: the salt the block was hashed with; None for a published (shared) block.
+    """
+
+    kind: str
+    replica: str
+    block_hash: str
+    parent_hash: str | None
+    cache_salt: str | None
+    num_tokens: int
+    at: float
 
 
 @dataclass
@@ -138,3 +159,18 @@ class Backend(Protocol):
         ...
 
     def stats(self) -> BackendStats: ...
+
+
+@runtime_checkable
+class PrefixCachingBackend(Backend, Protocol):
+    """A backend (one replica) that reports its prefix cache to the gateway's catalog."""
+
+    def block_hashes(
+        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+    ) -> list[str]:
+        """Hex chain hashes of the prompt's full blocks, as this backend keys its cache."""
+        ...
+
+    def kv_events(self) -> list[KVEvent]:
+        """Drain the events since the last call (never blocks)."""
+        ...
