@@ -37,7 +37,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: install lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 format: install
 	$(BIN)/ruff format .

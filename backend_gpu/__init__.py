@@ -1,17 +1,25 @@
-"""kvgate's PyTorch engine: paged KV cache, continuous batching, prefix caching."""
+"""kvgate's PyTorch engine: paged KV cache, continuous batching, prefix caching.
 
-from backend_gpu.async_engine import AsyncLLM, EngineDeadError
-from backend_gpu.engine import LLM, LLMEngine
-from backend_gpu.outputs import EngineStats, PromptTooLongError, RequestOutput
-from backend_gpu.sampling_params import SamplingParams
+The public names load on first use, so torch-free parts (`backend_gpu.block_hash`, which
+backend_local shares) import without pulling in torch.
+"""
 
-__all__ = [
-    "LLM",
-    "AsyncLLM",
-    "EngineDeadError",
-    "EngineStats",
-    "LLMEngine",
-    "PromptTooLongError",
-    "RequestOutput",
-    "SamplingParams",
-]
+import importlib
+
+_EXPORTS = {
+    "LLM": "backend_gpu.engine",
+    "LLMEngine": "backend_gpu.engine",
+    "AsyncLLM": "backend_gpu.async_engine",
+    "EngineDeadError": "backend_gpu.async_engine",
+    "EngineStats": "backend_gpu.outputs",
+    "PromptTooLongError": "backend_gpu.outputs",
+    "RequestOutput": "backend_gpu.outputs",
+    "SamplingParams": "backend_gpu.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'backend_gpu' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from backend_gpu.block_manager import KVCacheEvent
 from backend_gpu.config import EngineConfig
 from backend_gpu.engine import LLMEngine
 from backend_gpu.outputs import EngineStats, RequestOutput
@@ -31,6 +33,9 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = self.engine.stats()
+        # the engine thread appends, the loop drains; deque ops are atomic. Bounded so a
+        # gateway that never drains them cannot grow it without end (the oldest go).
+        self._kv_events: deque[KVCacheEvent] = deque(maxlen=100_000)
         self._stopping = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
@@ -43,6 +48,7 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         priority: int = 0,
+        shared_prefix_len: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs; leaving early aborts it. Bad input
         raises ValueError (PromptTooLongError) here, before anything is yielded."""
@@ -51,7 +57,12 @@ class AsyncLLM:
 
         def add() -> None:
             self.engine.add_request(
-                request_id, prompt_token_ids, sampling_params, cache_salt, priority
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                cache_salt,
+                priority,
+                shared_prefix_len,
             )
             self._outputs[request_id] = (loop, outputs)
 
@@ -77,6 +88,14 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self._stats  # a copy the engine thread refreshes after each step
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Prefix-cache blocks stored and removed since the last call (needs
+        enable_kv_events). Never blocks."""
+        events = []
+        while self._kv_events:
+            events.append(self._kv_events.popleft())
+        return events
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -129,7 +148,10 @@ class AsyncLLM:
                 if self._stopping or not self.engine.has_unfinished_requests():
                     self._stats = self.engine.stats()
                     continue
-                for out in self.engine.step():
+                outs = self.engine.step()
+                # events first: a caller that sees its request finish finds its blocks listed
+                self._kv_events.extend(self.engine.take_kv_events())
+                for out in outs:
                     target = self._outputs.get(out.request_id)
                     if target is None:
                         continue

@@ -2,35 +2,35 @@
 
 A full block's hash chains its parent's hash, its tokens and the request's cache salt,
 so two requests share a block only when their whole prefix and their salt agree.
-Freed blocks keep their hash and stay findable until the free queue hands them out
-again, oldest first (LRU eviction).
+Blocks wholly inside a request's published prefix (`shared_prefix_len`) are hashed
+without the salt, so every tenant shares them. Freed blocks keep their hash and stay
+findable until the free queue hands them out again, oldest first (LRU eviction).
+
+With events on, every hash that becomes findable ("stored") or stops being findable
+("removed") is recorded, so a router outside the engine can mirror the cache
+(vLLM's BlockStored / BlockRemoved).
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
+import time
+from dataclasses import dataclass
 
+from backend_gpu.block_hash import block_salt, hash_blocks
 from backend_gpu.sequence import Sequence
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
-    h = hashlib.sha256()
-    h.update(parent or b"root")
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if salt is not None:
-        h.update(b"salt:" + salt.encode())
-    return h.digest()
+@dataclass
+class KVCacheEvent:
+    """kind "stored": `block_hash` became findable; "removed": it was evicted (then only
+    `block_hash` and `at` are meaningful)."""
 
-
-def hash_blocks(token_ids: list[int], block_size: int, salt: str | None) -> list[bytes]:
-    """The chain of hashes of the full blocks of `token_ids`."""
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], salt)
-        hashes.append(parent)
-    return hashes
+    kind: str
+    block_hash: bytes
+    parent_hash: bytes | None
+    cache_salt: str | None  # the salt the block was hashed with; None: no salt (shared)
+    token_ids: list[int]
+    at: float
 
 
 class Block:
@@ -80,7 +80,13 @@ class FreeBlockQueue:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        enable_kv_events: bool = False,
+    ) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -90,6 +96,8 @@ class BlockManager:
         self.cached: dict[bytes, Block] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found in the cache
+        # None when off: an offline user who never drains them must not pile them up
+        self.events: list[KVCacheEvent] | None = [] if enable_kv_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +115,10 @@ class BlockManager:
         if block.hash is not None:  # evict: its old contents are about to be overwritten
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.append(
+                        KVCacheEvent("removed", block.hash, None, None, [], time.time())
+                    )
             block.hash = None
         assert block.ref_count == 0
         block.ref_count = 1
@@ -122,7 +134,13 @@ class BlockManager:
             return []
         max_blocks = (len(seq) - 1) // self.block_size
         hits: list[Block] = []
-        for block_hash in hash_blocks(seq.token_ids, self.block_size, seq.cache_salt)[:max_blocks]:
+        hashes = hash_blocks(
+            seq.token_ids[: max_blocks * self.block_size],
+            self.block_size,
+            seq.cache_salt,
+            seq.shared_prefix_len,
+        )
+        for block_hash in hashes:
             block = self.cached.get(block_hash)
             if block is None:
                 break
@@ -166,17 +184,42 @@ class BlockManager:
         """Register the blocks whose KV is now fully computed under their chain hash."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
         bs = self.block_size
-        while len(seq.block_hashes) < num_full:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt)
+        first = len(seq.block_hashes)
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        new = hash_blocks(
+            seq.token_ids[: seq.num_computed_tokens],
+            bs,
+            seq.cache_salt,
+            seq.shared_prefix_len,
+            parent,
+            first,
+        )
+        for i, block_hash in enumerate(new, start=first):
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and block_hash not in self.cached:
                 block.hash = block_hash
                 self.cached[block_hash] = block
+                if self.events is not None:
+                    self.events.append(
+                        KVCacheEvent(
+                            "stored",
+                            block_hash,
+                            parent,
+                            block_salt(i, bs, seq.cache_salt, seq.shared_prefix_len),
+                            seq.token_ids[i * bs : (i + 1) * bs],
+                            time.time(),
+                        )
+                    )
+            parent = block_hash
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call (empty when events are off)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def free(self, seq: Sequence) -> None:
         """Drop a sequence's hold on its blocks. The tail goes to the free queue first,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backend_gpu.quantization import KV_CACHE_DTYPES, QUANTIZE_PER_CHANNEL
+from backend_gpu.spec_decode.config import SpeculativeConfig
+
 
 @dataclass
 class EngineConfig:
@@ -17,20 +20,27 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False  # record blocks stored/removed for take_kv_events()
     scheduling_policy: str = "continuous"  # or "static": a batch runs to its end first
     max_model_len: int | None = None
     seed: int = 0
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
-    speculative_config: dict | None = None
+    speculative_config: dict | SpeculativeConfig | None = None  # vLLM's keys, checked
 
     def __post_init__(self) -> None:
-        if self.quantization is not None:
-            raise NotImplementedError("quantization is not implemented yet in backend_gpu")
-        if self.kv_cache_dtype != "auto":
-            raise NotImplementedError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not implemented")
-        if self.speculative_config is not None:
-            raise NotImplementedError("speculative decoding is not implemented yet in backend_gpu")
+        if self.quantization is not None and self.quantization not in QUANTIZE_PER_CHANNEL:
+            raise ValueError(
+                f"quantization must be None or one of {sorted(QUANTIZE_PER_CHANNEL)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.scheduling_policy not in ("continuous", "static"):
             raise ValueError(
                 f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}"

@@ -7,7 +7,7 @@ import os
 import torch
 from tqdm.auto import tqdm
 
-from backend_gpu.block_manager import BlockManager
+from backend_gpu.block_manager import BlockManager, KVCacheEvent
 from backend_gpu.config import EngineConfig
 from backend_gpu.detokenizer import IncrementalDetokenizer
 from backend_gpu.loader import open_model
@@ -17,6 +17,7 @@ from backend_gpu.sampler import Sampler
 from backend_gpu.sampling_params import SamplingParams
 from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
+from backend_gpu.spec_decode.speculator import Speculator
 
 
 def eos_token_ids(model_dir_or_config, tokenizer) -> set[int]:
@@ -35,6 +36,10 @@ class LLMEngine:
         self.config = config
         hf_config, self.tokenizer, weights = open_model(os.fspath(config.model))
         self.hf_config = hf_config
+        # before the target's runner: on CUDA a draft model sizes its KV cache first
+        self.speculator = (
+            Speculator(config, hf_config.vocab_size) if config.speculative_config else None
+        )
         self.runner = ModelRunner(config, hf_config, weights)
         self.max_model_len = min(
             config.max_model_len or hf_config.max_position_embeddings,
@@ -43,7 +48,10 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.enable_kv_events,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
@@ -67,8 +75,11 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        shared_prefix_len: int = 0,
     ) -> None:
-        """Admit a request, or raise ValueError (PromptTooLongError) and change nothing."""
+        """Admit a request, or raise ValueError (PromptTooLongError) and change nothing.
+        The first `shared_prefix_len` prompt tokens are a published prefix: their blocks
+        are cached without `cache_salt`, shared with every other salt."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate()
@@ -77,6 +88,10 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= shared_prefix_len <= len(prompt_ids):
+            raise ValueError(
+                f"shared_prefix_len must be in [0, {len(prompt_ids)}], got {shared_prefix_len}"
+            )
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_ids), self.max_model_len)
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
@@ -85,7 +100,7 @@ class LLMEngine:
                 f"request needs up to {longest} tokens of KV cache, but the whole pool holds "
                 f"{self.block_manager.num_blocks * self.config.block_size}"
             )
-        seq = Sequence(request_id, prompt_ids, params, cache_salt, priority)
+        seq = Sequence(request_id, prompt_ids, params, cache_salt, priority, shared_prefix_len)
         self.seqs[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop
@@ -100,31 +115,62 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [])
 
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """Prefix-cache blocks stored and removed since the last call (needs
+        enable_kv_events; else always empty)."""
+        return self.block_manager.take_events()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.sampler, self.max_model_len)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         logits, sampled = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+            # proposed tokens count as computed only once accepted, below
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
         self._record_step(batch.num_tokens)
         sampled_seqs = [batch.seqs[i] for i in sampled]
-        tokens = self.sampler(logits, sampled_seqs) if sampled_seqs else []
+        new_tokens = self._sample(logits, sampled_seqs) if sampled_seqs else []
         for seq in batch.seqs:
             self.block_manager.cache_full_blocks(seq)
         outputs = []
-        for seq, token in zip(sampled_seqs, tokens, strict=True):
-            seq.token_ids.append(token)
-            reason = self._check_stop(seq, token)
+        for seq, tokens in zip(sampled_seqs, new_tokens, strict=True):
+            seq.spec_token_ids = []
+            emitted, reason = self._append(seq, tokens)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [token]))
-        self.stats_.num_generated_tokens_total += len(tokens)
+            outputs.append(self._output(seq, emitted))
+            self.stats_.num_generated_tokens_total += len(emitted)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
+        """The tokens each sampled sequence emits: one, or with speculation its accepted
+        proposals and one more."""
+        if self.speculator is None:
+            return [[token] for token in self.sampler(logits, seqs)]
+        return self.speculator.sample(logits, seqs, self.sampler)
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append tokens one by one until one stops the request; return those appended
+        and the finish reason."""
+        emitted: list[int] = []
+        reason = None
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                break
+        if len(emitted) > 1:  # accepted proposals: their KV was computed while verifying
+            seq.num_computed_tokens = min(seq.num_computed_tokens + len(emitted) - 1, len(seq) - 1)
+            self.block_manager.cache_full_blocks(seq)
+        return emitted, reason
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -161,6 +207,8 @@ class LLMEngine:
             del self.seqs[seq.request_id]
             del self.detokenizers[seq.request_id]
             self.sampler.forget(seq.request_id)
+            if self.speculator is not None:
+                self.speculator.forget(seq.request_id)
         return out
 
     def _record_step(self, num_tokens: int) -> None:
@@ -182,6 +230,10 @@ class LLMEngine:
         s.kv_usage = bm.num_used_blocks / bm.num_blocks
         s.prefix_queries, s.prefix_hits = bm.prefix_queries, bm.prefix_hits
         s.preemptions = self.scheduler.num_preemptions
+        if self.speculator is not None:
+            sp = self.speculator
+            s.num_drafts, s.num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
+            s.num_accepted_tokens = sp.num_accepted_tokens
         return EngineStats(**vars(s))
 
 

@@ -8,10 +8,17 @@ import os
 import torch
 
 from backend_gpu.config import EngineConfig
-from backend_gpu.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from backend_gpu.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    DecodeSpan,
+    PrefillSpan,
+)
 from backend_gpu.loader import load_weights
 from backend_gpu.models import model_class
 from backend_gpu.models.llama import head_dim_of
+from backend_gpu.quantization import KV_CACHE_DTYPES
+from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 
 # a decode joins the current group while its context is at least this share of the
@@ -32,14 +39,19 @@ class ModelRunner:
             architecture = (hf_config.architectures or [hf_config.model_type])[0]
             self.model = model_class(architecture)(hf_config).to(self.dtype)
         load_weights(self.model, weights)
+        if config.quantization is not None:
+            quantize_model(self.model, config.quantization)
+            if self.device.type == "cuda":  # free the unquantized weights before sizing the cache
+                torch.cuda.empty_cache()
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attention_layers = [layer.self_attn for layer in self.model.model.layers]
         num_kv_heads = hf_config.num_key_value_heads
         head_dim = head_dim_of(hf_config)
+        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         bytes_per_block = (
             2 * len(self.attention_layers) * self.block_size * num_kv_heads * head_dim
-        ) * self.dtype.itemsize
+        ) * self.kv_dtype.itemsize
         budget = self._kv_budget(config)
         if config.kv_cache_memory_bytes is None and self.device.type == "cpu":
             # no point holding more than every sequence at full length
@@ -51,8 +63,8 @@ class ModelRunner:
         self.kv_row = num_kv_heads * head_dim
         self.k_workspace = self.v_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         for attn in self.attention_layers:
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _kv_budget(self, config: EngineConfig) -> int:
         if self.device.type == "cuda":
@@ -66,8 +78,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Compute the batch; return logits [S, V] (float32) of the sequences that reach
-        their end this step, and their indices in the batch."""
+        """Compute the batch; return logits (float32) of the sequences that reach their
+        end this step, 1 + len(spec_token_ids) rows each, and their indices in the batch."""
         input_ids, positions, meta, sample_rows, sampled = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_rows])
@@ -104,6 +116,7 @@ class ModelRunner:
         ids: list[int] = []
         for seq, start, end in zip(batch.seqs, starts, ends, strict=True):
             ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.spec_token_ids)  # the scheduler kept only those it scheduled
         row_seq = torch.repeat_interleave(torch.tensor(batch.num_new_tokens))
         q_ends = torch.tensor(batch.num_new_tokens).cumsum(0)
         offsets = torch.tensor(starts) - (q_ends - torch.tensor(batch.num_new_tokens))
@@ -113,10 +126,14 @@ class ModelRunner:
 
         decodes = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
         prefills = [i for i, n in enumerate(batch.num_new_tokens) if n > 1]
-        groups = self._group_decodes(decodes, ends)
+        # one thread on a CPU: decodes one by one, measured faster there (no padding, a
+        # cache-sized workspace); else padded groups, whose SDPA spreads over threads
+        one_by_one = self.device.type == "cpu" and torch.get_num_threads() == 1
+        groups = [] if one_by_one else self._group_decodes(decodes, ends)
         gathered = [len(g) * -(-ends[g[0]] // bs) for g in groups]
-        gathered += [-(-ends[i] // bs) for i in prefills]
+        gathered += [-(-end // bs) for end in ends]
         k_ws, v_ws = self._workspace(max(gathered))
+        device_tables = tables.to(self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             block_size=bs,
@@ -125,13 +142,18 @@ class ModelRunner:
         )
         for group in groups:
             num_blocks = -(-ends[group[0]] // bs)
-            meta.decodes.append(
+            meta.decode_groups.append(
                 DecodeGroup(
                     rows=torch.tensor([q_ends[i] - 1 for i in group], device=self.device),
-                    block_ids=tables[group, :num_blocks].flatten().to(self.device),
+                    block_ids=device_tables[group, :num_blocks].flatten(),
                     lens=torch.tensor([ends[i] for i in group], device=self.device),
                 )
             )
+        if one_by_one:
+            meta.decodes = [
+                DecodeSpan(q_ends[i] - 1, ends[i], device_tables[i, : -(-ends[i] // bs)])
+                for i in decodes
+            ]
         for i in prefills:
             n = batch.num_new_tokens[i]
             meta.prefills.append(
@@ -139,14 +161,23 @@ class ModelRunner:
                     q_start=q_ends[i] - n,
                     q_end=q_ends[i],
                     start_pos=starts[i],
-                    block_ids=tables[i, : -(-ends[i] // bs)].to(self.device),
+                    block_ids=device_tables[i, : -(-ends[i] // bs)],
                 )
             )
         sampled = [
-            i for i, (s, end) in enumerate(zip(batch.seqs, ends, strict=True)) if end == len(s)
+            i
+            for i, (s, end) in enumerate(zip(batch.seqs, ends, strict=True))
+            if end == len(s) + len(s.spec_token_ids)
         ]
+        # a sequence verifying k proposed tokens samples at its last k + 1 positions
         sample_rows = torch.tensor(
-            [q_ends[i] - 1 for i in sampled], dtype=torch.long, device=self.device
+            [
+                row
+                for i in sampled
+                for row in range(q_ends[i] - 1 - len(batch.seqs[i].spec_token_ids), q_ends[i])
+            ],
+            dtype=torch.long,
+            device=self.device,
         )
         input_ids = torch.tensor(ids, device=self.device)
         return input_ids, positions.to(self.device), meta, sample_rows, sampled

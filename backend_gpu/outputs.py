@@ -52,3 +52,8 @@ class EngineStats:
     peak_tokens_in_blocks: int = 0
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
+    # speculative decoding: acceptance rate = accepted / draft tokens; tokens per
+    # verifying step = 1 + accepted / drafts
+    num_drafts: int = 0  # decodes that carried proposed tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -65,6 +65,27 @@ class Sampler:
                 logits[row, stops] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        probs = self.probs(logits, seqs)
+        # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1) per entry
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None and not seq.params.greedy:
+                noise[row].exponential_(generator=self.generator_of(seq))
+        return (probs / noise).argmax(dim=-1)
+
+    def generator_of(self, seq: Sequence) -> torch.Generator:
+        """The request's own generator when it has a seed (reproducible whatever the
+        batch), else the engine's."""
+        if seq.params.seed is None:
+            return self.generator
+        gen = self.seq_generators.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            self.seq_generators[seq.request_id] = gen
+        return gen
+
+    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k, top-p, min-p."""
         temps = torch.tensor(
             [s.params.temperature if not s.params.greedy else 1.0 for s in seqs],
             device=self.device,
@@ -77,16 +98,7 @@ class Sampler:
         if bool((min_p > 0).any()):
             keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))
-        # Gumbel-max in its exponential form: argmax(p / E), E ~ Exp(1) per entry
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and not seq.params.greedy:
-                gen = self.seq_generators.get(seq.request_id)
-                if gen is None:
-                    gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-                    self.seq_generators[seq.request_id] = gen
-                noise[row].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return probs
 
     def _top_k_top_p(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]

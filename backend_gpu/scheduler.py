@@ -78,9 +78,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            num_new = len(seq) - seq.num_computed_tokens
             assert num_new > 0
+            # proposed tokens ride along with a decode, as far as the budget allows
+            if num_new > 1:
+                seq.spec_token_ids = []
+            del seq.spec_token_ids[budget - 1 :]
+            num_new = min(num_new + len(seq.spec_token_ids), budget)
             while not bm.can_append_slots(seq, num_new):
+                if seq.spec_token_ids:  # drop the guesses before preempting anyone
+                    num_new -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is seq:
@@ -119,6 +128,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1

@@ -32,13 +32,17 @@ class Sequence:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        shared_prefix_len: int = 0,
     ) -> None:
+        assert 0 <= shared_prefix_len <= len(prompt_token_ids)
         self.request_id = request_id
         self.arrival = next(Sequence._arrival)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt
+        # leading prompt tokens that are a published prefix: hashed without the salt
+        self.shared_prefix_len = shared_prefix_len
         self.priority = priority
         self.status = SequenceStatus.WAITING
         # KV of token_ids[:num_computed_tokens] is in the cache; the scheduler moves it
@@ -51,6 +55,9 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[Logprob] = []
         self.num_preemptions = 0
+        # proposed next tokens, not yet checked by the target model (never in token_ids):
+        # the scheduler verifies them with the next decode, or drops them
+        self.spec_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

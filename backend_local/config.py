@@ -18,6 +18,7 @@ class EngineConfig:
     n_batch: int = 512  # tokens per llama_decode call (decode tokens first, then prompt chunks)
     n_threads: int = 0  # 0: one per core, up to 8
     verbose: bool = False  # let llama.cpp print its load log
+    enable_kv_events: bool = False  # record prefix blocks stored/removed for take_kv_events()
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from backend_local.config import EngineConfig
 from backend_local.errors import PromptTooLongError
 from backend_local.model import LlamaModel
+from backend_local.prefix_blocks import BlockEvent
 from backend_local.requests import Request, RequestOutput
 from backend_local.sampling import SamplingParams
 from backend_local.stats import EngineStats
@@ -49,10 +50,17 @@ class LocalEngine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.model.detokenize(token_ids)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, shared_prefix_len: int = 0
+    ) -> None:
         """Raise ValueError (PromptTooLongError for size) if the request can never be served."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if not 0 <= shared_prefix_len <= len(prompt_token_ids):
+            raise ValueError(
+                f"shared_prefix_len must be in [0, {len(prompt_token_ids)}], "
+                f"got {shared_prefix_len}"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model.n_vocab]
         if bad:
             raise ValueError(
@@ -67,13 +75,18 @@ class LocalEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        shared_prefix_len: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has finish_reason and usage set.
+
+        Cached cells are reused under the same `cache_salt`; under another salt only within
+        the first `shared_prefix_len` prompt tokens (a published prefix) when the cells'
+        request marked them as shared too.
 
         Raises ValueError / PromptTooLongError for requests that cannot be served,
         EngineDeadError when the worker is gone, DecodeError if llama.cpp fails on it.
         """
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, shared_prefix_len)
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
@@ -84,7 +97,9 @@ class LocalEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        request = Request(request_id, list(prompt_token_ids), params, cache_salt, emit)
+        request = Request(
+            request_id, list(prompt_token_ids), params, cache_salt, emit, shared_prefix_len
+        )
         self._worker.submit(request)
         self._active.add(request_id)
         finished = False
@@ -109,6 +124,12 @@ class LocalEngine:
 
     def stats(self) -> EngineStats:
         return self._worker.stats()
+
+    def take_kv_events(self) -> list[BlockEvent]:
+        """Prefix blocks stored and removed since the last call (needs enable_kv_events;
+        else always empty). Never blocks; the last events of a shut-down engine stay here."""
+        ledger = self._worker.ledger
+        return ledger.take_events() if ledger is not None else []
 
     @property
     def healthy(self) -> bool:

@@ -33,4 +33,5 @@ class Request:
     # Hands a RequestOutput, or the exception that ended the request, to its caller; safe
     # to call from the worker thread.
     emit: Callable[[RequestOutput | BaseException], None]
+    shared_prefix_len: int = 0  # leading prompt tokens that are a published prefix
     arrival: float = field(default_factory=time.monotonic)

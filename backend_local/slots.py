@@ -2,7 +2,8 @@
 
 A slot keeps the tokens its sequence holds in the KV cells after its request ends, so the
 next request with the same prefix and the same cache salt starts from there instead of
-computing them again. Cells are only ever reused between requests with equal salts.
+computing them again. Cells are reused between requests with different salts only within
+a published prefix: tokens that both requests mark as shared (`shared_prefix_len`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Slot:
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, its KV cell not computed yet
     reused: int = 0  # prompt tokens found cached when the request started
+    shared_len: int = 0  # leading tokens of `cached` that are a published prefix
+    blocks: list[str] = field(default_factory=list)  # hashes of `cached`'s full blocks
 
     @property
     def prefilling(self) -> bool:
@@ -47,22 +50,32 @@ class Placement:
     reuse: int  # prompt tokens to take from `source`
 
 
-def place(slots: list[Slot], prompt: list[int], salt: str | None) -> Placement:
-    """Pick a free slot for `prompt`: the longest cached prefix under the same salt wins."""
+def reusable_len(slot: Slot, prompt: list[int], salt: str | None, shared_prefix_len: int) -> int:
+    """Leading prompt tokens whose cells `slot` holds and the request may use: all of a
+    common prefix under the same salt; under another salt only the published prefix
+    that both mark as shared, so a tenant's own tokens are never reused by another."""
+    n = common_prefix_len(slot.cached, prompt)
+    return n if slot.salt == salt else min(n, slot.shared_len, shared_prefix_len)
+
+
+def place(
+    slots: list[Slot], prompt: list[int], salt: str | None, shared_prefix_len: int = 0
+) -> Placement:
+    """Pick a free slot for `prompt`: the longest reusable cached prefix wins."""
     free = [s for s in slots if s.request is None]
     assert free, "place() needs a free slot"
     source, reuse = None, 0
     for s in slots:
-        if s.salt == salt and s.cached:
-            n = common_prefix_len(s.cached, prompt)
-            if n > reuse:
-                source, reuse = s, n
+        n = reusable_len(s, prompt, salt, shared_prefix_len)
+        if n > reuse:
+            source, reuse = s, n
     # The last prompt token is always computed again: its logits give the first output token.
     reuse = min(reuse, len(prompt) - 1)
     if reuse <= 0:
         source, reuse = None, 0
-    if source is not None and source.request is None:
+    if source is not None and source.request is None and source.salt == salt:
         return Placement(source, source, reuse)
-    # Otherwise evict an empty slot if there is one, else the least recently used cache.
+    # Otherwise evict an empty slot if there is one, else the least recently used cache
+    # (another tenant's source is copied from, so its own tokens stay cached for it).
     target = min(free, key=lambda s: (len(s.cached) > 0, s.last_used))
     return Placement(target, source, reuse)

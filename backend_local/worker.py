@@ -20,6 +20,7 @@ import numpy as np
 from backend_local.config import EngineConfig
 from backend_local.errors import DecodeError, EngineDeadError
 from backend_local.model import LlamaModel
+from backend_local.prefix_blocks import BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
 from backend_local.sampling import build_sampler, token_logprob
 from backend_local.slots import Slot, place
@@ -41,6 +42,7 @@ class Worker:
         self.throughput = Throughput()
         self.prefix_query_tokens = 0
         self.prefix_reused_tokens = 0
+        self.ledger = BlockLedger() if config.enable_kv_events else None
         self.error: BaseException | None = None  # why the loop ended, if it crashed
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -124,6 +126,8 @@ class Worker:
             for slot in self.slots:
                 if slot.request is not None:
                     self._fail(slot, dead)
+                else:  # the context goes, and with it the blocks this slot kept
+                    self._drop_cells(slot)
             for request in orphans:
                 request.emit(dead)
             llama_cpp.llama_batch_free(self.batch)
@@ -166,7 +170,9 @@ class Worker:
     def _admit(self) -> None:
         while self.waiting and any(s.request is None for s in self.slots):
             request = self.waiting.popleft()
-            placement = place(self.slots, request.prompt, request.cache_salt)
+            placement = place(
+                self.slots, request.prompt, request.cache_salt, request.shared_prefix_len
+            )
             slot, reuse = placement.slot, placement.reuse
             if placement.source is slot:
                 if not llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1):
@@ -177,8 +183,12 @@ class Worker:
                 if placement.source is not None:
                     src = placement.source.seq_id
                     llama_cpp.llama_memory_seq_cp(self.mem, src, slot.seq_id, 0, reuse)
+                    # a prefix others copy from (a published one) is in use: evict it last
+                    placement.source.last_used = time.monotonic()
             slot.cached = request.prompt[:reuse]
             slot.salt = request.cache_salt
+            slot.shared_len = request.shared_prefix_len
+            self._sync_blocks(slot)
             slot.request = request
             slot.sampler = build_sampler(request.params, self.model.n_vocab)
             slot.stream = TextStream(request.params.stop)
@@ -237,6 +247,8 @@ class Worker:
             slot.cached.extend(tokens)
             slot.next_token = None
             assert len(slot.cached) <= self.config.n_ctx_per_seq
+            if len(slot.cached) == len(slot.request.prompt):  # its prompt is all in cells
+                self._sync_blocks(slot)
         self.throughput.record(n - n_gen, len(outputs))
         for slot, index in outputs:
             self._sample(slot, index)
@@ -277,15 +289,28 @@ class Worker:
         last.completion_tokens = len(slot.output_ids)
         last.cached_tokens = slot.reused
         self._clear(slot)
+        self._sync_blocks(slot)
         request.emit(last)
 
     def _fail(self, slot: Slot, error: BaseException) -> None:
         """End the slot's request with an error; its cells are dropped (they may be partial)."""
         request = slot.request
         self._clear(slot)
+        self._drop_cells(slot)
+        request.emit(error)
+
+    def _drop_cells(self, slot: Slot) -> None:
         llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
         slot.cached = []
-        request.emit(error)
+        self._sync_blocks(slot)
+
+    def _sync_blocks(self, slot: Slot) -> None:
+        """Report the slot's full blocks of cached tokens as they are now."""
+        if self.ledger is None:
+            return
+        blocks = block_hashes(slot.cached, slot.salt, slot.shared_len)
+        self.ledger.replace(slot.blocks, blocks, slot.salt, slot.shared_len)
+        slot.blocks = blocks
 
     def _clear(self, slot: Slot) -> None:
         llama_cpp.llama_sampler_free(slot.sampler)

@@ -34,11 +34,13 @@ WORDS = tuple(_WORD_TEXT.split())
 
 @dataclass
 class SampleRequest:
-    """One prompt to send. `prompt_words` is our own size target, not a token count."""
+    """One prompt to send. `prompt_words` is our own size target, not a token count.
+    `tenant`: the tenant (index) that sends it; None: tenants take turns."""
 
     prompt: str
     max_tokens: int
     prompt_words: int
+    tenant: int | None = None
 
 
 def sample_lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[int]:
@@ -77,9 +79,12 @@ def shared_prefix_requests(
     range_ratio: float = 0.0,
     num_prefixes: int = 1,
     seed: int = 0,
+    random_order: bool = False,
 ) -> list[SampleRequest]:
     """Prompts that start with one of `num_prefixes` long common prefixes (a system prompt)
-    followed by a unique suffix of about `input_len` tokens: the prefix-cache workload."""
+    followed by a unique suffix of about `input_len` tokens: the prefix-cache workload.
+    The prefixes take turns; with `random_order` each prompt draws one at random and is
+    sent by the tenant of that index (one system prompt per tenant, tenants in no order)."""
     if shared_prefix_len < 1 or num_prefixes < 1:
         raise ValueError("--shared-prefix-len and --num-prefixes must be >= 1")
     rng = random.Random(seed)
@@ -88,8 +93,10 @@ def shared_prefix_requests(
     output_lens = sample_lengths(rng, output_len, range_ratio, num_prompts)
     requests = []
     for i, (n_in, n_out) in enumerate(zip(suffix_lens, output_lens, strict=True)):
-        prompt = prefixes[i % num_prefixes] + "\n" + random_words(rng, n_in)
-        requests.append(SampleRequest(prompt, n_out, shared_prefix_len + n_in))
+        index = rng.randrange(num_prefixes) if random_order else i % num_prefixes
+        prompt = prefixes[index] + "\n" + random_words(rng, n_in)
+        tenant = index if random_order else None
+        requests.append(SampleRequest(prompt, n_out, shared_prefix_len + n_in, tenant))
     return requests
 
 

@@ -1,17 +1,25 @@
 """kvgate's llama.cpp backend against llama-cpp-python's own server, in one run.
 
     python -m bench.local_vs_llama_server [--clients 8] [--max-tokens 64] [--threads 2]
+                                          [--single-only]
 
 Same GGUF (the default Gemma 3 270M), same threads and batch size, same machine; the
 servers run one at a time so they never share the CPU. For each server: a warm-up request,
 then `--clients` concurrent streaming greedy completions (distinct prompts, cold caches),
 then each prompt alone for the full-text agreement check. llama_cpp.server runs twice:
-with interrupt_requests off (it serializes) and with its default (on). Last, single-stream
-speed: one streaming request through kvgate against a bare in-process
-`Llama.create_completion(stream=True)`, alternated, median of `--repeats`.
+with interrupt_requests off (it serializes) and with its default (on).
+
+Single-stream speed: one streaming request through kvgate (after its concurrent run, so
+its idle sequences hold cached cells, as in service), through the engine in this process
+(its sequences filled the same way first), and through a bare in-process `Llama.create_completion(stream=True)`; `--repeats` rounds,
+the order of the three rotating each round, each arm's tokens/s set against the bare
+call's of the same round. The CPU time of kvgate's threads during its stream (from
+/proc/<pid>/task/<tid>/schedstat) shows what the gateway itself costs per token,
+independent of the other load on the machine. `--single-only` skips llama_cpp.server.
 
 Output tokens are counted by tokenizing each response with the model's own vocabulary, the
-same way for every server. Writes docs/perf/local.json and docs/perf/local.png.
+same way for every server. Writes docs/perf/local.json and docs/perf/local.png
+(docs/perf/local_single.json with --single-only).
 """
 
 from __future__ import annotations
@@ -211,7 +219,8 @@ def kvgate_server(workdir: Path, args: argparse.Namespace):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url, proc, log)
-        yield url, [asyncio.run(make_api_key(url, admin_key, name)) for name in ("bench", "solo")]
+        keys = [asyncio.run(make_api_key(url, admin_key, name)) for name in ("bench", "solo")]
+        yield url, keys, proc.pid
     finally:
         stop(proc)
 
@@ -246,9 +255,18 @@ def llama_cpp_server(workdir: Path, args: argparse.Namespace, model: str, interr
         stop(proc)
 
 
-def single_stream(args: argparse.Namespace, model: str, url: str, key: str) -> dict:
+def thread_cpu_ms(pid: int) -> dict[int, float]:
+    """CPU time so far of each thread of process `pid`, in ms (Linux schedstat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            out[int(tid)] = int(f.read().split()[0]) / 1e6
+    return out
+
+
+def single_stream(args: argparse.Namespace, model: str, url: str, key: str, pid: int) -> dict:
     """Tokens/s of one streaming request: a bare Llama, the engine in this process (no HTTP),
-    and kvgate over HTTP, in turns; medians of `args.repeats` rounds."""
+    and kvgate over HTTP, in rotating order; per-round ratios to the bare call, medians."""
     from llama_cpp import Llama
 
     from backend_local import EngineConfig, LocalEngine, SamplingParams
@@ -261,7 +279,24 @@ def single_stream(args: argparse.Namespace, model: str, url: str, key: str) -> d
                   n_threads_batch=args.threads, n_batch=args.batch, n_ubatch=args.batch,
                   flash_attn=False, verbose=False)  # fmt: skip
     count = lambda text: len(llama.tokenize(text.encode(), add_bos=False))  # noqa: E731
+    prompt = engine.tokenize(SINGLE_PROMPT)
 
+    async def fill_engine() -> None:
+        # like kvgate's sequences after its concurrent run: each holds a prompt and reply
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+
+        async def one(i: int, text: str) -> None:
+            async for _ in engine.generate(f"fill-{i}", engine.tokenize(text), params, f"f{i}"):
+                pass
+
+        await asyncio.gather(*(one(i, text) for i, text in enumerate(PROMPTS[: args.clients])))
+
+    asyncio.run(fill_engine())
+    cpu: dict[str, list[float]] = {"gateway_loop": [], "engine_thread": [], "client": []}
+
+    # All three reuse the prompt from their previous round (Llama keeps its last tokens,
+    # the engine and kvgate their cached cells), so every round after the first compares
+    # decoding alone.
     def bare() -> tuple[float, str]:
         start, parts = time.perf_counter(), []
         for chunk in llama.create_completion(
@@ -270,35 +305,51 @@ def single_stream(args: argparse.Namespace, model: str, url: str, key: str) -> d
             parts.append(chunk["choices"][0]["text"])
         return time.perf_counter() - start, "".join(parts)
 
-    async def through_kvgate() -> tuple[float, str]:
+    async def stream_kvgate() -> tuple[float, str]:
         async with aiohttp.ClientSession() as session:
             r = await stream_completion(session, url, SINGLE_PROMPT, args.single_tokens, key)
         assert not r.error, r.error
         return r.latency, r.text
 
-    async def through_engine(round_: int) -> tuple[float, str]:
+    def through_kvgate() -> tuple[float, str]:
+        before, client_before = thread_cpu_ms(pid), time.thread_time()
+        seconds, text = asyncio.run(stream_kvgate())
+        client = (time.thread_time() - client_before) * 1000
+        after = thread_cpu_ms(pid)
+        used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+        tokens = count(text)
+        cpu["gateway_loop"].append(used.pop(pid) / tokens)  # the main thread runs the loop
+        cpu["engine_thread"].append(max(used.values()) / tokens)
+        cpu["client"].append(client / tokens)
+        return seconds, text
+
+    async def stream_engine(round_: int) -> tuple[float, str]:
         start, parts = time.perf_counter(), []
         params = SamplingParams(temperature=0.0, max_tokens=args.single_tokens)
-        # A new salt each round: the prompt is computed afresh, as in the other two.
-        prompt = engine.tokenize(SINGLE_PROMPT)
-        async for out in engine.generate(f"single-{round_}", prompt, params, f"r{round_}"):
+        async for out in engine.generate(f"single-{round_}", prompt, params, "single"):
             parts.append(out.text)
         return time.perf_counter() - start, "".join(parts)
 
-    runs: dict[str, list[float]] = {"bare": [], "engine": [], "kvgate": []}
+    arms = {
+        "bare": lambda _: bare(),
+        "engine": lambda round_: asyncio.run(stream_engine(round_)),
+        "kvgate": lambda _: through_kvgate(),
+    }
+    names = list(arms)
+    runs: dict[str, list[float]] = {name: [] for name in names}
     for round_ in tqdm(range(args.repeats), desc="single stream", unit="round"):
-        for name, seconds_text in (
-            ("bare", bare()),
-            ("engine", asyncio.run(through_engine(round_))),
-            ("kvgate", asyncio.run(through_kvgate())),
-        ):
-            runs[name].append(count(seconds_text[1]) / seconds_text[0])
+        for name in names[round_ % 3 :] + names[: round_ % 3]:
+            seconds, text = arms[name](round_)
+            runs[name].append(count(text) / seconds)
     llama.close()
     engine.shutdown()
-    result = {f"{name}_tokens_per_s": statistics.median(r) for name, r in runs.items()}
+    result: dict = {f"{name}_tokens_per_s": statistics.median(r) for name, r in runs.items()}
     result["runs"] = runs
-    result["engine_ratio"] = result["engine_tokens_per_s"] / result["bare_tokens_per_s"]
-    result["kvgate_ratio"] = result["kvgate_tokens_per_s"] / result["bare_tokens_per_s"]
+    for name in ("engine", "kvgate"):
+        ratios = [a / b for a, b in zip(runs[name], runs["bare"], strict=True)]
+        result[f"{name}_ratios"] = ratios
+        result[f"{name}_ratio"] = statistics.median(ratios)
+    result["cpu_ms_per_token"] = {name: statistics.median(v) for name, v in cpu.items()}
     return result
 
 
@@ -327,16 +378,34 @@ def plot(reports: list[RunReport], single: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def print_single(single: dict, repeats: int) -> None:
+    print(f"\nsingle stream, medians of {repeats} rounds: bare Llama "
+          f"{single['bare_tokens_per_s']:.1f} tok/s")  # fmt: skip
+    for name in ("engine", "kvgate"):
+        ratios = single[f"{name}_ratios"]
+        print(
+            f"  {name}: {single[f'{name}_tokens_per_s']:.1f} tok/s, "
+            f"{single[f'{name}_ratio']:.3f}x bare (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        )
+    cpu = single["cpu_ms_per_token"]
+    print(
+        f"  CPU per token during kvgate's stream: gateway event loop {cpu['gateway_loop']:.3f} ms,"
+        f" engine thread {cpu['engine_thread']:.2f} ms, measuring client {cpu['client']:.3f} ms"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--single-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--ctx-per-seq", type=int, default=1024)
     parser.add_argument("--out", default="docs/perf")
+    parser.add_argument("--single-only", action="store_true",
+                        help="skip llama_cpp.server's runs (kvgate's concurrent run stays)")  # fmt: skip
     args = parser.parse_args(argv)
     assert args.clients <= len(PROMPTS), f"at most {len(PROMPTS)} clients"
 
@@ -350,16 +419,16 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        phases = tqdm(total=4, desc="servers", unit="phase")
-        with kvgate_server(work, args) as (url, keys):
+        phases = tqdm(total=2 if args.single_only else 4, desc="servers", unit="phase")
+        with kvgate_server(work, args) as (url, keys, pid):
             run = measure_server(
                 "kvgate (local)", url, keys, args.max_tokens, tokenize, args.clients
             )
             reports.append(asyncio.run(run))
             phases.update()
-            single = single_stream(args, model, url, keys[0])
+            single = single_stream(args, model, url, keys[0], pid)
             phases.update()
-        for interrupt in (False, True):
+        for interrupt in () if args.single_only else (False, True):
             with llama_cpp_server(work, args, model, interrupt) as url:
                 name = f"llama_cpp.server (interrupt_requests={interrupt})"
                 run = measure_server(
@@ -375,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
                                               "threads", "batch", "ctx_per_seq", "repeats")}  # fmt: skip
     result = {"settings": settings, "model": model, "cpus": os.cpu_count(),
               "runs": [asdict(r) for r in reports], "single_stream": single}  # fmt: skip
+    print_single(single, args.repeats)
+    if args.single_only:
+        (out / "local_single.json").write_text(json.dumps(result, indent=2))
+        return 0
     (out / "local.json").write_text(json.dumps(result, indent=2))
     plot(reports, single, out / "local.png")
 
@@ -386,9 +459,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.server} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x | "
               f"{r.ttft_p50_s:.2f} s | {r.ttft_p99_s:.2f} s | {r.complete}/{r.clients} | "
               f"{r.agree_with_solo}/{r.clients} | {r.agree_prefix_tokens:.1f} |")  # fmt: skip
-    print(f"\nsingle stream: bare Llama {single['bare_tokens_per_s']:.1f} tok/s, engine "
-          f"{single['engine_tokens_per_s']:.1f} ({single['engine_ratio']:.2f}x), kvgate "
-          f"{single['kvgate_tokens_per_s']:.1f} ({single['kvgate_ratio']:.2f}x)")  # fmt: skip
     for r in reports:
         for note in r.notes:
             print(f"{r.server}: {note}")

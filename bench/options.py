@@ -78,6 +78,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths in [L(1-r), L(1+r)]")
     p.add_argument("--shared-prefix-len", type=int, default=512)
     p.add_argument("--num-prefixes", type=int, default=1)
+    p.add_argument(
+        "--prefix-order",
+        choices=["cycle", "random"],
+        default="cycle",
+        help="shared-prefix: prefixes take turns, or each request draws one at random and "
+        "is sent by the tenant of that index (a system prompt per tenant)",
+    )
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
     p.add_argument("--num-tenants", type=int, default=1)
@@ -107,6 +114,7 @@ def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
             args.range_ratio,
             args.num_prefixes,
             args.seed,
+            args.prefix_order == "random",
         )
     return random_requests(
         args.num_prompts, args.input_len, output_len, args.range_ratio, args.seed
@@ -116,7 +124,8 @@ def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
 def workload_info(args: argparse.Namespace) -> dict:
     info = {"dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len}
     if args.dataset == "shared-prefix":
-        info |= {"shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes}
+        info |= {"shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes,
+                 "prefix_order": args.prefix_order}  # fmt: skip
     if args.dataset == "sharegpt":
         info["dataset_path"] = args.dataset_path or "bundled"
     info["range_ratio"] = args.range_ratio

@@ -100,7 +100,7 @@ async def run_requests(
         progress = tqdm(total=len(requests), disable=not cfg.show_progress, desc="requests")
 
         async def one(i: int, req: SampleRequest) -> RequestOutput:
-            tenant = i % len(keys)
+            tenant = (i if req.tenant is None else req.tenant) % len(keys)
             payload = build_payload(
                 cfg.endpoint, model, req.prompt, req.max_tokens, cfg.temperature, cfg.ignore_eos
             )

@@ -7,7 +7,7 @@ import logging
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin_api
+from gateway import admin_api, prefix_api
 from gateway.config import Settings
 from gateway.errors import ApiError, error_body
 from gateway.http_util import json_response
@@ -64,6 +64,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     admin_api.add_routes(app)
+    prefix_api.add_routes(app)
 
     async def lifecycle(app: web.Application):
         state = await start_gateway(settings)

@@ -26,6 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="GGUF file or HF directory (default: Gemma 3 270M)")
     serve.add_argument("--served-model-name")
     serve.add_argument("--admin-key", help="bootstrap admin key (or KVGATE_ADMIN_KEY)")
+    serve.add_argument("--replicas", type=int, help="engine replicas of --backend (default 1)")
+    serve.add_argument(
+        "--router-policy",
+        help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
+    )
+    serve.add_argument(
+        "--quantization", choices=["fp8", "int8"], help="gpu backend: 8-bit weights, made at load"
+    )
+    serve.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8"], help="gpu backend: fp8 holds twice the blocks"
+    )
 
     sub.add_parser("models", help="list the models kvgate can serve and where they live")
     sub.add_parser("top", help="live dashboard of a running gateway", add_help=False)
@@ -57,9 +68,15 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "served_model_name": args.served_model_name,
             "admin_key": args.admin_key,
+            "replicas": args.replicas,
+            "router_policy": args.router_policy,
+            "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
         }
     try:
         settings = load_settings(args.config, overrides)
+        if args.command == "serve":
+            settings.resolved_backends()  # a flag the chosen backend lacks is a config error
     except (OSError, ValueError) as e:
         print(f"kvgate: bad configuration: {e}", file=sys.stderr)
         return 2

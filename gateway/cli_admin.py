@@ -1,4 +1,5 @@
-"""`kvgate tenants|keys|usage|db`: administration straight on the database.
+"""`kvgate tenants|keys|usage|db`: administration straight on the database;
+`kvgate prefixes` asks a running gateway (its prefix catalog lives in memory).
 
 They work with or without a running gateway; a running one sees key changes within
 its key-cache TTL (admin API changes apply at once).
@@ -9,9 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
+
+import aiohttp
 
 from gateway.config import Settings
 from gateway.db import Database, migrate
@@ -53,6 +57,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     usage.add_argument("--since", help="YYYY-MM-DD")
     usage.add_argument("--until", help="YYYY-MM-DD")
 
+    prefixes = sub.add_parser(
+        "prefixes", help="a running gateway's hottest cached prefixes, pins and hits per tenant"
+    )
+    prefixes.add_argument("--url", default="http://127.0.0.1:8000", help="default %(default)s")
+    prefixes.add_argument(
+        "--key",
+        default=os.environ.get("KVGATE_ADMIN_KEY"),
+        help="admin key (all tenants) or a tenant's key (its own); default $KVGATE_ADMIN_KEY",
+    )
+    prefixes.add_argument("--tenant", help="only this tenant's view (admin key)")
+    prefixes.add_argument("--limit", type=int, default=20)
+
 
 def _quota_args(p: argparse.ArgumentParser) -> None:
     for f in ("rpm", "tpm", "max-concurrent", "daily-tokens", "monthly-tokens", "priority"):
@@ -70,8 +86,10 @@ def _quota_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
+        if args.command == "prefixes":
+            return asyncio.run(_prefixes(args))
         return asyncio.run(_run(args, settings))
-    except (NotFound, Conflict, ValueError) as e:
+    except (NotFound, Conflict, ValueError, aiohttp.ClientError) as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 1
 
@@ -128,6 +146,39 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         _print(await service.list_keys(args.tenant_id), args.json)
     elif cmd == "revoke":
         _print(await service.revoke_key(args.key_id), args.json)
+
+
+async def _prefixes(args: argparse.Namespace) -> int:
+    """GET /admin/prefixes: the catalog lives in the running gateway's memory."""
+    query = {"limit": str(args.limit)} | ({"tenant_id": args.tenant} if args.tenant else {})
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(args.url.rstrip("/") + "/admin/prefixes", params=query, headers=headers) as r,
+    ):
+        body = await r.json()
+    if r.status != 200:
+        print(f"kvgate: {r.status}: {body['error']['message']}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print(body, True)
+        return 0
+    now = time.time()
+    print("hottest prefixes")
+    _print([{"replica": p["replica"], "tenant": p["tenant_id"] or "(published)",
+             "pin": p["pin"], "tokens": p["tokens"], "hits": p["hits"],
+             "saved": p["tokens_saved"], "idle_s": round(now - p["last_used"], 1),
+             "block": p["block_hash"][:12]} for p in body["prefixes"]], False)  # fmt: skip
+    print("\npinned prefixes")
+    _print([{"name": p["name"], "tenant": p["tenant_id"] or "(published)", "model": p["model"],
+             "tokens": p["tokens"], "replicas": p["replicas"], "hits": p["hits"],
+             "saved": p["tokens_saved"]} for p in body["pins"]], False)  # fmt: skip
+    print("\nper tenant")
+    _print([{"tenant": t["name"] or t["tenant_id"], "requests": t["requests"],
+             "prompt_tokens": t["prompt_tokens"], "cached_tokens": t["cached_tokens"],
+             "hit_rate": f"{t['hit_rate']:.1%}", "blocks_held": t["blocks_held"],
+             "tokens_held": t["tokens_held"]} for t in body["tenants"]], False)  # fmt: skip
+    return 0
 
 
 def _print(data: Any, as_json: bool) -> None:

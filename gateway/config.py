@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gateway.backends import BackendSpec
+from gateway.backends import BackendSpec, replica_count
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -31,12 +31,42 @@ class Settings:
     model: str = ""
     served_model_name: str = ""
     backends: list[BackendSpec] = field(default_factory=list)
+    replicas: int = 1  # engine replicas of the one --backend/--model (else per [[backends]])
+    router_policy: str = "prefix"  # or "round_robin", "least_loaded"
+    quantization: str | None = None  # gpu backend: "fp8" or "int8" weights
+    kv_cache_dtype: str | None = None  # gpu backend: "auto" or "fp8"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        for spec in self.backends:
+            replica_count(spec)  # a bad `replicas` is a configuration error, found here
+        from gateway.router import POLICIES  # here: the router pulls in the database layer
+
+        if self.router_policy not in POLICIES:
+            raise ValueError(f"router_policy must be one of {POLICIES}, got {self.router_policy!r}")
 
     def resolved_backends(self) -> list[BackendSpec]:
+        engine_options = {
+            name: value
+            for name in ("quantization", "kv_cache_dtype")
+            if (value := getattr(self, name)) is not None
+        }
         if self.backends and not self.model and self.backend in ("", "auto"):
+            if engine_options:
+                raise ValueError(
+                    f"{sorted(engine_options)} with [[backends]]: set them in a gpu entry's options"
+                )
             return self.backends
         kind = pick_backend_type() if self.backend in ("", "auto") else self.backend
-        return [BackendSpec(kind, kind, self.model, self.served_model_name)]
+        if engine_options and kind != "gpu":
+            raise ValueError(
+                f"{sorted(engine_options)} need the gpu backend, not {kind!r} "
+                "(llama.cpp runs the quantization of its GGUF file: pick a quantized GGUF)"
+            )
+        options = {"replicas": self.replicas} if self.replicas != 1 else {}
+        options |= engine_options
+        return [BackendSpec(kind, kind, self.model, self.served_model_name, options)]
 
 
 _ENV_FIELDS = {
@@ -52,6 +82,10 @@ _ENV_FIELDS = {
     "backend": str,
     "model": str,
     "served_model_name": str,
+    "replicas": int,
+    "router_policy": str,
+    "quantization": str,
+    "kv_cache_dtype": str,
 }
 
 

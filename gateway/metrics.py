@@ -5,13 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.backends import BackendStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+# speculative decoding counters a backend may report in BackendStats.extra (vLLM's names)
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "Decode steps that verified proposed tokens",
+    "spec_decode_num_draft_tokens": "Proposed tokens verified by the target model",
+    "spec_decode_num_accepted_tokens": "Proposed tokens the target model accepted",
+}
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                  1.0, 2.5)  # fmt: skip
 
@@ -41,8 +47,13 @@ class Metrics:
         self.generation_tokens = Counter(
             "kvgate:generation_tokens", "Tokens generated", ["tenant", "model"], registry=r
         )
+        # vLLM's prefix_cache_queries/hits, per tenant; a hit token is a prefill token saved
+        self.prefix_queries = Counter(
+            "kvgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+            ["tenant", "model"], registry=r,
+        )  # fmt: skip
         self.cached_tokens = Counter(
-            "kvgate:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+            "kvgate:prefix_cache_hits", "Prompt tokens served from the prefix cache (not computed)",
             ["tenant", "model"], registry=r,
         )  # fmt: skip
         self.quota_rejections = Counter(
@@ -81,9 +92,17 @@ class _BackendCollector(Collector):
                 "kvgate:backend_healthy", "1 when the backend serves", labels=["backend"]
             ),
         }
+        spec = {
+            key: CounterMetricFamily(f"kvgate:{key}", doc, labels=["backend"])
+            for key, doc in SPEC_DECODE_COUNTERS.items()
+        }
         for s in self.backend_stats():
             gauges["running"].add_metric([s.name], s.running)
             gauges["waiting"].add_metric([s.name], s.waiting)
             gauges["kv_usage"].add_metric([s.name], s.kv_usage)
             gauges["healthy"].add_metric([s.name], 1.0 if s.healthy else 0.0)
+            for key, counter in spec.items():
+                if key in s.extra:
+                    counter.add_metric([s.name], s.extra[key])
         yield from gauges.values()
+        yield from (counter for counter in spec.values() if counter.samples)

@@ -1,12 +1,14 @@
-"""Cache salts: tenants never share cached KV blocks unless an admin publishes a prefix."""
+"""Cache salts: tenants never share cached KV blocks unless an admin publishes a prefix.
+
+A published prefix's blocks carry no salt at all (GenRequest.shared_prefix_len), so
+every tenant's requests that start with it share them.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import hmac
-
-PUBLIC_SALT = "public"
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,16 +1,51 @@
-"""Model -> backend. Picks the least loaded healthy backend serving the model."""
+"""Model -> replica. The "prefix" policy sends a prompt to the replica that already holds
+its leading blocks, unless that replica is much busier than another.
+
+The rule, after SGLang's cache-aware router (cache_threshold, balance_abs_threshold,
+balance_rel_threshold), with the catalog of KV events standing in for its radix tree:
+  1. the best match: the replica holding the most leading blocks of the prompt
+     (catalog.match), ties to the less loaded;
+  2. it wins if it covers at least `cache_threshold` of the prompt's full blocks, unless
+     its load (running + waiting) exceeds the least loaded replica's by more than
+     `balance_abs` requests AND by more than `balance_rel` times: a long queue costs
+     more than the prefill it would save;
+  3. else the least loaded (then the longer match, then least KV in use; equal replicas
+     take turns).
+"round_robin" and "least_loaded" exist to measure the prefix policy against.
+"""
 
 from __future__ import annotations
 
-from gateway.backends import Backend, BackendError, ModelCard
+import itertools
+
+from gateway.backends import Backend, BackendError, BackendStats, ModelCard
+from gateway.prefix_catalog import PrefixCatalog
+
+POLICIES = ("prefix", "round_robin", "least_loaded")
 
 
 class Router:
-    def __init__(self, backends: list[Backend]) -> None:
+    def __init__(
+        self,
+        backends: list[Backend],
+        policy: str = "prefix",
+        catalog: PrefixCatalog | None = None,
+        cache_threshold: float = 0.5,
+        balance_abs: int = 4,
+        balance_rel: float = 1.5,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"router_policy must be one of {POLICIES}, got {policy!r}")
         self.backends = backends
+        self.policy = policy
+        self.catalog = catalog
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
         self.cards: dict[str, ModelCard] = {}
         self.serving: dict[str, list[Backend]] = {}
         self.broken: dict[str, str] = {}  # backend name -> why it is down
+        self._turn = itertools.count()  # round robin, and turns between equal replicas
 
     def add_models(self, backend: Backend) -> None:
         for card in backend.models():
@@ -20,17 +55,45 @@ class Router:
     def card(self, model: str) -> ModelCard | None:
         return self.cards.get(model)
 
-    def pick(self, model: str) -> Backend:
-        candidates = [b for b in self.serving.get(model, []) if b.name not in self.broken]
-        if len(candidates) == 1 and candidates[0].stats().healthy:
-            return candidates[0]
-        healthy = [b for b in candidates if b.stats().healthy]
+    def candidates(self, model: str) -> list[Backend]:
+        """The healthy replicas serving `model`; BackendError when there is none."""
+        return [b for b, _ in self._healthy(model)]
+
+    def pick(self, model: str, block_hashes: list[str] | None = None) -> Backend:
+        """The replica for a prompt whose full blocks hash to `block_hashes`."""
+        healthy = self._healthy(model)
+        if len(healthy) == 1:
+            return healthy[0][0]
+        return healthy[self.choose([s for _, s in healthy], block_hashes or [])][0]
+
+    def _healthy(self, model: str) -> list[tuple[Backend, BackendStats]]:
+        healthy = []
+        for b in self.serving.get(model, []):
+            if b.name not in self.broken and (s := b.stats()).healthy:
+                healthy.append((b, s))
         if not healthy:
             reasons = "; ".join(self.broken.values()) or "no healthy backend"
             raise BackendError(f"no backend can serve {model!r} right now ({reasons})")
-        return min(healthy, key=_load)
+        return healthy
 
-
-def _load(backend: Backend) -> tuple[int, float]:
-    s = backend.stats()
-    return (s.running + s.waiting, s.kv_usage)
+    def choose(self, stats: list[BackendStats], block_hashes: list[str]) -> int:
+        """Index into `stats` (one per healthy replica) of the replica to use."""
+        turn = next(self._turn)
+        n = len(stats)
+        if self.policy == "round_robin":
+            return turn % n
+        loads = [s.running + s.waiting for s in stats]
+        matched = [0] * n
+        if self.policy == "prefix" and block_hashes and self.catalog is not None:
+            matched = [self.catalog.match(s.name, block_hashes) for s in stats]
+        least = min(
+            range(n), key=lambda i: (loads[i], -matched[i], stats[i].kv_usage, (i - turn) % n)
+        )
+        best = max(range(n), key=lambda i: (matched[i], -loads[i], (i - turn) % n))
+        if matched[best] == 0 or matched[best] < self.cache_threshold * len(block_hashes):
+            return least
+        overloaded = (
+            loads[best] - loads[least] > self.balance_abs
+            and loads[best] > self.balance_rel * loads[least]
+        )
+        return least if overloaded else best

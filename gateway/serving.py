@@ -22,6 +22,7 @@ from gateway.backends import (
     BadRequestError,
     GenChunk,
     GenRequest,
+    PrefixCachingBackend,
     SamplingOptions,
 )
 from gateway.errors import ApiError
@@ -47,6 +48,7 @@ class Job:
     n: int
     reservation: Reservation
     user: str | None
+    block_hashes: list[str] = field(default_factory=list)  # the first prompt's full blocks
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -138,8 +140,13 @@ class Job:
             m.child(m.requests, tenant, model, str(status)).inc()
             m.child(m.prompt_tokens, tenant, model).inc(prompt_tokens)
             m.child(m.generation_tokens, tenant, model).inc(self.completion_tokens)
+            m.child(m.prefix_queries, tenant, model).inc(prompt_tokens)
             if self.cached_tokens:
                 m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
+            if self.block_hashes and self.cached_by_prompt.get(0):
+                gw.catalog.drain([self.backend])  # the blocks it hit may be just stored
+                gw.catalog.record_hits(self.backend.name, self.block_hashes,
+                                       self.cached_by_prompt[0])  # fmt: skip
             if ttft is not None:
                 m.child(m.ttft, model).observe(ttft)
             if tpot is not None:
@@ -173,13 +180,21 @@ async def prepare(
     if not principal.may_use(body.model):
         raise ApiError(403, f"Your tenant may not use the model `{body.model}`.",
                        code="model_not_allowed")  # fmt: skip
+    salt = tenant_cache_salt(gw.secret, principal.tenant_id)
+    gw.catalog.note_salt(salt, principal.tenant_id)
     try:
-        backend = gw.router.pick(body.model)
+        # every replica of a model has its tokenizer: render with one, then pick by prefix
+        renderer = gw.router.candidates(body.model)[0]
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompts = [await backend.render(body.model, messages)]
+            prompts = [await renderer.render(body.model, messages)]
         else:
-            prompts = [await backend.render(body.model, p) for p in body.prompts()]
+            prompts = [await renderer.render(body.model, p) for p in body.prompts()]
+        block_hashes = []
+        if isinstance(renderer, PrefixCachingBackend):
+            shared = gw.pins.shared_prefix_len(body.model, prompts[0])
+            block_hashes = renderer.block_hashes(prompts[0], salt, shared)
+        backend = gw.router.pick(body.model, block_hashes)
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
     except BackendError as e:
@@ -187,7 +202,6 @@ async def prepare(
         raise ApiError(503, str(e), code="backend_unavailable") from None
 
     request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
-    salt = tenant_cache_salt(gw.secret, principal.tenant_id)
     requests, reserve = [], 0
     for p_index, prompt in enumerate(prompts):
         if not prompt:
@@ -204,6 +218,7 @@ async def prepare(
                 param="messages" if chat else "prompt",
             )
         reserve += len(prompt) + body.n * max_tokens
+        shared = gw.pins.shared_prefix_len(body.model, prompt)  # a published prefix's length
         for choice in range(body.n):
             sampling = SamplingOptions(
                 temperature=body.temperature,
@@ -224,7 +239,7 @@ async def prepare(
             suffix = "" if len(prompts) * body.n == 1 else f"-{p_index * body.n + choice}"
             requests.append(
                 GenRequest(request_id + suffix, body.model, prompt, sampling,
-                           principal.tenant_id, salt, principal.priority)
+                           principal.tenant_id, salt, principal.priority, shared)
             )  # fmt: skip
     try:
         reservation = await gw.quota.admit(
@@ -242,7 +257,7 @@ async def prepare(
         raise ApiError(429, str(e), code="rate_limit_exceeded", headers=headers) from None
     gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
     return Job(gw, principal, chat, body.model, backend, request_id, int(time.time()), requests,
-               body.n, reservation, body.user)  # fmt: skip
+               body.n, reservation, body.user, block_hashes)  # fmt: skip
 
 
 _DONE = object()

@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from gateway.auth import Authenticator, AuthError, Principal
-from gateway.backends import Backend, build_backend
+from gateway.backends import Backend, build_backends
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.errors import ApiError
 from gateway.metrics import Metrics
+from gateway.pins import PinService
+from gateway.prefix import tenant_cache_salt
+from gateway.prefix_catalog import PrefixCatalog
 from gateway.quota import MemoryQuotaStore, QuotaStore
 from gateway.quota.postgres import PostgresQuotaStore
 from gateway.router import Router
@@ -36,6 +39,8 @@ class GatewayState:
     metrics: Metrics
     traffic: TrafficStats
     secret: str
+    catalog: PrefixCatalog
+    pins: PinService
     backends: list[Backend] = field(default_factory=list)
     backend_types: dict[str, str] = field(default_factory=dict)
     generated_admin_key: str | None = None
@@ -70,7 +75,11 @@ async def start_gateway(settings: Settings) -> GatewayState:
     await quota.start()
     usage = UsageRecorder(db)
     usage.start()
-    router = Router([])
+    catalog = PrefixCatalog(db)
+    await catalog.load()
+    for tenant in await tenants.list_tenants():
+        catalog.note_salt(tenant_cache_salt(secret, tenant["id"]), tenant["id"])
+    router = Router([], settings.router_policy, catalog)
     state = GatewayState(
         settings=settings,
         db=db,
@@ -82,19 +91,25 @@ async def start_gateway(settings: Settings) -> GatewayState:
         metrics=Metrics(lambda: [b.stats() for b in router.backends]),
         traffic=TrafficStats(),
         secret=secret,
+        catalog=catalog,
+        pins=PinService(db, router, catalog, secret),
         generated_admin_key=generated,
     )
     for spec in settings.resolved_backends():
-        backend = build_backend(spec)
-        state.backends.append(backend)
-        state.backend_types[backend.name] = spec.type
-        router.backends.append(backend)
-        try:
-            await backend.start()
-            router.add_models(backend)
-        except Exception as e:  # one broken backend must not take the gateway down
-            log.exception("backend %s failed to start", spec.name)
-            router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
+        for backend in build_backends(spec):  # one per replica
+            state.backends.append(backend)
+            state.backend_types[backend.name] = spec.type
+            router.backends.append(backend)
+            try:
+                await backend.start()
+                router.add_models(backend)
+            except Exception as e:  # one broken backend must not take the gateway down
+                log.exception("backend %s failed to start", backend.name)
+                router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
+    # the engines start empty: prefill the pinned prefixes, so the first request hits
+    await state.pins.load()
+    await state.pins.prefill_all()
+    catalog.start(lambda: router.backends)
     return state
 
 
@@ -104,6 +119,10 @@ async def stop_gateway(state: GatewayState) -> None:
             await backend.stop(drain=True)
         except Exception:
             log.exception("backend %s failed to stop", backend.name)
+    try:
+        await state.catalog.stop()
+    except Exception:
+        log.exception("the prefix catalog's last flush failed")
     await state.usage.stop()
     await state.quota.close()
     await state.db.close()

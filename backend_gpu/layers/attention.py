@@ -3,10 +3,13 @@
 Each step writes the new keys and values into the paged cache through the slot
 mapping, then reads every sequence's context back block by block (whole blocks are
 long contiguous rows, far cheaper to gather than single slots) into a reused
-workspace: decodes (one query each) as padded batches of similar length (so little
-is gathered and attended for nothing), prefill chunks one by one,
-each with the causal (and sliding-window) mask its position calls for. A chunk that
-starts a sequence attends to its own fresh keys and skips the gather.
+workspace. Decodes (one query each) run either as padded batches of similar length
+through SDPA, which spreads batch x heads over threads (or a GPU), or, on a CPU running
+one thread, one sequence at a time as two small matmuls over its KV heads: nothing is
+padded or masked, the small workspace stays in the CPU's cache between the gather and
+the matmuls, and SDPA's kernel is several times slower for a single query. A prefill
+chunk goes through SDPA with the causal (and sliding-window) mask its position calls
+for; a chunk that starts a sequence attends to its own fresh keys and skips the gather.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from backend_gpu.quantization.fp8 import FP8, to_fp8
 
 
 @dataclass
@@ -35,12 +40,20 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeSpan:
+    row: int  # row of the one-token query in the flat batch
+    ctx_len: int  # keys it attends to, its own included
+    block_ids: torch.Tensor  # [n] blocks holding positions [0, ctx_len)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's KV goes
     block_size: int
     k_workspace: torch.Tensor  # flat buffers the gathered context is read into
     v_workspace: torch.Tensor
-    decodes: list[DecodeGroup] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decodes: list[DecodeSpan] = field(default_factory=list)  # run one by one
     prefills: list[PrefillSpan] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -48,7 +61,7 @@ class AttentionMetadata:
         """[B, 1, 1, L]: keys inside the context (and the window) of each decode query."""
         key = ("decode", g, window)
         if key not in self._masks:
-            group = self.decodes[g]
+            group = self.decode_groups[g]
             num_keys = group.block_ids.numel() // group.lens.numel() * self.block_size
             key_pos = torch.arange(num_keys, device=group.lens.device)
             lens = group.lens[:, None]
@@ -76,13 +89,38 @@ class AttentionMetadata:
         return self._masks[key]
 
 
+def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[slots] = x; an FP8 cache stores x saturated to its range (scale 1.0, as
+    vLLM without calibrated scales: E4M3 is floating point, so the scale only moves
+    the range, and keys and values sit well inside it)."""
+    if cache.dtype == x.dtype:
+        cache.index_copy_(0, slots, x)
+        return
+    assert cache.dtype == FP8, cache.dtype
+    # index_copy_ has no FP8 kernel on the CPU; bytes are bytes
+    cache.view(torch.uint8).index_copy_(0, slots, to_fp8(x, 1.0).view(torch.uint8))
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor, bs: int):
-    """[n * bs, Hkv, D]: the cache rows of blocks `block_ids`, in order."""
+    """[n * bs, Hkv, D]: the cache rows of blocks `block_ids`, in order, in the
+    workspace's dtype (an FP8 cache is widened on the way)."""
     _, heads, dim = cache.shape
     row = bs * heads * dim
     out = workspace[: block_ids.numel() * row].view(-1, row)
-    torch.index_select(cache.view(-1, row), 0, block_ids, out=out)
+    if cache.dtype == workspace.dtype:
+        torch.index_select(cache.view(-1, row), 0, block_ids, out=out)
+    else:  # FP8: gathered as bytes (index kernels need not know FP8), widened by the copy
+        out.copy_(cache.view(torch.uint8).view(-1, row).index_select(0, block_ids).view(FP8))
     return out.view(-1, heads, dim)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor):
+    """out [H, D] = attention of one query q [H, D], already scaled, over k, v [L, Hkv, D]:
+    each KV head with the query heads that share it (h // (H / Hkv), as SDPA's enable_gqa)."""
+    heads, dim = k.shape[1], k.shape[2]
+    scores = torch.bmm(q.view(heads, -1, dim), k.permute(1, 2, 0))  # [Hkv, H / Hkv, L]
+    probs = scores.float().softmax(-1).to(v.dtype)
+    torch.bmm(probs, v.transpose(0, 1), out=out.view(heads, -1, dim))
 
 
 def paged_attention(
@@ -95,11 +133,11 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    _write(k_cache, meta.slot_mapping, k)
+    _write(v_cache, meta.slot_mapping, v)
     out = torch.empty_like(q)
     bs = meta.block_size
-    for g, group in enumerate(meta.decodes):
+    for g, group in enumerate(meta.decode_groups):
         batch = group.rows.numel()
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [B, H, 1, D]
         kd = _gather(k_cache, group.block_ids, meta.k_workspace, bs)
@@ -110,6 +148,15 @@ def paged_attention(
             qd, kd, vd, attn_mask=meta.decode_mask(g, window), scale=scale, enable_gqa=True
         )
         out.index_copy_(0, group.rows, od.squeeze(2))
+    q_scaled = q * scale if meta.decodes else q
+    for d in meta.decodes:
+        # a sliding window reads only the blocks it reaches into
+        first = 0 if window is None else max(0, d.ctx_len - window)
+        skipped = first // bs * bs
+        blocks = d.block_ids[first // bs :]
+        kd = _gather(k_cache, blocks, meta.k_workspace, bs)[first - skipped : d.ctx_len - skipped]
+        vd = _gather(v_cache, blocks, meta.v_workspace, bs)[first - skipped : d.ctx_len - skipped]
+        _decode_attention(q_scaled[d.row], kd, vd, out[d.row])
     for i, span in enumerate(meta.prefills):
         if span.start_pos == 0:  # the whole context is this chunk: no need to gather it
             kp, vp = k[span.q_start : span.q_end], v[span.q_start : span.q_end]

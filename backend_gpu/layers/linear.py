@@ -1,10 +1,13 @@
-"""Linear layers whose weight packs several checkpoint tensors, so one matmul does
-the work of several (q, k, v) or (gate, up)."""
+"""Linear layers: packed ones whose weight holds several checkpoint tensors, so one
+matmul does the work of several (q, k, v) or (gate, up); and 8-bit quantized ones."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8
 
 
 class PackedLinear(nn.Linear):
@@ -27,3 +30,34 @@ class PackedLinear(nn.Linear):
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         sizes = [s.stop - s.start for s in self.shard_slices.values()]
         return list(out.split(sizes, dim=-1))
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer made from a loaded one, its weight in 8 bits (FP8 E4M3 or INT8)
+    with one float32 scale per output row. W8A8 on FP8 GPUs (bfloat16 models), else
+    weight-only: the weight is widened to the activations' dtype in each forward."""
+
+    def __init__(self, linear: nn.Linear, method: str) -> None:
+        super().__init__()
+        weight, scale = QUANTIZE_PER_CHANNEL[method](linear.weight.detach())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = linear.bias
+        self.shard_slices: dict[str, slice] = getattr(linear, "shard_slices", {})
+        self.w8a8 = (
+            method == "fp8"
+            and fp8.supports_w8a8(weight.device)
+            and linear.weight.dtype == torch.bfloat16
+            and self.in_features % 16 == 0  # _scaled_mm's shape rule
+            and self.out_features % 16 == 0
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w8a8:
+            return fp8.w8a8_linear(x, self.weight, self.weight_scale, self.bias)
+        # 8-bit values are exact in any float dtype; the row scale applies per output column
+        out = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    split = PackedLinear.split

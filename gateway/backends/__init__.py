@@ -7,7 +7,7 @@ llama.cpp loaded when it does not serve them.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.backends.base import (
@@ -17,7 +17,9 @@ from gateway.backends.base import (
     BadRequestError,
     GenChunk,
     GenRequest,
+    KVEvent,
     ModelCard,
+    PrefixCachingBackend,
     PromptTooLongError,
     SamplingOptions,
     TokenLogprob,
@@ -32,12 +34,16 @@ __all__ = [
     "BadRequestError",
     "GenChunk",
     "GenRequest",
+    "KVEvent",
     "ModelCard",
+    "PrefixCachingBackend",
     "PromptTooLongError",
     "SamplingOptions",
     "TokenLogprob",
     "Usage",
     "build_backend",
+    "build_backends",
+    "replica_count",
 ]
 
 
@@ -71,3 +77,23 @@ def build_backend(spec: BackendSpec) -> Backend:
     module_name, cls_name = _ADAPTERS[spec.type].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(spec)
+
+
+def replica_count(spec: BackendSpec) -> int:
+    """The entry's option `replicas` (default 1), or ValueError."""
+    n = spec.options.get("replicas", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"backend {spec.name!r}: replicas must be an integer >= 1, got {n!r}")
+    return n
+
+
+def build_backends(spec: BackendSpec) -> list[Backend]:
+    """The entry's replicas: option `replicas = N` gives N adapters of the same model,
+    named "<name>-0" .. "<name>-<N-1>" (N = 1 keeps the plain name)."""
+    n = replica_count(spec)
+    options = {k: v for k, v in spec.options.items() if k != "replicas"}
+    if n == 1:
+        return [build_backend(replace(spec, options=options))]
+    return [
+        build_backend(replace(spec, name=f"{spec.name}-{i}", options=options)) for i in range(n)
+    ]

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from backend_gpu import AsyncLLM, EngineDeadError, RequestOutput, SamplingParams
 from backend_gpu import PromptTooLongError as EnginePromptTooLongError
+from backend_gpu.block_hash import hash_blocks
 from backend_gpu.config import EngineConfig
 from gateway.backends import BackendSpec
 from gateway.backends.base import (
@@ -18,6 +19,7 @@ from gateway.backends.base import (
     BadRequestError,
     GenChunk,
     GenRequest,
+    KVEvent,
     ModelCard,
     PromptInput,
     PromptTooLongError,
@@ -59,7 +61,9 @@ class GpuBackend:
             return
         path = self.spec.model or str(await asyncio.to_thread(default_model_path))
         try:
-            self._engine = await asyncio.to_thread(AsyncLLM, path, **self.spec.options)
+            # KV events feed the gateway's prefix catalog (the router's view of the cache)
+            options = {"enable_kv_events": True} | self.spec.options
+            self._engine = await asyncio.to_thread(AsyncLLM, path, **options)
         except (OSError, ValueError, NotImplementedError) as exc:
             raise BackendError(f"gpu backend {self.name!r}: {exc}") from exc
 
@@ -107,7 +111,12 @@ class GpuBackend:
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
         stream = engine.generate(
-            req.prompt_token_ids, params, req.request_id, req.cache_salt, req.priority
+            req.prompt_token_ids,
+            params,
+            req.request_id,
+            req.cache_salt,
+            req.priority,
+            req.shared_prefix_len,
         )
         async with contextlib.aclosing(stream):
             try:
@@ -121,6 +130,30 @@ class GpuBackend:
                 raise BackendError(str(exc)) from exc
             except ValueError as exc:
                 raise BadRequestError(str(exc)) from exc
+
+    def block_hashes(
+        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+    ) -> list[str]:
+        if self._engine is None:
+            return []
+        block_size = self._engine.engine.config.block_size
+        return [h.hex() for h in hash_blocks(token_ids, block_size, cache_salt, shared_prefix_len)]
+
+    def kv_events(self) -> list[KVEvent]:
+        if self._engine is None:
+            return []
+        return [
+            KVEvent(
+                e.kind,
+                self.name,
+                e.block_hash.hex(),
+                e.parent_hash.hex() if e.parent_hash else None,
+                e.cache_salt,
+                len(e.token_ids),
+                e.at,
+            )
+            for e in self._engine.take_kv_events()
+        ]
 
     def _chunk(self, out: RequestOutput, num_prompt_tokens: int) -> GenChunk:
         usage = None
@@ -142,7 +175,9 @@ class GpuBackend:
             return BackendStats(name=self.name, healthy=False)
         s = self._engine.stats()
         now = time.monotonic()
-        prompt_total = s.num_batched_tokens_total - s.num_generated_tokens_total
+        # computed tokens that were neither prompt nor output: rejected proposals
+        rejected = s.num_draft_tokens - s.num_accepted_tokens
+        prompt_total = s.num_batched_tokens_total - s.num_generated_tokens_total - rejected
         then, prompt_then, gen_then = self._rate_sample
         elapsed = max(now - then, 1e-9)
         self._rate_sample = (now, prompt_total, s.num_generated_tokens_total)
@@ -163,5 +198,8 @@ class GpuBackend:
                 "num_steps": s.num_steps,
                 "kv_cache_bytes": s.kv_cache_bytes,
                 "weight_bytes": s.weight_bytes,
+                "spec_decode_num_drafts": s.num_drafts,
+                "spec_decode_num_draft_tokens": s.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
             },
         )

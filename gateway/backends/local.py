@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 from backend_local import (
@@ -16,6 +17,7 @@ from backend_local import (
     SamplingParams,
 )
 from backend_local import PromptTooLongError as EnginePromptTooLongError
+from backend_local.prefix_blocks import block_hashes
 from gateway.backends import BackendSpec
 from gateway.backends.base import (
     BackendError,
@@ -23,6 +25,7 @@ from gateway.backends.base import (
     BadRequestError,
     GenChunk,
     GenRequest,
+    KVEvent,
     ModelCard,
     PromptInput,
     PromptTooLongError,
@@ -53,13 +56,14 @@ class LocalBackend:
         self.spec = spec
         self.model_id = served_model_id(spec)
         self._engine: LocalEngine | None = None
+        self._last_events: list[KVEvent] = []  # a stopped engine's last ones ("removed")
 
     async def start(self) -> None:
         if self._engine is not None:
             return
         path = self.spec.model or str(await asyncio.to_thread(default_model_path))
         try:
-            config = EngineConfig(model_path=path, **self.spec.options)
+            config = EngineConfig(model_path=path, enable_kv_events=True, **self.spec.options)
             self._engine = await asyncio.to_thread(LocalEngine, config)
         except (ModelLoadError, ValueError) as exc:
             raise BackendError(f"local backend {self.name!r}: {exc}") from exc
@@ -68,6 +72,7 @@ class LocalBackend:
         engine, self._engine = self._engine, None
         if engine is not None:
             await engine.stop(drain)
+            self._last_events += self._events_of(engine)
 
     @property
     def engine(self) -> LocalEngine:
@@ -97,12 +102,13 @@ class LocalBackend:
         engine = self.engine
         try:
             params = _sampling_params(req.sampling)
-            engine.check_request(req.prompt_token_ids, params)
+            engine.check_request(req.prompt_token_ids, params, req.shared_prefix_len)
         except EnginePromptTooLongError as exc:
             raise PromptTooLongError(exc.prompt_tokens, exc.max_tokens, exc.context_length) from exc
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
-        stream = engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt)
+        stream = engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt,
+                                 req.shared_prefix_len)  # fmt: skip
         async with contextlib.aclosing(stream):
             try:
                 async for out in stream:
@@ -124,6 +130,22 @@ class LocalBackend:
                 for lp in out.logprobs
             ]
         return GenChunk(out.token_ids, out.text, out.finish_reason, usage, logprobs)
+
+    def block_hashes(
+        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+    ) -> list[str]:
+        return block_hashes(token_ids, cache_salt, shared_prefix_len)
+
+    def kv_events(self) -> list[KVEvent]:
+        events, self._last_events = self._last_events, []
+        if self._engine is not None:
+            events += self._events_of(self._engine)
+        return events
+
+    def _events_of(self, engine: LocalEngine) -> list[KVEvent]:
+        return [
+            KVEvent(replica=self.name, **dataclasses.asdict(e)) for e in engine.take_kv_events()
+        ]
 
     def stats(self) -> BackendStats:
         if self._engine is None:

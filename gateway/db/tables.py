@@ -5,12 +5,14 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
     Integer,
     String,
     Text,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -141,3 +143,36 @@ class ServerSetting(Base):
 
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+
+
+class PrefixBlock(Base):
+    """One prompt block a replica holds in its prefix cache (the catalog, batched writes)."""
+
+    __tablename__ = "prefix_blocks"
+
+    replica: Mapped[str] = mapped_column(String(200), primary_key=True)
+    block_hash: Mapped[str] = mapped_column(String(128), primary_key=True)
+    parent_hash: Mapped[str | None] = mapped_column(String(128))
+    tenant_id: Mapped[str | None] = mapped_column(String(32), index=True)  # NULL: published
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_saved: Mapped[int] = mapped_column(BigInteger, default=0)
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_used: Mapped[float] = mapped_column(Float)
+
+
+class PinnedPrefix(Base):
+    """A named system prompt kvgate prefills on every backend start (NULL tenant: published)."""
+
+    __tablename__ = "pinned_prefixes"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    text: Mapped[str] = mapped_column(Text)
+    shared: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[float] = mapped_column(Float)
+    created_by: Mapped[str] = mapped_column(String(64))
+
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)

@@ -11,6 +11,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.sampling_params import SamplingParams
 from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
+from tests.backend_gpu.model_free_steps import advance
 
 BS = 4
 
@@ -68,14 +69,7 @@ def test_random_traffic_leaks_no_block_and_shares_only_within_a_salt(
         elif op == "step":
             batch = sched.schedule()
             assert batch.num_tokens <= budget
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-                bm.cache_full_blocks(seq)
-                if seq.num_computed_tokens == len(seq):
-                    seq.token_ids.append(7)
-                    if seq.num_output_tokens >= seq.params.max_tokens:
-                        sched.finish(seq, "length")
-                        live.remove(seq)
+            advance(sched, bm, batch, live)
         elif live:
             seq = live[(family + length) % len(live)]
             sched.finish(seq, op)
@@ -87,14 +81,7 @@ def test_random_traffic_leaks_no_block_and_shares_only_within_a_salt(
             break
         batch = sched.schedule()
         assert batch.seqs, "scheduler stalled"
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens == len(seq):
-                seq.token_ids.append(7)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    sched.finish(seq, "length")
-                    live.remove(seq)
+        advance(sched, bm, batch, live)
         check_invariants(bm, live)
     assert not sched.has_unfinished()
     assert bm.num_free_blocks == num_blocks

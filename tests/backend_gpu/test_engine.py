@@ -204,9 +204,3 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tiny_model_dir):
     )
     assert first_tokens_equal >= 3
     assert all(len(o.token_ids) == 4 for o in bf16)
-
-
-def test_not_implemented_options_say_so(tiny_model_dir):
-    for kwargs in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}, {"speculative_config": {}}):
-        with pytest.raises(NotImplementedError):
-            LLM(tiny_model_dir("llama"), **kwargs)

@@ -11,10 +11,11 @@ async def collect(
     prompt: list[int],
     params: SamplingParams,
     salt: str | None = None,
+    shared_prefix_len: int = 0,
 ) -> tuple[list[int], str, RequestOutput]:
     """Run one request to the end: (output token ids, text, last output)."""
     ids, text, last = [], "", None
-    async for out in engine.generate(request_id, prompt, params, salt):
+    async for out in engine.generate(request_id, prompt, params, salt, shared_prefix_len):
         assert out.request_id == request_id
         ids += out.token_ids
         text += out.text

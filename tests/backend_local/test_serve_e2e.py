@@ -79,3 +79,16 @@ def test_prompt_longer_than_the_context_is_a_400(client):
     assert "context length" in str(info.value)
     reply = client.completions.create(model=DEFAULT_MODEL_ID, prompt="Hello", max_tokens=4)
     assert reply.choices[0].text  # still serving
+
+
+def test_another_tenant_gets_no_cached_tokens_from_this_ones_prompt(gateway, client):
+    prompt = "Internal notes of tenant A: the launch moves to May; tell nobody. " * 3
+    ask = dict(model=DEFAULT_MODEL_ID, prompt=prompt, max_tokens=2, temperature=0)
+    client.completions.create(**ask)
+    again = client.completions.create(**ask)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # A reuses its own cells
+    _, key = gateway.tenant_key("local-e2e-other")
+    other = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+    reply = other.completions.create(**ask)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # B never hits A's cells
+    assert reply.usage.prompt_tokens == again.usage.prompt_tokens

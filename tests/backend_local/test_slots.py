@@ -39,3 +39,17 @@ def test_last_prompt_token_is_always_recomputed():
     assert p.reuse == 2
     p = place([Slot(0, [1], None, 1.0)], [1], None)
     assert p.reuse == 0 and p.source is None
+
+
+def test_published_prefix_is_shared_across_salts_but_tenant_tokens_are_not():
+    # tenant a's slot: 4 published tokens, then its own tokens 5, 6
+    slots = [Slot(0, [1, 2, 3, 4, 5, 6], "a", 1.0, shared_len=4), Slot(1)]
+    p = place(slots, [1, 2, 3, 4, 5, 6, 7], "b", shared_prefix_len=4)
+    assert (p.source.seq_id, p.reuse) == (0, 4)  # not 6: tokens 5, 6 are a's
+    assert p.slot.seq_id == 1  # copied to the empty slot: a keeps its own tokens cached
+    p = place(slots, [1, 2, 3, 4, 5, 6, 7], "b", shared_prefix_len=2)
+    assert p.reuse == 2  # only what both requests mark as published
+    p = place(slots, [1, 2, 3, 4, 5, 6, 7], "b")
+    assert p.source is None and p.reuse == 0  # b does not mark it shared: nothing
+    p = place(slots, [1, 2, 3, 4, 5, 6, 7], "a")
+    assert p.reuse == 6  # the same tenant reuses everything

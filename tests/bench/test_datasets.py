@@ -63,6 +63,16 @@ def test_several_prefixes_round_robin():
         shared_prefix_requests(2, 0, 5, 5)
 
 
+def test_random_prefix_order_gives_each_tenant_its_own_prefix():
+    cycle = shared_prefix_requests(40, 20, 5, 5, num_prefixes=4, seed=3)
+    reqs = shared_prefix_requests(40, 20, 5, 5, num_prefixes=4, seed=3, random_order=True)
+    head_of = {i: cycle[i].prompt.split("\n")[0] for i in range(4)}  # the same prefixes
+    assert all(r.prompt.split("\n")[0] == head_of[r.tenant] for r in reqs)
+    order = [r.tenant for r in reqs]
+    assert set(order) == {0, 1, 2, 3} and order != [i % 4 for i in range(40)]
+    assert all(r.tenant is None for r in cycle)
+
+
 def test_bundled_sharegpt_file():
     pairs = load_sharegpt(DEFAULT_SHAREGPT)
     assert len(pairs) >= 30

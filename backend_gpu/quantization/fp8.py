@@ -1,0 +1,46 @@
+"""FP8 E4M3: per-channel weight quantization, and the W8A8 matmul on GPUs that have
+FP8 tensor cores (Ada, Hopper and later) with per-token activation scales."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_SCALE = 1e-12  # an all-zero row or token still gets a usable scale
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale in FP8, saturated: casting a value past the range would give NaN."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, float32 scale [out]) with weight ~= fp8 * scale[:, None]; the scale
+    is rounded to the weight's dtype first: the forward casts it to that dtype losslessly."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1).clamp(min=MIN_SCALE) / FP8_MAX).to(weight.dtype).float()
+    return to_fp8(w, scale[:, None]), scale
+
+
+def supports_w8a8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def w8a8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T on FP8 tensor cores: x [..., in] (bfloat16) quantized per token on the
+    fly; weight [out, in] FP8 with float32 per-channel scales [out]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x_scale = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
+    out = torch._scaled_mm(
+        to_fp8(x2, x_scale),
+        weight.t(),  # [in, out] column-major, the layout _scaled_mm wants for its 2nd operand
+        scale_a=x_scale,  # [T, 1]
+        scale_b=weight_scale.view(1, -1),  # [1, out]
+        out_dtype=x.dtype,
+    )
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], -1)

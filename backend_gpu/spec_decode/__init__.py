@@ -1,0 +1,7 @@
+"""Speculative decoding: proposers (n-gram prompt lookup, a draft model) guess the next
+tokens, the target model checks them all in one step, the rejection sampler keeps the
+target's output (greedy) or its distribution (sampling)."""
+
+from backend_gpu.spec_decode.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]

@@ -1,0 +1,97 @@
+"""The engine's side of speculative decoding: which running decodes get proposals, and
+how their verified logits turn into tokens."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from backend_gpu.config import EngineConfig
+from backend_gpu.sampler import Sampler
+from backend_gpu.sequence import Sequence
+from backend_gpu.spec_decode.draft import DraftProposer
+from backend_gpu.spec_decode.ngram import NgramProposer
+from backend_gpu.spec_decode.rejection_sampler import rejection_sample
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Penalties, logprobs and min_tokens change the target's distribution per position
+    in ways the verifier does not replay yet: such requests decode one token a step."""
+    p = seq.params
+    return not p.has_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, vocab_size: int) -> None:
+        spec = config.speculative_config
+        assert spec is not None
+        self.k = spec.num_speculative_tokens
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            self.proposer = DraftProposer(config, vocab_size)
+        self.draft_probs: dict[str, torch.Tensor] = {}  # this step's q, draft model only
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def propose(self, running: list[Sequence], sampler: Sampler, max_model_len: int) -> None:
+        """Set spec_token_ids of the running decodes that may speculate."""
+        seqs: list[Sequence] = []
+        ks: list[int] = []
+        for seq in running:
+            seq.spec_token_ids = []
+            # no proposal past max_tokens or the context: those tokens would be cut anyway
+            k = min(
+                self.k,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                max_model_len - len(seq) - 1,
+            )
+            if k > 0 and len(seq) - seq.num_computed_tokens == 1 and can_speculate(seq):
+                seqs.append(seq)
+                ks.append(k)
+        self.draft_probs.clear()
+        if not seqs:
+            return
+        drafts, probs = self.proposer.propose(seqs, ks, sampler)
+        for seq, draft, q in zip(seqs, drafts, probs, strict=True):
+            seq.spec_token_ids = draft
+            if q is not None:
+                self.draft_probs[seq.request_id] = q
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler
+    ) -> list[list[int]]:
+        """logits: 1 + len(spec_token_ids) rows per sequence -> the tokens each emits."""
+        counts = [1 + len(seq.spec_token_ids) for seq in seqs]
+        starts = list(itertools.accumulate(counts, initial=0))
+        plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
+        spec = [i for i, seq in enumerate(seqs) if seq.spec_token_ids]
+        out: list[list[int]] = [[] for _ in seqs]
+        if plain:
+            rows = torch.tensor([starts[i] for i in plain], device=logits.device)
+            tokens = sampler(logits[rows], [seqs[i] for i in plain])
+            for i, token in zip(plain, tokens, strict=True):
+                out[i] = [token]
+        if spec:
+            rows = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in spec])
+            drafts = [seqs[i].spec_token_ids for i in spec]
+            probs: list[torch.Tensor | None] = []
+            for i, draft in zip(spec, drafts, strict=True):
+                q = self.draft_probs.get(seqs[i].request_id)
+                # the scheduler may have cut the proposal short: keep q's rows still in it
+                probs.append(None if q is None else q[: len(draft)])
+            spec_seqs = [seqs[i] for i in spec]
+            emitted = rejection_sample(
+                logits[rows.to(logits.device)], spec_seqs, drafts, probs, sampler
+            )
+            for i, draft, tokens in zip(spec, drafts, emitted, strict=True):
+                out[i] = tokens
+                self.num_drafts += 1
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += len(tokens) - 1
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self.proposer.forget(request_id)

@@ -1,0 +1,264 @@
+"""Which replica holds which prompt blocks: the gateway's view of every prefix cache.
+
+Backends report KV events (block stored / removed); the catalog keeps, per replica,
+the blocks it holds (tenant, tokens, hits, last use). The router asks `match` how many
+leading blocks of a prompt a replica already holds. A background task drains the
+events about every 0.25 s and writes the changed rows to the database in one
+transaction about every second (never one write per token), so the catalog and its hit
+counts survive a restart.
+
+After a restart the engines are empty: the rows loaded from the database are kept
+aside as `stale`; the blocks that the pinned prefixes' prefill stores again take their
+old rows back (hits kept), and the first flush (after start-up, so late events still
+count) deletes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from sqlalchemy import select, text
+
+from gateway.backends import Backend, KVEvent, PrefixCachingBackend
+from gateway.db import Database, PrefixBlock
+
+log = logging.getLogger("kvgate.prefix")
+
+UNKNOWN_TENANT = "?"  # a salt the gateway never handed out (it never matches a tenant)
+
+
+@dataclass
+class BlockEntry:
+    parent_hash: str | None
+    tenant_id: str | None  # None: a published prefix, shared by every tenant
+    num_tokens: int
+    first_seen: float
+    last_used: float
+    hits: int = 0
+    tokens_saved: int = 0
+
+
+DRAIN_EVERY_S = 0.25
+FLUSH_EVERY_S = 1.0
+
+
+class PrefixCatalog:
+    def __init__(self, db: Database | None = None) -> None:
+        self.db = db
+        self._task: asyncio.Task | None = None
+        self.replicas: dict[str, dict[str, BlockEntry]] = {}  # replica -> block hash -> entry
+        self.stale: dict[str, dict[str, BlockEntry]] = {}  # loaded, not yet seen again
+        self.salt_tenants: dict[str, str] = {}
+        self.dirty: set[tuple[str, str]] = set()  # (replica, hash) to upsert
+        self.removed: set[tuple[str, str]] = set()  # (replica, hash) to delete
+
+    # -- tenants ---------------------------------------------------------------------
+
+    def note_salt(self, salt: str, tenant_id: str) -> None:
+        self.salt_tenants[salt] = tenant_id
+
+    def tenant_of(self, salt: str | None) -> str | None:
+        if salt is None:
+            return None
+        return self.salt_tenants.get(salt, UNKNOWN_TENANT)
+
+    # -- events ----------------------------------------------------------------------
+
+    def apply(self, events: Iterable[KVEvent]) -> None:
+        for ev in events:
+            held = self.replicas.setdefault(ev.replica, {})
+            key = (ev.replica, ev.block_hash)
+            if ev.kind == "stored":
+                entry = held.get(ev.block_hash) or self.stale.get(ev.replica, {}).pop(
+                    ev.block_hash, None
+                )
+                if entry is None:
+                    entry = BlockEntry(ev.parent_hash, self.tenant_of(ev.cache_salt),
+                                       ev.num_tokens, ev.at, ev.at)  # fmt: skip
+                entry.last_used = max(entry.last_used, ev.at)
+                held[ev.block_hash] = entry
+                self.dirty.add(key)
+                self.removed.discard(key)
+            elif ev.kind == "removed":
+                if held.pop(ev.block_hash, None) is not None:
+                    self.dirty.discard(key)
+                    self.removed.add(key)
+            else:
+                raise ValueError(f"unknown KV event kind {ev.kind!r}")
+
+    def match(self, replica: str, hashes: list[str]) -> int:
+        """How many of the leading `hashes` the replica holds (a prefix stops at a gap)."""
+        held = self.replicas.get(replica)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def record_hits(self, replica: str, hashes: list[str], cached_tokens: int) -> None:
+        """A request on `replica` reused `cached_tokens` of its prompt: credit those blocks."""
+        held = self.replicas.get(replica, {})
+        now = time.time()
+        for h in hashes:
+            entry = held.get(h)
+            if cached_tokens <= 0 or entry is None:
+                break
+            saved = min(entry.num_tokens, cached_tokens)
+            entry.hits += 1
+            entry.tokens_saved += saved
+            entry.last_used = now
+            cached_tokens -= saved
+            self.dirty.add((replica, h))
+
+    def drop_stale(self) -> None:
+        """Rows loaded at start that no replica stored again (by the first flush) are gone."""
+        for replica, entries in self.stale.items():
+            self.removed.update((replica, h) for h in entries)
+        self.stale = {}
+
+    # -- reports ---------------------------------------------------------------------
+
+    def chain(self, replica: str, block_hash: str) -> dict:
+        """Totals of the prefix that ends at `block_hash`: blocks, tokens, tokens saved."""
+        held = self.replicas[replica]
+        entry = held[block_hash]
+        blocks = tokens = saved = 0
+        h: str | None = block_hash
+        while h is not None and h in held:
+            e = held[h]
+            blocks, tokens, saved = blocks + 1, tokens + e.num_tokens, saved + e.tokens_saved
+            h = e.parent_hash
+        return {"replica": replica, "block_hash": block_hash, "tenant_id": entry.tenant_id,
+                "blocks": blocks, "tokens": tokens, "hits": entry.hits, "tokens_saved": saved,
+                "last_used": entry.last_used}  # fmt: skip
+
+    def hottest(self, visible: Callable[[str | None], bool], limit: int) -> list[dict]:
+        """The prefixes worth naming: a block whose hits no child block shares in full is
+        where those requests' common prefix ends (a hot system prompt), and a leaf ends a
+        chain; ranked by tokens saved."""
+        found = []
+        for replica, held in self.replicas.items():
+            child_hits: dict[str, int] = {}
+            for e in held.values():
+                if e.parent_hash is not None:
+                    child_hits[e.parent_hash] = max(child_hits.get(e.parent_hash, 0), e.hits)
+            for h, e in held.items():
+                if visible(e.tenant_id) and child_hits.get(h, -1) < e.hits:
+                    found.append(self.chain(replica, h))
+        found.sort(key=lambda r: (-r["tokens_saved"], -r["hits"], -r["tokens"]))
+        return found[:limit]
+
+    def held_by_tenant(self, visible: Callable[[str | None], bool]) -> dict[str | None, tuple]:
+        """tenant -> (blocks, tokens) cached on all replicas."""
+        held: dict[str | None, tuple[int, int]] = {}
+        for entries in self.replicas.values():
+            for e in entries.values():
+                if visible(e.tenant_id):
+                    blocks, tokens = held.get(e.tenant_id, (0, 0))
+                    held[e.tenant_id] = (blocks + 1, tokens + e.num_tokens)
+        return held
+
+    # -- persistence -----------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Read the last run's rows. The engines start empty, so every row is stale until
+        its replica stores the block again (a pin's prefill) or the first flush deletes it."""
+        assert self.db is not None
+        async with self.db.session() as s:
+            for row in (await s.scalars(select(PrefixBlock))).all():
+                self.stale.setdefault(row.replica, {})[row.block_hash] = BlockEntry(
+                    row.parent_hash, row.tenant_id, row.num_tokens, row.first_seen,
+                    row.last_used, row.hits, row.tokens_saved,
+                )  # fmt: skip
+
+    async def flush(self) -> None:
+        """Write the changed rows and delete the removed and stale ones, in one transaction."""
+        assert self.db is not None
+        self.drop_stale()
+        if not self.dirty and not self.removed:
+            return
+        dirty, removed = sorted(self.dirty), sorted(self.removed)  # sorted: one lock order
+        self.dirty, self.removed = set(), set()
+        rows = []
+        for replica, h in dirty:
+            e = self.replicas.get(replica, {}).get(h)
+            if e is not None:
+                rows.append({"replica": replica, "block_hash": h, "parent_hash": e.parent_hash,
+                             "tenant_id": e.tenant_id, "num_tokens": e.num_tokens,
+                             "hits": e.hits, "tokens_saved": e.tokens_saved,
+                             "first_seen": e.first_seen, "last_used": e.last_used})  # fmt: skip
+        gone = [{"replica": r, "block_hash": h} for r, h in removed]
+        try:
+            if self.db.sync_engine is not None:
+                # SQLite: in a worker thread, so the write lock is never held across an
+                # await (the usage writer commits on the event loop and would wait on it)
+                await asyncio.to_thread(self._write_sync, gone, rows)
+            else:
+                async with self.db.engine.begin() as conn:
+                    if gone:
+                        await conn.execute(_DELETE, gone)
+                    if rows:
+                        await conn.execute(_UPSERT, rows)
+        except Exception:  # keep them for the next flush, unless changed since
+            self.dirty.update(k for k in dirty if k not in self.removed)
+            self.removed.update(k for k in removed if k not in self.dirty)
+            raise
+
+    def _write_sync(self, gone: list[dict], rows: list[dict]) -> None:
+        assert self.db is not None and self.db.sync_engine is not None
+        with self.db.sync_engine.begin() as conn:
+            if gone:
+                conn.execute(_DELETE, gone)
+            if rows:
+                conn.execute(_UPSERT, rows)
+
+    def start(self, backends: Callable[[], list[Backend]]) -> None:
+        """Drain every prefix-caching backend's events in the background; flush to the DB."""
+        self._task = asyncio.create_task(self._run(backends))
+
+    async def stop(self) -> None:
+        """The last flush, after the backends stopped. Their events are not drained: a
+        stopping engine reports all its blocks removed, and the rows should outlive it
+        (loaded as stale, they keep their hits for the blocks the next start stores)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.flush()
+
+    def drain(self, backends: list[Backend]) -> None:
+        for b in backends:
+            if isinstance(b, PrefixCachingBackend):
+                self.apply(b.kv_events())
+
+    async def _run(self, backends: Callable[[], list[Backend]]) -> None:
+        last_flush = time.monotonic()
+        while True:
+            await asyncio.sleep(DRAIN_EVERY_S)
+            try:
+                self.drain(backends())
+                if time.monotonic() - last_flush >= FLUSH_EVERY_S:
+                    last_flush = time.monotonic()
+                    await self.flush()
+            except Exception:  # the catalog is advisory: serving goes on without it
+                log.exception("prefix catalog update failed")
+
+
+_DELETE = text("DELETE FROM prefix_blocks WHERE replica = :replica AND block_hash = :block_hash")
+_UPSERT = text(
+    "INSERT INTO prefix_blocks (replica, block_hash, parent_hash, tenant_id, num_tokens, hits, "
+    "tokens_saved, first_seen, last_used) VALUES (:replica, :block_hash, :parent_hash, "
+    ":tenant_id, :num_tokens, :hits, :tokens_saved, :first_seen, :last_used) "
+    "ON CONFLICT (replica, block_hash) DO UPDATE SET parent_hash = excluded.parent_hash, "
+    "tenant_id = excluded.tenant_id, num_tokens = excluded.num_tokens, hits = excluded.hits, "
+    "tokens_saved = excluded.tokens_saved, last_used = excluded.last_used"
+)

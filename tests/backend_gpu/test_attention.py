@@ -1,0 +1,120 @@
+"""Paged attention against SDPA on the same keys laid out contiguously: decodes (one by
+one and in padded groups) and prefill chunks mixed in one batch, blocks scattered over
+the pool, GQA, windows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import backend_gpu.layers.attention as attention
+from backend_gpu import LLM
+from backend_gpu.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    DecodeSpan,
+    PrefillSpan,
+    paged_attention,
+)
+from tests.backend_gpu.test_correctness import check
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
+
+
+def reference(q, keys, values, start_pos: int, scale: float, window: int | None):
+    """SDPA over one sequence's contiguous keys [L, Hkv, D] for queries at start_pos..."""
+    q_len, ctx_len = q.shape[0], keys.shape[0]
+    q_pos = torch.arange(start_pos, start_pos + q_len)[:, None]
+    key_pos = torch.arange(ctx_len)[None, :]
+    mask = key_pos <= q_pos
+    if window is not None:
+        mask &= key_pos > q_pos - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("one_by_one", [True, False])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_sdpa_on_contiguous_keys(window, one_by_one):
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 32
+    # (context before this step, new tokens): three decodes, a fresh prompt, a later chunk
+    shapes = [(13, 1), (0, 6), (3, 1), (9, 5), (1, 1)]
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.zeros(num_blocks * BLOCK, KV_HEADS, DIM)
+    v_cache = torch.zeros_like(k_cache)
+    contexts, tables = [], []
+    for past, new in shapes:
+        table = torch.tensor([free.pop() for _ in range(-(-(past + new) // BLOCK))])
+        keys = torch.randn(past + new, KV_HEADS, DIM, generator=gen)
+        values = torch.randn(past + new, KV_HEADS, DIM, generator=gen)
+        slots = table[torch.arange(past) // BLOCK] * BLOCK + torch.arange(past) % BLOCK
+        k_cache[slots], v_cache[slots] = keys[:past], values[:past]
+        contexts.append((keys, values))
+        tables.append(table)
+    total = sum(new for _, new in shapes)
+    q = torch.randn(total, HEADS, DIM, generator=gen)
+    slot_mapping, k_new, v_new = [], [], []
+    meta_decodes, meta_prefills = [], []
+    row = 0
+    for (past, new), table, (keys, values) in zip(shapes, tables, contexts, strict=True):
+        positions = torch.arange(past, past + new)
+        slot_mapping.append(table[positions // BLOCK] * BLOCK + positions % BLOCK)
+        k_new.append(keys[past:])
+        v_new.append(values[past:])
+        if new == 1:
+            meta_decodes.append(DecodeSpan(row, past + 1, table))
+        else:
+            meta_prefills.append(PrefillSpan(row, row + new, past, table))
+        row += new
+    groups = []
+    if not one_by_one:  # the decodes as one padded group, as the runner builds it
+        width = max(d.block_ids.numel() for d in meta_decodes)
+        padded = [torch.cat([d.block_ids, d.block_ids.new_zeros(width - d.block_ids.numel())])
+                  for d in meta_decodes]  # fmt: skip
+        rows = torch.tensor([d.row for d in meta_decodes])
+        lens = torch.tensor([d.ctx_len for d in meta_decodes])
+        groups, meta_decodes = [DecodeGroup(rows, torch.cat(padded), lens)], []
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slot_mapping),
+        block_size=BLOCK,
+        k_workspace=torch.empty(num_blocks * BLOCK * KV_HEADS * DIM),
+        v_workspace=torch.empty(num_blocks * BLOCK * KV_HEADS * DIM),
+        decode_groups=groups,
+        decodes=meta_decodes,
+        prefills=meta_prefills,
+    )
+    scale = 0.3
+    out = paged_attention(
+        q, torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, meta, scale, window
+    )
+    row = 0
+    for (past, new), (keys, values) in zip(shapes, contexts, strict=True):
+        expected = reference(q[row : row + new], keys, values, past, scale, window)
+        torch.testing.assert_close(out[row : row + new], expected, rtol=1e-5, atol=1e-5)
+        row += new
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_one_by_one_decodes_match_transformers(tiny_model_dir, arch, monkeypatch):
+    """One torch thread switches the runner to one-by-one decodes (else padded groups)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return decode_attention(*args)
+
+    decode_attention = attention._decode_attention
+    monkeypatch.setattr(attention, "_decode_attention", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model_dir = tiny_model_dir(arch)
+        check(LLM(model_dir, max_num_batched_tokens=24), model_dir)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls

