@@ -190,10 +190,11 @@ async def prepare(
             prompts = [await renderer.render(body.model, messages)]
         else:
             prompts = [await renderer.render(body.model, p) for p in body.prompts()]
+        # a published prefix's length per prompt: its blocks are hashed without the salt
+        shared_lens = [gw.pins.shared_prefix_len(body.model, p) for p in prompts]
         block_hashes = []
         if isinstance(renderer, PrefixCachingBackend):
-            shared = gw.pins.shared_prefix_len(body.model, prompts[0])
-            block_hashes = renderer.block_hashes(prompts[0], salt, shared)
+            block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
         backend = gw.router.pick(body.model, block_hashes)
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
@@ -218,7 +219,6 @@ async def prepare(
                 param="messages" if chat else "prompt",
             )
         reserve += len(prompt) + body.n * max_tokens
-        shared = gw.pins.shared_prefix_len(body.model, prompt)  # a published prefix's length
         for choice in range(body.n):
             sampling = SamplingOptions(
                 temperature=body.temperature,
@@ -239,7 +239,7 @@ async def prepare(
             suffix = "" if len(prompts) * body.n == 1 else f"-{p_index * body.n + choice}"
             requests.append(
                 GenRequest(request_id + suffix, body.model, prompt, sampling,
-                           principal.tenant_id, salt, principal.priority, shared)
+                           principal.tenant_id, salt, principal.priority, shared_lens[p_index])
             )  # fmt: skip
     try:
         reservation = await gw.quota.admit(
