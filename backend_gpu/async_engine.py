@@ -12,6 +12,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from backend_gpu.block_manager import KVCacheEvent
@@ -87,7 +88,11 @@ class AsyncLLM:
         await self._call(lambda: self._abort(request_id))
 
     def stats(self) -> EngineStats:
-        return self._stats  # a copy the engine thread refreshes after each step
+        # a copy the engine thread refreshes after each step, with the rates read now: an
+        # idle engine takes no step, and its rates must still fall to zero (Throughput is
+        # thread-safe)
+        prompt, gen = self.engine.throughput.rates()
+        return replace(self._stats, prompt_tokens_per_s=prompt, gen_tokens_per_s=gen)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Prefix-cache blocks stored and removed since the last call (needs

@@ -18,6 +18,7 @@ from backend_gpu.sampling_params import SamplingParams
 from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
 from backend_gpu.spec_decode.speculator import Speculator
+from backend_gpu.throughput import Throughput
 
 
 def eos_token_ids(model_dir_or_config, tokenizer) -> set[int]:
@@ -40,7 +41,7 @@ class LLMEngine:
         self.speculator = (
             Speculator(config, hf_config.vocab_size) if config.speculative_config else None
         )
-        self.runner = ModelRunner(config, hf_config, weights)
+        self.runner = ModelRunner(config, hf_config, weights, self.tokenizer)
         self.max_model_len = min(
             config.max_model_len or hf_config.max_position_embeddings,
             hf_config.max_position_embeddings,
@@ -62,6 +63,7 @@ class LLMEngine:
             weight_bytes=self.runner.weight_bytes,
             kv_cache_bytes=self.runner.kv_cache_bytes,
         )
+        self.throughput = Throughput()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -131,22 +133,29 @@ class LLMEngine:
         if not batch.seqs:
             return []
         logits, sampled = self.runner.run(batch)
+        prompt_tokens = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             # proposed tokens count as computed only once accepted, below
-            seq.num_computed_tokens += n - len(seq.spec_token_ids)
+            computed = n - len(seq.spec_token_ids)
+            # positions past the prompt hold output tokens, fed back in or recomputed
+            prompt_tokens += max(0, min(computed, seq.num_prompt_tokens - seq.num_computed_tokens))
+            seq.num_computed_tokens += computed
         self._record_step(batch.num_tokens)
         sampled_seqs = [batch.seqs[i] for i in sampled]
         new_tokens = self._sample(logits, sampled_seqs) if sampled_seqs else []
         for seq in batch.seqs:
             self.block_manager.cache_full_blocks(seq)
         outputs = []
+        generated = 0
         for seq, tokens in zip(sampled_seqs, new_tokens, strict=True):
             seq.spec_token_ids = []
             emitted, reason = self._append(seq, tokens)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq, emitted))
-            self.stats_.num_generated_tokens_total += len(emitted)
+            generated += len(emitted)
+        self.stats_.num_generated_tokens_total += generated
+        self.throughput.record(prompt_tokens, generated)
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
@@ -234,6 +243,7 @@ class LLMEngine:
             sp = self.speculator
             s.num_drafts, s.num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
             s.num_accepted_tokens = sp.num_accepted_tokens
+        s.prompt_tokens_per_s, s.gen_tokens_per_s = self.throughput.rates()
         return EngineStats(**vars(s))
 
 

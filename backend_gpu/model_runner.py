@@ -18,6 +18,8 @@ from backend_gpu.loader import load_weights
 from backend_gpu.models import model_class
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.quantization import KV_CACHE_DTYPES
+from backend_gpu.quantization.fp8 import FP8
+from backend_gpu.quantization.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 
@@ -28,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, weights) -> None:
+    def __init__(self, config: EngineConfig, hf_config, weights, tokenizer) -> None:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         if self.dtype is torch.float16 and self.device.type == "cpu":
@@ -41,14 +43,28 @@ class ModelRunner:
         load_weights(self.model, weights)
         if config.quantization is not None:
             quantize_model(self.model, config.quantization)
-            if self.device.type == "cuda":  # free the unquantized weights before sizing the cache
-                torch.cuda.empty_cache()
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attention_layers = [layer.self_attn for layer in self.model.model.layers]
         num_kv_heads = hf_config.num_key_value_heads
         head_dim = head_dim_of(hf_config)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
+        if self.kv_dtype == FP8:  # before the cache exists: calibration uses scratch rows
+            max_len = min(
+                config.max_model_len or hf_config.max_position_embeddings,
+                hf_config.max_position_embeddings,
+            )
+            calibrate_kv_scales(
+                self.model,
+                self.attention_layers,
+                calibration_token_ids(tokenizer, max_len),
+                (num_kv_heads, head_dim),
+                self.dtype,
+                self.device,
+            )
+        if self.device.type == "cuda":
+            # free the unquantized weights and the calibration's scratch before sizing the cache
+            torch.cuda.empty_cache()
         bytes_per_block = (
             2 * len(self.attention_layers) * self.block_size * num_kv_heads * head_dim
         ) * self.kv_dtype.itemsize

@@ -57,3 +57,6 @@ class EngineStats:
     num_drafts: int = 0  # decodes that carried proposed tokens
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # over the last RATE_WINDOW_S seconds (backend_gpu.throughput), counted per step
+    prompt_tokens_per_s: float = 0.0
+    gen_tokens_per_s: float = 0.0

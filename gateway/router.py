@@ -17,11 +17,20 @@ balance_rel_threshold), with the catalog of KV events standing in for its radix 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from gateway.backends import Backend, BackendError, BackendStats, ModelCard
 from gateway.prefix_catalog import PrefixCatalog
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A healthy replica and the stats it was found healthy with."""
+
+    backend: Backend
+    stats: BackendStats
 
 
 class Router:
@@ -55,26 +64,28 @@ class Router:
     def card(self, model: str) -> ModelCard | None:
         return self.cards.get(model)
 
-    def candidates(self, model: str) -> list[Backend]:
-        """The healthy replicas serving `model`; BackendError when there is none."""
-        return [b for b, _ in self._healthy(model)]
-
-    def pick(self, model: str, block_hashes: list[str] | None = None) -> Backend:
-        """The replica for a prompt whose full blocks hash to `block_hashes`."""
-        healthy = self._healthy(model)
-        if len(healthy) == 1:
-            return healthy[0][0]
-        return healthy[self.choose([s for _, s in healthy], block_hashes or [])][0]
-
-    def _healthy(self, model: str) -> list[tuple[Backend, BackendStats]]:
+    def candidates(self, model: str) -> list[Candidate]:
+        """The healthy replicas serving `model`, each asked for its stats once;
+        BackendError when there is none."""
         healthy = []
         for b in self.serving.get(model, []):
             if b.name not in self.broken and (s := b.stats()).healthy:
-                healthy.append((b, s))
+                healthy.append(Candidate(b, s))
         if not healthy:
             reasons = "; ".join(self.broken.values()) or "no healthy backend"
             raise BackendError(f"no backend can serve {model!r} right now ({reasons})")
         return healthy
+
+    def pick(self, model: str, block_hashes: list[str] | None = None) -> Backend:
+        """The replica for a prompt whose full blocks hash to `block_hashes`."""
+        return self.pick_from(self.candidates(model), block_hashes or [])
+
+    def pick_from(self, candidates: list[Candidate], block_hashes: list[str]) -> Backend:
+        """Like `pick`, among candidates already read (a request reads them once to
+        render its prompt, then picks by that prompt's blocks)."""
+        if len(candidates) == 1:
+            return candidates[0].backend
+        return candidates[self.choose([c.stats for c in candidates], block_hashes)].backend
 
     def choose(self, stats: list[BackendStats], block_hashes: list[str]) -> int:
         """Index into `stats` (one per healthy replica) of the replica to use."""

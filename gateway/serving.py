@@ -184,7 +184,8 @@ async def prepare(
     gw.catalog.note_salt(salt, principal.tenant_id)
     try:
         # every replica of a model has its tokenizer: render with one, then pick by prefix
-        renderer = gw.router.candidates(body.model)[0]
+        candidates = gw.router.candidates(body.model)  # each replica's stats, read once
+        renderer = candidates[0].backend
         if chat:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             prompts = [await renderer.render(body.model, messages)]
@@ -195,7 +196,7 @@ async def prepare(
         block_hashes = []
         if isinstance(renderer, PrefixCachingBackend):
             block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
-        backend = gw.router.pick(body.model, block_hashes)
+        backend = gw.router.pick_from(candidates, block_hashes)
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
     except BackendError as e:

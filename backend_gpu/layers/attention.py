@@ -10,6 +10,8 @@ padded or masked, the small workspace stays in the CPU's cache between the gathe
 the matmuls, and SDPA's kernel is several times slower for a single query. A prefill
 chunk goes through SDPA with the causal (and sliding-window) mask its position calls
 for; a chunk that starts a sequence attends to its own fresh keys and skips the gather.
+An FP8 cache holds K and V divided by the layer's scales; the reads fold them back into
+the query's scale and the attention output.
 """
 
 from __future__ import annotations
@@ -89,16 +91,16 @@ class AttentionMetadata:
         return self._masks[key]
 
 
-def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """cache[slots] = x; an FP8 cache stores x saturated to its range (scale 1.0, as
-    vLLM without calibrated scales: E4M3 is floating point, so the scale only moves
-    the range, and keys and values sit well inside it)."""
+def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """cache[slots] = x / scale; an FP8 cache stores it saturated to its range (the
+    layer's calibrated scale, quantization/kv_calibration.py: E4M3 is floating point,
+    the scale moves its range onto the layer's values)."""
     if cache.dtype == x.dtype:
-        cache.index_copy_(0, slots, x)
+        cache.index_copy_(0, slots, x if scale == 1.0 else x / scale)
         return
     assert cache.dtype == FP8, cache.dtype
     # index_copy_ has no FP8 kernel on the CPU; bytes are bytes
-    cache.view(torch.uint8).index_copy_(0, slots, to_fp8(x, 1.0).view(torch.uint8))
+    cache.view(torch.uint8).index_copy_(0, slots, to_fp8(x, scale).view(torch.uint8))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor, bs: int):
@@ -123,6 +125,11 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     torch.bmm(probs, v.transpose(0, 1), out=out.view(heads, -1, dim))
 
 
+def _unscale(x: torch.Tensor, v_scale: float) -> torch.Tensor:
+    """An attention output over values cached as v / v_scale, back to v's scale."""
+    return x if v_scale == 1.0 else x * v_scale
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -132,9 +139,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    k_scale: float = 1.0,  # the caches hold k / k_scale and v / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    _write(k_cache, meta.slot_mapping, k)
-    _write(v_cache, meta.slot_mapping, v)
+    _write(k_cache, meta.slot_mapping, k, k_scale)
+    _write(v_cache, meta.slot_mapping, v, v_scale)
+    # keys and values read back from the cache are scaled down: rather than a pass over
+    # the gathered workspace, K's scale joins the query's, q . (k * s) = (q * s) . k,
+    # and V's multiplies the attention output
+    cached_scale = scale * k_scale
     out = torch.empty_like(q)
     bs = meta.block_size
     for g, group in enumerate(meta.decode_groups):
@@ -145,10 +158,10 @@ def paged_attention(
         kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
         od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask(g, window), scale=scale, enable_gqa=True
+            qd, kd, vd, attn_mask=meta.decode_mask(g, window), scale=cached_scale, enable_gqa=True
         )
-        out.index_copy_(0, group.rows, od.squeeze(2))
-    q_scaled = q * scale if meta.decodes else q
+        out.index_copy_(0, group.rows, _unscale(od.squeeze(2), v_scale))
+    q_scaled = q * cached_scale if meta.decodes else q
     for d in meta.decodes:
         # a sliding window reads only the blocks it reaches into
         first = 0 if window is None else max(0, d.ctx_len - window)
@@ -157,19 +170,23 @@ def paged_attention(
         kd = _gather(k_cache, blocks, meta.k_workspace, bs)[first - skipped : d.ctx_len - skipped]
         vd = _gather(v_cache, blocks, meta.v_workspace, bs)[first - skipped : d.ctx_len - skipped]
         _decode_attention(q_scaled[d.row], kd, vd, out[d.row])
+        if v_scale != 1.0:
+            out[d.row] *= v_scale
     for i, span in enumerate(meta.prefills):
         if span.start_pos == 0:  # the whole context is this chunk: no need to gather it
             kp, vp = k[span.q_start : span.q_end], v[span.q_start : span.q_end]
+            span_scale, span_v_scale = scale, 1.0  # fresh, not scaled down
         else:
             ctx_len = span.start_pos + span.q_end - span.q_start
             kp = _gather(k_cache, span.block_ids, meta.k_workspace, bs)[:ctx_len]
             vp = _gather(v_cache, span.block_ids, meta.v_workspace, bs)[:ctx_len]
+            span_scale, span_v_scale = cached_scale, v_scale
         qp = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         vp = vp.transpose(0, 1).unsqueeze(0)
         mask = meta.prefill_mask(i, window)
         op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=span_scale, enable_gqa=True
         )
-        out[span.q_start : span.q_end] = op[0].transpose(0, 1)
+        out[span.q_start : span.q_end] = _unscale(op[0].transpose(0, 1), span_v_scale)
     return out

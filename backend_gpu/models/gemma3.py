@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_gpu.layers.attention import AttentionMetadata
-from backend_gpu.layers.linear import PackedLinear
+from backend_gpu.layers.linear import LMHead, PackedLinear
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
 from backend_gpu.models.llama import (
@@ -45,6 +45,7 @@ class Gemma3Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.scale = config.query_pre_attn_scalar**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
+        self.k_scale = self.v_scale = 1.0  # the FP8 cache's, calibrated by the model runner
 
     # project, per-head q/k norm, rope, paged attention: the same steps as Llama's
     forward = LlamaAttention.forward
@@ -91,7 +92,7 @@ class Gemma3ForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.model = Gemma3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.lm_head.weight = self.model.embed_tokens.weight  # always tied
         self.softcap = getattr(config, "final_logit_softcapping", None)
 

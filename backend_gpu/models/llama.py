@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_gpu.layers.attention import AttentionMetadata, paged_attention
-from backend_gpu.layers.linear import PackedLinear
+from backend_gpu.layers.linear import LMHead, PackedLinear
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -54,6 +54,7 @@ class LlamaAttention(nn.Module):
         self.window = sliding_window_of(config, layer)
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
+        self.k_scale = self.v_scale = 1.0  # the FP8 cache's, calibrated by the model runner
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -63,7 +64,10 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window)
+        o = paged_attention(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
         return self.o_proj(o.flatten(1))
 
 
@@ -115,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

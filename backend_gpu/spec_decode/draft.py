@@ -30,7 +30,7 @@ class DraftProposer:
     def __init__(self, config: EngineConfig, target_vocab_size: int) -> None:
         spec = config.speculative_config
         assert spec is not None and spec.model is not None
-        hf_config, _, weights = open_model(spec.model)
+        hf_config, tokenizer, weights = open_model(spec.model)
         if hf_config.vocab_size != target_vocab_size:
             raise ValueError(
                 f"draft model vocabulary ({hf_config.vocab_size}) differs from the target's "
@@ -43,7 +43,7 @@ class DraftProposer:
             enable_prefix_caching=False,
             gpu_memory_utilization=config.gpu_memory_utilization * DRAFT_MEMORY_SHARE,
         )
-        self.runner = ModelRunner(draft_config, hf_config, weights)
+        self.runner = ModelRunner(draft_config, hf_config, weights, tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, False)
         self.max_model_len = min(
             config.max_model_len or hf_config.max_position_embeddings,

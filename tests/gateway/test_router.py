@@ -16,6 +16,7 @@ from gateway.prefix import tenant_cache_salt
 from gateway.prefix_catalog import PrefixCatalog
 from gateway.router import Router
 from tests.backend_gpu.tiny_models import save_tiny_model
+from tests.gateway.conftest import fake_backends
 
 HASHES = [f"h{i}" for i in range(8)]
 
@@ -83,6 +84,22 @@ def test_replicas_option_builds_named_adapters():
     assert [b.name for b in build_backends(BackendSpec("fk", "fake", "", "m"))] == ["fk"]
     with pytest.raises(ValueError, match="replicas"):
         build_backends(BackendSpec("fk", "fake", "", "m", {"replicas": 0}))
+
+
+async def test_a_request_reads_each_replicas_stats_once(make_gateway, monkeypatch):
+    gw = await make_gateway(fake_backends(replicas=3))
+    reads = {b.name: 0 for b in gw.state.backends}
+    for b in gw.state.backends:
+
+        def counted(b=b, read=b.stats):
+            reads[b.name] += 1
+            return read()
+
+        monkeypatch.setattr(b, "stats", counted)
+    _, key = await gw.tenant("acme")
+    r = await gw.chat(key)
+    assert r.status == 200, await r.text()
+    assert reads == {"fake-0": 1, "fake-1": 1, "fake-2": 1}
 
 
 # -- two gpu replicas behind the gateway --------------------------------------------------
