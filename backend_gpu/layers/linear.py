@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8
+from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8, int8
+
+TABLE_GROUP = 32  # values of a token-table row that share one scale
 
 
 class PackedLinear(nn.Linear):
@@ -54,20 +56,45 @@ class LMHead(nn.Linear):
 
 
 class QuantizedEmbedding(nn.Module):
-    """A token embedding with 8-bit rows and one float32 scale per token, widened to
-    `dtype` on lookup. Its weight and scale can be shared with a tied LM head."""
+    """A token table (an embedding, or an LM head's weight) in INT8 with one float32
+    scale per TABLE_GROUP consecutive values of a row: llama.cpp's Q8_0 layout, so a
+    GGUF's Q8_0 table comes back exactly, and an outlier dimension costs precision
+    only to the 31 values beside it. Rows are widened to `dtype` on lookup."""
 
-    def __init__(self, embedding: nn.Embedding, method: str) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.dtype = embedding.weight.dtype
-        weight, scale = QUANTIZE_PER_CHANNEL[method](embedding.weight.detach())
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        rows, dim = weight.shape
+        if dim % TABLE_GROUP:
+            raise ValueError(
+                f"an 8-bit token table needs a hidden size divisible by {TABLE_GROUP}, not {dim}"
+            )
+        self.dtype = weight.dtype
+        groups = weight.detach().reshape(rows * dim // TABLE_GROUP, TABLE_GROUP)
+        q, scale = int8.quantize_per_channel(groups)
+        self.weight = nn.Parameter(q.view(rows, dim), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.view(rows, -1), requires_grad=False)
+
+    def _widen(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        grouped = q.to(self.dtype).view(*scale.shape, TABLE_GROUP)
+        return (grouped * scale.to(self.dtype)[..., None]).view(q.shape)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # gathered as bytes: the CPU has no FP8 index kernel
-        rows = self.weight.view(torch.uint8)[input_ids].view(self.weight.dtype).to(self.dtype)
-        return rows * self.weight_scale[input_ids, None].to(self.dtype)
+        return self._widen(self.weight[input_ids], self.weight_scale[input_ids])
+
+    def dequantize(self) -> torch.Tensor:
+        return self._widen(self.weight, self.weight_scale)
+
+
+class QuantizedLMHead(nn.Module):
+    """The LM head over an 8-bit token table: its own, or the embedding's when tied.
+    Weight-only: the table is widened in each forward."""
+
+    def __init__(self, table: QuantizedEmbedding) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return vocab_matmul(x, self.table.dequantize().to(x.dtype))
 
 
 class QuantizedLinear(nn.Module):
@@ -75,21 +102,13 @@ class QuantizedLinear(nn.Module):
     with one float32 scale per output row. W8A8 on FP8 GPUs (bfloat16 models), else
     weight-only: the weight is widened to the activations' dtype in each forward."""
 
-    def __init__(
-        self, linear: nn.Linear, method: str, tied: QuantizedEmbedding | None = None
-    ) -> None:
-        """`tied`: the quantized embedding whose weight and scales this LM head shares."""
+    def __init__(self, linear: nn.Linear, method: str) -> None:
         super().__init__()
-        if tied is None:
-            weight, scale = QUANTIZE_PER_CHANNEL[method](linear.weight.detach())
-            self.weight = nn.Parameter(weight, requires_grad=False)
-            self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        else:
-            self.weight, self.weight_scale = tied.weight, tied.weight_scale
-            weight = tied.weight
+        weight, scale = QUANTIZE_PER_CHANNEL[method](linear.weight.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = linear.bias
-        self.matmul = vocab_matmul if isinstance(linear, LMHead) else F.linear
         self.shard_slices: dict[str, slice] = getattr(linear, "shard_slices", {})
         self.w8a8 = (
             method == "fp8"
@@ -103,7 +122,7 @@ class QuantizedLinear(nn.Module):
         if self.w8a8:
             return fp8.w8a8_linear(x, self.weight, self.weight_scale, self.bias)
         # 8-bit values are exact in any float dtype; the row scale applies per output column
-        out = self.matmul(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+        out = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
     split = PackedLinear.split

@@ -15,12 +15,29 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+# where each row's largest weight may land, as fractions of FP8_MAX: E4M3's grid is
+# relative, so moving the row across it changes which weights round well. The best of
+# these per row cut the weights' error by 10% on Gemma 3 270M (2.64% -> 2.38% RMS).
+ROW_MAX_TARGETS = torch.linspace(0.75, 1.0, 11).tolist()
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 weight, float32 scale [out]) with weight ~= fp8 * scale[:, None]; the scale
-    is rounded to the weight's dtype first: the forward casts it to that dtype losslessly."""
+    """(FP8 weight, float32 scale [out]) with weight ~= fp8 * scale[:, None], each row's
+    scale the one of ROW_MAX_TARGETS with the least squared error. Scales are rounded to
+    the weight's dtype first: the forward casts them to that dtype losslessly."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1).clamp(min=MIN_SCALE) / FP8_MAX).to(weight.dtype).float()
-    return to_fp8(w, scale[:, None]), scale
+    amax = w.abs().amax(dim=1).clamp(min=MIN_SCALE)
+    best_scale = best_error = None
+    for target in ROW_MAX_TARGETS:
+        scale = (amax / (FP8_MAX * target)).to(weight.dtype).float()
+        error = (to_fp8(w, scale[:, None]).float() * scale[:, None] - w).square().sum(dim=1)
+        if best_scale is None:
+            best_scale, best_error = scale, error
+        else:
+            better = error < best_error
+            best_scale = torch.where(better, scale, best_scale)
+            best_error = torch.where(better, error, best_error)
+    return to_fp8(w, best_scale[:, None]), best_scale
 
 
 def supports_w8a8(device: torch.device) -> bool:

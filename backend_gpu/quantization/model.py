@@ -4,32 +4,24 @@ from __future__ import annotations
 
 from torch import nn
 
-from backend_gpu.layers.linear import QuantizedEmbedding, QuantizedLinear
-
-# The token table (the embedding and a tied LM head) is INT8 under either method. vLLM's
-# fp8 keeps it in 16 bits, but in a small model it is most of the bytes (Gemma 3 270M's
-# 262k x 640 table is 63% of its weights). INT8's even grid keeps 4 more bits per row
-# than E4M3's 3-bit mantissa: with an FP8 table, Gemma 270M's perplexity rose 3.0%
-# instead of 1.6% (PERF.md), and a lookup table gains nothing from FP8 tensor cores.
-TOKEN_TABLE_METHOD = "int8"
+from backend_gpu.layers.linear import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
 
 
 def quantize_model(model: nn.Module, method: str) -> None:
     """Swap every linear layer for its `method` version, and the token embedding and
-    the LM head for INT8 ones, one scale per vocabulary row; a tied head keeps sharing
-    the embedding's table."""
+    the LM head (one table when tied) for INT8 with a scale per 32 values of a row.
+
+    vLLM's fp8 keeps the token table in 16 bits, but in a small model it is most of the
+    bytes (Gemma 3 270M's 262k x 640 table is 63% of its weights). INT8 in groups of 32
+    rather than FP8 per row: measured on Gemma 270M, an FP8 table added 1.5 points of
+    perplexity (PERF.md), and a lookup table gains nothing from FP8 tensor cores.
+    """
     embed = model.model.embed_tokens
     tied = model.lm_head.weight is embed.weight
-    quantized_embed = QuantizedEmbedding(embed, TOKEN_TABLE_METHOD)
-    model.model.embed_tokens = quantized_embed
-    model.lm_head = QuantizedLinear(
-        model.lm_head, TOKEN_TABLE_METHOD, quantized_embed if tied else None
-    )
-    names = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name != "lm_head"
-    ]
+    table = QuantizedEmbedding(embed.weight)
+    model.model.embed_tokens = table
+    model.lm_head = QuantizedLMHead(table if tied else QuantizedEmbedding(model.lm_head.weight))
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent)

@@ -8,8 +8,13 @@ from torch import nn
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.config import EngineConfig
-from backend_gpu.layers.linear import PackedLinear, QuantizedEmbedding, QuantizedLinear
-from backend_gpu.quantization import QUANTIZE_PER_CHANNEL
+from backend_gpu.layers.linear import (
+    PackedLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedLMHead,
+)
+from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8
 from backend_gpu.quantization.fp8 import FP8
 from gateway.backends import build_backend
 from gateway.cli import main as kvgate_main
@@ -37,10 +42,15 @@ def test_per_channel_weights_within_tolerance(method):
     if method == "int8":  # uniform steps: the error is at most half a step of the row
         assert ((deq - w).abs() <= WEIGHT_TOLERANCE["int8"] * row_max * 1.0001).all()
     else:  # floating point: relative to each weight, where it is a normal FP8 number
-        normal = w.abs() / (row_max / 448) >= 2**-6  # FP8's smallest normal number
+        normal = w.abs() / scale[:, None] >= 2**-6  # FP8's smallest normal number
         rel = ((deq - w).abs() / w.abs())[normal]
         assert normal.sum() > 0.9 * normal.numel() and rel.max() <= WEIGHT_TOLERANCE["fp8"]
         assert ((deq - w).abs() <= WEIGHT_TOLERANCE["fp8"] * row_max).all()
+        # each row's scale is the best of its search: no worse than amax / 448
+        plain = (row_max / 448).clamp(min=1e-12)
+        plain_err = ((fp8.to_fp8(w, plain).float() * plain - w) ** 2).sum(dim=1)
+        assert (((deq - w) ** 2).sum(dim=1) <= plain_err).all()
+        assert (((deq - w) ** 2).sum() < 0.95 * plain_err.sum()).item()
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +59,21 @@ def tiny_llama(tiny_model_dir):
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
-    kinds = (QuantizedLinear, QuantizedEmbedding)
+    kinds = (QuantizedLinear, QuantizedEmbedding, QuantizedLMHead)
     return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each quantized module's weight as it computes with it, by the original's name."""
+    weights = {}
+    for name, m in quantized_modules(model).items():
+        if isinstance(m, QuantizedLinear):
+            weights[name] = m.weight.float() * m.weight_scale[:, None]
+        elif isinstance(m, QuantizedLMHead):
+            weights[name] = m.table.dequantize()
+        elif not name.endswith(".table"):  # an untied head's own table: under the head
+            weights[name] = m.dequantize()
+    return weights
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8"])
@@ -60,15 +83,15 @@ def test_quantized_layers_match_the_originals(tiny_model_dir, arch, method):
     ref = LLM(path).engine.runner
     quant = LLM(path, quantization=method).engine.runner
     originals = dict(ref.model.named_modules())
-    layers = quantized_modules(quant.model)
+    layers = {n: m for n, m in quantized_modules(quant.model).items() if n in originals}
     # every decoder linear (2 layers x qkv, o, gate_up, down), the embedding, the head
-    assert len(layers) == 10 and isinstance(layers["lm_head"], QuantizedLinear)
+    assert len(layers) == 10 and isinstance(layers["lm_head"], QuantizedLMHead)
     tied = ref.model.lm_head.weight is ref.model.model.embed_tokens.weight
     assert tied == (arch == "qwen3")
-    assert (quant.model.lm_head.weight is quant.model.model.embed_tokens.weight) == tied
-    # the token table is INT8 under either method (TOKEN_TABLE_METHOD)
-    assert quant.model.model.embed_tokens.weight.dtype == torch.int8
-    assert quant.model.lm_head.weight.dtype == torch.int8
+    assert (quant.model.lm_head.table is quant.model.model.embed_tokens) == tied
+    # the token table is INT8 under either method, a scale per 32 values of a row
+    table = quant.model.lm_head.table
+    assert table.weight.dtype == torch.int8 and table.weight_scale.shape[1] == 64 // 32
     torch.manual_seed(0)
     for name, layer in layers.items():
         original = originals[name]
@@ -80,14 +103,21 @@ def test_quantized_layers_match_the_originals(tiny_model_dir, arch, method):
         want, got = original(x), layer(x)
         assert got.dtype == want.dtype == torch.float32
         err = (got - want).norm() / want.norm()
-        assert err < {"fp8": 0.05, "int8": 0.01}[method], (name, err)
+        is_table = isinstance(layer, QuantizedEmbedding | QuantizedLMHead)
+        assert err < (0.01 if is_table else {"fp8": 0.05, "int8": 0.01}[method]), (name, err)
         if isinstance(original, PackedLinear):
             assert [t.shape for t in layer.split(got)] == [t.shape for t in original.split(want)]
     # honest bytes: 1 byte a weight, 4 bytes a scale, everything else as loaded; a tied
     # table is counted once
-    unique = {id(m.weight): m for m in layers.values()}.values()
+    holders = [m.table if isinstance(m, QuantizedLMHead) else m for m in layers.values()]
+    unique = {id(m): m for m in holders}.values()
     saved = sum(m.weight.numel() * 3 - m.weight_scale.numel() * 4 for m in unique)
     assert quant.weight_bytes == ref.weight_bytes - saved
+
+
+def test_a_token_table_needs_whole_groups():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        QuantizedEmbedding(torch.randn(100, 48))
 
 
 @pytest.mark.parametrize(
@@ -133,8 +163,8 @@ def test_quantized_model_computes_what_its_dequantized_weights_say(tiny_llama, m
     quant = LLM(tiny_llama, quantization=method)
     ref = LLM(tiny_llama)
     modules = dict(ref.engine.runner.model.named_modules())
-    for name, layer in quantized_modules(quant.engine.runner.model).items():
-        modules[name].weight.data.copy_(layer.weight.float() * layer.weight_scale[:, None])
+    for name, weight in weights_of(quant.engine.runner.model).items():
+        modules[name].weight.data.copy_(weight)
     outs = quant.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref.generate(PROMPTS, GREEDY)]
 
