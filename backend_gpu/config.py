@@ -51,3 +51,10 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    def context_len(self, hf_config) -> int:
+        """Tokens a sequence may hold: max_model_len, capped at the model's positions."""
+        return min(
+            self.max_model_len or hf_config.max_position_embeddings,
+            hf_config.max_position_embeddings,
+        )

@@ -42,10 +42,7 @@ class LLMEngine:
             Speculator(config, hf_config.vocab_size) if config.speculative_config else None
         )
         self.runner = ModelRunner(config, hf_config, weights, self.tokenizer)
-        self.max_model_len = min(
-            config.max_model_len or hf_config.max_position_embeddings,
-            hf_config.max_position_embeddings,
-        )
+        self.max_model_len = config.context_len(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer)
         self.block_manager = BlockManager(

@@ -50,14 +50,10 @@ class ModelRunner:
         head_dim = head_dim_of(hf_config)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         if self.kv_dtype == FP8:  # before the cache exists: calibration uses scratch rows
-            max_len = min(
-                config.max_model_len or hf_config.max_position_embeddings,
-                hf_config.max_position_embeddings,
-            )
             calibrate_kv_scales(
                 self.model,
                 self.attention_layers,
-                calibration_token_ids(tokenizer, max_len),
+                calibration_token_ids(tokenizer, config.context_len(hf_config)),
                 (num_kv_heads, head_dim),
                 self.dtype,
                 self.device,

@@ -45,10 +45,7 @@ class DraftProposer:
         )
         self.runner = ModelRunner(draft_config, hf_config, weights, tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, False)
-        self.max_model_len = min(
-            config.max_model_len or hf_config.max_position_embeddings,
-            hf_config.max_position_embeddings,
-        )
+        self.max_model_len = config.context_len(hf_config)
         self.shadows: dict[str, Sequence] = {}
         self.synced: dict[str, int] = {}  # shadow tokens known to match the request's
 
