@@ -1,22 +1,23 @@
 """kvgate's PyTorch engine: paged KV cache, continuous batching, prefix caching.
 
-The public names load on first use, so torch-free parts (`backend_gpu.block_hash`, which
-backend_local shares) import without pulling in torch.
+Used as vLLM is: `from backend_gpu import LLM, SamplingParams`. SamplingParams and the
+errors are engine_api's (the contract every engine and the gateway share); the engine's
+own names load on first use, so `import backend_gpu.config` does not pull in torch.
 """
 
 import importlib
+
+from engine_api.errors import EngineDeadError, PromptTooLongError
+from engine_api.sampling import SamplingParams
 
 _EXPORTS = {
     "LLM": "backend_gpu.engine",
     "LLMEngine": "backend_gpu.engine",
     "AsyncLLM": "backend_gpu.async_engine",
-    "EngineDeadError": "backend_gpu.async_engine",
     "EngineStats": "backend_gpu.outputs",
-    "PromptTooLongError": "backend_gpu.outputs",
     "RequestOutput": "backend_gpu.outputs",
-    "SamplingParams": "backend_gpu.sampling_params",
 }
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, "EngineDeadError", "PromptTooLongError", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -19,11 +19,8 @@ from backend_gpu.block_manager import KVCacheEvent
 from backend_gpu.config import EngineConfig
 from backend_gpu.engine import LLMEngine
 from backend_gpu.outputs import EngineStats, RequestOutput
-from backend_gpu.sampling_params import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; no request can be served any more."""
+from engine_api.errors import EngineDeadError
+from engine_api.sampling import SamplingParams
 
 
 class AsyncLLM:
@@ -52,7 +49,7 @@ class AsyncLLM:
         shared_prefix_len: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs; leaving early aborts it. Bad input
-        raises ValueError (PromptTooLongError) here, before anything is yielded."""
+        raises BadRequestError (a ValueError) here, before anything is yielded."""
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from backend_gpu.block_hash import block_salt, hash_blocks
 from backend_gpu.sequence import Sequence
+from engine_api.block_hash import block_salt, hash_blocks
 
 
 @dataclass

@@ -12,13 +12,14 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.detokenizer import IncrementalDetokenizer
 from backend_gpu.loader import open_model
 from backend_gpu.model_runner import ModelRunner
-from backend_gpu.outputs import EngineStats, PromptTooLongError, RequestOutput
+from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.sampler import Sampler
-from backend_gpu.sampling_params import SamplingParams
 from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
 from backend_gpu.spec_decode.speculator import Speculator
-from backend_gpu.throughput import Throughput
+from engine_api.errors import BadRequestError, PromptTooLongError
+from engine_api.sampling import SamplingParams
+from engine_api.throughput import Throughput
 
 
 def eos_token_ids(model_dir_or_config, tokenizer) -> set[int]:
@@ -76,26 +77,29 @@ class LLMEngine:
         priority: int = 0,
         shared_prefix_len: int = 0,
     ) -> None:
-        """Admit a request, or raise ValueError (PromptTooLongError) and change nothing.
-        The first `shared_prefix_len` prompt tokens are a published prefix: their blocks
-        are cached without `cache_salt`, shared with every other salt."""
+        """Admit a request, or raise BadRequestError (a ValueError; PromptTooLongError for
+        size) and change nothing. The first `shared_prefix_len` prompt tokens are a
+        published prefix: their blocks are cached without `cache_salt`, shared with every
+        other salt."""
         if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise BadRequestError(f"request id {request_id!r} is already in use")
         params.validate()
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
-            raise ValueError("prompt is empty")
+            raise BadRequestError("prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+            raise BadRequestError(
+                f"prompt has token ids outside the vocabulary [0, {self.vocab_size})"
+            )
         if not 0 <= shared_prefix_len <= len(prompt_ids):
-            raise ValueError(
+            raise BadRequestError(
                 f"shared_prefix_len must be in [0, {len(prompt_ids)}], got {shared_prefix_len}"
             )
         if len(prompt_ids) >= self.max_model_len:
-            raise PromptTooLongError(len(prompt_ids), self.max_model_len)
+            raise PromptTooLongError(len(prompt_ids), params.max_tokens, self.max_model_len)
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
-            raise ValueError(
+            raise BadRequestError(
                 f"request needs up to {longest} tokens of KV cache, but the whole pool holds "
                 f"{self.block_manager.num_blocks * self.config.block_size}"
             )

@@ -1,20 +1,10 @@
-"""What the engine hands back: per-request outputs, engine-wide stats, admission errors."""
+"""What the engine hands back: per-request outputs and engine-wide stats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from backend_gpu.sequence import Logprob
-
-
-class PromptTooLongError(ValueError):
-    def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.max_model_len = max_model_len
-        super().__init__(
-            f"prompt has {prompt_tokens} tokens, but the model's context is "
-            f"{max_model_len} tokens and at least one must be left to generate"
-        )
 
 
 @dataclass
@@ -57,6 +47,6 @@ class EngineStats:
     num_drafts: int = 0  # decodes that carried proposed tokens
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # over the last RATE_WINDOW_S seconds (backend_gpu.throughput), counted per step
+    # over the last RATE_WINDOW_S seconds (engine_api.throughput), counted per step
     prompt_tokens_per_s: float = 0.0
     gen_tokens_per_s: float = 0.0

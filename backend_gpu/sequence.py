@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from backend_gpu.sampling_params import SamplingParams
+from engine_api.sampling import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -2,10 +2,12 @@
 
 from backend_local.config import EngineConfig
 from backend_local.engine import LocalEngine
-from backend_local.errors import DecodeError, EngineDeadError, ModelLoadError, PromptTooLongError
+from backend_local.errors import DecodeError, ModelLoadError
 from backend_local.requests import RequestOutput
-from backend_local.sampling import SamplingParams, TokenLogprob
+from backend_local.sampling import TokenLogprob
 from backend_local.stats import EngineStats
+from engine_api.errors import EngineDeadError, PromptTooLongError
+from engine_api.sampling import SamplingParams
 
 __all__ = [
     "DecodeError",

@@ -16,13 +16,13 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from backend_local.config import EngineConfig
-from backend_local.errors import PromptTooLongError
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockEvent
 from backend_local.requests import Request, RequestOutput
-from backend_local.sampling import SamplingParams
 from backend_local.stats import EngineStats
 from backend_local.worker import Worker
+from engine_api.errors import BadRequestError, PromptTooLongError
+from engine_api.sampling import SamplingParams
 
 
 class LocalEngine:
@@ -53,17 +53,19 @@ class LocalEngine:
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, shared_prefix_len: int = 0
     ) -> None:
-        """Raise ValueError (PromptTooLongError for size) if the request can never be served."""
+        """Raise BadRequestError (a ValueError; PromptTooLongError for size) if the request
+        can never be served."""
+        params.validate()
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise BadRequestError("the prompt is empty")
         if not 0 <= shared_prefix_len <= len(prompt_token_ids):
-            raise ValueError(
+            raise BadRequestError(
                 f"shared_prefix_len must be in [0, {len(prompt_token_ids)}], "
                 f"got {shared_prefix_len}"
             )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model.n_vocab]
         if bad:
-            raise ValueError(
+            raise BadRequestError(
                 f"token ids out of the vocabulary (size {self.model.n_vocab}): {bad[:5]}"
             )
         if len(prompt_token_ids) + params.max_tokens > self.context_length:
@@ -83,12 +85,12 @@ class LocalEngine:
         the first `shared_prefix_len` prompt tokens (a published prefix) when the cells'
         request marked them as shared too.
 
-        Raises ValueError / PromptTooLongError for requests that cannot be served,
+        Raises BadRequestError / PromptTooLongError for requests that cannot be served,
         EngineDeadError when the worker is gone, DecodeError if llama.cpp fails on it.
         """
         self.check_request(prompt_token_ids, params, shared_prefix_len)
         if request_id in self._active:
-            raise ValueError(f"request id {request_id!r} is already running")
+            raise BadRequestError(f"request id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 

@@ -3,7 +3,7 @@
 llama.cpp has no blocks: a sequence can reuse any prefix of its cells. A prefix catalog
 (the gateway's router) keys caches by blocks, so the engine describes what its sequences
 hold as full blocks of BLOCK_SIZE tokens, chain-hashed exactly as backend_gpu keys its
-blocks (`backend_gpu.block_hash`, which imports no torch).
+blocks (`engine_api.block_hash`).
 
 A block is "stored" when the first sequence comes to hold it and "removed" when the last
 one lets go of it (its cells overwritten or dropped).
@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from backend_gpu.block_hash import block_salt, hash_blocks
+from engine_api.block_hash import block_salt, hash_blocks
 
 BLOCK_SIZE = 16
 

@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backend_local.sampling import SamplingParams, TokenLogprob
+from backend_local.sampling import TokenLogprob
+from engine_api.sampling import SamplingParams
 
 
 @dataclass

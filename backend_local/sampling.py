@@ -1,4 +1,5 @@
-"""Per-request sampling: parameters, the llama.cpp sampler chain, and logprobs."""
+"""Per-request sampling with llama.cpp: the sampler chain for engine_api's SamplingParams
+(validated before a request reaches the worker), and logprobs."""
 
 from __future__ import annotations
 
@@ -8,43 +9,7 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0: off
-    min_p: float = 0.0
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # None: off; n: the sampled token's logprob and the n best
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-    @property
-    def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+from engine_api.sampling import SamplingParams
 
 
 @dataclass

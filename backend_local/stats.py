@@ -4,11 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# shared with backend_gpu (torch-free module); the worker imports it from here
-from backend_gpu.throughput import Throughput
-
-__all__ = ["EngineStats", "Throughput"]
-
 
 @dataclass
 class EngineStats:
@@ -23,5 +18,5 @@ class EngineStats:
     gen_tokens_total: int
     prefix_query_tokens: int  # prompt tokens of admitted requests
     prefix_reused_tokens: int  # of those, found in the KV cells
-    prompt_tokens_per_s: float  # over the last RATE_WINDOW_S (backend_gpu.throughput)
+    prompt_tokens_per_s: float  # over the last RATE_WINDOW_S (engine_api.throughput)
     gen_tokens_per_s: float

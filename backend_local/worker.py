@@ -18,14 +18,16 @@ import llama_cpp
 import numpy as np
 
 from backend_local.config import EngineConfig
-from backend_local.errors import DecodeError, EngineDeadError
+from backend_local.errors import DecodeError
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
 from backend_local.sampling import build_sampler, token_logprob
 from backend_local.slots import Slot, place
-from backend_local.stats import EngineStats, Throughput
+from backend_local.stats import EngineStats
 from backend_local.text_stream import TextStream
+from engine_api.errors import EngineDeadError
+from engine_api.throughput import Throughput
 
 log = logging.getLogger(__name__)
 

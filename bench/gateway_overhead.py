@@ -86,7 +86,7 @@ def run_direct_server(port: int) -> None:
     """The baseline: the fake backend behind one aiohttp handler, nothing else."""
     from aiohttp import web
 
-    from gateway.backends import BackendSpec, GenRequest, SamplingOptions
+    from gateway.backends import BackendSpec, GenRequest, SamplingParams
     from gateway.backends.fake import FakeBackend
 
     fake = FakeBackend(BackendSpec("fake", "fake", "", "fake-model"))
@@ -95,7 +95,7 @@ def run_direct_server(port: int) -> None:
         body = json.loads(await request.read())
         ids = await fake.render(body["model"], body["messages"])
         req = GenRequest(os.urandom(12).hex(), body["model"], ids,
-                         SamplingOptions(max_tokens=body["max_tokens"]))  # fmt: skip
+                         SamplingParams(max_tokens=body["max_tokens"]))  # fmt: skip
         text, n = [], 0
         async for chunk in fake.generate(req):
             text.append(chunk.text)

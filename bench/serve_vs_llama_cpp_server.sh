@@ -23,8 +23,8 @@ KVGATE_ADMIN_KEY=$ADMIN KVGATE_DATABASE_URL=sqlite+aiosqlite:///$W/kv.db $BIN/kv
 KV=$!
 for i in $(seq 120); do curl -sf localhost:8131/health >/dev/null && break; sleep 0.5; done
 H="Authorization: Bearer $ADMIN"
-T=$(curl -s localhost:8131/admin/tenants -H "$H" -d '{"name":"bench"}' | $BIN/python -c "import sys,json;print(json.load(sys.stdin)['id'])")
-K=$(curl -s localhost:8131/admin/tenants/$T/keys -H "$H" -d '{}' | $BIN/python -c "import sys,json;print(json.load(sys.stdin)['key'])")
+T=$(curl -s localhost:8131/admin/tenants -H "$H" --json '{"name":"bench"}' | $BIN/python -c "import sys,json;print(json.load(sys.stdin)['id'])")
+K=$(curl -s localhost:8131/admin/tenants/$T/keys -H "$H" --json '{}' | $BIN/python -c "import sys,json;print(json.load(sys.stdin)['key'])")
 $BIN/kvgate bench serve --url http://127.0.0.1:8131 --api-key $K --model gemma-3-270m $ARGS --save-result $OUT/serve_kvgate_local.json
 kill $KV; wait $KV || true
 $BIN/python -m llama_cpp.server --model $MODEL --model_alias gemma-3-270m --n_ctx 1024 --n_threads 1 --n_threads_batch 1 --n_batch 512 --interrupt_requests False --port 8132 > $W/lcs.log 2>&1 &

@@ -7,6 +7,7 @@ its own tenant and usage, and nothing of any other tenant.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 
 from aiohttp import web
@@ -108,6 +109,9 @@ async def create_key(request: web.Request) -> web.Response:
     expires_at = body.expires_at
     if body.expires_in_s is not None:
         expires_at = time.time() + body.expires_in_s
+    if expires_at is not None and expires_at <= time.time():
+        message = "expires_at is in the past: the key would never work."
+        raise ApiError(400, message, param="expires_at")
     record, key = await request.app[GW].tenants.create_key(
         request.match_info["tenant_id"], body.name, list(body.scopes), expires_at, actor.key_id
     )
@@ -142,10 +146,23 @@ async def usage(request: web.Request) -> web.Response:
         if tenant_id is not None and tenant_id != principal.tenant_id:
             raise ApiError(404, f"No tenant {tenant_id!r}.")
         tenant_id = principal.tenant_id
-    data = await request.app[GW].tenants.usage(
-        tenant_id, request.query.get("since"), request.query.get("until")
-    )
+    since, until = _day(request, "since"), _day(request, "until")
+    data = await request.app[GW].tenants.usage(tenant_id, since, until)
     return json_response(data)
+
+
+def _day(request: web.Request, name: str) -> str | None:
+    """A YYYY-MM-DD query parameter: days are compared as text, so nothing else may pass."""
+    value = request.query.get(name)
+    if value is None:
+        return None
+    try:
+        day = datetime.date.fromisoformat(value)
+    except ValueError:
+        day = None
+    if day is None or day.isoformat() != value:  # fromisoformat also takes 20240101
+        raise ApiError(400, f"{name} must be a date as YYYY-MM-DD, got {value!r}.", param=name)
+    return value
 
 
 async def backends(request: web.Request) -> web.Response:

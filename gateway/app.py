@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
+import re
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin_api, prefix_api
+from gateway import admin_api, openapi, prefix_api
 from gateway.config import Settings
 from gateway.errors import ApiError, error_body
 from gateway.http_util import json_response
@@ -28,10 +30,24 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-        return json_response(error_body(e.status, message), status=e.status)
+        # keep what the exception says in headers (Allow on a 405), not its text type
+        headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+        return json_response(error_body(e.status, message), status=e.status, headers=headers)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response(error_body(500, "Internal server error."), status=500)
+
+
+@web.middleware
+async def refuse_control_characters(request: web.Request, handler) -> web.StreamResponse:
+    """A path or query holding a control character (NUL above all, which PostgreSQL cannot
+    store or compare) is refused before any handler sends it to the database."""
+    if _CONTROL.search(request.path) or _CONTROL.search(request.query_string):
+        raise ApiError(400, "The URL holds a control character.")
+    return await handler(request)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -47,7 +63,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GW]
-    if gw.settings.metrics_auth:
+    if gw.settings.metrics_auth and not _is_scraper(request, gw.settings.metrics_token):
         await admin_api._admin(request)
     return web.Response(
         body=generate_latest(gw.metrics.registry),
@@ -55,8 +71,19 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+def _is_scraper(request: web.Request, token: str | None) -> bool:
+    """A Prometheus scraper may send `metrics_token` instead of the admin key."""
+    if token is None:
+        return False
+    sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    return hmac.compare_digest(sent.encode("utf-8", "surrogateescape"), token.encode())
+
+
 def create_app(settings: Settings) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[openai_errors, refuse_control_characters],
+    )
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
@@ -65,6 +92,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     admin_api.add_routes(app)
     prefix_api.add_routes(app)
+    openapi.add_routes(app)
 
     async def lifecycle(app: web.Application):
         state = await start_gateway(settings)

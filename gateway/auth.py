@@ -142,4 +142,8 @@ def _bearer_token(authorization: str | None) -> str:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise AuthError("Malformed Authorization header; expected 'Bearer YOUR_KEY'.")
+    # keys are printable ASCII; anything else (bytes that are not UTF-8 arrive as
+    # surrogates) cannot match one and must not reach the hashing
+    if not (token.isascii() and token.isprintable()):
+        raise AuthError("Incorrect API key provided.")
     return token

@@ -13,6 +13,7 @@ from gateway.backends import BackendSpec, replica_count
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MIN_ADMIN_KEY_CHARS = 32  # a configured admin key must be as hard to guess as a generated one
 
 
 @dataclass
@@ -23,9 +24,19 @@ class Settings:
     database_schema: str | None = None
     admin_key: str | None = None
     secret: str | None = None  # HMAC secret for cache salts; generated and stored when unset
-    max_body_bytes: int = MAX_BODY_BYTES
+    max_body_bytes: int = MAX_BODY_BYTES  # also the limit on a decompressed body
     key_cache_ttl_s: float = 5.0
-    metrics_auth: bool = False  # /metrics names tenants: require the admin key for it
+    # /metrics names tenants: it needs the admin key, or `metrics_token` for a scraper
+    metrics_auth: bool = True
+    metrics_token: str | None = None
+    # slow or idle clients must not hold connections: caps on time and on their number
+    max_connections: int = 4096
+    header_timeout_s: float = 10.0  # from connect (or the last response) to full headers
+    body_timeout_s: float = 30.0  # to read a request body
+    keepalive_timeout_s: float = 15.0
+    # pinned prefixes cost KV memory on every replica: a cap per tenant
+    max_pins_per_tenant: int = 32
+    max_pin_tokens_per_tenant: int = 65_536
     # "auto" picks gpu with CUDA, else local (llama.cpp), else fake; "" uses [[backends]].
     backend: str = "auto"
     model: str = ""
@@ -37,6 +48,13 @@ class Settings:
     kv_cache_dtype: str | None = None  # gpu backend: "auto" or "fp8"
 
     def __post_init__(self) -> None:
+        if self.admin_key is not None and len(self.admin_key) < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(
+                f"admin_key must be at least {MIN_ADMIN_KEY_CHARS} characters; "
+                "leave it unset to have a strong one generated and printed once"
+            )
+        if self.metrics_token is not None and len(self.metrics_token) < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(f"metrics_token must be at least {MIN_ADMIN_KEY_CHARS} characters")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         for spec in self.backends:
@@ -79,6 +97,13 @@ _ENV_FIELDS = {
     "max_body_bytes": int,
     "key_cache_ttl_s": float,
     "metrics_auth": lambda v: v.lower() in ("1", "true", "yes"),
+    "metrics_token": str,
+    "max_connections": int,
+    "header_timeout_s": float,
+    "body_timeout_s": float,
+    "keepalive_timeout_s": float,
+    "max_pins_per_tenant": int,
+    "max_pin_tokens_per_tenant": int,
     "backend": str,
     "model": str,
     "served_model_name": str,

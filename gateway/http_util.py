@@ -1,22 +1,111 @@
-"""Small helpers shared by the HTTP handlers."""
+"""Small helpers shared by the HTTP handlers.
+
+`parse_body` is the one place a request body is read: handlers authenticate first, so
+an unauthenticated client never has its body parsed, let alone decompressed. The server
+runs with aiohttp's automatic decompression off (gateway/http_server.py): gzip and
+deflate bodies are inflated here, and never past `max_body_bytes`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import zlib
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
 
 from gateway.errors import ApiError
 
 M = TypeVar("M", bound=BaseModel)
 
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
 
 async def parse_body(request: web.Request, model: type[M]) -> M:
-    raw = await request.read()  # aiohttp raises 413 past client_max_size
+    """The request's JSON body as `model`; 4xx as an ApiError for anything else."""
+    from gateway.openai_api import GW  # here: openai_api imports this module
+
+    settings = request.app[GW].settings
+    _check_content_type(request)
+    encoding = _content_encoding(request)
+    if request.content_length is not None and request.content_length > settings.max_body_bytes:
+        raise _too_large(settings.max_body_bytes)
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            raw = await request.read()  # aiohttp raises 413 past client_max_size
+    except TimeoutError:
+        raise ApiError(
+            408, f"The request body did not arrive within {settings.body_timeout_s:g} s."
+        ) from None
+    except (web.RequestPayloadError, HttpProcessingError):
+        raise ApiError(400, "The request body is malformed (its chunked encoding).") from None
+    if encoding and raw:
+        raw = inflate(raw, encoding, settings.max_body_bytes)
     if not raw:
         raise ApiError(400, "The request body is empty; expected a JSON object.")
+    return _validate(raw, model)
+
+
+def _check_content_type(request: web.Request) -> None:
+    # No Content-Type at all is taken as JSON: some clients leave it out, and a body
+    # that is not JSON still gets a 400 from the parser.
+    if hdrs.CONTENT_TYPE not in request.headers:
+        return
+    ctype = request.content_type
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise ApiError(
+            415,
+            f"Content-Type {ctype[:100]!r} is not supported; send the body as "
+            "application/json (curl: -H 'Content-Type: application/json').",
+            code="unsupported_media_type",
+        )
+
+
+def _content_encoding(request: web.Request) -> str | None:
+    value = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if value in ("", "identity"):
+        return None
+    if value not in _WBITS:
+        raise ApiError(
+            415,
+            f"Content-Encoding {value[:100]!r} is not supported; use gzip, deflate or none.",
+            code="unsupported_content_encoding",
+        )
+    return value
+
+
+def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
+    """`raw` decompressed; 413 past `limit` bytes. zlib stops after limit + 1 bytes of
+    output, so a decompression bomb costs no more than an honest body of `limit` bytes."""
+    wbits = _WBITS[encoding]
+    if encoding == "deflate" and not _zlib_header(raw):
+        wbits = -zlib.MAX_WBITS  # raw deflate: what some clients send as "deflate"
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(raw, limit + 1)
+    except zlib.error:
+        raise ApiError(400, f"The body is not valid {encoding} data.") from None
+    if len(out) > limit:
+        raise _too_large(limit, "decompressed ")
+    if not inflater.eof or inflater.unused_data:
+        raise ApiError(400, f"The body is not one complete {encoding} stream.")
+    return out
+
+
+def _zlib_header(raw: bytes) -> bool:
+    return len(raw) >= 2 and (raw[0] & 0x0F) == 8 and ((raw[0] << 8) | raw[1]) % 31 == 0
+
+
+def _too_large(limit: int, what: str = "") -> ApiError:
+    return ApiError(
+        413, f"The {what}request body is larger than {limit} bytes.", code="request_too_large"
+    )
+
+
+def _validate(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:

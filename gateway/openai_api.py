@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 
@@ -22,6 +23,7 @@ from gateway.state import GatewayState
 
 GW = web.AppKey("gateway", GatewayState)
 _CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
+log = logging.getLogger("kvgate")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -75,7 +77,7 @@ async def _whole(job: Job) -> web.Response:
                 logprobs[i].extend(chunk.logprobs)
     except (BackendError, BadRequestError) as e:
         status = 400 if isinstance(e, BadRequestError) else 503
-        await job.finish(status, None, str(e))
+        await _finish_failed(job, status, str(e))
         raise ApiError(status, str(e)) from None
     except _CLIENT_GONE:
         await job.finish(499, "abort")
@@ -108,7 +110,7 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
             first[i] = False
     except (BackendError, BadRequestError) as e:
         status = 400 if isinstance(e, BadRequestError) else 503
-        await job.finish(status, None, str(e))
+        await _finish_failed(job, status, str(e))
         await resp.write(sse(error_body(status, str(e))))
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -131,8 +133,23 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
 async def _finish_or_503(job: Job, status: int, finish_reason: str | None) -> None:
     try:
         await job.finish(status, finish_reason)
-    except Exception as e:  # the row could not be committed: the response must not complete
-        raise ApiError(503, f"usage could not be recorded: {e}", code="usage_unavailable") from e
+    except Exception:  # the row could not be committed: the response must not complete
+        # The database's words stay in the log: they may name other tenants' rows.
+        log.exception("usage row of %s not committed", job.request_id)
+        raise ApiError(
+            503,
+            f"Usage could not be recorded, so request {job.request_id} was not completed. "
+            "Please retry.",
+            code="usage_unavailable",
+        ) from None
+
+
+async def _finish_failed(job: Job, status: int, error: str) -> None:
+    """Record a request the backend failed; the client hears of the backend's error."""
+    try:
+        await job.finish(status, None, error)
+    except Exception:
+        log.exception("usage row of %s not committed", job.request_id)
 
 
 def _usage(job: Job) -> Usage:

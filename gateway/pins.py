@@ -4,11 +4,13 @@ A pin is a tenant's system prompt (cached under that tenant's salt) or, with no 
 a prefix an admin publishes for every tenant (its blocks are hashed without a salt).
 Its text is stored, and kvgate prefills it on every replica serving its model when the
 gateway starts and right after it is registered, so the first request after a restart
-already hits the cache.
+already hits the cache. A tenant's pins hold KV memory on every replica, so their number
+and their tokens are capped per tenant.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -18,7 +20,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from tqdm import tqdm
 
-from gateway.backends import Backend, BackendError, GenRequest, SamplingOptions
+from gateway.backends import Backend, BackendError, GenRequest, SamplingParams
 from gateway.db import Database, PinnedPrefix, Tenant
 from gateway.prefix import tenant_cache_salt
 from gateway.prefix_catalog import PrefixCatalog
@@ -26,6 +28,16 @@ from gateway.router import Router
 from gateway.tenants import Conflict, NotFound, _audit
 
 log = logging.getLogger("kvgate.prefix")
+
+
+class PinCapExceeded(Exception):
+    """A tenant's pins would pass max_pins_per_tenant or max_pin_tokens_per_tenant."""
+
+
+@dataclass(frozen=True)
+class PinCaps:
+    max_pins: int
+    max_tokens: int
 
 
 @dataclass
@@ -52,6 +64,7 @@ class PinService:
         self.pins: dict[str, Pin] = {}  # id -> pin
         self.tokens: dict[str, list[int]] = {}  # pin id -> its prefilled tokens
         self.published: dict[str, dict[str, list[int]]] = {}  # model -> pin id -> tokens
+        self._creating = asyncio.Lock()  # a cap is checked and the pin stored as one step
 
     async def load(self) -> None:
         async with self.db.session() as s:
@@ -75,26 +88,56 @@ class PinService:
         return a[:n]
 
     async def create(
-        self, tenant_id: str | None, name: str, model: str, text: str, actor: str
+        self,
+        tenant_id: str | None,
+        name: str,
+        model: str,
+        text: str,
+        actor: str,
+        tokens: list[int],
+        caps: PinCaps | None = None,
     ) -> Pin:
-        """Store a pin (the caller renders its tokens first, to validate it)."""
+        """Store a pin whose `tokens` the caller rendered (to validate it); a tenant's pin
+        only within `caps`, else PinCapExceeded."""
         pin = Pin(f"pfx_{secrets.token_hex(8)}", tenant_id, name, model, text,
                   tenant_id is None, time.time(), actor)  # fmt: skip
-        try:
-            async with self.db.session() as s, s.begin():
-                if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
-                    raise NotFound(f"no tenant {tenant_id!r}")
-                if tenant_id is None and any(
-                    p.tenant_id is None and p.name == name for p in self.pins.values()
-                ):  # NULLs never collide in a unique constraint
-                    raise Conflict(f"a published prefix named {name!r} already exists")
-                s.add(PinnedPrefix(**asdict(pin)))
-                s.add(_audit(actor, "prefix.pin", pin.id,
-                             {"tenant_id": tenant_id, "name": name, "model": model}))  # fmt: skip
-        except IntegrityError:
-            raise Conflict(f"a prefix named {name!r} already exists") from None
-        self.pins[pin.id] = pin
+        async with self._creating:
+            if tenant_id is not None and caps is not None:
+                self._check_caps(tenant_id, len(tokens), caps)
+            try:
+                async with self.db.session() as s, s.begin():
+                    if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
+                        raise NotFound(f"no tenant {tenant_id!r}")
+                    if tenant_id is None and any(
+                        p.tenant_id is None and p.name == name for p in self.pins.values()
+                    ):  # NULLs never collide in a unique constraint
+                        raise Conflict(f"a published prefix named {name!r} already exists")
+                    s.add(PinnedPrefix(**asdict(pin)))
+                    detail = {"tenant_id": tenant_id, "name": name, "model": model}
+                    s.add(_audit(actor, "prefix.pin", pin.id, detail))
+            except IntegrityError:
+                raise Conflict(f"a prefix named {name!r} already exists") from None
+            self.pins[pin.id] = pin
+            self.tokens[pin.id] = tokens
         return pin
+
+    def held(self, tenant_id: str) -> tuple[int, int]:
+        """A tenant's pins: how many, and their tokens (those whose tokens are known)."""
+        pins = [p for p in self.pins.values() if p.tenant_id == tenant_id]
+        return len(pins), sum(len(self.tokens.get(p.id, ())) for p in pins)
+
+    def _check_caps(self, tenant_id: str, tokens: int, caps: PinCaps) -> None:
+        count, held = self.held(tenant_id)
+        if count + 1 > caps.max_pins:
+            raise PinCapExceeded(
+                f"The tenant has {count} pinned prefixes; max_pins_per_tenant is "
+                f"{caps.max_pins}. Delete one first."
+            )
+        if held + tokens > caps.max_tokens:
+            raise PinCapExceeded(
+                f"The tenant's pinned prefixes hold {held} tokens and this one has {tokens}; "
+                f"max_pin_tokens_per_tenant is {caps.max_tokens}."
+            )
 
     async def delete(self, tenant_id: str | None, name: str, actor: str) -> Pin:
         pin = next((p for p in self.pins.values()
@@ -130,10 +173,13 @@ class PinService:
         self.catalog.note_salt(salt, pin.tenant_id)
         return salt
 
+    def replicas(self, model: str) -> list[Backend]:
+        """The replicas a pin of `model` is prefilled on."""
+        return [b for b in self.router.serving.get(model, []) if b.name not in self.router.broken]
+
     async def prefill(self, pin: Pin, tokens: list[int] | None = None) -> int:
         """Prefill the pin on every replica serving its model; returns replicas warmed."""
-        backends = [b for b in self.router.serving.get(pin.model, [])
-                    if b.name not in self.router.broken]  # fmt: skip
+        backends = self.replicas(pin.model)
         if not backends:
             return 0
         if tokens is None:
@@ -161,7 +207,7 @@ class PinService:
 
     async def _prefill_one(self, backend: Backend, pin: Pin, tokens: list[int]) -> None:
         req = GenRequest(f"prefill-{pin.id}-{backend.name}", pin.model, tokens,
-                         SamplingOptions(temperature=0.0, max_tokens=1), pin.tenant_id or "",
+                         SamplingParams(temperature=0.0, max_tokens=1), pin.tenant_id or "",
                          self.salt(pin), 0, len(tokens) if pin.tenant_id is None else 0)  # fmt: skip
         gen = backend.generate(req)
         try:

@@ -10,12 +10,22 @@ OpenAI has no such routes, so they stay small (kvgate's own, documented in the R
 - `GET /admin/prefixes`: the hottest cached prefixes, the pins and per-tenant hits. A
   tenant's key sees its own rows and the published ones; the admin key sees all
   (`?tenant_id=` narrows it to one tenant's view).
+
+A pin's prefill is work done for its tenant: a tenant's own pin is admitted through its
+quota like a request (its tokens times the replicas it is prefilled on), and every
+tenant's pin, an admin's too, is billed to the tenant as a usage row ("pin-<id>", the
+tokens prefilled as prompt tokens). An admin's pin is not refused by the tenant's rate
+limits, but counts in its windows and budgets. Published pins belong to no tenant and
+are not billed; neither is the prefill again at start-up (the gateway's choice).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admin_api import _admin, _principal
 from gateway.auth import Principal
@@ -23,24 +33,14 @@ from gateway.backends import BackendError, BadRequestError, PrefixCachingBackend
 from gateway.errors import ApiError
 from gateway.http_util import json_response, parse_body
 from gateway.openai_api import GW
-from gateway.pins import Pin
+from gateway.pins import Pin, PinCapExceeded, PinCaps
+from gateway.quota import QuotaExceeded, QuotaLimits, Reservation
+from gateway.schemas import AdminPinCreate, PinCreate
 from gateway.state import GatewayState
 from gateway.tenants import Conflict, NotFound
+from gateway.usage import UsageRow, UsageUnavailable
 
-MAX_PIN_CHARS = 200_000  # past this it cannot fit any context window we serve
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
-
-
-class PinCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=_NAME)
-    text: str = Field(min_length=1, max_length=MAX_PIN_CHARS)
-    model: str | None = Field(default=None, min_length=1)
-
-
-class AdminPinCreate(PinCreate):
-    tenant: str | None
-    shared: bool | None = None  # default: shared exactly when there is no tenant
+log = logging.getLogger("kvgate.prefix")
 
 
 async def create_own_pin(request: web.Request) -> web.Response:
@@ -59,7 +59,13 @@ async def create_pin(request: web.Request) -> web.Response:
         raise ApiError(400, "A published (shared) prefix has no tenant; a tenant's pin is "
                        "not shared. Send tenant null with shared true to publish.",
                        param="shared")  # fmt: skip
-    return await _create(request.app[GW], actor, body.tenant, body)
+    gw = request.app[GW]
+    if body.tenant is not None:
+        try:  # before any quota counter is taken in an unknown tenant's name
+            await gw.tenants.get_tenant(body.tenant)
+        except NotFound:
+            raise ApiError(404, f"No tenant {body.tenant!r}.", param="tenant") from None
+    return await _create(gw, actor, body.tenant, body)
 
 
 async def list_own_pins(request: web.Request) -> web.Response:
@@ -163,14 +169,92 @@ async def _create(
         raise ApiError(400, f"The prefix has {len(tokens)} tokens; the model `{model}` holds "
                        f"{card.context_length}.", code="context_length_exceeded",
                        param="text")  # fmt: skip
+    caps = PinCaps(gw.settings.max_pins_per_tenant, gw.settings.max_pin_tokens_per_tenant)
+    reservation = await _admit(gw, actor, tenant_id, len(tokens) * len(gw.pins.replicas(model)))
     try:
-        pin = await gw.pins.create(tenant_id, body.name, model, body.text, actor.key_id)
+        pin = await _store(gw, tenant_id, body, model, actor.key_id, tokens, caps)
+    except BaseException:
+        if reservation is not None:  # nothing was done: the request is given back too
+            await gw.quota.settle(reservation, 0, count_request=False)
+        raise
+    # shielded: a client that goes away must not leave the quota unsettled or the pin unbilled
+    warmed = await asyncio.shield(_warm_and_bill(gw, actor, pin, tokens, reservation))
+    return json_response(_pin_dict(gw, pin) | {"replicas_warmed": warmed}, status=201)
+
+
+async def _store(
+    gw: GatewayState,
+    tenant_id: str | None,
+    body: PinCreate,
+    model: str,
+    actor: str,
+    tokens: list[int],
+    caps: PinCaps,
+) -> Pin:
+    try:
+        return await gw.pins.create(tenant_id, body.name, model, body.text, actor, tokens, caps)
     except NotFound as e:
         raise ApiError(404, str(e), param="tenant") from None
     except Conflict as e:
         raise ApiError(409, str(e), param="name") from None
-    warmed = await gw.pins.prefill(pin, tokens)
-    return json_response(_pin_dict(gw, pin) | {"replicas_warmed": warmed}, status=201)
+    except PinCapExceeded as e:
+        raise ApiError(400, str(e), code="pin_limit_exceeded") from None
+
+
+async def _admit(
+    gw: GatewayState, actor: Principal, tenant_id: str | None, tokens: int
+) -> Reservation | None:
+    """Take the prefill from the tenant's quota: refused (429) past a tenant key's limits;
+    an admin's pin is not refused but counted. A published pin has no tenant to count."""
+    if tenant_id is None:
+        return None
+    limits = actor.limits if actor.tenant_id == tenant_id else QuotaLimits()
+    try:
+        return await gw.quota.admit(tenant_id, limits, tokens, time.time())
+    except QuotaExceeded as e:
+        m = gw.metrics
+        m.child(m.quota_rejections, actor.tenant_name, e.kind).inc()
+        gw.traffic.rejected(tenant_id, actor.tenant_name)
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers=e.headers()) from None
+
+
+async def _warm_and_bill(
+    gw: GatewayState,
+    actor: Principal,
+    pin: Pin,
+    tokens: list[int],
+    reservation: Reservation | None,
+) -> int:
+    """Prefill the pin, settle the quota with the tokens prefilled, and bill the tenant."""
+    started = time.perf_counter()
+    warmed = 0
+    try:
+        warmed = await gw.pins.prefill(pin, tokens)
+    finally:
+        used = len(tokens) * warmed
+        if reservation is not None:
+            await gw.quota.settle(reservation, used)
+    if pin.tenant_id is None:
+        return warmed
+    row = UsageRow(
+        request_id=f"pin-{pin.id}",
+        tenant_id=pin.tenant_id,
+        key_id=actor.key_id,
+        model=pin.model,
+        prompt_tokens=used,
+        completion_tokens=0,
+        cached_tokens=0,
+        ttft_ms=None,
+        latency_ms=(time.perf_counter() - started) * 1000,
+        status=200,
+        finish_reason="pin",
+    )
+    try:
+        await gw.usage.submit(row)
+    except UsageUnavailable:
+        # the pin is stored and warm; the recorder keeps the row and commits it later
+        log.warning("pin %s: its usage row is kept for a later commit", pin.id)
+    return warmed
 
 
 def _pin_dict(gw: GatewayState, pin: Pin) -> dict:

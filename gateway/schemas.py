@@ -1,27 +1,83 @@
-"""Request bodies at the HTTP boundary (pydantic), in OpenAI's shapes."""
+"""Request bodies at the HTTP boundary (pydantic), in OpenAI's shapes.
+
+Types are strict (`"stream": "yes"` is not a boolean, `Infinity` is not a number) and
+every value is bounded by what the server can hold: a string that lands in a column
+fits it and holds no control character, an integer fits its column, a list is as long
+as OpenAI allows. A field kvgate does not implement is refused with a 400 that names
+it rather than ignored. /openapi.json is generated from these same models.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
-# OpenAI's clients send fields this server does not use (e.g. `service_tier`);
-# like vLLM, ignore unknown fields rather than refuse them.
-_LENIENT = ConfigDict(extra="ignore")
+from engine_api.sampling import MAX_LOGPROBS, MAX_PENALTY
+
+MAX_CHOICES = 128  # prompts x n, as OpenAI caps n
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_STOP_TOKEN_IDS = 64
+INT32 = 2**31 - 1
+INT53 = 2**53 - 1  # the largest integer every JSON client holds exactly
+# PostgreSQL cannot store NUL; a name prints on one line: no C0, DEL or C1 characters
+NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"
+NO_NUL = r"^[^\x00]*$"  # prompt text may hold newlines and tabs, not NUL
+MAX_PIN_CHARS = 200_000  # past this it cannot fit any context window we serve
+PIN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 
 
-class TextPart(BaseModel):
-    model_config = _LENIENT
+def _whole_number(v: Any) -> Any:
+    """7.0 is an integer to JSON Schema (and to /openapi.json): take it as 7. Strings,
+    booleans and 7.5 still fail the strict int check."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_CONTROL)]
+Count32 = Annotated[Int, Field(ge=0, le=INT32)]
+Count53 = Annotated[Int, Field(ge=0, le=INT53)]
+
+
+class _Body(BaseModel):
+    """Strict, and refusing unknown fields by name. A field sent as null asks for nothing,
+    so it is dropped rather than refused (some clients send every field, null or not)."""
+
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = [k for k in data if k not in cls.model_fields and data[k] is not None]
+        if unknown:
+            names = ", ".join(repr(k) for k in unknown)
+            raise ValueError(f"Unrecognized request argument supplied: {names}")
+        return {k: v for k, v in data.items() if k in cls.model_fields}
+
+
+class TextPart(_Body):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = _LENIENT
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: Name | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -36,48 +92,51 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class StreamOptions(BaseModel):
-    model_config = _LENIENT
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Body):
     """Fields shared by chat and completions, with vLLM's extras."""
 
-    model_config = _LENIENT
-    model: str = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    model: Name
+    max_tokens: Annotated[Int, Field(ge=1, le=INT32)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: int = -1
+    top_k: Annotated[Int, Field(ge=-1, le=INT32)] = -1
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=1000)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=1000)]],
+            Field(max_length=MAX_STOP),
+        ]
+        | None
+    ) = None
+    # seed + choice index seeds each choice; llama.cpp keeps 32 bits of it
+    seed: Annotated[Int, Field(ge=-INT53, le=INT53)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
+    min_tokens: Count32 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[Count32], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Annotated[str, Field(max_length=200, pattern=NO_CONTROL)] | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
         if v is None:
             return None
-        stops = [v] if isinstance(v, str) else v
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        return stops
+        return [v] if isinstance(v, str) else v
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
+        if v == 0:
             raise ValueError("top_k must be -1 (off) or at least 1")
         return v
 
@@ -88,9 +147,9 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1, le=INT32)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -107,9 +166,17 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TokenIds = list[Annotated[Int, Field(ge=0, le=INT32)]]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_CHOICES)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(max_length=MAX_CHOICES)]
+    )
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -119,8 +186,14 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if not self.prompts():
+        prompts = self.prompts()
+        if not prompts:
             raise ValueError("prompt must not be empty")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"{len(prompts)} prompts x n={self.n} asks for {len(prompts) * self.n} "
+                f"choices; at most {MAX_CHOICES} are allowed per request"
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -136,35 +209,54 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class TenantCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=200)
-    rpm: Annotated[int, Field(ge=0)] | None = None
-    tpm: Annotated[int, Field(ge=0)] | None = None
-    max_concurrent: Annotated[int, Field(ge=0)] | None = None
-    daily_tokens: Annotated[int, Field(ge=0)] | None = None
-    monthly_tokens: Annotated[int, Field(ge=0)] | None = None
-    models: list[str] | None = None
-    priority: int = 0
-    weight: Annotated[float, Field(gt=0)] = 1.0
+Priority = Annotated[Int, Field(ge=-INT32, le=INT32)]
+Weight = Annotated[float, Field(gt=0, le=1e6)]
+Models = Annotated[list[Name], Field(max_length=1000)]
 
 
-class TenantUpdate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str | None = Field(default=None, min_length=1, max_length=200)
-    rpm: Annotated[int, Field(ge=0)] | None = None
-    tpm: Annotated[int, Field(ge=0)] | None = None
-    max_concurrent: Annotated[int, Field(ge=0)] | None = None
-    daily_tokens: Annotated[int, Field(ge=0)] | None = None
-    monthly_tokens: Annotated[int, Field(ge=0)] | None = None
-    models: list[str] | None = None
-    priority: int | None = None
-    weight: Annotated[float, Field(gt=0)] | None = None
+class TenantCreate(_Body):
+    name: Name
+    rpm: Count32 | None = None
+    tpm: Count53 | None = None
+    max_concurrent: Count32 | None = None
+    daily_tokens: Count53 | None = None
+    monthly_tokens: Count53 | None = None
+    models: Models | None = None
+    priority: Priority = 0
+    weight: Weight = 1.0
 
 
-class KeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = ""
-    scopes: list[Literal["inference", "admin"]] = ["inference"]
-    expires_at: float | None = None
-    expires_in_s: Annotated[float, Field(gt=0)] | None = None
+class TenantUpdate(_Body):
+    name: Name | None = None
+    rpm: Count32 | None = None
+    tpm: Count53 | None = None
+    max_concurrent: Count32 | None = None
+    daily_tokens: Count53 | None = None
+    monthly_tokens: Count53 | None = None
+    models: Models | None = None
+    priority: Priority | None = None
+    weight: Weight | None = None
+
+
+class KeyCreate(_Body):
+    name: Annotated[str, Field(max_length=200, pattern=NO_CONTROL)] = ""
+    scopes: Annotated[list[Literal["inference", "admin"]], Field(min_length=1, max_length=2)] = [
+        "inference"
+    ]
+    expires_at: Annotated[float, Field(ge=0, le=1e11)] | None = None
+    expires_in_s: Annotated[float, Field(gt=0, le=1e10)] | None = None
+
+
+class PinCreate(_Body):
+    """A tenant's own pinned system prompt (POST /v1/prefixes)."""
+
+    name: Annotated[str, Field(pattern=PIN_NAME)]
+    text: Annotated[str, Field(min_length=1, max_length=MAX_PIN_CHARS, pattern=NO_NUL)]
+    model: Name | None = None
+
+
+class AdminPinCreate(PinCreate):
+    """An admin's pin for a tenant, or a published prefix (tenant null, shared true)."""
+
+    tenant: Annotated[str, Field(min_length=1, max_length=32, pattern=NO_CONTROL)] | None
+    shared: bool | None = None  # default: shared exactly when there is no tenant

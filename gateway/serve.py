@@ -12,14 +12,14 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.http_server import GatewayRunner
 from gateway.openai_api import GW
 
 
 async def serve(settings: Settings) -> None:
     app = create_app(settings)
-    # handler_cancellation: a client that hangs up cancels its handler, which aborts
-    # the request in the backend instead of generating for nobody.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # the gateway's transport: limits on slow and idle clients (gateway/http_server.py)
+    runner = GatewayRunner(app, settings, access_log=None)
     await runner.setup()
     gw = app[GW]
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)

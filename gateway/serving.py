@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,8 +23,9 @@ from gateway.backends import (
     BadRequestError,
     GenChunk,
     GenRequest,
+    ModelCard,
     PrefixCachingBackend,
-    SamplingOptions,
+    SamplingParams,
 )
 from gateway.errors import ApiError
 from gateway.prefix import tenant_cache_salt
@@ -32,7 +34,10 @@ from gateway.quota.limits import ratelimit_headers
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.stats import Finished
+from gateway.token_plan import TokenPlan, plan_tokens
 from gateway.usage import UsageRow
+
+log = logging.getLogger("kvgate")
 
 
 @dataclass
@@ -49,11 +54,16 @@ class Job:
     reservation: Reservation
     user: str | None
     block_hashes: list[str] = field(default_factory=list)  # the first prompt's full blocks
+    # other healthy replicas of the model: a request whose replica fails before any
+    # output reaches the client is tried again on the next one
+    fallbacks: list[Backend] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
     completion_tokens: int = 0
     cached_by_prompt: dict[int, int] = field(default_factory=dict)
+    counted: dict[int, int] = field(default_factory=dict)  # choice -> its tokens so far
+    counted_by: str = "engine"  # "gateway" if any choice's upstream sent no usage
     finished: bool = False
 
     @property
@@ -76,6 +86,19 @@ class Job:
         }
 
     async def events(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        while True:
+            try:
+                async for item in self._attempt():
+                    yield item
+                return
+            except BackendError as e:
+                if self.counted or not self.fallbacks:
+                    raise  # output went out, or no replica is left: the client hears
+                failed, self.backend = self.backend, self.fallbacks.pop(0)
+                log.warning("request %s: %s failed before any output (%s); retrying on %s",
+                            self.request_id, failed.name, e, self.backend.name)  # fmt: skip
+
+    async def _attempt(self) -> AsyncIterator[tuple[int, GenChunk]]:
         if len(self.requests) == 1:  # the common case, one generator layer less
             gen = self.backend.generate(self.requests[0])
             try:
@@ -94,14 +117,21 @@ class Job:
             await stream.aclose()
 
     def _account(self, index: int, chunk: GenChunk) -> None:
-        if chunk.token_ids:
+        counted = self.counted.get(index, 0)
+        if chunk.token_ids or chunk.text:
             now = time.perf_counter()
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = now
-            self.completion_tokens += len(chunk.token_ids)
+        tokens = counted + len(chunk.token_ids)
         if chunk.usage is not None:
+            # the engine's own count is the record (a remote upstream may not send ids)
+            tokens = chunk.usage.completion_tokens
+            if chunk.usage.counted_by != "engine":
+                self.counted_by = chunk.usage.counted_by
             self.cached_by_prompt.setdefault(index // self.n, chunk.usage.cached_tokens)
+        self.completion_tokens += tokens - counted
+        self.counted[index] = tokens
 
     async def finish(self, status: int, finish_reason: str | None, error: str = "") -> None:
         """Commit the usage row, then settle quota and count. Safe to call once."""
@@ -129,6 +159,7 @@ class Job:
             status=status,
             finish_reason=finish_reason,
             user=self.user,
+            counted_by=self.counted_by,
         )
         try:
             # Shielded: a client that goes away must not lose the row.
@@ -169,17 +200,11 @@ async def prepare(
     body: ChatCompletionRequest | CompletionRequest,
     chat: bool,
 ) -> Job:
+    """Check, render, admit, and only then build one GenRequest per choice: a request that
+    is refused costs its rendering and nothing else."""
     if principal.tenant_id is None:
         raise ApiError(403, "Admin keys belong to no tenant; use a tenant's key for inference.")
-    card = gw.router.card(body.model)
-    if card is None:
-        # name what this tenant can use instead (GET /v1/models lists the same)
-        usable = ", ".join(m for m in gw.router.cards if principal.may_use(m)) or "none"
-        raise ApiError(404, f"The model `{body.model}` does not exist. Available: {usable}.",
-                       code="model_not_found")  # fmt: skip
-    if not principal.may_use(body.model):
-        raise ApiError(403, f"Your tenant may not use the model `{body.model}`.",
-                       code="model_not_allowed")  # fmt: skip
+    card = _card(gw, principal, body.model)
     salt = tenant_cache_salt(gw.secret, principal.tenant_id)
     gw.catalog.note_salt(salt, principal.tenant_id)
     try:
@@ -191,74 +216,110 @@ async def prepare(
             prompts = [await renderer.render(body.model, messages)]
         else:
             prompts = [await renderer.render(body.model, p) for p in body.prompts()]
+    except BadRequestError as e:
+        raise ApiError(400, str(e)) from None
+    except BackendError as e:
+        gw.traffic.error(principal.tenant_name, body.model, 503, str(e))
+        raise ApiError(503, str(e), code="backend_unavailable") from None
+    plan = plan_tokens(
+        prompts,
+        body.n,
+        body.max_tokens,
+        card.context_length,
+        principal.limits,
+        "messages" if chat else "prompt",
+        body.min_tokens,
+    )
+    reservation = await _admit(gw, principal, plan)
+    try:
         # a published prefix's length per prompt: its blocks are hashed without the salt
         shared_lens = [gw.pins.shared_prefix_len(body.model, p) for p in prompts]
         block_hashes = []
         if isinstance(renderer, PrefixCachingBackend):
             block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
         backend = gw.router.pick_from(candidates, block_hashes)
-    except BadRequestError as e:
-        raise ApiError(400, str(e)) from None
-    except BackendError as e:
-        gw.traffic.error(principal.tenant_name, body.model, 503, str(e))
-        raise ApiError(503, str(e), code="backend_unavailable") from None
-
+    except BaseException:
+        await gw.quota.settle(reservation, 0, count_request=False)
+        raise
     request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
-    requests, reserve = [], 0
-    for p_index, prompt in enumerate(prompts):
-        if not prompt:
-            raise ApiError(400, "The prompt is empty.", param="prompt")
-        max_tokens = body.max_tokens or card.context_length - len(prompt)
-        if len(prompt) + max(max_tokens, 1) > card.context_length:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {card.context_length} tokens. "
-                f"However, you requested {len(prompt) + (body.max_tokens or 0)} tokens "
-                f"({len(prompt)} in the messages, {body.max_tokens or 0} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                code="context_length_exceeded",
-                param="messages" if chat else "prompt",
-            )
-        reserve += len(prompt) + body.n * max_tokens
-        for choice in range(body.n):
-            sampling = SamplingOptions(
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                max_tokens=max_tokens,
-                min_tokens=body.min_tokens,
-                stop=body.stop or [],
-                stop_token_ids=body.stop_token_ids or [],
-                seed=None if body.seed is None else body.seed + choice,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                logprobs=body.num_logprobs,
-                ignore_eos=body.ignore_eos,
-            )
-            suffix = "" if len(prompts) * body.n == 1 else f"-{p_index * body.n + choice}"
-            requests.append(
-                GenRequest(request_id + suffix, body.model, prompt, sampling,
-                           principal.tenant_id, salt, principal.priority, shared_lens[p_index])
-            )  # fmt: skip
+    requests = [
+        GenRequest(
+            request_id if plan.choices == 1 else f"{request_id}-{i}",
+            body.model,
+            prompts[i // body.n],
+            _sampling(body, plan.max_tokens[i // body.n], i % body.n),
+            principal.tenant_id,
+            salt,
+            principal.priority,
+            shared_lens[i // body.n],
+        )
+        for i in range(plan.choices)
+    ]
+    gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
+    return Job(
+        gw,
+        principal,
+        chat,
+        body.model,
+        backend,
+        request_id,
+        int(time.time()),
+        requests,
+        body.n,
+        reservation,
+        body.user,
+        block_hashes,
+        [c.backend for c in candidates if c.backend is not backend],
+    )
+
+
+def _card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
+    card = gw.router.card(model)
+    if card is None:
+        # name what this tenant can use instead (GET /v1/models lists the same)
+        usable = ", ".join(m for m in gw.router.cards if principal.may_use(m)) or "none"
+        raise ApiError(
+            404, f"The model `{model}` does not exist. Available: {usable}.", code="model_not_found"
+        )
+    if not principal.may_use(model):
+        raise ApiError(
+            403, f"Your tenant may not use the model `{model}`.", code="model_not_allowed"
+        )
+    return card
+
+
+async def _admit(gw: GatewayState, principal: Principal, plan: TokenPlan) -> Reservation:
+    assert principal.tenant_id is not None
     try:
-        reservation = await gw.quota.admit(
-            principal.tenant_id, principal.limits, reserve, time.time()
+        return await gw.quota.admit(
+            principal.tenant_id, principal.limits, plan.reserve, time.time(), requests=plan.choices
         )
     except QuotaExceeded as e:
         m = gw.metrics
         m.child(m.quota_rejections, principal.tenant_name, e.kind).inc()
         gw.traffic.rejected(principal.tenant_id, principal.tenant_name)
-        headers = {"Retry-After": str(e.retry_after_s)}
-        if e.kind in ("requests", "tokens"):
-            headers[f"x-ratelimit-limit-{e.kind}"] = str(e.limit)
-            headers[f"x-ratelimit-remaining-{e.kind}"] = str(max(0, e.limit - e.used))
-            headers[f"x-ratelimit-reset-{e.kind}"] = f"{e.reset_s:.3f}s"
-        raise ApiError(429, str(e), code="rate_limit_exceeded", headers=headers) from None
-    gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
-    return Job(gw, principal, chat, body.model, backend, request_id, int(time.time()), requests,
-               body.n, reservation, body.user, block_hashes)  # fmt: skip
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers=e.headers()) from None
+
+
+def _sampling(
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, choice: int
+) -> SamplingParams:
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=body.stop or [],
+        stop_token_ids=body.stop_token_ids or [],
+        seed=None if body.seed is None else body.seed + choice,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=body.num_logprobs,
+        ignore_eos=body.ignore_eos,
+    )
 
 
 _DONE = object()

@@ -68,10 +68,8 @@ async def start_gateway(settings: Settings) -> GatewayState:
     else:
         quota = MemoryQuotaStore()
         now = time.time()
-        used = await tenants.budget_usage(time.strftime("%Y-%m-%d", time.gmtime(now)),
-                                          time.strftime("%Y-%m", time.gmtime(now)))  # fmt: skip
-        for tenant_id, (day, month) in used.items():
-            quota.preload(tenant_id, day, month, now)
+        for tenant_id, used in (await tenants.committed_usage(now)).items():
+            quota.preload(tenant_id, used, now)
     await quota.start()
     usage = UsageRecorder(db)
     usage.start()

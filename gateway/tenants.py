@@ -6,13 +6,24 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections import defaultdict
 from typing import Any
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.auth import generate_key, hash_key, visible_prefix
-from gateway.db import ApiKey, AuditLog, DailyUsage, Database, Quota, ServerSetting, Tenant
+from gateway.db import (
+    ApiKey,
+    AuditLog,
+    DailyUsage,
+    Database,
+    Quota,
+    ServerSetting,
+    Tenant,
+    UsageRecord,
+)
+from gateway.quota.limits import DAILY, MONTHLY, REQUESTS, TOKENS
 
 QUOTA_FIELDS = (
     "rpm",
@@ -199,26 +210,39 @@ class TenantService:
         total = {c: sum(d[c] for d in data) for c in cols}
         return {"object": "list", "data": data, "total": total}
 
-    async def budget_usage(self, day: str, month_prefix: str) -> dict[str, tuple[int, int]]:
-        """Tokens each tenant used on `day` and in the month `YYYY-MM`, from committed rows."""
-        tokens = DailyUsage.prompt_tokens + DailyUsage.completion_tokens
+    async def committed_usage(self, now: float) -> dict[str, dict[str, int]]:
+        """Per tenant, what its committed rows used in the windows open at `now`: tokens
+        this month and today (daily totals), requests and tokens this minute (rows). The
+        in-memory quota store starts from these, so a restart resets no window."""
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        tokens = func.sum(DailyUsage.prompt_tokens + DailyUsage.completion_tokens)
+        row_tokens = func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
         async with self.db.session() as s:
-            month = (
-                await s.execute(
-                    select(DailyUsage.tenant_id, func.sum(tokens))
-                    .where(DailyUsage.day.startswith(month_prefix))
-                    .group_by(DailyUsage.tenant_id)
-                )
-            ).all()
-            today = (
-                await s.execute(
-                    select(DailyUsage.tenant_id, func.sum(tokens))
-                    .where(DailyUsage.day == day)
-                    .group_by(DailyUsage.tenant_id)
-                )
-            ).all()
-        by_day = {t: int(v or 0) for t, v in today}
-        return {t: (by_day.get(t, 0), int(v or 0)) for t, v in month}
+            month = await s.execute(
+                select(DailyUsage.tenant_id, tokens)
+                .where(DailyUsage.day.startswith(day[:7]))
+                .group_by(DailyUsage.tenant_id)
+            )
+            today = await s.execute(
+                select(DailyUsage.tenant_id, tokens)
+                .where(DailyUsage.day == day)
+                .group_by(DailyUsage.tenant_id)
+            )
+            # a 503 gives its request back (QuotaStore.settle), so it does not count here
+            counted = func.count().filter(UsageRecord.status != 503)
+            minute = await s.execute(
+                select(UsageRecord.tenant_id, counted, row_tokens)
+                .where(UsageRecord.created_at >= now - now % 60)
+                .group_by(UsageRecord.tenant_id)
+            )
+        used: dict[str, dict[str, int]] = defaultdict(dict)
+        for tenant, value in month.all():
+            used[tenant][MONTHLY] = int(value or 0)
+        for tenant, value in today.all():
+            used[tenant][DAILY] = int(value or 0)
+        for tenant, requests, value in minute.all():
+            used[tenant] |= {REQUESTS: int(requests), TOKENS: int(value or 0)}
+        return dict(used)
 
     async def ensure_admin_key(self, admin_key: str | None) -> str | None:
         """Make sure an admin key exists. Returns a newly generated key (to print once),

@@ -4,22 +4,43 @@ Each finished request submits its row to the recorder and waits until the row is
 committed; only then does the gateway send the response's final bytes. Rows that
 arrive while a transaction is being written go together in the next one, so under
 load one commit carries many requests.
+
+One bad row must not fail the others in its transaction: a batch that fails is
+committed again row by row, a row that fails alone once more without the field the
+client chose (`user`), and a row that still fails (the database is down) is kept and
+retried until it is committed, so a response that already went out is still billed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import sqlite3
 import time
 from collections import defaultdict
 from dataclasses import dataclass, fields
 
 from sqlalchemy import text
+from sqlalchemy.exc import DataError, IntegrityError
 
 from gateway.db import Database, UsageRecord
 
+log = logging.getLogger("kvgate.usage")
+
 INLINE_COMMIT_ROWS = 32
 CHECKPOINT_EVERY_S = 2.0
+_ROW_FAULTS = (DataError, IntegrityError, sqlite3.DataError, sqlite3.IntegrityError)
+
+
+class UsageUnavailable(Exception):
+    """The usage row could not be committed now; the recorder keeps it and retries.
+    Its message is fixed: a database error names other tenants' rows."""
+
+    MESSAGE = "usage could not be recorded; the request was not completed"
+
+    def __init__(self) -> None:
+        super().__init__(self.MESSAGE)
 
 
 @dataclass
@@ -37,43 +58,60 @@ class UsageRow:
     finish_reason: str | None
     user: str | None = None
     created_at: float = 0.0
+    counted_by: str = "engine"
 
     @property
     def day(self) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(self.created_at))
 
 
+Waiter = tuple[UsageRow, asyncio.Future[None]]
+
+
 class UsageRecorder:
-    def __init__(self, db: Database, max_batch: int = 1000) -> None:
+    def __init__(
+        self,
+        db: Database,
+        max_batch: int = 1000,
+        retry_s: float = 1.0,
+        retry_max_s: float = 30.0,
+        stop_flush_s: float = 5.0,
+    ) -> None:
         self.db = db
         self.max_batch = max_batch
-        self.pending: list[tuple[UsageRow, asyncio.Future[None]]] = []
+        self.retry_s, self.retry_max_s, self.stop_flush_s = retry_s, retry_max_s, stop_flush_s
+        self.pending: list[Waiter] = []
+        self.kept: list[UsageRow] = []  # rows no commit took yet; retried with backoff
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.commits = 0
         self.rows_committed = 0
+        self._retry_delay = retry_s
+        self._retry_at = 0.0
+        self._stopping = False
         self._checkpoint: asyncio.Task[None] | None = None
         self._last_checkpoint = time.monotonic()
 
     def start(self) -> None:
+        self._stopping = False
         self.task = asyncio.create_task(self._run(), name="usage-recorder")
 
     async def stop(self) -> None:
+        """Commit every waiting row, try the kept ones for a bounded time, then end."""
         if self.task is None:
             return
-        while self.pending:  # drain: every waiting request gets its row
-            self.wakeup.set()
-            await asyncio.sleep(0.005)
+        self._stopping = True
+        self.wakeup.set()
+        await self.task  # it drains the pending rows, then returns
+        self.task = None
+        await self._flush_kept()
         if self._checkpoint is not None:
             await self._checkpoint
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-        self.task = None
 
     def submit(self, row: UsageRow) -> asyncio.Future[None]:
-        """Queue `row`; the future resolves once it is committed, or fails with the commit.
-        A plain future, not a task: cancelling a waiter does not withdraw the row."""
+        """Queue `row`; the future resolves once it is committed, or fails with
+        UsageUnavailable (the row is then kept and retried). A plain future, not a
+        task: cancelling a waiter does not withdraw the row."""
         if not row.created_at:
             row.created_at = time.time()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -83,24 +121,141 @@ class UsageRecorder:
 
     async def _run(self) -> None:
         while True:
-            await self.wakeup.wait()
+            await self._wait()
             self.wakeup.clear()
             while self.pending:
                 batch = self.pending[: self.max_batch]
                 del self.pending[: self.max_batch]
-                try:
-                    await self._commit([row for row, _ in batch])
-                except Exception as e:  # the requests fail, the recorder goes on
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(e)
-                    continue
-                self.commits += 1
-                self.rows_committed += len(batch)
-                self._maybe_checkpoint()
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_result(None)
+                await self._commit_batch(batch)
+            if self._stopping:
+                return
+            if self.kept and time.monotonic() >= self._retry_at:
+                await self._retry_kept()
+
+    async def _wait(self) -> None:
+        if not self.kept:
+            await self.wakeup.wait()
+            return
+        delay = self._retry_at - time.monotonic()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), delay)
+
+    async def _commit_batch(self, batch: list[Waiter]) -> None:
+        try:
+            await self._commit([row for row, _ in batch])
+        except Exception as e:
+            # the error names every row of the batch: log its kind, never its text
+            log.warning(
+                "a usage batch of %d rows failed (%s); committing them one by one",
+                len(batch),
+                type(e).__name__,
+            )
+            await self._isolate(batch)
+            return
+        self._committed(batch)
+        if self.kept:
+            self._retry_at = 0.0  # the database is back: retry the kept rows now
+
+    async def _isolate(self, batch: list[Waiter]) -> None:
+        for i, (row, fut) in enumerate(batch):
+            error = await self._commit_alone(row)
+            if error is None:
+                self._committed([(row, fut)])
+            elif _row_fault(error):
+                self._keep([(row, fut)], error)
+            else:  # the database is unavailable: keep the rest untried
+                self._keep(batch[i:], error)
+                return
+
+    async def _commit_alone(self, row: UsageRow) -> Exception | None:
+        """Commit one row; if it fails and has a `user`, once more without it."""
+        try:
+            await self._commit([row])
+            return None
+        except Exception as e:
+            if row.user is None or not _row_fault(e):
+                return e
+            log.warning(
+                "usage row %s failed (%s); committing it without its user field", row.request_id, e
+            )
+        row.user = None  # the one field the client chose; the server made the others
+        try:
+            await self._commit([row])
+        except Exception as e:
+            return e
+        return None
+
+    def _committed(self, batch: list[Waiter]) -> None:
+        self.commits += 1
+        self.rows_committed += len(batch)
+        self._maybe_checkpoint()
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _keep(self, batch: list[Waiter], error: Exception) -> None:
+        ids = [row.request_id for row, _ in batch]
+        log.error(
+            "usage rows not committed (%s: %s); kept to retry: %s",
+            type(error).__name__,
+            error,
+            ", ".join(ids),
+        )
+        if not self.kept:
+            self._retry_delay = self.retry_s
+            self._retry_at = time.monotonic() + self._retry_delay
+        self.kept.extend(row for row, _ in batch)
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_exception(UsageUnavailable())
+
+    async def _retry_kept(self) -> None:
+        """Commit the kept rows, a batch at a time while that works, else one by one."""
+        while self.kept:
+            rows = self.kept[: self.max_batch]
+            try:
+                await self._commit(rows)
+            except Exception:
+                await self._retry_one_by_one(rows)
+                break
+            del self.kept[: len(rows)]
+            self._count_retried(len(rows))
+        if self.kept:
+            self._retry_delay = min(self._retry_delay * 2, self.retry_max_s)
+            self._retry_at = time.monotonic() + self._retry_delay
+
+    async def _retry_one_by_one(self, rows: list[UsageRow]) -> None:
+        for row in rows:
+            error = await self._commit_alone(row)
+            if error is None:
+                self.kept.remove(row)
+                self._count_retried(1)
+            elif not _row_fault(error):
+                # still down; this row goes last, so one that always fails holds up no other
+                self.kept.remove(row)
+                self.kept.append(row)
+                return
+
+    def _count_retried(self, n: int) -> None:
+        self.commits += 1
+        self.rows_committed += n
+        log.info("committed %d kept usage rows; %d still kept", n, len(self.kept))
+
+    async def _flush_kept(self) -> None:
+        """At exit: retry the kept rows for at most stop_flush_s, then name those lost."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.stop_flush_s):
+                while self.kept:
+                    await self._retry_kept()
+                    if self.kept:
+                        await asyncio.sleep(self.retry_s)
+        if self.kept:
+            log.error(
+                "%d usage rows are lost: the database stayed unavailable until exit: %s",
+                len(self.kept),
+                ", ".join(r.request_id for r in self.kept),
+            )
 
     async def _commit(self, rows: list[UsageRow]) -> None:
         # Core statements on a bare connection: executemany, no ORM unit of work.
@@ -168,6 +323,15 @@ class UsageRecorder:
              "prompt_tokens": p, "completion_tokens": c, "cached_tokens": k}
             for (tenant, day, model), (n, p, c, k) in sorted(totals.items())
         ]  # fmt: skip
+
+
+def _row_fault(e: Exception) -> bool:
+    """Whether the error is about one row's values, so the other rows may still commit:
+    SQLSTATE class 22 (data) or 23 (integrity); asyncpg's come as plain DBAPIError."""
+    if isinstance(e, _ROW_FAULTS):
+        return True
+    sqlstate = getattr(getattr(e, "orig", None), "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23")
 
 
 _USAGE_COLUMNS = [f.name for f in fields(UsageRow)]

@@ -1,4 +1,5 @@
-"""The panels. Each one draws a plain record from `tui.view` and keeps no state of its own."""
+"""The panels. Each one draws a plain record from `tui.view`; the tables keep only their
+rows, which they update in place so that the cursor and the scroll survive a refresh."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ from rich.text import Text
 from textual.app import RenderResult
 from textual.containers import Vertical
 from textual.widget import Widget
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from tui import fmt
-from tui.view import TENANT_SORTS, BackendRow, Dashboard, Engine, ErrorRow, Latency, Series
+from tui.keyed_table import KeyedRow, KeyedTable
+from tui.view import (
+    TENANT_SORTS,
+    BackendRow,
+    Dashboard,
+    Engine,
+    ErrorRow,
+    Latency,
+    Series,
+    TenantRow,
+)
 
 BARS = " ▁▂▃▄▅▆▇█"
 
@@ -126,7 +137,7 @@ class EnginePanel(Static):
         self.update(table)
 
 
-class TenantsTable(DataTable):
+class TenantsTable(KeyedTable):
     COLUMNS = [
         ("name", "tenant"),
         ("requests_per_s", "req/s"),
@@ -138,29 +149,30 @@ class TenantsTable(DataTable):
     ]
 
     def on_mount(self) -> None:
+        # KeyedTable.on_mount adds the columns: Textual runs each class's handler.
         self.cursor_type = "row"
         self.zebra_stripes = True
 
     def show(self, board: Dashboard) -> None:
-        self.clear(columns=True)
-        for key, title in self.COLUMNS:
-            marked = f"{title} ▼" if key == board.sort_key else title
-            self.add_column(marked, key=key)
-        for t in board.tenants:
-            self.add_row(
-                t.name,
-                Text(fmt.si(t.requests_per_s), justify="right"),
-                Text(fmt.si(t.tokens_per_s), justify="right"),
-                Text(str(t.rejected_429), "red" if t.rejected_429 else "", justify="right"),
-                Text(str(t.in_flight), justify="right"),
-                Text(fmt.pct(t.quota_used), _quota_style(t.quota_used), justify="right"),
-                Text(fmt.tokens(t.budget_left), justify="right"),
-                key=t.id,
-            )
+        marked = {k: f"{t} ▼" if k == board.sort_key else t for k, t in self.COLUMNS}
+        self.relabel(marked)
+        self.sync([KeyedRow(t.id, _tenant_cells(t)) for t in board.tenants])
         sort_title = dict(TENANT_SORTS)[board.sort_key]
         shown = f"{len(board.tenants)}/{board.tenant_count}"
         where = f" matching '{board.tenant_filter}'" if board.tenant_filter else ""
         self.border_title = f"tenants {shown}{where}, by {sort_title}"
+
+
+def _tenant_cells(t: TenantRow) -> list[Text]:
+    return [
+        Text(t.name),
+        Text(fmt.si(t.requests_per_s), justify="right"),
+        Text(fmt.si(t.tokens_per_s), justify="right"),
+        Text(str(t.rejected_429), "red" if t.rejected_429 else "", justify="right"),
+        Text(str(t.in_flight), justify="right"),
+        Text(fmt.pct(t.quota_used), _quota_style(t.quota_used), justify="right"),
+        Text(fmt.tokens(t.budget_left), justify="right"),
+    ]
 
 
 def _quota_style(share: float | None) -> str:
@@ -169,32 +181,63 @@ def _quota_style(share: float | None) -> str:
     return "bold red" if share >= 0.9 else "yellow" if share >= 0.7 else ""
 
 
-class BackendsTable(DataTable):
+class BackendsTable(KeyedTable):
+    COLUMNS = [
+        ("name", "backend"),
+        ("type", "type"),
+        ("health", "health"),
+        ("running", "running"),
+        ("queue", "queue"),
+        ("kv", "KV"),
+        ("gen", "gen tok/s"),
+    ]
+
     def on_mount(self) -> None:
         self.cursor_type = "none"
-        self.add_columns("backend", "type", "health", "running", "queue", "KV", "gen tok/s")
 
     def show(self, backends: list[BackendRow]) -> None:
-        self.clear()
-        for b in backends:
-            self.add_row(
-                b.name,
-                b.type,
-                Text("up", "green") if b.healthy else Text("DOWN", "bold red"),
-                Text(str(b.running), justify="right"),
-                Text(str(b.waiting), justify="right"),
-                Text(fmt.pct(b.kv_usage), justify="right"),
-                Text(fmt.si(b.gen_tokens_per_s), justify="right"),
-            )
+        self.sync([KeyedRow(b.name, _backend_cells(b)) for b in backends])
 
 
-class ErrorsTable(DataTable):
+def _backend_cells(b: BackendRow) -> list[Text]:
+    return [
+        Text(b.name),
+        Text(b.type),
+        Text("up", "green") if b.healthy else Text("DOWN", "bold red"),
+        Text(str(b.running), justify="right"),
+        Text(str(b.waiting), justify="right"),
+        Text(fmt.pct(b.kv_usage), justify="right"),
+        Text(fmt.si(b.gen_tokens_per_s), justify="right"),
+    ]
+
+
+class ErrorsTable(KeyedTable):
+    COLUMNS = [
+        ("time", "time (UTC)"),
+        ("status", "status"),
+        ("tenant", "tenant"),
+        ("model", "model"),
+        ("message", "message"),
+    ]
+
     def on_mount(self) -> None:
         self.cursor_type = "none"
-        self.add_columns("time (UTC)", "status", "tenant", "model", "message")
 
     def show(self, errors: list[ErrorRow]) -> None:
-        self.clear()
-        for e in errors:
-            self.add_row(fmt.clock(e.ts), Text(str(e.status), "red"), e.tenant, e.model, e.message)
+        # An error has no id and never changes: its content is its key (sync numbers repeats).
+        self.sync([KeyedRow(_error_key(e), _error_cells(e)) for e in errors])
         self.border_title = f"recent errors ({len(errors)})"
+
+
+def _error_key(e: ErrorRow) -> str:
+    return "\x1f".join((repr(e.ts), str(e.status), e.tenant, e.model, e.message))
+
+
+def _error_cells(e: ErrorRow) -> list[Text]:
+    return [
+        Text(fmt.clock(e.ts)),
+        Text(str(e.status), "red"),
+        Text(e.tenant),
+        Text(e.model),
+        Text(e.message),
+    ]

@@ -10,21 +10,18 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.backends.base import (
-    Backend,
-    BackendError,
+from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
+from engine_api.records import (
     BackendStats,
-    BadRequestError,
     GenChunk,
     GenRequest,
     KVEvent,
     ModelCard,
-    PrefixCachingBackend,
-    PromptTooLongError,
-    SamplingOptions,
     TokenLogprob,
     Usage,
 )
+from engine_api.sampling import SamplingParams
+from gateway.backends.base import Backend, PrefixCachingBackend
 
 __all__ = [
     "Backend",
@@ -38,7 +35,7 @@ __all__ = [
     "ModelCard",
     "PrefixCachingBackend",
     "PromptTooLongError",
-    "SamplingOptions",
+    "SamplingParams",
     "TokenLogprob",
     "Usage",
     "build_backend",

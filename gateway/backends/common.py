@@ -1,16 +1,37 @@
-"""What the engine adapters (gpu, local) share: option checks, model ids, sampling."""
+"""What the engine adapters (gpu, local) share: option checks, model ids, rendering."""
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import pathlib
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from engine_api.errors import BadRequestError
+from engine_api.records import PromptInput
 from gateway.backends import BackendSpec
-from gateway.backends.base import BadRequestError, PromptInput, SamplingOptions
 from gateway.chat_template import render_chat
 from gateway.default_model import DEFAULT_MODEL_ID
+
+# Tokenizing more characters than this would hold the event loop for milliseconds.
+LARGE_PROMPT_CHARS = 16_384
+
+
+def _prompt_chars(prompt: PromptInput) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(str(m.get("content") or "")) for m in prompt)
+    return 0  # token ids: nothing to tokenize
+
+
+async def render_off_loop(
+    render: Callable[[PromptInput], list[int]], prompt: PromptInput
+) -> list[int]:
+    """`render(prompt)` inline when the prompt is small, in a worker thread when it is
+    large, so that one big prompt does not stall every other request."""
+    if _prompt_chars(prompt) < LARGE_PROMPT_CHARS:
+        return render(prompt)
+    return await asyncio.to_thread(render, prompt)
 
 
 def check_options(spec: BackendSpec, allowed: Iterable[str]) -> None:
@@ -34,12 +55,6 @@ def served_model_id(spec: BackendSpec) -> str:
 def check_model(model: str, served: str) -> None:
     if model != served:
         raise BadRequestError(f"model {model!r} is not served here (this serves {served!r})")
-
-
-def sampling_kwargs(options: SamplingOptions) -> dict[str, Any]:
-    """The gateway's sampling options as keyword arguments: both engines' SamplingParams
-    take the same names."""
-    return dataclasses.asdict(options)
 
 
 def render_prompt(

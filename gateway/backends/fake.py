@@ -20,11 +20,9 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator
 
-from gateway.backends import BackendSpec
-from gateway.backends.base import (
-    BackendError,
+from engine_api.errors import BackendError, BadRequestError
+from engine_api.records import (
     BackendStats,
-    BadRequestError,
     GenChunk,
     GenRequest,
     ModelCard,
@@ -32,6 +30,8 @@ from gateway.backends.base import (
     TokenLogprob,
     Usage,
 )
+from gateway.backends import BackendSpec
+from gateway.backends.common import render_off_loop
 
 WORDS = [
     "the",
@@ -116,6 +116,9 @@ class FakeBackend:
         return [ModelCard(self.model_id, self.name, self.context_length)]
 
     async def render(self, model: str, prompt: PromptInput) -> list[int]:
+        return await render_off_loop(self._render, prompt)
+
+    def _render(self, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant:"
         elif isinstance(prompt, list):

@@ -1,4 +1,7 @@
-"""Adapter: the gateway's Backend protocol over `backend_gpu.AsyncLLM` (in-process engine)."""
+"""Adapter: the gateway's Backend protocol over `backend_gpu.AsyncLLM` (in-process engine).
+
+The engine takes engine_api's SamplingParams and raises engine_api's errors, so requests
+and errors pass through as they are; only outputs are reshaped into GenChunks."""
 
 from __future__ import annotations
 
@@ -7,39 +10,31 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
-from backend_gpu import AsyncLLM, EngineDeadError, RequestOutput, SamplingParams
-from backend_gpu import PromptTooLongError as EnginePromptTooLongError
-from backend_gpu.block_hash import hash_blocks
+from backend_gpu import AsyncLLM, RequestOutput
 from backend_gpu.config import EngineConfig
-from gateway.backends import BackendSpec
-from gateway.backends.base import (
-    BackendError,
+from engine_api.block_hash import hash_blocks
+from engine_api.errors import BackendError
+from engine_api.records import (
     BackendStats,
-    BadRequestError,
     GenChunk,
     GenRequest,
     KVEvent,
     ModelCard,
     PromptInput,
-    PromptTooLongError,
-    SamplingOptions,
     TokenLogprob,
     Usage,
 )
+from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
     check_options,
+    render_off_loop,
     render_prompt,
-    sampling_kwargs,
     served_model_id,
 )
 from gateway.default_model import default_model_path
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
-
-
-def _sampling_params(options: SamplingOptions) -> SamplingParams:
-    return SamplingParams(**sampling_kwargs(options))
 
 
 def _architecture(model_type: str) -> str:
@@ -91,43 +86,34 @@ class GpuBackend:
     async def render(self, model: str, prompt: PromptInput) -> list[int]:
         check_model(model, self.model_id)
         tokenizer = self.engine.tokenizer
-        return render_prompt(
+        architecture = _architecture(self.engine.engine.hf_config.model_type)
+        return await render_off_loop(
+            lambda p: render_prompt(
+                p,
+                lambda text, add_bos: tokenizer.encode(text, add_special_tokens=add_bos),
+                tokenizer.chat_template,
+                architecture,
+                bos_token=tokenizer.bos_token or "",
+                eos_token=tokenizer.eos_token or "",
+            ),
             prompt,
-            lambda text, add_bos: tokenizer.encode(text, add_special_tokens=add_bos),
-            tokenizer.chat_template,
-            _architecture(self.engine.engine.hf_config.model_type),
-            bos_token=tokenizer.bos_token or "",
-            eos_token=tokenizer.eos_token or "",
         )
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        """BadRequestError (400) or EngineDeadError (a BackendError, 503) come from the
+        engine as they are, before the first chunk."""
         check_model(req.model, self.model_id)
-        engine = self.engine
-        try:
-            params = _sampling_params(req.sampling)
-            params.validate()
-        except ValueError as exc:
-            raise BadRequestError(str(exc)) from exc
-        stream = engine.generate(
+        stream = self.engine.generate(
             req.prompt_token_ids,
-            params,
+            req.sampling,
             req.request_id,
             req.cache_salt,
             req.priority,
             req.shared_prefix_len,
         )
         async with contextlib.aclosing(stream):
-            try:
-                async for out in stream:
-                    yield self._chunk(out, len(req.prompt_token_ids))
-            except EnginePromptTooLongError as exc:
-                raise PromptTooLongError(
-                    exc.prompt_tokens, req.sampling.max_tokens, exc.max_model_len
-                ) from exc
-            except EngineDeadError as exc:
-                raise BackendError(str(exc)) from exc
-            except ValueError as exc:
-                raise BadRequestError(str(exc)) from exc
+            async for out in stream:
+                yield self._chunk(out, len(req.prompt_token_ids))
 
     def block_hashes(
         self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0

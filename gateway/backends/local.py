@@ -1,4 +1,8 @@
-"""Adapter: the gateway's Backend protocol over `backend_local.LocalEngine` (llama.cpp)."""
+"""Adapter: the gateway's Backend protocol over `backend_local.LocalEngine` (llama.cpp).
+
+The engine takes engine_api's SamplingParams and raises engine_api's errors (DecodeError
+is a BackendError), so requests and errors pass through as they are; only outputs are
+reshaped into GenChunks."""
 
 from __future__ import annotations
 
@@ -7,46 +11,30 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
-from backend_local import (
-    DecodeError,
-    EngineConfig,
-    EngineDeadError,
-    LocalEngine,
-    ModelLoadError,
-    RequestOutput,
-    SamplingParams,
-)
-from backend_local import PromptTooLongError as EnginePromptTooLongError
+from backend_local import EngineConfig, LocalEngine, ModelLoadError, RequestOutput
 from backend_local.prefix_blocks import block_hashes
-from gateway.backends import BackendSpec
-from gateway.backends.base import (
-    BackendError,
+from engine_api.errors import BackendError
+from engine_api.records import (
     BackendStats,
-    BadRequestError,
     GenChunk,
     GenRequest,
     KVEvent,
     ModelCard,
     PromptInput,
-    PromptTooLongError,
-    SamplingOptions,
     TokenLogprob,
     Usage,
 )
+from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
     check_options,
+    render_off_loop,
     render_prompt,
-    sampling_kwargs,
     served_model_id,
 )
 from gateway.default_model import default_model_path
 
 ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
-
-
-def _sampling_params(options: SamplingOptions) -> SamplingParams:
-    return SamplingParams(**sampling_kwargs(options))
 
 
 class LocalBackend:
@@ -88,35 +76,32 @@ class LocalBackend:
         check_model(model, self.model_id)
         engine = self.engine
         llama = engine.model
-        return render_prompt(
+        return await render_off_loop(
+            lambda p: render_prompt(
+                p,
+                lambda text, add_bos: engine.tokenize(text, add_special=add_bos),
+                llama.chat_template,
+                llama.architecture,
+                bos_token=llama.bos_text,
+                eos_token=llama.eos_text,
+            ),
             prompt,
-            lambda text, add_bos: engine.tokenize(text, add_special=add_bos),
-            llama.chat_template,
-            llama.architecture,
-            bos_token=llama.bos_text,
-            eos_token=llama.eos_text,
         )
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        """BadRequestError (400) comes from the engine before the first chunk;
+        EngineDeadError and DecodeError (BackendErrors, 503) at any chunk."""
         check_model(req.model, self.model_id)
-        engine = self.engine
-        try:
-            params = _sampling_params(req.sampling)
-            engine.check_request(req.prompt_token_ids, params, req.shared_prefix_len)
-        except EnginePromptTooLongError as exc:
-            raise PromptTooLongError(exc.prompt_tokens, exc.max_tokens, exc.context_length) from exc
-        except ValueError as exc:
-            raise BadRequestError(str(exc)) from exc
-        stream = engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt,
-                                 req.shared_prefix_len)  # fmt: skip
+        stream = self.engine.generate(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            req.cache_salt,
+            req.shared_prefix_len,
+        )
         async with contextlib.aclosing(stream):
-            try:
-                async for out in stream:
-                    yield self._chunk(out)
-            except ValueError as exc:
-                raise BadRequestError(str(exc)) from exc
-            except (EngineDeadError, DecodeError) as exc:
-                raise BackendError(str(exc)) from exc
+            async for out in stream:
+                yield self._chunk(out)
 
     def _chunk(self, out: RequestOutput) -> GenChunk:
         usage = None

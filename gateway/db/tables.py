@@ -86,6 +86,8 @@ class UsageRecord(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     user: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[float] = mapped_column(Float)
+    # "engine", or "gateway" where a remote upstream sent no usage and kvgate counted
+    counted_by: Mapped[str] = mapped_column(String(16), server_default="engine")
 
     __table_args__ = (Index("ix_usage_records_tenant_created", "tenant_id", "created_at"),)
 

@@ -101,6 +101,7 @@ class Reservation:
     # remaining requests/tokens after admission, for the x-ratelimit-* headers
     remaining: dict[str, int | None] = field(default_factory=dict)
     limits: QuotaLimits = field(default_factory=QuotaLimits)
+    requests: int = 1  # one per choice: n=4 takes four requests and four slots
     settled: bool = False
 
 
@@ -128,6 +129,15 @@ class QuotaExceeded(Exception):
     @property
     def retry_after_s(self) -> int:
         return max(1, math.ceil(self.reset_s))
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After and, for the per-minute limits, OpenAI's x-ratelimit-* headers."""
+        headers = {"Retry-After": str(self.retry_after_s)}
+        if self.kind in (REQUESTS, TOKENS):
+            headers[f"x-ratelimit-limit-{self.kind}"] = str(self.limit)
+            headers[f"x-ratelimit-remaining-{self.kind}"] = str(max(0, self.limit - self.used))
+            headers[f"x-ratelimit-reset-{self.kind}"] = f"{self.reset_s:.3f}s"
+        return headers
 
 
 def ratelimit_headers(

@@ -25,17 +25,26 @@ class MemoryQuotaStore:
         self.counters: dict[Counter, int] = {}
         self.minute_of: dict[str, int] = {}  # each tenant's newest minute window
 
-    def preload(self, tenant_id: str, day_tokens: int, month_tokens: int, now: float) -> None:
-        """Seed the budgets with the usage already committed (the database is the record)."""
+    def preload(self, tenant_id: str, used: dict[str, int], now: float) -> None:
+        """Seed the counters (kind -> amount) with the usage already committed in the
+        current windows: the database is the record, so a restart resets nothing."""
         w = windows_at(now)
-        self.counters[(tenant_id, DAILY, w.day)] = day_tokens
-        self.counters[(tenant_id, MONTHLY, w.month)] = month_tokens
+        for kind, amount in used.items():
+            self.counters[(tenant_id, kind, w.of(kind))] = amount
+            if kind in (REQUESTS, TOKENS):
+                self.minute_of[tenant_id] = w.minute
 
     async def admit(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
     ) -> Reservation:
         w = windows_at(now)
-        wanted = {REQUESTS: 1, TOKENS: tokens, DAILY: tokens, MONTHLY: tokens, CONCURRENT: 1}
+        wanted = {
+            REQUESTS: requests,
+            TOKENS: tokens,
+            DAILY: tokens,
+            MONTHLY: tokens,
+            CONCURRENT: requests,
+        }
         for kind, amount in wanted.items():
             limit = limits.limit_for(kind)
             if limit is None:
@@ -53,7 +62,7 @@ class MemoryQuotaStore:
             else limits.limit_for(kind) - self.counters[(tenant_id, kind, w.of(kind))]
             for kind in (REQUESTS, TOKENS)
         }
-        return Reservation(tenant_id, tokens, w, remaining, limits)
+        return Reservation(tenant_id, tokens, w, remaining, limits, requests)
 
     async def settle(self, res: Reservation, used_tokens: int, count_request: bool = True) -> None:
         if res.settled:
@@ -63,9 +72,9 @@ class MemoryQuotaStore:
         delta = used_tokens - res.tokens
         for kind in (TOKENS, DAILY, MONTHLY):
             self._add((t, kind, w.of(kind)), delta)
-        self._add((t, CONCURRENT, 0), -1)
+        self._add((t, CONCURRENT, 0), -res.requests)
         if not count_request:
-            self._add((t, REQUESTS, w.minute), -1)
+            self._add((t, REQUESTS, w.minute), -res.requests)
 
     async def used(self, tenant_id: str, now: float) -> dict[str, int]:
         w = windows_at(now)

@@ -29,8 +29,11 @@ from gateway.quota.limits import (
 )
 
 KINDS = (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT)
-HEARTBEAT_S = 10.0
-STALE_AFTER_S = 45.0
+# A gateway killed with -9 holds its tenants' concurrency slots until another one sees
+# its heartbeat go stale: at most HEARTBEAT_S + STALE_AFTER_S. Shorter would let a gateway
+# whose loop stalls for longer than STALE_AFTER_S lose slots it still uses (design.md).
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 20.0
 
 # Admission and settlement each take the tenant's advisory lock first: one tenant's
 # counter rows are then always locked by one transaction at a time, in no order that
@@ -40,9 +43,9 @@ _TENANT_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:t))")
 _ADMIT = text("""
 WITH taken AS (
   INSERT INTO quota_counters (tenant_id, kind, "window", value, limit_value) VALUES
-    (:t, 'requests', :wm, 1, :l_requests), (:t, 'tokens', :wm, :n, :l_tokens),
+    (:t, 'requests', :wm, :r, :l_requests), (:t, 'tokens', :wm, :n, :l_tokens),
     (:t, 'daily', :wd, :n, :l_daily), (:t, 'monthly', :wmo, :n, :l_monthly),
-    (:t, 'concurrent', 0, 1, :l_concurrent)
+    (:t, 'concurrent', 0, :r, :l_concurrent)
   ON CONFLICT (tenant_id, kind, "window") DO UPDATE
     SET value = quota_counters.value + excluded.value, limit_value = excluded.limit_value
     WHERE excluded.limit_value IS NULL
@@ -50,14 +53,15 @@ WITH taken AS (
   RETURNING kind, value
 ), lease AS (
   INSERT INTO quota_leases (instance_id, tenant_id, held, heartbeat)
-  SELECT :i, :t, 1, :now WHERE (SELECT count(*) FROM taken) = 5
+  SELECT :i, :t, :r, :now WHERE (SELECT count(*) FROM taken) = 5
   ON CONFLICT (instance_id, tenant_id) DO UPDATE
-    SET held = quota_leases.held + 1, heartbeat = excluded.heartbeat
+    SET held = quota_leases.held + excluded.held, heartbeat = excluded.heartbeat
 )
 SELECT kind, value FROM taken
 """).bindparams(
     bindparam("wm", type_=BigInteger), bindparam("wd", type_=BigInteger),
     bindparam("wmo", type_=BigInteger), bindparam("n", type_=BigInteger),
+    bindparam("r", type_=BigInteger),
     *(bindparam("l_" + k, type_=BigInteger) for k in KINDS),
 )  # fmt: skip
 
@@ -65,17 +69,18 @@ _SETTLE = text("""
 WITH counters AS (
   UPDATE quota_counters SET value = quota_counters.value + d.delta
   FROM (VALUES ('tokens', CAST(:wm AS BIGINT), CAST(:dt AS BIGINT)), ('daily', :wd, :dt),
-               ('monthly', :wmo, :dt), ('concurrent', 0, -1), ('requests', :wm, :dr))
+               ('monthly', :wmo, :dt), ('concurrent', 0, -CAST(:r AS BIGINT)),
+               ('requests', :wm, :dr))
        AS d(kind, win, delta)
   WHERE quota_counters.tenant_id = :t AND quota_counters.kind = d.kind
     AND quota_counters."window" = d.win AND d.delta <> 0
   RETURNING 1
 )
-UPDATE quota_leases SET held = held - 1 WHERE instance_id = :i AND tenant_id = :t
+UPDATE quota_leases SET held = held - :r WHERE instance_id = :i AND tenant_id = :t
 """).bindparams(
     bindparam("wm", type_=BigInteger), bindparam("wd", type_=BigInteger),
     bindparam("wmo", type_=BigInteger), bindparam("dt", type_=BigInteger),
-    bindparam("dr", type_=BigInteger),
+    bindparam("dr", type_=BigInteger), bindparam("r", type_=BigInteger),
 )  # fmt: skip
 
 
@@ -132,16 +137,22 @@ class PostgresQuotaStore:
         return reclaimed
 
     async def admit(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
     ) -> Reservation:
         w = windows_at(now)
-        wanted = {REQUESTS: 1, TOKENS: tokens, DAILY: tokens, MONTHLY: tokens, CONCURRENT: 1}
+        wanted = {
+            REQUESTS: requests,
+            TOKENS: tokens,
+            DAILY: tokens,
+            MONTHLY: tokens,
+            CONCURRENT: requests,
+        }
         for kind, amount in wanted.items():
             limit = limits.limit_for(kind)
             if limit is not None and amount > limit:  # a fresh row is inserted unchecked
                 raise QuotaExceeded(kind, limit, 0, amount, w.reset_s(kind))
         params = {"t": tenant_id, "i": self.instance_id, "now": now, "n": tokens,
-                  "wm": w.minute, "wd": w.day, "wmo": w.month}  # fmt: skip
+                  "r": requests, "wm": w.minute, "wd": w.day, "wmo": w.month}  # fmt: skip
         for kind in KINDS:
             params["l_" + kind] = limits.limit_for(kind)
         async with self.db.engine.begin() as conn:
@@ -163,7 +174,7 @@ class PostgresQuotaStore:
             kind: None if limits.limit_for(kind) is None else limits.limit_for(kind) - taken[kind]
             for kind in (REQUESTS, TOKENS)
         }
-        return Reservation(tenant_id, tokens, w, remaining, limits)
+        return Reservation(tenant_id, tokens, w, remaining, limits, requests)
 
     async def settle(self, res: Reservation, used_tokens: int, count_request: bool = True) -> None:
         if res.settled:
@@ -171,8 +182,8 @@ class PostgresQuotaStore:
         res.settled = True
         w = res.windows
         params = {"t": res.tenant_id, "i": self.instance_id, "dt": used_tokens - res.tokens,
-                  "dr": 0 if count_request else -1, "wm": w.minute, "wd": w.day,
-                  "wmo": w.month}  # fmt: skip
+                  "dr": 0 if count_request else -res.requests, "r": res.requests,
+                  "wm": w.minute, "wd": w.day, "wmo": w.month}  # fmt: skip
         async with self.db.engine.begin() as conn:
             await conn.execute(_TENANT_LOCK, params)
             await conn.execute(_SETTLE, params)

@@ -9,10 +9,10 @@ from gateway.quota.limits import QuotaLimits, Reservation
 
 class QuotaStore(Protocol):
     async def admit(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
     ) -> Reservation:
-        """Take one request and `tokens` from every window, or raise QuotaExceeded and
-        take nothing."""
+        """Take `requests` requests and concurrency slots and `tokens` from every window,
+        or raise QuotaExceeded and take nothing."""
         ...
 
     async def settle(self, res: Reservation, used_tokens: int, count_request: bool = True) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend_gpu.block_manager import Block, BlockManager, FreeBlockQueue, hash_blocks
+from backend_gpu.block_manager import Block, BlockManager, FreeBlockQueue
 from backend_gpu.config import EngineConfig
-from backend_gpu.sampling_params import SamplingParams
 from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
+from engine_api.block_hash import hash_blocks
+from engine_api.sampling import SamplingParams
 from tests.backend_gpu.model_free_steps import advance
 
 BS = 4

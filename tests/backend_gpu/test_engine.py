@@ -29,6 +29,7 @@ def all_blocks_free(llm: LLM) -> bool:
         ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
         ([5, 6], SamplingParams(temperature=-1), "temperature"),
         ([5, 6], SamplingParams(top_p=0), "top_p"),
+        ([5, 6], SamplingParams(logprobs=21), "logprobs"),  # as backend_local caps it
         ([5, 10_000], SamplingParams(), "vocabulary"),
     ],
 )
@@ -44,7 +45,7 @@ def test_bad_input_is_refused_at_admission_and_changes_nothing(llm, prompt, para
 def test_prompt_too_long_names_the_limit(llm):
     with pytest.raises(PromptTooLongError) as info:
         llm.generate([[5] * 256])
-    assert info.value.prompt_tokens == 256 and info.value.max_model_len == 256
+    assert info.value.prompt_tokens == 256 and info.value.context_length == 256
 
 
 def test_request_that_can_never_fit_the_pool_is_refused(tiny_model_dir):

@@ -12,7 +12,7 @@ from gateway.backends import (
     BadRequestError,
     GenRequest,
     PromptTooLongError,
-    SamplingOptions,
+    SamplingParams,
     build_backend,
 )
 
@@ -37,7 +37,7 @@ def request(request_id, prompt, salt=None, **sampling):
         request_id=request_id,
         model="tiny-llama",
         prompt_token_ids=prompt,
-        sampling=SamplingOptions(**sampling),
+        sampling=SamplingParams(**sampling),
         cache_salt=salt,
     )
 

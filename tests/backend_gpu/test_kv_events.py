@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend_gpu import LLM, AsyncLLM, SamplingParams
-from backend_gpu.block_manager import BlockManager, block_salt, hash_blocks
+from backend_gpu.block_manager import BlockManager
 from backend_gpu.config import EngineConfig
 from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
+from engine_api.block_hash import block_salt, hash_blocks
 from tests.backend_gpu.model_free_steps import advance
 
 BS = 4

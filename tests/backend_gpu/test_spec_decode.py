@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from backend_gpu import LLM, SamplingParams
-from backend_gpu.block_hash import hash_blocks
 from backend_gpu.config import EngineConfig
 from backend_gpu.spec_decode.ngram import NgramProposer
 from backend_gpu.spec_decode.rejection_sampler import accept_greedy, accept_sampled
+from engine_api.block_hash import hash_blocks
 from tests.backend_gpu.tiny_models import SENTENCES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -404,7 +404,7 @@ def test_gemma3_270m_ngram_greedy_equals_plain():
 async def test_gateway_reports_acceptance_in_stats_and_metrics(tiny_model_dir):
     from prometheus_client import generate_latest
 
-    from gateway.backends import BackendSpec, GenRequest, SamplingOptions, build_backend
+    from gateway.backends import BackendSpec, GenRequest, SamplingParams, build_backend
     from gateway.metrics import Metrics
 
     spec = BackendSpec(
@@ -420,7 +420,7 @@ async def test_gateway_reports_acceptance_in_stats_and_metrics(tiny_model_dir):
             request_id="r1",
             model="tiny-gemma3",
             prompt_token_ids=[5, 6, 7, 8, 9] * 6,  # the random Gemma 3 goes on with 9, 9, ...
-            sampling=SamplingOptions(temperature=0, max_tokens=30, ignore_eos=True),
+            sampling=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
         )
         chunks = [c async for c in backend.generate(req)]
         assert sum(len(c.token_ids) for c in chunks) == 30

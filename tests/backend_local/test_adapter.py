@@ -10,7 +10,7 @@ from gateway.backends import (
     BadRequestError,
     GenRequest,
     PromptTooLongError,
-    SamplingOptions,
+    SamplingParams,
     build_backend,
 )
 from gateway.backends.local import LocalBackend
@@ -48,7 +48,7 @@ async def test_chat_request_gets_a_real_reply(backend):
     turn = b.engine.tokenize("<start_of_turn>model\n", add_special=False)
     assert len(turn) == 3 and ids[-3:] == turn  # the turn marker is one special token
     request = GenRequest(
-        "chat-1", DEFAULT_MODEL_ID, ids, SamplingOptions(temperature=0, max_tokens=32), "t1", "s1"
+        "chat-1", DEFAULT_MODEL_ID, ids, SamplingParams(temperature=0, max_tokens=32), "t1", "s1"
     )
     chunks = [c async for c in b.generate(request)]
     text = "".join(c.text for c in chunks)
@@ -64,7 +64,7 @@ async def test_usage_reports_cached_prompt_tokens(backend):
     b = await started(backend)
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     ids = await b.render(DEFAULT_MODEL_ID, messages)
-    options = SamplingOptions(temperature=0, max_tokens=2)
+    options = SamplingParams(temperature=0, max_tokens=2)
     for attempt, salt in enumerate(["s-cache", "s-cache", "s-other"]):
         request = GenRequest(f"cache-{attempt}", DEFAULT_MODEL_ID, ids, options, "t", salt)
         chunks = [c async for c in b.generate(request)]
@@ -74,11 +74,11 @@ async def test_usage_reports_cached_prompt_tokens(backend):
 
 async def test_bad_requests_map_to_gateway_errors(backend):
     b = await started(backend)
-    ok = SamplingOptions(max_tokens=4)
+    ok = SamplingParams(max_tokens=4)
     with pytest.raises(PromptTooLongError, match="maximum context length is 512"):
         await anext(b.generate(GenRequest("long", DEFAULT_MODEL_ID, [2] * 510, ok)))
     with pytest.raises(BadRequestError, match="top_p"):
-        await anext(b.generate(GenRequest("x", DEFAULT_MODEL_ID, [2, 3], SamplingOptions(top_p=0))))
+        await anext(b.generate(GenRequest("x", DEFAULT_MODEL_ID, [2, 3], SamplingParams(top_p=0))))
     with pytest.raises(BadRequestError, match="not served"):
         await b.render("gpt-4", "hello")
     with pytest.raises(BadRequestError, match="alternate"):
@@ -89,7 +89,7 @@ async def test_bad_requests_map_to_gateway_errors(backend):
 async def test_logprobs_carry_token_text(backend):
     b = await started(backend)
     ids = await b.render(DEFAULT_MODEL_ID, "The sky is")
-    options = SamplingOptions(temperature=0, max_tokens=3, logprobs=2)
+    options = SamplingParams(temperature=0, max_tokens=3, logprobs=2)
     chunks = [c async for c in b.generate(GenRequest("lp", DEFAULT_MODEL_ID, ids, options))]
     for chunk in chunks:
         (lp,) = chunk.logprobs
@@ -99,7 +99,7 @@ async def test_logprobs_carry_token_text(backend):
 async def test_closing_the_stream_aborts_and_stats_follow(backend):
     b = await started(backend)
     ids = await b.render(DEFAULT_MODEL_ID, "Count: one, two,")
-    options = SamplingOptions(temperature=0, max_tokens=200, ignore_eos=True)
+    options = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     stream = b.generate(GenRequest("abort-me", DEFAULT_MODEL_ID, ids, options))
     await anext(stream)
     assert b.stats().running == 1

@@ -114,7 +114,9 @@ async def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine):
     with pytest.raises(ValueError, match="empty"):
         await anext(engine.generate("empty", [], greedy(4)))
     with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
+        await anext(engine.generate("cold", prompt, SamplingParams(temperature=-1)))
+    with pytest.raises(ValueError, match="logprobs"):
+        await anext(engine.generate("many", prompt, greedy(4, logprobs=21)))
     ids, _, out = await collect(engine, "after", prompt, greedy(4))
     assert len(ids) == 4 and out.finish_reason == "length"
     assert engine.stats().busy == 0

@@ -4,13 +4,7 @@ import pytest
 
 from backend_local import EngineConfig, LocalEngine, SamplingParams
 from backend_local.prefix_blocks import BLOCK_SIZE, block_hashes
-from gateway.backends import (
-    BackendSpec,
-    BadRequestError,
-    GenRequest,
-    SamplingOptions,
-    build_backend,
-)
+from gateway.backends import BackendSpec, BadRequestError, GenRequest, build_backend
 from gateway.default_model import DEFAULT_MODEL_ID
 from tests.backend_local.helpers import collect
 
@@ -130,7 +124,7 @@ async def test_adapter_reports_events_under_its_replica_name(model_path):
     backend = build_backend(BackendSpec(name="local-1", type="local", options=options))
     await backend.start()
     prompt = await backend.render(DEFAULT_MODEL_ID, SYSTEM)
-    sampling = SamplingOptions(temperature=0, max_tokens=2)
+    sampling = SamplingParams(temperature=0, max_tokens=2)
     request = GenRequest("r1", DEFAULT_MODEL_ID, prompt, sampling, "t", "salt-t")
     chunks = [c async for c in backend.generate(request)]
     held = prompt + chunks[0].token_ids

@@ -1,6 +1,6 @@
 from backend_local.requests import Request
-from backend_local.sampling import SamplingParams
 from backend_local.slots import Slot, common_prefix_len, place
+from engine_api.sampling import SamplingParams
 
 
 def busy(slot: Slot) -> Slot:

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from gateway.app import create_app
 from gateway.backends import BackendSpec
 from gateway.config import Settings
+from gateway.http_server import GatewayTestServer
 from gateway.openai_api import GW
 from gateway.state import GatewayState
 from tests.conftest import ADMIN_KEY
@@ -72,7 +73,7 @@ async def make_gateway(tmp_path) -> AsyncIterator:
             backends=backends or fake_backends(),
             **settings,
         )
-        server = TestServer(create_app(s), handler_cancellation=True)
+        server = GatewayTestServer(create_app(s), s)
         await server.start_server()
         gw = Gateway(server, aiohttp.ClientSession())
         started.append(gw)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+from tests.conftest import ADMIN_KEY
 from tests.gateway.conftest import fake_backends
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 async def _sse(resp) -> list:
@@ -165,9 +168,33 @@ async def test_health_ready_metrics(gw):
         assert r.status == 200
     async with gw.http.get(gw.url + "/ready") as r:
         assert r.status == 200 and (await r.json())["backends"] == {"fake": True}
-    async with gw.http.get(gw.url + "/metrics") as r:
+    async with gw.http.get(gw.url + "/metrics") as r:  # it names tenants: not for anyone
+        assert r.status == 401 and "metered" not in await r.text()
+    async with gw.http.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 403 and "metered" not in await r.text()
+    async with gw.http.get(gw.url + "/metrics", headers=ADMIN) as r:
         text = await r.text()
     assert 'kvgate:requests_total{model="fake-model",status="200",tenant="metered"} 1.0' in text
     assert 'kvgate:generation_tokens_total{model="fake-model",tenant="metered"} 4.0' in text
     assert "kvgate:time_to_first_token_seconds_bucket" in text
     assert 'kvgate:num_requests_running{backend="fake"} 0.0' in text
+
+
+async def test_a_scraper_token_reads_metrics_and_nothing_else(make_gateway):
+    token = "scrape-" + "s" * 32
+    gw = await make_gateway(metrics_token=token)
+    scraper = {"Authorization": f"Bearer {token}"}
+    async with gw.http.get(gw.url + "/metrics", headers=scraper) as r:
+        assert r.status == 200 and "kvgate:requests_total" in await r.text()
+    async with gw.http.get(
+        gw.url + "/metrics", headers={"Authorization": "Bearer " + "x" * 39}
+    ) as r:
+        assert r.status == 401
+    async with gw.http.get(gw.url + "/admin/tenants", headers=scraper) as r:
+        assert r.status == 401  # the token is not a key
+
+
+async def test_metrics_open_when_configured(make_gateway):
+    gw = await make_gateway(metrics_auth=False)
+    async with gw.http.get(gw.url + "/metrics") as r:
+        assert r.status == 200

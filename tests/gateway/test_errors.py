@@ -26,8 +26,8 @@ async def _slot_is_free(gw, key: str) -> None:
 
 async def test_invalid_json_and_schema(gw):
     _, key = await gw.tenant(max_concurrent=1)
-    r = await gw.http.post(gw.url + "/v1/chat/completions", data=b"{not json",
-                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    r = await gw.http.post(gw.url + "/v1/chat/completions", data=b"{not json", headers=headers)
     assert "not valid JSON" in (await _error(r, 400))["message"]
     r = await gw.post("/v1/chat/completions", key, {"model": "fake-model"})
     assert (await _error(r, 400))["param"] == "messages"

@@ -232,7 +232,8 @@ async def test_tenants_never_hit_each_others_cache(make_gateway, tiny_llama) -> 
     status, report = await call(gw, "GET", f"/admin/prefixes?tenant_id={tenant_ids['a']}", key_b)
     assert status == 404 and report["error"]["message"]
     # metrics: prompt tokens looked up and hit, per tenant
-    async with gw.http.get(gw.url + "/metrics") as r:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with gw.http.get(gw.url + "/metrics", headers=admin) as r:
         text = await r.text()
     assert 'kvgate:prefix_cache_queries_total{model="tiny",tenant="a"}' in text
     hits = [line for line in text.splitlines()

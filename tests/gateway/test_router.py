@@ -102,6 +102,29 @@ async def test_a_request_reads_each_replicas_stats_once(make_gateway, monkeypatc
     assert reads == {"fake-0": 1, "fake-1": 1, "fake-2": 1}
 
 
+async def test_a_replica_failing_before_any_output_is_retried_on_another(make_gateway):
+    gw = await make_gateway(fake_backends(replicas=2))
+    failing = gw.backend("fake-0")
+    failing.fail_rate = 1.0  # healthy by its stats, but every request fails at once
+    tenant, key = await gw.tenant("acme")
+    for stream in (False, True, False, True):
+        r = await gw.chat(key, max_tokens=3, stream=stream)
+        assert r.status == 200, await r.text()
+        assert "error" not in await r.text()
+    _, usage = await gw.admin("GET", "/admin/usage")
+    assert usage["total"]["requests"] == 4 and usage["total"]["completion_tokens"] == 12
+    assert gw.backend("fake-1").running == 0
+
+
+async def test_with_no_replica_left_the_failure_reaches_the_client(make_gateway):
+    gw = await make_gateway(fake_backends(replicas=2))
+    for b in gw.state.backends:
+        b.fail_rate = 1.0
+    _, key = await gw.tenant("acme")
+    r = await gw.chat(key, max_tokens=3)
+    assert r.status == 503 and (await r.json())["error"]["type"] == "service_unavailable"
+
+
 # -- two gpu replicas behind the gateway --------------------------------------------------
 
 PROMPT = " ".join(["Paged attention stores keys and values in fixed-size blocks."] * 3)

@@ -20,7 +20,7 @@ from tui.source import StatsSource
 from tui.widgets import BackendsTable, TenantsTable
 
 KVGATE = Path(sys.executable).with_name("kvgate")
-ADMIN_KEY = "e2e-admin-key-0123456789"
+ADMIN_KEY = "e2e-admin-key-0123456789abcdefghijklmn"  # the gateway wants 32+ chars
 
 pytestmark = pytest.mark.skipif(
     not KVGATE.exists(), reason=f"the gateway's command is not installed at {KVGATE}"

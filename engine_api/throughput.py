@@ -1,6 +1,7 @@
 """Token rates over a sliding window, fed once per engine step.
 
-No torch here: backend_local's worker counts its decode steps with the same class.
+Both engines count their steps with this class (backend_gpu per engine step, backend_local
+per decode step), so their rates mean the same thing.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ request's cache salt, so two requests share a block only when their whole prefix
 their salt agree. Blocks wholly inside a published prefix (`shared_prefix_len`) are
 hashed without the salt, so every tenant shares them, on purpose.
 
-No torch here: backend_local keys its prefix events with the same chain.
+Both engines key their prefix caches with this chain (backend_local its prefix events),
+so the gateway's catalog reads one hash format whichever engine holds a block.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""What an engine consumes and produces, as plain records the gateway, both backends and
+the wire to a worker process share: a generation request, its output chunks, their
+usage and logprobs, prefix-cache events, the model card and the replica's stats.
+
+The ones that cross to a worker process are `Record`s: `to_dict` / `from_dict` carry them
+as JSON objects and refuse unknown or mistyped fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_api.errors import BadRequestError
+from engine_api.sampling import SamplingParams
+from engine_api.wire import Record
+
+# A chat is a list of {"role": ..., "content": str}; a completion prompt is a
+# string or a list of token ids.
+Messages = list[dict[str, Any]]
+PromptInput = str | list[int] | Messages
+
+
+@dataclass
+class GenRequest(Record):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    tenant_id: str = ""
+    cache_salt: str | None = None
+    priority: int = 0
+    # leading prompt tokens that are an admin-published prefix: their full blocks are
+    # cached without the tenant's salt, so every tenant shares them (on purpose)
+    shared_prefix_len: int = 0
+
+    wire_error = BadRequestError
+
+
+@dataclass
+class TokenLogprob(Record):
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Usage(Record):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # "engine": the engine counted; "gateway": a remote upstream sent no usage, so the
+    # gateway counted with the model's tokenizer (the usage row says which)
+    counted_by: str = "engine"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenChunk(Record):
+    """One step of a request's output. The last chunk has finish_reason and usage set."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class KVEvent(Record):
+    """A change in which prompt blocks one replica holds in its prefix cache.
+
+    kind: "stored" (the block's KV is computed and findable) or "removed" (evicted).
+    block_hash: hex of the backend's chain hash, the same value `block_hashes` returns.
+    cache_salt: the salt the block was hashed with; None for a published (shared) block.
+    """
+
+    kind: str
+    replica: str
+    block_hash: str
+    parent_hash: str | None
+    cache_salt: str | None
+    num_tokens: int
+    at: float
+
+
+@dataclass
+class ModelCard:
+    id: str
+    backend: str
+    context_length: int
+    owned_by: str = "kvgate"
+
+
+@dataclass
+class BackendStats:
+    name: str
+    healthy: bool = True
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of the KV pool in use, 0..1
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found
+    preemptions: int = 0
+    prompt_tokens_per_s: float = 0.0
+    gen_tokens_per_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,394 @@
+"""Response bodies as pydantic models, for the OpenAPI document only (gateway.openapi).
+
+The handlers build plain dicts (openai_format, tenants, admin_api, prefix_api); these
+classes say what those dicts hold, and the schemathesis run in tests/gateway/test_fuzz.py
+checks every response against them, so a field added, dropped or retyped on either side
+fails a test. Each forbids extra keys for that reason.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Body(BaseModel):
+    """Every response body: extra keys are a break of the contract."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorObject(Body):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Body):
+    """OpenAI's error shape: every 4xx and 5xx carries it."""
+
+    error: ErrorObject
+
+
+class PromptTokensDetails(Body):
+    cached_tokens: int
+
+
+class CompletionUsage(Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(Body):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Body):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(Body):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(Body):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(Body):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionChoice(Body):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(Body):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+    system_fingerprint: None
+
+
+class TextCompletion(Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+    system_fingerprint: None
+
+
+class ChatDelta(Body):
+    # the first chunk of a choice names the role; later ones carry text, the last none
+    role: Literal["assistant"] = Field(default="assistant")
+    content: str = Field(default="")
+
+
+class ChatChunkChoice(Body):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(Body):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+
+
+class TextCompletionChunk(Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+
+
+class ChatUsageChunk(ChatCompletionChunk):
+    """The last event of a stream with `stream_options.include_usage`: no choices."""
+
+    choices: list[ChatChunkChoice] = Field(max_length=0)
+    usage: CompletionUsage
+
+
+class TextUsageChunk(TextCompletionChunk):
+    """The last event of a stream with `stream_options.include_usage`: no choices."""
+
+    choices: list[CompletionChoice] = Field(max_length=0)
+    usage: CompletionUsage
+
+
+class ModelCard(Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(Body):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tenant(Body):
+    id: str
+    object: Literal["tenant"]
+    name: str
+    created_at: float
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    daily_tokens: int | None
+    monthly_tokens: int | None
+    models: list[str] | None
+    priority: int | None
+    weight: float | None
+
+
+class TenantList(Body):
+    object: Literal["list"]
+    data: list[Tenant]
+
+
+class TenantDeleted(Body):
+    id: str
+    object: Literal["tenant"]
+    deleted: Literal[True]
+
+
+class ApiKey(Body):
+    id: str
+    object: Literal["api_key"]
+    tenant_id: str | None
+    name: str
+    prefix: str
+    scopes: list[Literal["inference", "admin"]]
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+
+
+class ApiKeyCreated(ApiKey):
+    key: str = Field(description="The key itself, shown only in this response.")
+
+
+class ApiKeyList(Body):
+    object: Literal["list"]
+    data: list[ApiKey]
+
+
+class UsageTotals(Body):
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class UsageDay(UsageTotals):
+    tenant_id: str
+    day: str = Field(description="YYYY-MM-DD, UTC")
+    model: str
+
+
+class UsageReport(Body):
+    object: Literal["list"]
+    data: list[UsageDay]
+    total: UsageTotals
+
+
+class BackendInfo(Body):
+    name: str
+    type: str
+    healthy: bool
+    error: str | None
+    models: list[str]
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    prompt_tokens_per_s: float
+    gen_tokens_per_s: float
+
+
+class BackendList(Body):
+    object: Literal["list"]
+    data: list[BackendInfo]
+
+
+class GatewayInfo(Body):
+    url: str
+    version: str
+    started_at: float
+    uptime_s: float
+
+
+class TrafficTotals(Body):
+    requests: int
+    errors: int
+    rejected_429: int
+    prompt_tokens: int
+    completion_tokens: int
+    in_flight: int
+
+
+class TrafficRates(Body):
+    requests_per_s: float
+    prompt_tokens_per_s: float
+    output_tokens_per_s: float
+
+
+class Latency(Body):
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p99_ms: float | None
+    e2e_p50_ms: float | None
+    e2e_p99_ms: float | None
+
+
+class TenantQuotaUse(Body):
+    rpm: int | None
+    rpm_used: int
+    tpm: int | None
+    tpm_used: int
+    daily_tokens: int | None
+    daily_used: int
+    monthly_tokens: int | None
+    monthly_used: int
+
+
+class TenantTraffic(Body):
+    id: str
+    name: str
+    requests: int
+    tokens: int
+    requests_per_s: float
+    tokens_per_s: float
+    rejected_429: int
+    in_flight: int
+    quota: TenantQuotaUse | None
+
+
+class RecentError(Body):
+    ts: float
+    tenant: str
+    model: str
+    status: int
+    message: str
+
+
+class StatsSnapshot(Body):
+    """docs/STATS.md; also each `data:` event of /admin/stats/stream."""
+
+    ts: float
+    gateway: GatewayInfo
+    totals: TrafficTotals
+    rates: TrafficRates
+    latency: Latency
+    backends: list[BackendInfo]
+    tenants: list[TenantTraffic]
+    errors: list[RecentError]
+
+
+class Health(Body):
+    status: Literal["ok"]
+
+
+class Readiness(Body):
+    ready: bool
+    backends: dict[str, bool]
+
+
+class Prefix(Body):
+    id: str
+    object: Literal["prefix"]
+    tenant_id: str | None = Field(description="null: published for every tenant")
+    name: str
+    model: str
+    text: str
+    shared: bool
+    created_at: float
+    created_by: str
+    tokens: int | None = Field(description="its length in tokens, null until prefilled")
+
+
+class PrefixCreated(Prefix):
+    replicas_warmed: int
+
+
+class PrefixList(Body):
+    object: Literal["list"]
+    data: list[Prefix]
+
+
+class PrefixDeleted(Body):
+    id: str
+    object: Literal["prefix"]
+    deleted: Literal[True]
+
+
+class PinReport(Prefix):
+    replicas: list[str]
+    hits: int
+    tokens_saved: int
+
+
+class CachedPrefix(Body):
+    replica: str
+    block_hash: str
+    tenant_id: str | None
+    blocks: int
+    tokens: int
+    hits: int
+    tokens_saved: int
+    last_used: float
+    pin: str | None
+
+
+class TenantPrefixUse(Body):
+    tenant_id: str
+    name: str | None
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    blocks_held: int
+    tokens_held: int
+
+
+class PrefixReport(Body):
+    object: Literal["prefix_report"]
+    prefixes: list[CachedPrefix]
+    pins: list[PinReport]
+    tenants: list[TenantPrefixUse]
