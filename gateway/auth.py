@@ -47,6 +47,7 @@ class Principal:
     limits: QuotaLimits
     models: tuple[str, ...] | None  # None: every model
     priority: int = 0
+    weight: float = 1.0  # fair-share weight among tenants
 
     @property
     def is_admin(self) -> bool:
@@ -130,6 +131,7 @@ def principal_for(key: ApiKey, tenant: Tenant | None) -> Principal:
         limits=QuotaLimits.from_row(quota),
         models=tuple(quota.models) if quota is not None and quota.models is not None else None,
         priority=quota.priority if quota is not None else 0,
+        weight=quota.weight if quota is not None else 1.0,
     )
 
 

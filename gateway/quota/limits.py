@@ -27,6 +27,17 @@ _LIMIT_FIELD = {
 }
 
 
+def amounts(requests: int, tokens: int) -> dict[str, int]:
+    """What one admission takes from each counter."""
+    return {
+        REQUESTS: requests,
+        TOKENS: tokens,
+        DAILY: tokens,
+        MONTHLY: tokens,
+        CONCURRENT: requests,
+    }
+
+
 @dataclass(frozen=True)
 class QuotaLimits:
     rpm: int | None = None

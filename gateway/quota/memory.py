@@ -14,6 +14,7 @@ from gateway.quota.limits import (
     QuotaExceeded,
     QuotaLimits,
     Reservation,
+    amounts,
     windows_at,
 )
 
@@ -38,13 +39,7 @@ class MemoryQuotaStore:
         self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
     ) -> Reservation:
         w = windows_at(now)
-        wanted = {
-            REQUESTS: requests,
-            TOKENS: tokens,
-            DAILY: tokens,
-            MONTHLY: tokens,
-            CONCURRENT: requests,
-        }
+        wanted = amounts(requests, tokens)
         for kind, amount in wanted.items():
             limit = limits.limit_for(kind)
             if limit is None:
