@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import admin_api, openapi, prefix_api
 from gateway.config import Settings
 from gateway.errors import ApiError, error_body
-from gateway.http_util import json_response
+from gateway.http_util import SETTINGS, json_response
 from gateway.openai_api import GW, chat_completions, completions, list_models
 from gateway.state import start_gateway, stop_gateway
 
@@ -84,6 +84,7 @@ def create_app(settings: Settings) -> web.Application:
         client_max_size=settings.max_body_bytes,
         middlewares=[openai_errors, refuse_control_characters],
     )
+    app[SETTINGS] = settings
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

@@ -7,6 +7,7 @@ import sys
 
 from gateway import cli_admin
 from gateway.config import load_settings
+from gateway.worker import cli as worker_cli
 
 _DELEGATED = {"top": "tui.cli", "bench": "bench.cli"}
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype", choices=["auto", "fp8"], help="gpu backend: fp8 holds twice the blocks"
     )
 
+    worker_cli.add_parser(sub)
     sub.add_parser("models", help="list the models kvgate can serve and where they live")
     sub.add_parser("top", help="live dashboard of a running gateway", add_help=False)
     sub.add_parser("bench", help="benchmarks against any OpenAI-compatible server", add_help=False)
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         if not arg.startswith("-"):
             break
     args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        return worker_cli.run(args)
     overrides = {
         "database_url": args.database_url,
         "database_schema": args.database_schema,

@@ -17,18 +17,19 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
 
+from gateway.config import Settings
 from gateway.errors import ApiError
 
 M = TypeVar("M", bound=BaseModel)
+# The app's settings (body limit and timeout): the gateway's and a worker's app set it.
+SETTINGS = web.AppKey("settings", Settings)
 
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 async def parse_body(request: web.Request, model: type[M]) -> M:
     """The request's JSON body as `model`; 4xx as an ApiError for anything else."""
-    from gateway.openai_api import GW  # here: openai_api imports this module
-
-    settings = request.app[GW].settings
+    settings = request.app[SETTINGS]
     _check_content_type(request)
     encoding = _content_encoding(request)
     if request.content_length is not None and request.content_length > settings.max_body_bytes:

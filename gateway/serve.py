@@ -66,7 +66,7 @@ def run(settings: Settings) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop  # the event loop is most of the gateway's per-request cost
-
-        uvloop.run(serve(settings))
-    except ImportError:
+    except ImportError:  # only this import: an ImportError while serving must surface
         asyncio.run(serve(settings))
+        return
+    uvloop.run(serve(settings))

@@ -1,0 +1,144 @@
+"""The worker's aiohttp application: its routes, the worker token, start-up and shutdown.
+
+Routes (the contract with the gateway's `remote` adapter):
+GET /health, GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/completions,
+POST /kvgate/v1/generate, GET /kvgate/v1/stats, GET /kvgate/v1/kv_events.
+Every route but /health needs `Authorization: Bearer <worker token>` when the worker
+has one; errors leave OpenAI-shaped, as the gateway's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+
+from aiohttp import web
+
+from engine_api.errors import BackendError, BadRequestError
+from gateway.app import openai_errors
+from gateway.errors import ApiError
+from gateway.http_util import SETTINGS, json_response, parse_body
+from gateway.worker.completions import completions
+from gateway.worker.detokenize import detokenize
+from gateway.worker.errors import api_error
+from gateway.worker.generate import generate
+from gateway.worker.schemas import DetokenizeRequest, TokenizeRequest
+from gateway.worker.state import WORKER, WorkerState
+
+MAX_WAIT_S = 30.0  # the longest long poll of /kvgate/v1/kv_events
+
+
+@web.middleware
+async def require_token(request: web.Request, handler) -> web.StreamResponse:
+    """Only holders of the worker token get past /health (constant-time compare)."""
+    token = request.app[WORKER].token
+    if token is not None and not (request.method == "GET" and request.path == "/health"):
+        sent = request.headers.get("Authorization", "")
+        scheme, _, value = sent.partition(" ")
+        given = value.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, token.encode()):
+            raise ApiError(401, "A valid worker token is required.", code="invalid_api_key")
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    healthy = state.backend.stats().healthy
+    body = {"status": "ok" if healthy else "unhealthy", "epoch": state.epoch}
+    return json_response(body, status=200 if healthy else 503)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    kvgate = {
+        "backend": state.kind,
+        "block_size": state.block_size,
+        "prefix_events": state.prefix_events,
+        "epoch": state.epoch,
+    }
+    data = [
+        {
+            "id": card.id,
+            "object": "model",
+            "created": int(state.started_at),
+            "owned_by": card.owned_by,
+            "max_model_len": card.context_length,
+            "kvgate": kvgate,
+        }
+        for card in state.backend.models()
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    body = await parse_body(request, TokenizeRequest)
+    card = state.card(body.model)
+    try:
+        tokens = await state.backend.render(body.model, body.rendered())
+    except (BadRequestError, BackendError) as e:
+        raise api_error(e) from None
+    return json_response(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
+    )
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    body = await parse_body(request, DetokenizeRequest)
+    state.card(body.model)
+    try:
+        text = detokenize(state.backend, state.kind, body.tokens)
+    except (BadRequestError, BackendError) as e:
+        raise api_error(e) from None
+    return json_response({"prompt": text})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return json_response(dataclasses.asdict(request.app[WORKER].backend.stats()))
+
+
+async def kv_events(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    query = request.query
+    after = _number(query, "after", int, 0, float("inf"), 0)
+    wait_s = _number(query, "wait", float, 0, MAX_WAIT_S, 1.0)
+    reply = await state.events.poll(query.get("epoch", ""), after, wait_s)
+    return json_response(reply.to_dict())
+
+
+def _number(query, name: str, kind: type, low: float, high: float, default):
+    """A query parameter as `kind` in [low, high], or 400 naming it."""
+    if name not in query:
+        return default
+    try:
+        value = kind(query[name])
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ApiError(400, f"{name} must be a number in [{low:g}, {high:g}]", param=name)
+    return value
+
+
+def create_worker_app(state: WorkerState) -> web.Application:
+    app = web.Application(
+        client_max_size=state.settings.max_body_bytes, middlewares=[openai_errors, require_token]
+    )
+    app[WORKER] = state
+    app[SETTINGS] = state.settings
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize_route)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/kvgate/v1/generate", generate)
+    app.router.add_get("/kvgate/v1/stats", stats)
+    app.router.add_get("/kvgate/v1/kv_events", kv_events)
+
+    async def lifecycle(app: web.Application):
+        await state.start()
+        yield
+        await state.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

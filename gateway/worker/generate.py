@@ -1,0 +1,73 @@
+"""POST /kvgate/v1/generate: the native path a gateway's `remote` adapter uses.
+
+The body is a GenRequest record as `to_dict` writes it (its cache salt and published
+prefix length included: a worker never derives salts). The reply streams the engine's
+GenChunks as they come, one JSON object per line. An error before the first line is an
+HTTP error; after it, one last `{"error": ...}` line. A client that hangs up cancels
+this handler (handler_cancellation), which closes the engine's stream: the request is
+aborted and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from engine_api.errors import BackendError, BadRequestError
+from engine_api.records import GenChunk, GenRequest
+from gateway.http_util import parse_body
+from gateway.worker.errors import api_error
+from gateway.worker.schemas import JsonObject
+from gateway.worker.state import WORKER
+
+NDJSON = "application/x-ndjson"
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[WORKER]
+    body = await parse_body(request, JsonObject)
+    try:
+        req = GenRequest.from_dict(body.root)
+        state.check_request(req)
+    except BadRequestError as e:
+        raise api_error(e) from None
+    stream = state.backend.generate(req)
+    try:
+        first = await first_chunk(stream)
+        resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            async for chunk in chunks_from(first, stream):
+                await resp.write(_line(chunk.to_dict()))
+        except (BadRequestError, BackendError) as e:
+            await resp.write(_line(api_error(e).body()))
+    finally:
+        await stream.aclose()
+    await resp.write_eof()
+    return resp
+
+
+async def first_chunk(stream: AsyncIterator[GenChunk]) -> GenChunk | None:
+    """The stream's first chunk; the engine's errors before it as HTTP errors."""
+    try:
+        return await anext(stream, None)
+    except (BadRequestError, BackendError) as e:
+        raise api_error(e) from None
+
+
+async def chunks_from(
+    first: GenChunk | None, rest: AsyncIterator[GenChunk]
+) -> AsyncIterator[GenChunk]:
+    """`first` (the chunk `first_chunk` took), then the rest of the stream."""
+    if first is None:
+        return
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
