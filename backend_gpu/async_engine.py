@@ -47,6 +47,8 @@ class AsyncLLM:
         cache_salt: str | None = None,
         priority: int = 0,
         shared_prefix_len: int = 0,
+        tenant_id: str = "",
+        weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs; leaving early aborts it. Bad input
         raises BadRequestError (a ValueError) here, before anything is yielded."""
@@ -61,6 +63,8 @@ class AsyncLLM:
                 cache_salt,
                 priority,
                 shared_prefix_len,
+                tenant_id,
+                weight,
             )
             self._outputs[request_id] = (loop, outputs)
 

@@ -22,6 +22,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # record blocks stored/removed for take_kv_events()
     scheduling_policy: str = "continuous"  # or "static": a batch runs to its end first
+    # between tenants within a priority: "vtc" (fair share, backend_gpu.fairness) or
+    # "fcfs" (first come, first served); the static policy is always fcfs
+    fairness: str = "vtc"
     max_model_len: int | None = None
     seed: int = 0
     quantization: str | None = None
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}"
             )
+        if self.fairness not in ("vtc", "fcfs"):
+            raise ValueError(f"fairness must be 'vtc' or 'fcfs', got {self.fairness!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -31,6 +32,12 @@ def eos_token_ids(model_dir_or_config, tokenizer) -> set[int]:
         elif value:
             ids.update(value)
     return ids
+
+
+def _is_weight(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and value > 0
 
 
 class LLMEngine:
@@ -76,14 +83,18 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         shared_prefix_len: int = 0,
+        tenant_id: str = "",
+        weight: float = 1.0,
     ) -> None:
         """Admit a request, or raise BadRequestError (a ValueError; PromptTooLongError for
         size) and change nothing. The first `shared_prefix_len` prompt tokens are a
         published prefix: their blocks are cached without `cache_salt`, shared with every
-        other salt."""
+        other salt. `tenant_id` and its `weight` decide its fair share (config.fairness)."""
         if request_id in self.seqs:
             raise BadRequestError(f"request id {request_id!r} is already in use")
         params.validate()
+        if not _is_weight(weight):
+            raise BadRequestError(f"weight must be a finite number > 0, got {weight!r}")
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise BadRequestError("prompt is empty")
@@ -103,7 +114,16 @@ class LLMEngine:
                 f"request needs up to {longest} tokens of KV cache, but the whole pool holds "
                 f"{self.block_manager.num_blocks * self.config.block_size}"
             )
-        seq = Sequence(request_id, prompt_ids, params, cache_salt, priority, shared_prefix_len)
+        seq = Sequence(
+            request_id,
+            prompt_ids,
+            params,
+            cache_salt,
+            priority,
+            shared_prefix_len,
+            tenant_id,
+            float(weight),
+        )
         self.seqs[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop
@@ -245,6 +265,7 @@ class LLMEngine:
             s.num_drafts, s.num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
             s.num_accepted_tokens = sp.num_accepted_tokens
         s.prompt_tokens_per_s, s.gen_tokens_per_s = self.throughput.rates()
+        s.tenants = self.scheduler.tenant_stats()  # a new dict: the copy below shares it
         return EngineStats(**vars(s))
 
 

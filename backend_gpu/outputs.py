@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backend_gpu.fairness import TenantStats
 from backend_gpu.sequence import Logprob
 
 
@@ -50,3 +51,5 @@ class EngineStats:
     # over the last RATE_WINDOW_S seconds (engine_api.throughput), counted per step
     prompt_tokens_per_s: float = 0.0
     gen_tokens_per_s: float = 0.0
+    # fair share: per tenant id (the offline API's requests are tenant "")
+    tenants: dict[str, TenantStats] = field(default_factory=dict)

@@ -5,15 +5,20 @@ There is one token budget per step. A request only has `num_computed_tokens` cha
 fit the budget), a decode is one token to compute, so both share one batch. When the
 KV pool runs dry the lowest-priority running request is preempted: its blocks are freed
 and it is computed again later (its full blocks are likely still in the prefix cache).
+
+Within a priority, tenants share by the Virtual Token Counter (backend_gpu.fairness):
+which waiting request goes next, which running one gets the budget first and which is
+preempted depend on how much each tenant was served. `fairness="fcfs"` (and the static
+policy) serve first come, first served instead.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from backend_gpu.block_manager import BlockManager
 from backend_gpu.config import EngineConfig
+from backend_gpu.fairness import FcfsQueue, Ledger, TenantStats, VtcQueue
 from backend_gpu.sequence import Sequence, SequenceStatus
 
 
@@ -34,7 +39,10 @@ class Scheduler:
         self.chunked_prefill = config.enable_chunked_prefill
         self.static = config.scheduling_policy == "static"
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
+        # counted under either policy, so that fcfs reports the shares it gives too
+        self.ledger = Ledger()
+        self.fair = config.fairness == "vtc" and not self.static
+        self.waiting: FcfsQueue | VtcQueue = VtcQueue(self.ledger) if self.fair else FcfsQueue()
         self.running: list[Sequence] = []
         self.static_batch: set[str] = set()  # static policy: the batch being run
         self.num_preemptions = 0
@@ -43,14 +51,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue by priority, first come first served within one priority."""
-        key = seq.sort_key()
-        i = len(self.waiting)
-        while i > 0 and self.waiting[i - 1].sort_key() > key:
-            i -= 1
-        self.waiting.insert(i, seq)
+        """Queue by priority, first come first served within one priority (and tenant)."""
+        self.ledger.waits(seq)
+        self.waiting.add(seq)
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        return self.ledger.stats()
 
     def schedule(self) -> ScheduledBatch:
+        for seq in self.running:  # what the last step emitted counts before choosing
+            self.ledger.charge_outputs(seq)
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
         budget = self._schedule_running(batch, budget)
@@ -72,9 +82,15 @@ class Scheduler:
             free -= need
             self.static_batch.add(seq.request_id)
 
+    def _running_key(self, seq: Sequence) -> tuple:
+        """Lower runs first and is preempted last."""
+        if not self.fair:
+            return seq.sort_key()
+        return (seq.priority, self.ledger.counter(seq), seq.arrival)
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
-        self.running.sort(key=Sequence.sort_key)
+        self.running.sort(key=self._running_key)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -107,7 +123,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
+            assert seq is not None
             if self.static and seq.request_id not in self.static_batch:
                 break
             cached = bm.find_cached_blocks(seq)
@@ -117,9 +134,10 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not bm.can_allocate(seq, cached, num_new):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             bm.allocate(seq, cached)
             bm.append_slots(seq, num_new)
+            self.ledger.admitted(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -133,14 +151,17 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.ledger.preempted(seq)
+        self.waiting.push_front(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish or abort a sequence wherever it is and give its blocks back."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.ledger.finished(seq, was_running=True)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.ledger.finished(seq, was_running=False)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)

@@ -33,6 +33,8 @@ class Sequence:
         cache_salt: str | None = None,
         priority: int = 0,
         shared_prefix_len: int = 0,
+        tenant_id: str = "",
+        weight: float = 1.0,
     ) -> None:
         assert 0 <= shared_prefix_len <= len(prompt_token_ids)
         self.request_id = request_id
@@ -44,6 +46,11 @@ class Sequence:
         # leading prompt tokens that are a published prefix: hashed without the salt
         self.shared_prefix_len = shared_prefix_len
         self.priority = priority
+        # fair share (backend_gpu.fairness): whose service this is, and its weight
+        self.tenant_id = tenant_id
+        self.weight = weight
+        self.prompt_charged = False
+        self.num_outputs_charged = 0
         self.status = SequenceStatus.WAITING
         # KV of token_ids[:num_computed_tokens] is in the cache; the scheduler moves it
         # towards len(token_ids), whatever mix of prefill and decode that takes.

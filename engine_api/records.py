@@ -33,6 +33,9 @@ class GenRequest(Record):
     # leading prompt tokens that are an admin-published prefix: their full blocks are
     # cached without the tenant's salt, so every tenant shares them (on purpose)
     shared_prefix_len: int = 0
+    # the tenant's fair-share weight (its quota's): a scheduler that shares by tenant
+    # serves it in proportion; the gpu engine refuses one that is not > 0
+    weight: float = 1.0
 
     wire_error = BadRequestError
 

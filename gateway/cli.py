@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-key", help="bootstrap admin key (or KVGATE_ADMIN_KEY)")
     serve.add_argument("--replicas", type=int, help="engine replicas of --backend (default 1)")
     serve.add_argument(
+        "--workers",
+        type=int,
+        help="run each engine as N `kvgate worker` processes (one per GPU, or the cores split)",
+    )
+    serve.add_argument(
         "--router-policy",
         help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
     )
@@ -37,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], help="gpu backend: fp8 holds twice the blocks"
+    )
+    serve.add_argument(
+        "--fairness",
+        choices=["vtc", "fcfs"],
+        help="gpu backend: how tenants share the engine (default vtc, the Virtual Token Counter)",
     )
 
     worker_cli.add_parser(sub)
@@ -73,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             "served_model_name": args.served_model_name,
             "admin_key": args.admin_key,
             "replicas": args.replicas,
+            "workers": args.workers,
             "router_policy": args.router_policy,
             "quantization": args.quantization,
             "kv_cache_dtype": args.kv_cache_dtype,
+            "fairness": args.fairness,
         }
     try:
         settings = load_settings(args.config, overrides)

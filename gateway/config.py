@@ -43,9 +43,13 @@ class Settings:
     served_model_name: str = ""
     backends: list[BackendSpec] = field(default_factory=list)
     replicas: int = 1  # engine replicas of the one --backend/--model (else per [[backends]])
+    workers: int = 0  # >0: each engine runs as this many `kvgate worker` processes
     router_policy: str = "prefix"  # or "round_robin", "least_loaded"
     quantization: str | None = None  # gpu backend: "fp8" or "int8" weights
     kv_cache_dtype: str | None = None  # gpu backend: "auto" or "fp8"
+    # gpu backend: "vtc" (the engine's default: tenants share by the Virtual Token
+    # Counter) or "fcfs"; the llama.cpp backend has no fair queue yet
+    fairness: str | None = None
 
     def __post_init__(self) -> None:
         if self.admin_key is not None and len(self.admin_key) < MIN_ADMIN_KEY_CHARS:
@@ -55,6 +59,8 @@ class Settings:
             )
         if self.metrics_token is not None and len(self.metrics_token) < MIN_ADMIN_KEY_CHARS:
             raise ValueError(f"metrics_token must be at least {MIN_ADMIN_KEY_CHARS} characters")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         for spec in self.backends:
@@ -67,7 +73,7 @@ class Settings:
     def resolved_backends(self) -> list[BackendSpec]:
         engine_options = {
             name: value
-            for name in ("quantization", "kv_cache_dtype")
+            for name in ("quantization", "kv_cache_dtype", "fairness")
             if (value := getattr(self, name)) is not None
         }
         if self.backends and not self.model and self.backend in ("", "auto"):
@@ -78,10 +84,10 @@ class Settings:
             return self.backends
         kind = pick_backend_type() if self.backend in ("", "auto") else self.backend
         if engine_options and kind != "gpu":
-            raise ValueError(
-                f"{sorted(engine_options)} need the gpu backend, not {kind!r} "
-                "(llama.cpp runs the quantization of its GGUF file: pick a quantized GGUF)"
-            )
+            hint = ""
+            if "quantization" in engine_options or "kv_cache_dtype" in engine_options:
+                hint = " (llama.cpp runs the quantization of its GGUF file: pick a quantized GGUF)"
+            raise ValueError(f"{sorted(engine_options)} need the gpu backend, not {kind!r}{hint}")
         options = {"replicas": self.replicas} if self.replicas != 1 else {}
         options |= engine_options
         return [BackendSpec(kind, kind, self.model, self.served_model_name, options)]
@@ -108,9 +114,11 @@ _ENV_FIELDS = {
     "model": str,
     "served_model_name": str,
     "replicas": int,
+    "workers": int,
     "router_policy": str,
     "quantization": str,
     "kv_cache_dtype": str,
+    "fairness": str,
 }
 
 

@@ -96,7 +96,11 @@ class _BackendCollector(Collector):
             key: CounterMetricFamily(f"kvgate:{key}", doc, labels=["backend"])
             for key, doc in SPEC_DECODE_COUNTERS.items()
         }
+        tenants = _tenant_families()
         for s in self.backend_stats():
+            for tenant, row in s.extra.get("tenants", {}).items():
+                for key, family in tenants.items():
+                    family.add_metric([s.name, tenant], row[key])
             gauges["running"].add_metric([s.name], s.running)
             gauges["waiting"].add_metric([s.name], s.waiting)
             gauges["kv_usage"].add_metric([s.name], s.kv_usage)
@@ -105,4 +109,27 @@ class _BackendCollector(Collector):
                 if key in s.extra:
                     counter.add_metric([s.name], s.extra[key])
         yield from gauges.values()
+        yield from (family for family in tenants.values() if family.samples)
         yield from (counter for counter in spec.values() if counter.samples)
+
+
+def _tenant_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
+    """Per tenant and engine, from BackendStats.extra["tenants"] (the gpu engine's VTC)."""
+    return {
+        "service": CounterMetricFamily(
+            "kvgate:tenant_service_tokens",
+            "Fair-share service an engine gave a tenant (prompt + output tokens, cached "
+            "prompt tokens at a discount)",
+            labels=["backend", "tenant"],
+        ),
+        "waiting": GaugeMetricFamily(
+            "kvgate:tenant_requests_waiting",
+            "A tenant's requests queued in the engine",
+            labels=["backend", "tenant"],
+        ),
+        "running": GaugeMetricFamily(
+            "kvgate:tenant_requests_running",
+            "A tenant's requests running in the engine",
+            labels=["backend", "tenant"],
+        ),
+    }

@@ -252,6 +252,7 @@ async def prepare(
             salt,
             principal.priority,
             shared_lens[i // body.n],
+            weight=principal.weight,
         )
         for i in range(plan.choices)
     ]

@@ -110,6 +110,8 @@ class GpuBackend:
             req.cache_salt,
             req.priority,
             req.shared_prefix_len,
+            req.tenant_id,
+            req.weight,
         )
         async with contextlib.aclosing(stream):
             async for out in stream:
@@ -178,5 +180,8 @@ class GpuBackend:
                 "spec_decode_num_drafts": s.num_drafts,
                 "spec_decode_num_draft_tokens": s.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "tenants": {
+                    tenant: dataclasses.asdict(share) for tenant, share in s.tenants.items()
+                },
             },
         )

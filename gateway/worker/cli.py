@@ -31,6 +31,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--served-model-name")
     p.add_argument("--quantization", choices=["fp8", "int8"], help="gpu backend: 8-bit weights")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], help="gpu backend: fp8 KV cache")
+    p.add_argument("--fairness", choices=["vtc", "fcfs"], help="gpu backend: default vtc")
     p.add_argument(
         "--options", type=_json_object, default={}, help='engine options, e.g. {"n_threads": 2}'
     )
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         "served_model_name": args.served_model_name,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "fairness": args.fairness,
         "replicas": 1,
     }
     try:

@@ -114,3 +114,21 @@ async def test_unknown_option_and_stopped_backend(tiny_model_dir):
     with pytest.raises(BackendError):
         await backend.render("tiny-llama", "hi")
     assert backend.stats().healthy is False
+
+
+async def test_tenant_and_weight_reach_the_engine_and_its_stats(backend):
+    req = request("fair1", [5] * 20, max_tokens=4, ignore_eos=True)
+    req.tenant_id, req.weight = "acme", 2.0
+    chunks = [c async for c in backend.generate(req)]
+    assert chunks[-1].usage.completion_tokens == 4
+    for _ in range(100):  # the engine thread publishes its stats after the step
+        share = backend.stats().extra["tenants"].get("acme")
+        if share and share["running"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    # 20 prompt tokens and 4 output tokens, counted at half speed for weight 2
+    assert share == {"weight": 2.0, "service": 24.0, "counter": 12.0, "waiting": 0, "running": 0}
+    bad = request("fair2", [5, 6])
+    bad.tenant_id, bad.weight = "acme", 0.0
+    with pytest.raises(BadRequestError, match="weight"):
+        [c async for c in backend.generate(bad)]
