@@ -24,6 +24,7 @@ M = TypeVar("M", bound=BaseModel)
 # The app's settings (body limit and timeout): the gateway's and a worker's app set it.
 SETTINGS = web.AppKey("settings", Settings)
 
+LARGE_BODY_BYTES = 256 * 1024  # past this, inflating and parsing leave the event loop
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
@@ -43,10 +44,18 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         ) from None
     except (web.RequestPayloadError, HttpProcessingError):
         raise ApiError(400, "The request body is malformed (its chunked encoding).") from None
+    large = len(raw) > LARGE_BODY_BYTES
     if encoding and raw:
-        raw = inflate(raw, encoding, settings.max_body_bytes)
+        # zlib lets go of the GIL while it inflates: a worker thread keeps the loop free
+        if large or len(raw) * 8 > LARGE_BODY_BYTES:
+            raw = await asyncio.to_thread(inflate, raw, encoding, settings.max_body_bytes)
+        else:
+            raw = inflate(raw, encoding, settings.max_body_bytes)
+        large = len(raw) > LARGE_BODY_BYTES
     if not raw:
         raise ApiError(400, "The request body is empty; expected a JSON object.")
+    if large:  # parsing megabytes takes milliseconds that other requests would wait
+        return await asyncio.to_thread(_validate, raw, model)
     return _validate(raw, model)
 
 

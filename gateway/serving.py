@@ -31,6 +31,7 @@ from gateway.errors import ApiError
 from gateway.prefix import tenant_cache_salt
 from gateway.quota import QuotaExceeded, Reservation
 from gateway.quota.limits import ratelimit_headers
+from gateway.router import Candidate
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.stats import Finished
@@ -210,12 +211,11 @@ async def prepare(
     try:
         # every replica of a model has its tokenizer: render with one, then pick by prefix
         candidates = gw.router.candidates(body.model)  # each replica's stats, read once
-        renderer = candidates[0].backend
-        if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompts = [await renderer.render(body.model, messages)]
+        if isinstance(body, ChatCompletionRequest):
+            inputs: list = [[{"role": m.role, "content": m.text()} for m in body.messages]]
         else:
-            prompts = [await renderer.render(body.model, p) for p in body.prompts()]
+            inputs = body.prompts()
+        renderer, prompts = await _render(candidates, body.model, inputs)
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
     except BackendError as e:
@@ -272,6 +272,21 @@ async def prepare(
         block_hashes,
         [c.backend for c in candidates if c.backend is not backend],
     )
+
+
+async def _render(
+    candidates: list[Candidate], model: str, inputs: list
+) -> tuple[Backend, list[list[int]]]:
+    """Token ids of every prompt, from the first replica that can render them: for a
+    remote replica rendering is a network call, and one that just died must not fail
+    the request while another is healthy."""
+    for i, candidate in enumerate(candidates):
+        try:
+            return candidate.backend, [await candidate.backend.render(model, p) for p in inputs]
+        except BackendError:
+            if i == len(candidates) - 1:
+                raise
+    raise BackendError(f"no backend can serve {model!r} right now")
 
 
 def _card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:

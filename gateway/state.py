@@ -23,6 +23,8 @@ from gateway.router import Router
 from gateway.stats import TrafficStats
 from gateway.tenants import TenantService
 from gateway.usage import UsageRecorder
+from gateway.worker.supervisor import WorkerSupervisor
+from gateway.workers import start_workers, stop_workers
 
 log = logging.getLogger("kvgate")
 
@@ -45,6 +47,7 @@ class GatewayState:
     backend_types: dict[str, str] = field(default_factory=dict)
     generated_admin_key: str | None = None
     url: str = ""
+    supervisors: list[WorkerSupervisor] = field(default_factory=list)  # --workers N
 
     async def authenticate(self, request: web.Request, scope: str = "inference") -> Principal:
         try:
@@ -93,7 +96,15 @@ async def start_gateway(settings: Settings) -> GatewayState:
         pins=PinService(db, router, catalog, secret),
         generated_admin_key=generated,
     )
-    for spec in settings.resolved_backends():
+
+    async def on_restart(url: str) -> None:
+        log.info("worker %s restarted with an empty cache: prefilling the pins again", url)
+        await state.pins.prefill_all()
+
+    specs, state.supervisors = await start_workers(
+        settings.resolved_backends(), settings.workers, on_restart
+    )
+    for spec in specs:
         for backend in build_backends(spec):  # one per replica
             state.backends.append(backend)
             state.backend_types[backend.name] = spec.type
@@ -117,6 +128,7 @@ async def stop_gateway(state: GatewayState) -> None:
             await backend.stop(drain=True)
         except Exception:
             log.exception("backend %s failed to stop", backend.name)
+    await stop_workers(state.supervisors)
     try:
         await state.catalog.stop()
     except Exception:

@@ -91,7 +91,7 @@ def start_gateway(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kvgate serve exited early:\n{log.read_text()}")
-        if "listening on" in log.read_text():
+        if "kvgate: listening on" in log.read_text():  # not a worker's line
             return gw
         time.sleep(0.1)
     gw.stop()

@@ -48,7 +48,7 @@ __all__ = [
 class BackendSpec:
     """One `[[backends]]` entry of the config.
 
-    name: unique name of this backend instance; type: fake | gpu | local;
+    name: unique name of this backend instance; type: fake | gpu | local | remote;
     model: a path (GGUF file, HF directory) or "" for the backend's default;
     served_model_name: the model id clients ask for ("" derives one from model);
     options: type-specific settings (engine arguments, fake timings...).
@@ -65,6 +65,7 @@ _ADAPTERS = {
     "fake": "gateway.backends.fake:FakeBackend",
     "gpu": "gateway.backends.gpu:GpuBackend",
     "local": "gateway.backends.local:LocalBackend",
+    "remote": "gateway.backends.remote:RemoteBackend",
 }
 
 
@@ -86,7 +87,12 @@ def replica_count(spec: BackendSpec) -> int:
 
 def build_backends(spec: BackendSpec) -> list[Backend]:
     """The entry's replicas: option `replicas = N` gives N adapters of the same model,
-    named "<name>-0" .. "<name>-<N-1>" (N = 1 keeps the plain name)."""
+    named "<name>-0" .. "<name>-<N-1>" (N = 1 keeps the plain name). A remote entry has
+    a replica per upstream URL instead (`options.urls`)."""
+    if spec.type == "remote":
+        from gateway.backends.remote import build_replicas  # lazily, as build_backend does
+
+        return build_replicas(spec)
     n = replica_count(spec)
     options = {k: v for k, v in spec.options.items() if k != "replicas"}
     if n == 1:

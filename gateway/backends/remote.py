@@ -1,0 +1,312 @@
+"""Adapter: the gateway's Backend protocol over HTTP, to an engine in another process or
+on another host: a `kvgate worker`, or any OpenAI-compatible server (llama-cpp-python's
+server, llama.cpp's llama-server, vLLM, SGLang).
+
+    [[backends]]
+    name = "gpu0"
+    type = "remote"
+    model = "gemma-3-270m"            # the id clients use
+    options.url = "http://10.0.0.5:8001/v1"   # or options.urls = [...]: a replica each
+
+Options: api_key (a worker's token, or a third-party server's key), upstream_model
+(default: model), context_length (else the upstream's max_model_len), tokenizer (an HF
+tokenizer directory or a GGUF file, for upstreams that cannot tokenize for the gateway),
+connect_timeout_s (5), read_timeout_s (60, between bytes), health_interval_s (2),
+start_timeout_s (30: how long `start` waits for an upstream that must tell the context
+length). `kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
+
+A worker renders, generates and reports its prefix cache natively (engine_api records
+over HTTP), so it routes by prefix like an in-process replica. A third-party upstream
+gets streamed /v1/completions; the adapter still has `block_hashes` and `kv_events`,
+which report nothing there (approximate routing for those comes later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine_api.block_hash import hash_blocks
+from engine_api.errors import BackendError, BadRequestError
+from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent, ModelCard, PromptInput
+from gateway.backends import BackendSpec
+from gateway.backends.common import check_model, check_options, render_off_loop
+from gateway.backends.remote_health import Monitor
+from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
+from gateway.backends.remote_openai import completion_chunks, open_completion
+from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
+from gateway.backends.remote_worker import worker_stream
+
+log = logging.getLogger("kvgate.remote")
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """One replica's options (`urls` already split into one `url` each)."""
+
+    url: str
+    api_key: str | None = None
+    upstream_model: str | None = None
+    context_length: int | None = None
+    tokenizer: str | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    health_interval_s: float = 2.0
+    start_timeout_s: float = 30.0
+
+    @classmethod
+    def parse(cls, spec: BackendSpec) -> RemoteOptions:
+        """The entry's options, or ValueError naming the first bad one."""
+        check_options(spec, [f.name for f in dataclasses.fields(cls)])
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in spec.options:
+                continue
+            v = spec.options[f.name]
+            if f.name.endswith("_s"):
+                ok = isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+                rule = "a number of seconds > 0"
+            elif f.name == "context_length":
+                ok, rule = (
+                    isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                    "an integer > 0",
+                )
+            else:
+                ok, rule = isinstance(v, str) and v != "", "a non-empty string"
+            if not ok:
+                raise ValueError(
+                    f"remote backend {spec.name!r}: {f.name} must be {rule}, got {v!r}"
+                )
+            values[f.name] = v
+        if "url" not in values:
+            raise ValueError(f"remote backend {spec.name!r} needs options.url or options.urls")
+        return cls(**values)
+
+
+def replica_specs(spec: BackendSpec) -> list[BackendSpec]:
+    """One spec per upstream: `options.urls` gives a replica per URL, like `replicas`
+    in-process; `options.url` gives one."""
+    options = dict(spec.options)
+    if "replicas" in options:
+        raise ValueError(f"remote backend {spec.name!r}: list options.urls, not replicas")
+    if ("url" in options) == ("urls" in options):
+        raise ValueError(f"remote backend {spec.name!r} needs one of options.url, options.urls")
+    urls = [options.pop("url")] if "url" in options else options.pop("urls")
+    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
+        raise ValueError(f"remote backend {spec.name!r}: urls must be a list of URLs")
+    addresses = [(e.host, e.port) for e in map(Endpoint.parse, urls)]
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"remote backend {spec.name!r}: urls name one host:port twice")
+    return [dataclasses.replace(spec, options=options | {"url": u}) for u in urls]
+
+
+def build_replicas(spec: BackendSpec) -> list[RemoteBackend]:
+    """The entry's adapters, one per upstream URL, each knowing the others."""
+    replicas = [RemoteBackend(s) for s in replica_specs(spec)]
+    for r in replicas:
+        r.siblings = [other for other in replicas if other is not r]
+    return replicas
+
+
+class RemoteBackend:
+    def __init__(self, spec: BackendSpec) -> None:
+        self.opts = RemoteOptions.parse(spec)
+        self.model_id = spec.served_model_name or spec.model
+        if not self.model_id:
+            raise ValueError(f"remote backend {spec.name!r} needs `model`: the id clients use")
+        self.upstream_model = self.opts.upstream_model or spec.model or self.model_id
+        endpoint = Endpoint.parse(self.opts.url)
+        # the address in the name: gateways sharing a database keep apart catalog rows
+        self.name = f"{spec.name}@{endpoint.host}:{endpoint.port}"
+        self.label = f"remote backend {spec.name!r}"  # for clients: no address
+        self.client = UpstreamClient(
+            endpoint,
+            self.label,
+            self.opts.api_key,
+            self.opts.connect_timeout_s,
+            self.opts.read_timeout_s,
+        )
+        self.monitor = Monitor(
+            self.client,
+            self.name,
+            self.upstream_model,
+            self.opts.health_interval_s,
+            lambda: self._inflight,
+        )
+        self.tokenizer: RemoteTokenizer | None = None
+        self._inflight = 0  # this gateway's requests on this replica now
+        self._takes_ids: bool | None = None  # a third-party upstream takes token ids?
+        self._started = False
+        self.siblings: list[RemoteBackend] = []  # the entry's other replicas
+
+    async def start(self) -> None:
+        """At once when the context length is configured (the watch finds the upstream
+        when it is up); else wait up to start_timeout_s for the upstream to tell it."""
+        if self._started:
+            return
+        await self.client.start()
+        try:
+            if self.opts.tokenizer:
+                self.tokenizer = await self._load_tokenizer(self.opts.tokenizer)
+            self.monitor.start()
+            if self.opts.context_length is None:
+                await self._wait_for_upstream()
+        except BaseException:
+            await self.monitor.stop()
+            await self.client.close()
+            raise
+        self._started = True
+
+    async def _load_tokenizer(self, path: str) -> RemoteTokenizer:
+        try:
+            return await asyncio.to_thread(load_tokenizer, path)
+        except (OSError, ValueError) as e:
+            raise BackendError(f"{self.label}: cannot load tokenizer {path!r}: {e}") from e
+
+    async def _wait_for_upstream(self) -> None:
+        try:
+            async with asyncio.timeout(self.opts.start_timeout_s):
+                await self.monitor.discovered.wait()
+        except TimeoutError:
+            log.error("%s: %s is not usable: %s", self.name, self.opts.url, self.monitor.reason)
+            raise BackendError(
+                f"{self.monitor.reason} (waited {self.opts.start_timeout_s:g} s for the upstream "
+                "to tell its context length; options.context_length starts without it)"
+            ) from None
+        if self._context_length() is None:
+            raise BackendError(
+                f"{self.label}: the upstream does not report max_model_len; "
+                "set options.context_length"
+            )
+
+    async def stop(self, drain: bool = True) -> None:
+        while drain and self._inflight:
+            await asyncio.sleep(0.05)
+        await self.monitor.stop()
+        await self.client.close()
+        self._started = False
+
+    def _context_length(self) -> int | None:
+        info = self.monitor.info
+        return self.opts.context_length or (info.context_length if info else None)
+
+    def models(self) -> list[ModelCard]:
+        return [ModelCard(self.model_id, self.name, self._context_length() or 0)]
+
+    @property
+    def _is_worker(self) -> bool:
+        return self.monitor.info is not None and self.monitor.info.worker is not None
+
+    async def render(self, model: str, prompt: PromptInput) -> list[int]:
+        check_model(model, self.model_id)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not prompt or not (isinstance(prompt, str) or all(isinstance(m, dict) for m in prompt)):
+            raise BadRequestError("the prompt must be a string, token ids, or chat messages")
+        if self.tokenizer is not None and not self._is_worker:
+            return await render_off_loop(self.tokenizer.render, prompt)
+        # the entry's replicas serve one model: if this one fails, another tokenizes
+        replicas = [self, *(r for r in self.siblings if r.stats().healthy)]
+        for replica in replicas[:-1]:
+            with contextlib.suppress(BackendError):
+                return await replica._tokenize(prompt)
+        return await replicas[-1]._tokenize(prompt)
+
+    async def _tokenize(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        """Through the upstream's /tokenize (vLLM's shape, which a worker serves)."""
+        body: dict[str, Any] = {"model": self.upstream_model}
+        if isinstance(prompt, str):
+            body["prompt"] = prompt
+        else:
+            body |= {"messages": prompt, "add_generation_prompt": True}
+        url = self.client.endpoint.root + "/tokenize"
+        try:
+            data = await self.client.json("POST", url, body)
+        except BackendError as e:
+            self._failed(e)
+            raise
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise BackendError(f"{self.label} sent an invalid /tokenize answer")
+        return tokens
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        """Errors before the first chunk (connect, 5xx, timeout, invalid JSON) let the
+        gateway try another replica; closing this iterator closes the HTTP response,
+        which aborts the request upstream."""
+        check_model(req.model, self.model_id)
+        if self.monitor.info is None:
+            raise BackendError(f"{self.label}: the upstream has not answered yet")
+        upstream_req = dataclasses.replace(req, model=self.upstream_model)
+        self._inflight += 1
+        self.monitor.progress()
+        try:
+            if self._is_worker:
+                stream = worker_stream(self.client, upstream_req)
+            else:
+                stream = self._completions(upstream_req)
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    self.monitor.progress()
+                    yield chunk
+        except BackendError as e:
+            self._failed(e)
+            raise
+        finally:
+            self._inflight -= 1
+
+    def _failed(self, e: BackendError) -> None:
+        """A call failed: unreachable leaves the rotation now; anything else (dead, or
+        only this request?) has the watch check at once."""
+        self.monitor.check_now(down=str(e) if isinstance(e, UpstreamUnreachable) else None)
+
+    async def _completions(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        tok = self.tokenizer
+        resp, self._takes_ids = await open_completion(
+            self.client, req, self.upstream_model, self._takes_ids, tok and tok.prompt_text
+        )
+        chunks = completion_chunks(self.client, resp, len(req.prompt_token_ids), tok and tok.count)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    def block_hashes(
+        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+    ) -> list[str]:
+        """As the worker's engine keys its cache; none for an upstream without events."""
+        info = self.monitor.info
+        worker = info.worker if info else None
+        if worker is None or not worker.prefix_events or not worker.block_size:
+            return []
+        return [
+            h.hex()
+            for h in hash_blocks(token_ids, worker.block_size, cache_salt, shared_prefix_len)
+        ]
+
+    def kv_events(self) -> list[KVEvent]:
+        return self.monitor.events.take()
+
+    def stats(self) -> BackendStats:
+        """What the watch last read, with this gateway's requests started since."""
+        m = self.monitor
+        healthy = self._started and m.healthy
+        kind = "unknown" if m.info is None else "kvgate" if m.info.worker else "openai"
+        extra: dict[str, Any] = {"url": self.opts.url, "upstream": kind}
+        if not healthy:
+            extra["error"] = m.reason
+        if m.stats is None:
+            return BackendStats(self.name, healthy, running=self._inflight, extra=extra)
+        running = max(self._inflight, m.stats.running + self._inflight - m.inflight_at_poll)
+        return dataclasses.replace(
+            m.stats,
+            healthy=healthy and m.stats.healthy,
+            running=running,
+            extra=m.stats.extra | extra,
+        )

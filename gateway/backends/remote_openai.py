@@ -1,0 +1,191 @@
+"""Third-party OpenAI-compatible upstreams (llama-cpp-python's server, llama.cpp's
+llama-server, vLLM, SGLang): the streamed /v1/completions request they take, and their
+server-sent events as GenChunks.
+
+They differ where the OpenAI API is silent, so the request is the common ground:
+sampling fields by vLLM's names plus llama.cpp's `repeat_penalty` where it matters
+(each ignores the other's), every sampler set explicitly (llama.cpp's servers default
+to top_k 40 and min_p 0.05, not OpenAI's plain sampling), the prompt as token ids, and
+as text where the upstream refuses ids (llama-cpp-python), learned from its first
+refusal. Usage comes from the upstream's usage chunk (`stream_options.include_usage`);
+an upstream that sends none (llama-cpp-python again) has its completion counted by the
+gateway, and the usage says so (`counted_by = "gateway"`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+
+from engine_api.errors import BackendError
+from engine_api.records import GenChunk, GenRequest, TokenLogprob, Usage
+from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
+
+log = logging.getLogger("kvgate.remote")
+
+
+def completion_body(req: GenRequest, model: str, prompt: list[int] | str) -> dict[str, Any]:
+    sp = req.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        # "off" is -1 for vLLM, SGLang and llama-server; llama-cpp-python (the server that
+        # takes only text) refuses negatives and reads 0 as off
+        "top_k": sp.top_k if sp.top_k > 0 else (0 if isinstance(prompt, str) else -1),
+        "min_p": sp.min_p,
+        "presence_penalty": sp.presence_penalty,
+        "frequency_penalty": sp.frequency_penalty,
+        "repetition_penalty": sp.repetition_penalty,
+    }
+    if isinstance(prompt, str) or sp.repetition_penalty != 1.0:
+        # llama.cpp's name; llama-cpp-python defaults to 1.1 (vLLM warns of the field)
+        body["repeat_penalty"] = sp.repetition_penalty
+    optional = {
+        "seed": sp.seed,
+        "stop": sp.stop or None,
+        "stop_token_ids": sp.stop_token_ids or None,
+        "min_tokens": sp.min_tokens or None,
+        "ignore_eos": sp.ignore_eos or None,
+        "logprobs": sp.logprobs,
+        # vLLM's: keeps the tenant's cached prefix apart from others' there too
+        "cache_salt": req.cache_salt,
+    }
+    return body | {k: v for k, v in optional.items() if v is not None}
+
+
+async def open_completion(
+    client: UpstreamClient,
+    req: GenRequest,
+    model: str,
+    takes_ids: bool | None,
+    prompt_text: Callable[[list[int]], str] | None,
+) -> tuple[aiohttp.ClientResponse, bool]:
+    """The 200 response of POST /completions and whether the prompt went as ids.
+    `takes_ids` None: not known yet, so ids first and, if the upstream refuses them,
+    text (`prompt_text` turns ids back into the text they were rendered from)."""
+    url = client.endpoint.base + "/completions"
+    if takes_ids is None and prompt_text is not None:
+        resp = await client.request("POST", url, completion_body(req, model, req.prompt_token_ids))
+        if resp.status == 200:
+            return resp, True
+        log.info("%s: HTTP %d for a token-id prompt; trying text", client.label, resp.status)
+        resp.close()
+        takes_ids = False
+    as_ids = takes_ids is not False or prompt_text is None
+    prompt = req.prompt_token_ids if as_ids else prompt_text(req.prompt_token_ids)
+    resp = await client.request("POST", url, completion_body(req, model, prompt))
+    if resp.status != 200:
+        try:
+            await client.raise_for(resp)
+        finally:
+            resp.close()
+    return resp, as_ids
+
+
+async def completion_chunks(
+    client: UpstreamClient,
+    resp: aiohttp.ClientResponse,
+    prompt_tokens: int,
+    count: Callable[[str], int] | None,
+) -> AsyncIterator[GenChunk]:
+    """GenChunks of a completions SSE stream; the last has finish_reason and usage.
+    `count` tokenizes generated text when the upstream sends no usage (else each piece
+    of text counts one token). The chunks carry text, not token ids, so a stream that
+    breaks after output first yields the usage of what was delivered, then raises."""
+    finish: str | None = None
+    usage: Usage | None = None
+    texts: list[str] = []
+    done = False
+
+    def counted() -> Usage:
+        completion = count("".join(texts)) if count else len(texts)
+        return Usage(prompt_tokens, completion, 0, counted_by="gateway")
+
+    try:
+        async for data in _sse_data(client.lines(resp)):  # to the end: the connection is reused
+            if done or data == "[DONE]":
+                done = True
+                continue
+            obj = parse_json_line(data, client.label)
+            if (error := stream_error(obj, client.label)) is not None:
+                raise error
+            usage = _usage(obj.get("usage")) or usage
+            for choice in obj.get("choices") or []:  # n = 1: at most one
+                text, logprobs, reason = _choice(choice, client.label)
+                if text or logprobs:
+                    texts.append(text)
+                    yield GenChunk([], text, None, None, logprobs)
+                finish = reason or finish
+        if finish is None:
+            raise BackendError(f"{client.label} ended the stream before the request finished")
+    except BackendError:
+        if texts:  # the client has these: the quota settles to them
+            yield GenChunk([], "", None, counted())
+        raise
+    finally:
+        if done:
+            resp.release()
+        else:
+            resp.close()  # the upstream sees the connection close and stops generating
+    yield GenChunk([], "", finish, usage or counted())
+
+
+async def _sse_data(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The data of each server-sent event (its data lines joined); comments, other
+    fields and keep-alive pings are skipped."""
+    data: list[str] = []
+    async for raw in lines:
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        elif not line and data:
+            yield "\n".join(data).strip()
+            data = []
+    if data:
+        yield "\n".join(data).strip()
+
+
+def _choice(choice: Any, label: str) -> tuple[str, list[TokenLogprob] | None, str | None]:
+    if not isinstance(choice, dict) or not isinstance(choice.get("text") or "", str):
+        raise BackendError(f"{label} sent an invalid completion choice")
+    reason = choice.get("finish_reason")
+    if reason is not None:
+        reason = "length" if reason == "length" else "stop"  # eos, stop string, stop id
+    return choice.get("text") or "", _logprobs(choice.get("logprobs")), reason
+
+
+def _usage(data: Any) -> Usage | None:
+    if not isinstance(data, dict):
+        return None
+    prompt, completion = data.get("prompt_tokens"), data.get("completion_tokens")
+    details = data.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (prompt, completion)):
+        return None
+    return Usage(prompt, completion, cached if isinstance(cached, int) else 0)
+
+
+def _logprobs(data: Any) -> list[TokenLogprob] | None:
+    """The legacy completions logprobs object ({tokens, token_logprobs, top_logprobs})."""
+    if not isinstance(data, dict):
+        return None
+    tokens, values = data.get("tokens"), data.get("token_logprobs")
+    tops = data.get("top_logprobs") or []
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        return None
+    out = []
+    for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
+        if not isinstance(token, str) or not isinstance(value, int | float):
+            continue
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        pairs = [(t, float(v)) for t, v in top.items() if isinstance(v, int | float)]
+        out.append(TokenLogprob(token, float(value), pairs))
+    return out or None

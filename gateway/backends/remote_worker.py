@@ -1,0 +1,155 @@
+"""The kvgate-worker side of the remote adapter: what a worker says about itself, its
+native generate stream, its stats, and its KV events turned into the catalog's.
+
+A worker speaks engine_api's records (GenRequest out, GenChunk lines back), so nothing
+is translated but errors; its KV events carry its own replica name and arrive through
+a numbered log that may tell the reader to resync (docs: the worker HTTP contract).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import typing
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine_api.errors import BackendError
+from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent
+from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
+
+log = logging.getLogger("kvgate.remote")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The `kvgate` object of a worker's /v1/models entry."""
+
+    backend: str
+    block_size: int | None
+    prefix_events: bool
+    epoch: str
+
+    @classmethod
+    def parse(cls, data: Any, label: str) -> WorkerInfo:
+        d = data if isinstance(data, dict) else {}
+        block_size = d.get("block_size")
+        ok = (
+            isinstance(d.get("backend"), str)
+            and (block_size is None or _is_int(block_size) and block_size > 0)
+            and isinstance(d.get("prefix_events"), bool)
+            and isinstance(d.get("epoch"), str)
+        )
+        if not ok:
+            raise BackendError(f"{label} sent an invalid kvgate model entry")
+        return cls(d["backend"], block_size, d["prefix_events"], d["epoch"])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+async def worker_stream(client: UpstreamClient, req: GenRequest) -> AsyncIterator[GenChunk]:
+    """The worker's chunks for `req` (already carrying the upstream's model id). Closing
+    this iterator closes the connection, which aborts the request in the worker."""
+    url = client.endpoint.root + "/kvgate/v1/generate"
+    resp = await client.request("POST", url, req.to_dict())
+    finished = False
+    try:
+        if resp.status != 200:
+            await client.raise_for(resp)
+        async for line in client.lines(resp):  # to the end: the connection is reused
+            if finished or not line.strip():
+                continue
+            obj = parse_json_line(line, client.label)
+            if (error := stream_error(obj, client.label)) is not None:
+                raise error
+            try:
+                chunk = GenChunk.from_dict(obj)
+            except ValueError as e:
+                log.warning("%s: invalid chunk %r: %s", client.label, obj, e)
+                raise BackendError(f"{client.label} sent an invalid chunk") from e
+            finished = chunk.finish_reason is not None
+            yield chunk
+        if not finished:
+            raise BackendError(f"{client.label} ended the stream before the request finished")
+    finally:
+        if finished:
+            resp.release()  # complete: the connection goes back to the pool
+        else:
+            resp.close()  # the worker sees the connection close and aborts the request
+
+
+_STAT_TYPES = typing.get_type_hints(BackendStats)
+
+
+def parse_stats(data: Any, name: str, label: str) -> BackendStats:
+    """A worker's /kvgate/v1/stats (BackendStats as a dict) under this replica's name."""
+    if not isinstance(data, dict):
+        raise BackendError(f"{label} sent stats that are not a JSON object")
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(BackendStats):
+        if f.name == "name" or f.name not in data:
+            continue
+        v, hint = data[f.name], _STAT_TYPES[f.name]
+        if hint is bool:
+            ok = isinstance(v, bool)
+        elif hint is int:
+            ok = _is_int(v)
+        elif hint is float:
+            ok = _is_int(v) or isinstance(v, float)
+        else:  # extra
+            ok = isinstance(v, dict)
+        if not ok:
+            raise BackendError(f"{label} sent invalid stats ({f.name})")
+        values[f.name] = v
+    return BackendStats(name=name, **values)
+
+
+class WorkerEvents:
+    """The KV events read from one worker, renamed to this replica, and the blocks it
+    holds as far as they tell (so a resync can report the ones gone as removed)."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.epoch = ""  # none yet: the first poll is a resync
+        self.seq = 0
+        self.held: set[str] = set()
+        self._pending: list[KVEvent] = []
+
+    def take(self) -> list[KVEvent]:
+        events, self._pending = self._pending, []
+        return events
+
+    def apply(self, reply: Any, label: str) -> None:
+        """One long poll's reply: `{"epoch", "seq", "resync", "events"}`."""
+        r = reply if isinstance(reply, dict) else {}
+        if not (
+            isinstance(r.get("epoch"), str)
+            and _is_int(r.get("seq"))
+            and isinstance(r.get("resync"), bool)
+            and isinstance(r.get("events"), list)
+        ):
+            raise BackendError(f"{label} sent an invalid KV events reply")
+        try:
+            events = [KVEvent.from_dict(e) for e in r["events"]]
+        except ValueError as e:
+            raise BackendError(f"{label} sent an invalid KV event") from e
+        if any(e.kind not in ("stored", "removed") for e in events):
+            raise BackendError(f"{label} sent a KV event of an unknown kind")
+        if r["resync"]:
+            kept = {e.block_hash for e in events if e.kind == "stored"}
+            now = time.time()
+            self._pending += [
+                KVEvent("removed", self.replica, h, None, None, 0, now) for h in self.held - kept
+            ]
+            self.held = set()
+        for e in events:
+            if e.kind == "stored":
+                self.held.add(e.block_hash)
+            else:
+                self.held.discard(e.block_hash)
+            self._pending.append(dataclasses.replace(e, replica=self.replica))
+        self.epoch, self.seq = r["epoch"], r["seq"]
