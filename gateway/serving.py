@@ -208,19 +208,7 @@ async def prepare(
     card = _card(gw, principal, body.model)
     salt = tenant_cache_salt(gw.secret, principal.tenant_id)
     gw.catalog.note_salt(salt, principal.tenant_id)
-    try:
-        # every replica of a model has its tokenizer: render with one, then pick by prefix
-        candidates = gw.router.candidates(body.model)  # each replica's stats, read once
-        if isinstance(body, ChatCompletionRequest):
-            inputs: list = [[{"role": m.role, "content": m.text()} for m in body.messages]]
-        else:
-            inputs = body.prompts()
-        renderer, prompts = await _render(candidates, body.model, inputs)
-    except BadRequestError as e:
-        raise ApiError(400, str(e)) from None
-    except BackendError as e:
-        gw.traffic.error(principal.tenant_name, body.model, 503, str(e))
-        raise ApiError(503, str(e), code="backend_unavailable") from None
+    candidates, renderer, prompts = await _render(gw, principal, body)
     plan = plan_tokens(
         prompts,
         body.n,
@@ -242,20 +230,7 @@ async def prepare(
         await gw.quota.settle(reservation, 0, count_request=False)
         raise
     request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
-    requests = [
-        GenRequest(
-            request_id if plan.choices == 1 else f"{request_id}-{i}",
-            body.model,
-            prompts[i // body.n],
-            _sampling(body, plan.max_tokens[i // body.n], i % body.n),
-            principal.tenant_id,
-            salt,
-            principal.priority,
-            shared_lens[i // body.n],
-            weight=principal.weight,
-        )
-        for i in range(plan.choices)
-    ]
+    requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens)
     gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
     return Job(
         gw,
@@ -275,18 +250,57 @@ async def prepare(
 
 
 async def _render(
-    candidates: list[Candidate], model: str, inputs: list
-) -> tuple[Backend, list[list[int]]]:
-    """Token ids of every prompt, from the first replica that can render them: for a
-    remote replica rendering is a network call, and one that just died must not fail
-    the request while another is healthy."""
-    for i, candidate in enumerate(candidates):
-        try:
-            return candidate.backend, [await candidate.backend.render(model, p) for p in inputs]
-        except BackendError:
-            if i == len(candidates) - 1:
-                raise
-    raise BackendError(f"no backend can serve {model!r} right now")
+    gw: GatewayState, principal: Principal, body: ChatCompletionRequest | CompletionRequest
+) -> tuple[list[Candidate], Backend, list[list[int]]]:
+    """The healthy replicas, and the token ids of every prompt from the first of them
+    that can render them: every replica of a model has its tokenizer, and for a remote
+    replica rendering is a network call: one that just died must not fail the request
+    while another is healthy."""
+    if isinstance(body, ChatCompletionRequest):
+        inputs: list = [[{"role": m.role, "content": m.text()} for m in body.messages]]
+    else:
+        inputs = body.prompts()
+    try:
+        candidates = gw.router.candidates(body.model)  # each replica's stats, read once
+        for i, candidate in enumerate(candidates):
+            try:
+                prompts = [await candidate.backend.render(body.model, p) for p in inputs]
+                return candidates, candidate.backend, prompts
+            except BackendError:
+                if i == len(candidates) - 1:
+                    raise
+        raise BackendError(f"no backend can serve {body.model!r} right now")
+    except BadRequestError as e:
+        raise ApiError(400, str(e)) from None
+    except BackendError as e:
+        gw.traffic.error(principal.tenant_name, body.model, 503, str(e))
+        raise ApiError(503, str(e), code="backend_unavailable") from None
+
+
+def _requests(
+    request_id: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    principal: Principal,
+    plan: TokenPlan,
+    prompts: list[list[int]],
+    salt: str,
+    shared_lens: list[int],
+) -> list[GenRequest]:
+    """One GenRequest per choice, prompt-major; seeds differ by choice."""
+    return [
+        GenRequest(
+            request_id if plan.choices == 1 else f"{request_id}-{i}",
+            body.model,
+            prompts[i // body.n],
+            _sampling(body, plan.max_tokens[i // body.n], i % body.n),
+            principal.tenant_id or "",
+            salt,
+            principal.priority,
+            shared_lens[i // body.n],
+            weight=principal.weight,
+        )
+        for i in range(plan.choices)
+    ]
 
 
 def _card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:

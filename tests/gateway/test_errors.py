@@ -3,6 +3,7 @@ leaves a quota slot held."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -53,9 +54,12 @@ async def test_revoked_and_expired_keys(gw):
     assert status == 200
     assert "revoked" in (await _error(await gw.chat(key, "x", max_tokens=1), 401))["message"]
 
-    status, short = await gw.admin("POST", f"/admin/tenants/{tenant['id']}/keys",
-                                   {"expires_at": time.time() - 1})  # fmt: skip
+    path = f"/admin/tenants/{tenant['id']}/keys"
+    status, body = await gw.admin("POST", path, {"expires_at": time.time() - 1})
+    assert status == 400 and body["error"]["param"] == "expires_at"  # it could never work
+    status, short = await gw.admin("POST", path, {"expires_in_s": 0.5})
     assert status == 201
+    await asyncio.sleep(0.6)
     r = await gw.chat(short["key"], "x", max_tokens=1)
     assert "expired" in (await _error(r, 401))["message"]
 
