@@ -17,8 +17,8 @@ length). `kvgate worker` (gateway/worker/) serves the other side of this HTTP co
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
 over HTTP), so it routes by prefix like an in-process replica. A third-party upstream
-gets streamed /v1/completions; the adapter still has `block_hashes` and `kv_events`,
-which report nothing there (approximate routing for those comes later).
+gets streamed /v1/completions; its `block_hashes` and `kv_events` come from a record
+of the prompts this gateway sent it (remote_sent.py: approximate prefix routing).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from gateway.backends.common import check_model, check_options, render_off_loop
 from gateway.backends.remote_health import Monitor
 from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
 from gateway.backends.remote_openai import completion_chunks, open_completion
+from gateway.backends.remote_sent import SentBlocks
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
 from gateway.backends.remote_worker import worker_stream
 
@@ -138,6 +139,7 @@ class RemoteBackend:
             self.opts.health_interval_s,
             lambda: self._inflight,
         )
+        self.sent = SentBlocks(self.name)  # third-party upstreams: what went where
         self.tokenizer: RemoteTokenizer | None = None
         self._inflight = 0  # this gateway's requests on this replica now
         self._takes_ids: bool | None = None  # a third-party upstream takes token ids?
@@ -272,6 +274,9 @@ class RemoteBackend:
         resp, self._takes_ids = await open_completion(
             self.client, req, self.upstream_model, self._takes_ids, tok and tok.prompt_text
         )
+        # the upstream took the prompt: its blocks are likely in its cache now
+        hashes = self.sent.hashes(req.prompt_token_ids, req.cache_salt, req.shared_prefix_len)
+        self.sent.record(hashes, req.cache_salt, req.shared_prefix_len)
         chunks = completion_chunks(self.client, resp, len(req.prompt_token_ids), tok and tok.count)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
@@ -280,9 +285,12 @@ class RemoteBackend:
     def block_hashes(
         self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
     ) -> list[str]:
-        """As the worker's engine keys its cache; none for an upstream without events."""
+        """As the worker's engine keys its cache; for an upstream without events, as the
+        record of what this gateway sent it keys its blocks."""
         info = self.monitor.info
         worker = info.worker if info else None
+        if info is not None and worker is None:
+            return self.sent.hashes(token_ids, cache_salt, shared_prefix_len)
         if worker is None or not worker.prefix_events or not worker.block_size:
             return []
         return [
@@ -291,7 +299,7 @@ class RemoteBackend:
         ]
 
     def kv_events(self) -> list[KVEvent]:
-        return self.monitor.events.take()
+        return self.monitor.events.take() + self.sent.take()
 
     def stats(self) -> BackendStats:
         """What the watch last read, with this gateway's requests started since."""

@@ -399,3 +399,30 @@ async def test_kill_9_of_a_worker_mid_stream(two_workers, tmp_path):
     wait_until(lambda: backend_health(gw)[name_of(gw, ports[0])], "it comes back")
     await some_requests(client)
     assert (await asyncio.to_thread(worker_stats, ports[0]))["prefix_queries"] > 0  # it serves
+
+
+@pytest.mark.parametrize("policy", ["prefix", "round_robin"])
+def test_approximate_prefix_routing_over_upstreams_without_events(tmp_path, policy):
+    """Third-party upstreams report no cache: the gateway's record of what it sent where
+    keeps a shared prompt on one replica; round robin (the control) spreads it."""
+    with FakeUpstream(kind="openai") as a, FakeUpstream(kind="openai") as b:
+        config = remote_config([a.url, b.url]) + f'\n[server]\nrouter_policy = "{policy}"\n'
+        gw = start_gateway(tmp_path, config=config)
+        try:
+            wait_until(lambda: all(backend_health(gw).values()), "every replica is healthy")
+            _, key = gw.tenant_key("acme")
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+            system = " ".join(f"rule{i}" for i in range(40))  # two full blocks of 16
+            client.completions.create(model=MODEL, prompt=system + " first", max_tokens=2)
+            holder = a if a.served else b
+            if policy == "prefix":
+                holds = {name_of(gw, holder.port)}
+                wait_until(lambda: held_blocks(gw) == holds, "the record reached the catalog")
+            for i in range(5):
+                client.completions.create(model=MODEL, prompt=f"{system} q{i}", max_tokens=2)
+        finally:
+            gw.stop()
+    if policy == "prefix":
+        assert holder.served == 6
+    else:
+        assert a.served == b.served == 3
