@@ -240,6 +240,9 @@ async def snapshot(gw: GatewayState) -> dict:
             "monthly_tokens": tenant["monthly_tokens"],
             "monthly_used": used["monthly"],
         }
+    fair = _fair_share(gw)
+    for row in snap["tenants"]:
+        row["fair_share"] = fair.get(row["id"])
     snap["gateway"] = {
         "url": gw.url,
         "version": "0.1.0",
@@ -248,6 +251,19 @@ async def snapshot(gw: GatewayState) -> dict:
     }
     snap["backends"] = _backends(gw)
     return snap
+
+
+def _fair_share(gw: GatewayState) -> dict[str, dict]:
+    """Per tenant, what the engines that share fairly (the gpu engine's VTC) report:
+    service given (tokens, cached prompt tokens at a discount) and requests queued and
+    running, summed over replicas."""
+    out: dict[str, dict] = {}
+    for b in gw.backends:
+        for tenant, row in b.stats().extra.get("tenants", {}).items():
+            mine = out.setdefault(tenant, {"service": 0.0, "waiting": 0, "running": 0})
+            for key in mine:
+                mine[key] += row[key]
+    return out
 
 
 def add_routes(app: web.Application) -> None:

@@ -288,6 +288,12 @@ class TenantQuotaUse(Body):
     monthly_used: int
 
 
+class TenantFairShare(Body):
+    service: float = Field(description="tokens served, cached prompt tokens at a discount")
+    waiting: int
+    running: int
+
+
 class TenantTraffic(Body):
     id: str
     name: str
@@ -298,6 +304,9 @@ class TenantTraffic(Body):
     rejected_429: int
     in_flight: int
     quota: TenantQuotaUse | None
+    fair_share: TenantFairShare | None = Field(
+        description="from engines that share fairly between tenants (the gpu engine's VTC)"
+    )
 
 
 class RecentError(Body):

@@ -66,6 +66,7 @@ class TenantRow:
     in_flight: int
     quota_used: float | None  # the tightest limit's used share; None: unlimited
     budget_left: int | None  # tokens left in the tightest budget; None: unlimited
+    served: float | None = None  # its share of the engines' fair-share service; None: none
 
 
 @dataclass
@@ -159,6 +160,9 @@ def budget_left(quota: dict[str, Any]) -> int | None:
 
 
 def tenant_rows(raw: Iterable[dict[str, Any]]) -> list[TenantRow]:
+    raw = list(raw)
+    service = {str(t.get("id", "")): _num(_dict(t.get("fair_share")).get("service")) for t in raw}
+    total = sum(service.values())
     rows = []
     for t in raw:
         quota = _dict(t.get("quota"))
@@ -172,6 +176,7 @@ def tenant_rows(raw: Iterable[dict[str, Any]]) -> list[TenantRow]:
                 in_flight=_int(t.get("in_flight")),
                 quota_used=quota_used(quota),
                 budget_left=budget_left(quota),
+                served=service[str(t.get("id", ""))] / total if total else None,
             )
         )
     return rows

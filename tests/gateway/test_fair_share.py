@@ -72,3 +72,11 @@ async def test_service_and_queues_per_tenant_in_metrics(make_gateway, tiny_llama
     labels = f'{{backend="tiny",tenant="{tenants["quiet-vtc"]}"}}'
     assert f"kvgate:tenant_service_tokens_total{labels}" in text
     assert f"kvgate:tenant_requests_waiting{labels} 0.0" in text
+
+
+async def test_admin_stats_show_each_tenants_fair_share(make_gateway, tiny_llama):
+    gw, clients = await _gateway(make_gateway, tiny_llama, "vtc")
+    await clients["quiet"].completions.create(model="tiny", prompt="hello", max_tokens=4)
+    _, snap = await gw.admin("GET", "/admin/stats")
+    row = next(t for t in snap["tenants"] if t["name"] == "quiet-vtc")
+    assert row["fair_share"]["service"] > 0 and row["fair_share"]["waiting"] == 0

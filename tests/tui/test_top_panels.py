@@ -121,3 +121,17 @@ async def test_question_mark_opens_help_and_q_quits():
         await pilot.press("q")
         await pilot.pause()
         assert app.return_code == 0
+
+
+def test_served_is_each_tenants_share_of_the_fair_share_service():
+    from tui.view import tenant_rows
+
+    rows = tenant_rows(
+        [
+            {"id": "a", "name": "a", "fair_share": {"service": 300.0, "waiting": 2, "running": 1}},
+            {"id": "b", "name": "b", "fair_share": {"service": 100.0, "waiting": 0, "running": 1}},
+            {"id": "c", "name": "c", "fair_share": None},
+        ]
+    )
+    assert [r.served for r in rows] == [0.75, 0.25, 0.0]
+    assert tenant_rows([{"id": "x", "name": "x"}])[0].served is None  # no fair engine
