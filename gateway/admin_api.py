@@ -17,7 +17,7 @@ from gateway.errors import ApiError
 from gateway.http_util import json_response, parse_body, sse
 from gateway.openai_api import GW
 from gateway.schemas import KeyCreate, TenantCreate, TenantUpdate
-from gateway.state import GatewayState
+from gateway.state import GatewayState, with_queue
 from gateway.tenants import Conflict, NotFound
 
 
@@ -254,12 +254,12 @@ async def snapshot(gw: GatewayState) -> dict:
 
 
 def _fair_share(gw: GatewayState) -> dict[str, dict]:
-    """Per tenant, what the engines that share fairly (the gpu engine's VTC) report:
-    service given (tokens, cached prompt tokens at a discount) and requests queued and
-    running, summed over replicas."""
+    """Per tenant, what the fair schedulers report (the gpu engine's, and the gateway's
+    queues before other backends): service given (tokens, cached prompt tokens at a
+    discount) and requests queued and running, summed over replicas."""
     out: dict[str, dict] = {}
     for b in gw.backends:
-        for tenant, row in b.stats().extra.get("tenants", {}).items():
+        for tenant, row in with_queue(b.stats(), gw.queues).extra.get("tenants", {}).items():
             mine = out.setdefault(tenant, {"service": 0.0, "waiting": 0, "running": 0})
             for key in mine:
                 mine[key] += row[key]

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--fairness",
         choices=["vtc", "fcfs"],
-        help="gpu backend: how tenants share the engine (default vtc, the Virtual Token Counter)",
+        help="how tenants share a backend: vtc (default, the Virtual Token Counter) or fcfs",
     )
 
     worker_cli.add_parser(sub)

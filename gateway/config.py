@@ -47,8 +47,8 @@ class Settings:
     router_policy: str = "prefix"  # or "round_robin", "least_loaded"
     quantization: str | None = None  # gpu backend: "fp8" or "int8" weights
     kv_cache_dtype: str | None = None  # gpu backend: "auto" or "fp8"
-    # gpu backend: "vtc" (the engine's default: tenants share by the Virtual Token
-    # Counter) or "fcfs"; the llama.cpp backend has no fair queue yet
+    # how tenants share a backend: "vtc" (the Virtual Token Counter: the gpu engine's
+    # scheduler, and the gateway's queue before other backends) or "fcfs"; None: vtc
     fairness: str | None = None
 
     def __post_init__(self) -> None:
@@ -59,6 +59,8 @@ class Settings:
             )
         if self.metrics_token is not None and len(self.metrics_token) < MIN_ADMIN_KEY_CHARS:
             raise ValueError(f"metrics_token must be at least {MIN_ADMIN_KEY_CHARS} characters")
+        if self.fairness not in (None, "vtc", "fcfs"):
+            raise ValueError(f"fairness must be vtc or fcfs, got {self.fairness!r}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
         if self.replicas < 1:
@@ -73,7 +75,7 @@ class Settings:
     def resolved_backends(self) -> list[BackendSpec]:
         engine_options = {
             name: value
-            for name in ("quantization", "kv_cache_dtype", "fairness")
+            for name in ("quantization", "kv_cache_dtype")
             if (value := getattr(self, name)) is not None
         }
         if self.backends and not self.model and self.backend in ("", "auto"):
@@ -90,6 +92,8 @@ class Settings:
             raise ValueError(f"{sorted(engine_options)} need the gpu backend, not {kind!r}{hint}")
         options = {"replicas": self.replicas} if self.replicas != 1 else {}
         options |= engine_options
+        if self.fairness is not None and kind == "gpu":  # the engine's own scheduler
+            options["fairness"] = self.fairness
         return [BackendSpec(kind, kind, self.model, self.served_model_name, options)]
 
 

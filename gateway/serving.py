@@ -28,6 +28,7 @@ from gateway.backends import (
     SamplingParams,
 )
 from gateway.errors import ApiError
+from gateway.fair_queue import CACHED_TOKEN_COST, FairQueue
 from gateway.prefix import tenant_cache_salt
 from gateway.quota import QuotaExceeded, Reservation
 from gateway.quota.limits import ratelimit_headers
@@ -99,9 +100,17 @@ class Job:
                 log.warning("request %s: %s failed before any output (%s); retrying on %s",
                             self.request_id, failed.name, e, self.backend.name)  # fmt: skip
 
+    def _generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        """The backend's stream for one choice; through the gateway's fair queue when the
+        backend has one (its scheduler is not kvgate's)."""
+        queue = self.gw.queues.get(self.backend.name)
+        if queue is None:
+            return self.backend.generate(req)
+        return _queued(queue, self.backend, req)
+
     async def _attempt(self) -> AsyncIterator[tuple[int, GenChunk]]:
         if len(self.requests) == 1:  # the common case, one generator layer less
-            gen = self.backend.generate(self.requests[0])
+            gen = self._generate(self.requests[0])
             try:
                 async for chunk in gen:
                     self._account(0, chunk)
@@ -109,7 +118,7 @@ class Job:
             finally:
                 await gen.aclose()
             return
-        stream = _merged([self.backend.generate(r) for r in self.requests])
+        stream = _merged([self._generate(r) for r in self.requests])
         try:
             async for index, chunk in stream:
                 self._account(index, chunk)
@@ -350,6 +359,28 @@ def _sampling(
         logprobs=body.num_logprobs,
         ignore_eos=body.ignore_eos,
     )
+
+
+async def _queued(queue: FairQueue, backend: Backend, req: GenRequest) -> AsyncIterator[GenChunk]:
+    """Wait for a slot in line with the tenant's other requests, then stream, charging
+    the tenant for the service as it is given."""
+    tenant = req.tenant_id
+    async with queue.slot(tenant, req.weight):
+        queue.charge(tenant, len(req.prompt_token_ids))
+        charged = 0
+        gen = backend.generate(req)
+        try:
+            async for chunk in gen:
+                out = len(chunk.token_ids)
+                if chunk.usage is not None:  # the backend's own count (an upstream's)
+                    out = chunk.usage.completion_tokens - charged
+                    discount = (1 - CACHED_TOKEN_COST) * chunk.usage.cached_tokens
+                    queue.charge(tenant, -discount)
+                queue.charge(tenant, out)
+                charged += out
+                yield chunk
+        finally:
+            await gen.aclose()
 
 
 _DONE = object()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -9,10 +10,11 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from gateway.auth import Authenticator, AuthError, Principal
-from gateway.backends import Backend, build_backends
+from gateway.backends import Backend, BackendStats, build_backends
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.errors import ApiError
+from gateway.fair_queue import FairQueue
 from gateway.metrics import Metrics
 from gateway.pins import PinService
 from gateway.prefix import tenant_cache_salt
@@ -48,6 +50,9 @@ class GatewayState:
     generated_admin_key: str | None = None
     url: str = ""
     supervisors: list[WorkerSupervisor] = field(default_factory=list)  # --workers N
+    # backend name -> the gateway's fair queue, for backends whose scheduler is not
+    # kvgate's (an adapter with `max_in_flight`)
+    queues: dict[str, FairQueue] = field(default_factory=dict)
 
     async def authenticate(self, request: web.Request, scope: str = "inference") -> Principal:
         try:
@@ -57,6 +62,15 @@ class GatewayState:
         if scope not in principal.scopes:
             raise ApiError(403, f"This API key does not have the {scope!r} scope.")
         return principal
+
+
+def with_queue(stats: BackendStats, queues: dict[str, FairQueue]) -> BackendStats:
+    """A backend's stats with its fair queue's per-tenant figures, where the gateway
+    queues in front of it (the gpu engine reports its own)."""
+    queue = queues.get(stats.name)
+    if queue is None:
+        return stats
+    return dataclasses.replace(stats, extra=stats.extra | {"tenants": queue.stats()})
 
 
 async def start_gateway(settings: Settings) -> GatewayState:
@@ -81,6 +95,7 @@ async def start_gateway(settings: Settings) -> GatewayState:
     for tenant in await tenants.list_tenants():
         catalog.note_salt(tenant_cache_salt(secret, tenant["id"]), tenant["id"])
     router = Router([], settings.router_policy, catalog)
+    queues: dict[str, FairQueue] = {}
     state = GatewayState(
         settings=settings,
         db=db,
@@ -89,7 +104,8 @@ async def start_gateway(settings: Settings) -> GatewayState:
         quota=quota,
         usage=usage,
         router=router,
-        metrics=Metrics(lambda: [b.stats() for b in router.backends]),
+        metrics=Metrics(lambda: [with_queue(b.stats(), queues) for b in router.backends]),
+        queues=queues,
         traffic=TrafficStats(),
         secret=secret,
         catalog=catalog,
@@ -115,6 +131,10 @@ async def start_gateway(settings: Settings) -> GatewayState:
             except Exception as e:  # one broken backend must not take the gateway down
                 log.exception("backend %s failed to start", backend.name)
                 router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
+    for backend in state.backends:
+        slots = getattr(backend, "max_in_flight", None)
+        if slots is not None:
+            state.queues[backend.name] = FairQueue(slots, settings.fairness or "vtc")
     # the engines start empty: prefill the pinned prefixes, so the first request hits
     await state.pins.load()
     await state.pins.prefill_all()

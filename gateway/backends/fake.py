@@ -6,7 +6,8 @@ for an engine feature; it exists so the gateway can be tested and measured witho
 
 Options: tokens_per_second (0: as fast as possible), ttft_ms, fail_rate (0..1 of
 requests fail with BackendError), down (every request fails), context_length,
-max_running (only for the KV-usage figure).
+max_running (only for the KV-usage figure), max_in_flight (the gateway queues fairly in
+front of it, as it does for llama.cpp's slots: to measure that queue alone).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class FakeBackend:
         self.down = bool(opts.get("down", False))
         self.context_length = int(opts.get("context_length", 4096))
         self.max_running = int(opts.get("max_running", 256))
+        in_flight = opts.get("max_in_flight")
+        self.max_in_flight = None if in_flight is None else int(in_flight)
         self.rng = random.Random(int(opts.get("seed", 0)))
         self.running = 0
         self.started = False

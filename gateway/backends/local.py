@@ -45,6 +45,9 @@ class LocalBackend:
         self.model_id = served_model_id(spec)
         self._engine: LocalEngine | None = None
         self._last_events: list[KVEvent] = []  # a stopped engine's last ones ("removed")
+        # llama.cpp serves its slots first come, first served: the gateway queues fairly
+        # in front of them (gateway/fair_queue.py)
+        self.max_in_flight: int | None = None
 
     async def start(self) -> None:
         if self._engine is not None:
@@ -53,6 +56,7 @@ class LocalBackend:
         try:
             config = EngineConfig(model_path=path, enable_kv_events=True, **self.spec.options)
             self._engine = await asyncio.to_thread(LocalEngine, config)
+            self.max_in_flight = config.n_parallel
         except (ModelLoadError, ValueError) as exc:
             raise BackendError(f"local backend {self.name!r}: {exc}") from exc
 

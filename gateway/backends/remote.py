@@ -13,7 +13,8 @@ Options: api_key (a worker's token, or a third-party server's key), upstream_mod
 tokenizer directory or a GGUF file, for upstreams that cannot tokenize for the gateway),
 connect_timeout_s (5), read_timeout_s (60, between bytes), health_interval_s (2),
 start_timeout_s (30: how long `start` waits for an upstream that must tell the context
-length). `kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
+length), max_in_flight (requests let through at once; the rest wait in the gateway's
+fair queue: for an upstream that serves in arrival order). `kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
 over HTTP), so it routes by prefix like an in-process replica. A third-party upstream
@@ -59,6 +60,9 @@ class RemoteOptions:
     read_timeout_s: float = 60.0
     health_interval_s: float = 2.0
     start_timeout_s: float = 30.0
+    # requests this gateway lets in flight at once; past it they wait in the gateway's
+    # fair queue (for an upstream that serves in arrival order)
+    max_in_flight: int | None = None
 
     @classmethod
     def parse(cls, spec: BackendSpec) -> RemoteOptions:
@@ -72,7 +76,7 @@ class RemoteOptions:
             if f.name.endswith("_s"):
                 ok = isinstance(v, int | float) and not isinstance(v, bool) and v > 0
                 rule = "a number of seconds > 0"
-            elif f.name == "context_length":
+            elif f.name in ("context_length", "max_in_flight"):
                 ok, rule = (
                     isinstance(v, int) and not isinstance(v, bool) and v > 0,
                     "an integer > 0",
@@ -141,6 +145,7 @@ class RemoteBackend:
         )
         self.sent = SentBlocks(self.name)  # third-party upstreams: what went where
         self.tokenizer: RemoteTokenizer | None = None
+        self.max_in_flight = self.opts.max_in_flight
         self._inflight = 0  # this gateway's requests on this replica now
         self._takes_ids: bool | None = None  # a third-party upstream takes token ids?
         self._started = False
@@ -314,6 +319,7 @@ class RemoteBackend:
         running = max(self._inflight, m.stats.running + self._inflight - m.inflight_at_poll)
         return dataclasses.replace(
             m.stats,
+            name=self.name,  # the worker reports its own engine's name
             healthy=healthy and m.stats.healthy,
             running=running,
             extra=m.stats.extra | extra,
