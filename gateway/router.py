@@ -54,6 +54,10 @@ class Router:
         self.cards: dict[str, ModelCard] = {}
         self.serving: dict[str, list[Backend]] = {}
         self.broken: dict[str, str] = {}  # backend name -> why it is down
+        # this gateway's requests per replica, from the pick to their end: a replica's
+        # own stats see a request only once it reaches it (a remote one, later still),
+        # and a burst picked in between must not all land on the replica that looked idle
+        self.in_flight: dict[str, int] = {}
         self._turn = itertools.count()  # round robin, and turns between equal replicas
 
     def add_models(self, backend: Backend) -> None:
@@ -87,13 +91,20 @@ class Router:
             return candidates[0].backend
         return candidates[self.choose([c.stats for c in candidates], block_hashes)].backend
 
+    def claim(self, backend: Backend) -> None:
+        """A request was sent its way (count it until `release`)."""
+        self.in_flight[backend.name] = self.in_flight.get(backend.name, 0) + 1
+
+    def release(self, backend: Backend) -> None:
+        self.in_flight[backend.name] -= 1
+
     def choose(self, stats: list[BackendStats], block_hashes: list[str]) -> int:
         """Index into `stats` (one per healthy replica) of the replica to use."""
         turn = next(self._turn)
         n = len(stats)
         if self.policy == "round_robin":
             return turn % n
-        loads = [s.running + s.waiting for s in stats]
+        loads = [max(s.running + s.waiting, self.in_flight.get(s.name, 0)) for s in stats]
         matched = [0] * n
         if self.policy == "prefix" and block_hashes and self.catalog is not None:
             matched = [self.catalog.match(s.name, block_hashes) for s in stats]

@@ -97,6 +97,8 @@ class Job:
                 if self.counted or not self.fallbacks:
                     raise  # output went out, or no replica is left: the client hears
                 failed, self.backend = self.backend, self.fallbacks.pop(0)
+                self.gw.router.release(failed)
+                self.gw.router.claim(self.backend)
                 log.warning("request %s: %s failed before any output (%s); retrying on %s",
                             self.request_id, failed.name, e, self.backend.name)  # fmt: skip
 
@@ -148,6 +150,7 @@ class Job:
         assert not self.finished
         self.finished = True
         gw, p = self.gw, self.principal
+        gw.router.release(self.backend)
         end = time.perf_counter()
         ttft = None if self.first_token_at is None else self.first_token_at - self.started
         tpot = None
@@ -235,6 +238,7 @@ async def prepare(
         if isinstance(renderer, PrefixCachingBackend):
             block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
         backend = gw.router.pick_from(candidates, block_hashes)
+        gw.router.claim(backend)  # released when the Job finishes
     except BaseException:
         await gw.quota.settle(reservation, 0, count_request=False)
         raise

@@ -14,7 +14,7 @@ from gateway.cli import build_parser
 from gateway.config import Settings, load_settings
 from gateway.prefix import tenant_cache_salt
 from gateway.prefix_catalog import PrefixCatalog
-from gateway.router import Router
+from gateway.router import Candidate, Router
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.gateway.conftest import fake_backends
 
@@ -76,6 +76,28 @@ def test_round_robin_and_least_loaded_ignore_the_catalog():
     assert least.choose([stats("r-0", load=1), stats("r-1")], HASHES) == 1
     with pytest.raises(ValueError, match="router_policy"):
         Router([], "random")
+
+
+def test_a_burst_picked_from_stale_stats_is_spread_by_the_requests_in_flight():
+    """Every request of a burst reads the replicas' stats before any reaches a replica:
+    without counting what the gateway itself sent, all would go to the one that looked
+    idlest (here by KV usage)."""
+    replicas = build_backends(BackendSpec("fk", "fake", "", "m", {"replicas": 2}))
+    router = Router(replicas, "prefix")
+    idle = [
+        Candidate(replicas[0], stats("fk-0", 0, 0.1)),
+        Candidate(replicas[1], stats("fk-1", 0, 0.2)),
+    ]
+    assert {router.pick_from(idle, []).name for _ in range(4)} == {"fk-0"}  # unclaimed
+    picked = []
+    for _ in range(8):  # as serving.prepare does: pick, then claim
+        b = router.pick_from(idle, [])
+        router.claim(b)
+        picked.append(b.name)
+    assert sorted(picked.count(n) for n in ("fk-0", "fk-1")) == [4, 4]
+    for name in picked:
+        router.release(next(b for b in replicas if b.name == name))
+    assert router.in_flight == {"fk-0": 0, "fk-1": 0}
 
 
 def test_replicas_option_builds_named_adapters():
