@@ -29,7 +29,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from bench.gateway_overhead import free_port
 from bench.hostile_cases import catalogue
 from bench.hostile_http import Case, Ctx, classify, gzip_zeros, judge, summarize
 from bench.hostile_load import (
@@ -106,12 +106,6 @@ def _pg(url: str, sql: str) -> list:
             await conn.close()
 
     return asyncio.run(run())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import admin_api, openapi, prefix_api
+from gateway.auth import AuthError, bearer_token
 from gateway.config import Settings
 from gateway.errors import ApiError, error_body
 from gateway.http_util import SETTINGS, json_response
@@ -75,8 +76,11 @@ def _is_scraper(request: web.Request, token: str | None) -> bool:
     """A Prometheus scraper may send `metrics_token` instead of the admin key."""
     if token is None:
         return False
-    sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    return hmac.compare_digest(sent.encode("utf-8", "surrogateescape"), token.encode())
+    try:  # the Authorization header read as every key is: printable ASCII after "Bearer"
+        sent = bearer_token(request.headers.get("Authorization"))
+    except AuthError:
+        return False
+    return hmac.compare_digest(sent.encode(), token.encode())
 
 
 def create_app(settings: Settings) -> web.Application:

@@ -80,7 +80,7 @@ class Authenticator:
                 del self._cache[digest]
 
     async def authenticate(self, authorization: str | None) -> Principal:
-        token = _bearer_token(authorization)
+        token = bearer_token(authorization)
         digest = hash_key(token)
         now = time.time()
         cached = self._cache.get(digest)
@@ -135,7 +135,7 @@ def principal_for(key: ApiKey, tenant: Tenant | None) -> Principal:
     )
 
 
-def _bearer_token(authorization: str | None) -> str:
+def bearer_token(authorization: str | None) -> str:
     if not authorization:
         raise AuthError(
             "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."

@@ -44,17 +44,16 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         ) from None
     except (web.RequestPayloadError, HttpProcessingError):
         raise ApiError(400, "The request body is malformed (its chunked encoding).") from None
-    large = len(raw) > LARGE_BODY_BYTES
     if encoding and raw:
         # zlib lets go of the GIL while it inflates: a worker thread keeps the loop free
-        if large or len(raw) * 8 > LARGE_BODY_BYTES:
+        # for any body that may inflate past the threshold (8x is ordinary for JSON)
+        if len(raw) * 8 > LARGE_BODY_BYTES:
             raw = await asyncio.to_thread(inflate, raw, encoding, settings.max_body_bytes)
         else:
             raw = inflate(raw, encoding, settings.max_body_bytes)
-        large = len(raw) > LARGE_BODY_BYTES
     if not raw:
         raise ApiError(400, "The request body is empty; expected a JSON object.")
-    if large:  # parsing megabytes takes milliseconds that other requests would wait
+    if len(raw) > LARGE_BODY_BYTES:  # parsing megabytes takes milliseconds others would wait
         return await asyncio.to_thread(_validate, raw, model)
     return _validate(raw, model)
 

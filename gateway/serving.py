@@ -99,8 +99,10 @@ class Job:
                 failed, self.backend = self.backend, self.fallbacks.pop(0)
                 self.gw.router.release(failed)
                 self.gw.router.claim(self.backend)
-                log.warning("request %s: %s failed before any output (%s); retrying on %s",
-                            self.request_id, failed.name, e, self.backend.name)  # fmt: skip
+                log.warning(
+                    "request %s: %s failed before any output (%s); retrying on %s",
+                    *(self.request_id, failed.name, e, self.backend.name),
+                )
 
     def _generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """The backend's stream for one choice; through the gateway's fair queue when the
@@ -275,14 +277,12 @@ async def _render(
         inputs = body.prompts()
     try:
         candidates = gw.router.candidates(body.model)  # each replica's stats, read once
-        for i, candidate in enumerate(candidates):
-            try:
+        for candidate in candidates[:-1]:
+            with contextlib.suppress(BackendError):
                 prompts = [await candidate.backend.render(body.model, p) for p in inputs]
                 return candidates, candidate.backend, prompts
-            except BackendError:
-                if i == len(candidates) - 1:
-                    raise
-        raise BackendError(f"no backend can serve {body.model!r} right now")
+        last = candidates[-1].backend  # its error, if it fails too, is the client's answer
+        return candidates, last, [await last.render(body.model, p) for p in inputs]
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
     except BackendError as e:
