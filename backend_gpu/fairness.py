@@ -24,10 +24,11 @@ waiting, banks no credit beyond U (below). Counters never go down.
 
 Bound, when every waiting request has one priority: two backlogged tenants' counters
 differ by at most U = (PROMPT_TOKEN_COST * longest prompt + OUTPUT_TOKEN_COST *
-max_num_seqs * largest max_tokens) / least weight. A tenant is admitted only while its
+(max_num_seqs + 1) * largest max_tokens) / least weight (the scheduler keeps one seat
+beyond max_num_seqs for a tenant becoming active). A tenant is admitted only while its
 counter is the least (and the least never falls, as lifts start no one below it); after
 that only what it was then admitted with (one prompt, the outputs still to come of at most
-max_num_seqs running requests) can raise it. So over any time both stay backlogged their
+max_num_seqs + 1 running requests) can raise it. So over any time both stay backlogged their
 weighted services differ by at most 2U, the form of the paper's bound with this engine's
 U (the paper reserves KV for whole outputs, this engine preempts instead). A single
 tenant is scheduled exactly as first come, first served.
@@ -60,7 +61,15 @@ class TenantStats:
 
 
 class _Tenant:
-    __slots__ = ("weight", "service", "counter", "waiting", "running", "last_admitted")
+    __slots__ = (
+        "weight",
+        "service",
+        "counter",
+        "waiting",
+        "running",
+        "last_admitted",
+        "newcomer",
+    )
 
     def __init__(self) -> None:
         self.weight = 1.0
@@ -69,6 +78,7 @@ class _Tenant:
         self.waiting = 0
         self.running = 0
         self.last_admitted = -1  # admission tick
+        self.newcomer = False  # may take the spare seat (Ledger.is_newcomer)
 
 
 class Ledger:
@@ -89,13 +99,23 @@ class Ledger:
     def counter(self, seq: Sequence) -> float:
         return self._get(seq).counter
 
-    def waits(self, seq: Sequence) -> None:
+    def is_newcomer(self, seq: Sequence) -> bool:
+        """Whether `seq`'s tenant arrived with nothing waiting or running, not ahead of
+        the others' counters, and has not been admitted since (the scheduler keeps a
+        spare seat for it)."""
+        return self._get(seq).newcomer
+
+    def waits(self, seq: Sequence, arriving: bool = True) -> None:
         """`seq` joins the waiting queue (on arrival, or preempted)."""
         tenant = self._get(seq)
         tenant.weight = seq.weight
         if tenant.waiting == 0:
             backlogged = [t.counter for t in self.tenants.values() if t.waiting and t is not tenant]
             floor = min(backlogged) if backlogged else self.virtual_time
+            # the spare seat is for one not ahead of the others: a tenant that keeps
+            # coming back with one request at a time cannot ride it past its share
+            idle = arriving and tenant.running == 0
+            tenant.newcomer = idle and tenant.counter <= floor
             tenant.counter = max(tenant.counter, floor)
         tenant.waiting += 1
 
@@ -105,6 +125,7 @@ class Ledger:
         tenant.waiting -= 1
         tenant.running += 1
         tenant.last_admitted = next(self._ticks)
+        tenant.newcomer = False
         self.virtual_time = max(self.virtual_time, tenant.counter)
         if not seq.prompt_charged:
             seq.prompt_charged = True
@@ -114,7 +135,7 @@ class Ledger:
 
     def preempted(self, seq: Sequence) -> None:
         self._get(seq).running -= 1
-        self.waits(seq)
+        self.waits(seq, arriving=False)
 
     def finished(self, seq: Sequence, was_running: bool) -> None:
         self.charge_outputs(seq)

@@ -9,7 +9,8 @@ and it is computed again later (its full blocks are likely still in the prefix c
 Within a priority, tenants share by the Virtual Token Counter (backend_gpu.fairness):
 which waiting request goes next, which running one gets the budget first and which is
 preempted depend on how much each tenant was served. `fairness="fcfs"` (and the static
-policy) serve first come, first served instead.
+policy) serve first come, first served instead. Under VTC one seat beyond max_num_seqs
+is kept for a tenant becoming active, so a newcomer does not wait for a seat.
 """
 
 from __future__ import annotations
@@ -122,9 +123,11 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting.peek()
             assert seq is not None
+            if len(self.running) >= self.max_num_seqs + self._spare_seats(seq):
+                break
             if self.static and seq.request_id not in self.static_batch:
                 break
             cached = bm.find_cached_blocks(seq)
@@ -143,6 +146,13 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _spare_seats(self, seq: Sequence) -> int:
+        """Under VTC one seat beyond max_num_seqs is kept for a tenant becoming active:
+        its first request starts at the next step instead of waiting for a flooding
+        tenant's request to end. Its other requests wait for ordinary seats, so
+        weights still divide the service."""
+        return int(self.fair and self.ledger.is_newcomer(seq))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.options import DefaultsHelpFormatter
 from bench.tiny_model import build_tiny_llama, parameter_count
 
 VOCAB = 32000
@@ -266,7 +267,9 @@ def plot(runs: dict[str, dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--sequential-requests", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)

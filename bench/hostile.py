@@ -55,6 +55,7 @@ from bench.hostile_load import (
     window_stats,
 )
 from bench.hostile_report import plot, print_table
+from bench.options import DefaultsHelpFormatter
 
 ADMIN_KEY = "kvg-hostile-admin-" + "h" * 32
 PG_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
@@ -342,7 +343,9 @@ def run_kill9(tmp: Path, args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--postgres", action="store_true", help="PostgreSQL, in fresh schemas")
     p.add_argument("--database-url", default=PG_URL, help="with --postgres")
     p.add_argument("--parts", default="bad,stall,kill9", help="any of bad, stall, kill9")

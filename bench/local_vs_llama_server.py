@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from backend_local.slots import common_prefix_len
 from bench.client import sse_events
+from bench.options import DefaultsHelpFormatter
 
 MODEL_ID = "gemma-3-270m"
 PROMPTS = [
@@ -395,7 +396,9 @@ def print_single(single: dict, repeats: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--single-tokens", type=int, default=128)

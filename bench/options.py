@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 
@@ -15,6 +16,23 @@ from bench.datasets import (
 )
 from bench.metrics import METRIC_NAMES
 from bench.serve import ServeConfig
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` shows each option's default, except None and a switch's False (nothing
+    to show), and where the help already says it; descriptions keep their line breaks."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and "(default" not in text and _shown(action.default):
+            # argparse prints no help line for an option without help: give it one
+            action = copy.copy(action)
+            action.help = f"{text} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
+
+
+def _shown(default: object) -> bool:
+    return not any(default is v for v in (None, False, argparse.SUPPRESS))
 
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
@@ -85,7 +103,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         help="shared-prefix: prefixes take turns, or each request draws one at random and "
         "is sent by the tenant of that index (a system prompt per tenant)",
     )
-    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf")
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf: all at once"
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
     p.add_argument("--num-tenants", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

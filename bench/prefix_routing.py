@@ -33,6 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.gateway_overhead import free_port
+from bench.options import DefaultsHelpFormatter
 from bench.tiny_model import build_tiny_llama, parameter_count
 
 ADMIN_KEY = "kvg-bench-admin-" + "p" * 32
@@ -205,8 +206,11 @@ def run_routing(args, model: str, workdir: Path, bar: tqdm) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.prefix_routing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.prefix_routing",
+        description=__doc__,
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--prefix-len", type=int, default=1000, help="system prompt tokens")
     p.add_argument("--question-len", type=int, default=16, help="question tokens")
     p.add_argument("--output-len", type=int, default=8)

@@ -44,6 +44,7 @@ from backend_gpu.models import model_class
 from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
+from bench.options import DefaultsHelpFormatter
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "kvgate_sharegpt.json")
 CONFIGS = {
@@ -134,7 +135,9 @@ def agreement(outs: list[list[int]], refs: list[list[int]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--ppl-tokens", type=int, default=None)

@@ -17,6 +17,8 @@ import time
 
 from tqdm.auto import tqdm
 
+from bench.options import DefaultsHelpFormatter
+
 TEXTS = [
     "The committee will meet on Tuesday at ten o'clock in the main library to review "
     "the budget for next year, the plans for the new science building and the schedule "
@@ -58,7 +60,9 @@ def timed(llm, prompt_ids: list[int], params) -> tuple[list[int], float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--model", default="default", help="GGUF/HF path or 'default' (Gemma 3 270M)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")

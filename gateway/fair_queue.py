@@ -11,6 +11,13 @@ the tenant that has waited longest for a slot. Service is
 charged as it happens: the prompt when a request gets its slot, cached prompt tokens
 refunded down to CACHED_TOKEN_COST when the backend reports them, output tokens as
 they stream. With `fairness="fcfs"` the lines are released in arrival order.
+
+A slot frees only when a request ends, so behind a flood of long requests a newcomer
+would wait for the nearest end. Under VTC the queue keeps SPARE_SEATS slots beyond
+`slots` for a tenant becoming active (nothing in flight or waiting) and not ahead of the
+others' counters: its first request starts at once (backends behind a fair queue take `slots + SPARE_SEATS` requests at a
+time; the llama.cpp backend holds a sequence for it). Its other requests, and those of
+tenants already active, wait for ordinary slots, so weights still divide the service.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 CACHED_TOKEN_COST = 0.1  # as the gpu engine charges a cached prompt token
+SPARE_SEATS = 1  # as the gpu engine keeps beyond max_num_seqs (backend_gpu/scheduler.py)
 FAIRNESS = ("vtc", "fcfs")
 
 
@@ -44,6 +52,7 @@ class FairQueue:
             raise ValueError(f"fairness must be one of {FAIRNESS}, got {fairness!r}")
         self.slots = slots
         self.fairness = fairness
+        self.spare = SPARE_SEATS if fairness == "vtc" else 0
         self.in_flight = 0
         self.vtime = 0.0  # the largest counter any tenant had when it got a slot
         self.tenants: dict[str, _Tenant] = {}
@@ -79,9 +88,16 @@ class FairQueue:
     async def _acquire(self, tenant_id: str, weight: float) -> None:
         t = self.tenants.setdefault(tenant_id, _Tenant())
         t.weight = weight
+        newcomer = False
         if not t.waiting and not t.running:  # it becomes active: no credit from idling
-            self._lift(tenant_id)
-        if self.in_flight < self.slots and not any(o.waiting for o in self.tenants.values()):
+            others = [o.counter for o in self.tenants.values() if o is not t and o.waiting]
+            floor = min(others) if others else self.vtime
+            # the spare seat is for one not ahead of the others: a tenant that keeps
+            # coming back with one request at a time cannot ride it past its share
+            newcomer = t.counter <= floor
+            t.counter = max(t.counter, floor)
+        free = self.in_flight < self.slots and not any(o.waiting for o in self.tenants.values())
+        if free or (newcomer and self.in_flight < self.slots + self.spare):
             self._grant(tenant_id)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -97,11 +113,6 @@ class FairQueue:
                     t.waiting.remove(entry)
             raise
 
-    def _lift(self, tenant_id: str) -> None:
-        others = [o.counter for k, o in self.tenants.items() if k != tenant_id and o.waiting]
-        t = self.tenants[tenant_id]
-        t.counter = max(t.counter, min(others) if others else self.vtime)
-
     def _grant(self, tenant_id: str) -> None:
         t = self.tenants[tenant_id]
         self.in_flight += 1
@@ -112,10 +123,7 @@ class FairQueue:
     def _release(self, tenant_id: str) -> None:
         self.in_flight -= 1
         self.tenants[tenant_id].running -= 1
-        while self.in_flight < self.slots:
-            nxt = self._next()
-            if nxt is None:
-                return
+        while self.in_flight < self.slots and (nxt := self._next()) is not None:
             _, fut = self.tenants[nxt].waiting.popleft()
             if fut.done():  # its waiter was cancelled and has not run yet
                 continue

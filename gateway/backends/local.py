@@ -33,6 +33,7 @@ from gateway.backends.common import (
     served_model_id,
 )
 from gateway.default_model import default_model_path
+from gateway.fair_queue import SPARE_SEATS
 
 ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
 
@@ -55,8 +56,12 @@ class LocalBackend:
         path = self.spec.model or str(await asyncio.to_thread(default_model_path))
         try:
             config = EngineConfig(model_path=path, enable_kv_events=True, **self.spec.options)
-            self._engine = await asyncio.to_thread(LocalEngine, config)
             self.max_in_flight = config.n_parallel
+            # one more sequence, with a full share of the context, for the fair queue's
+            # spare seat (a tenant with nothing in flight starts at once)
+            seqs = config.n_parallel + SPARE_SEATS
+            config = dataclasses.replace(config, n_parallel=seqs, n_ctx=config.n_ctx_per_seq * seqs)
+            self._engine = await asyncio.to_thread(LocalEngine, config)
         except (ModelLoadError, ValueError) as exc:
             raise BackendError(f"local backend {self.name!r}: {exc}") from exc
 

@@ -13,8 +13,10 @@ Options: api_key (a worker's token, or a third-party server's key), upstream_mod
 tokenizer directory or a GGUF file, for upstreams that cannot tokenize for the gateway),
 connect_timeout_s (5), read_timeout_s (60, between bytes), health_interval_s (2),
 start_timeout_s (30: how long `start` waits for an upstream that must tell the context
-length), max_in_flight (requests let through at once; the rest wait in the gateway's
-fair queue: for an upstream that serves in arrival order). `kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
+length), max_in_flight (requests let through at once, plus under VTC one spare for a
+tenant with nothing in flight; the rest wait in the gateway's fair queue: for an
+upstream that serves in arrival order). `kvgate worker` (gateway/worker/) serves the
+other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
 over HTTP), so it routes by prefix like an in-process replica. A third-party upstream

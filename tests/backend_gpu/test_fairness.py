@@ -28,8 +28,10 @@ _tokens = itertools.count(1000)  # prompts that share no block unless a test say
 
 
 def vtc_bound(longest_prompt: int, max_tokens: int, max_num_seqs: int, min_weight: float):
-    """U: how far apart two backlogged tenants' counters may be (backend_gpu.fairness)."""
-    cost = longest_prompt * PROMPT_TOKEN_COST + max_num_seqs * max_tokens * OUTPUT_TOKEN_COST
+    """U: how far apart two backlogged tenants' counters may be (backend_gpu.fairness);
+    VTC keeps one seat beyond max_num_seqs for a tenant becoming active."""
+    seats = max_num_seqs + 1
+    cost = longest_prompt * PROMPT_TOKEN_COST + seats * max_tokens * OUTPUT_TOKEN_COST
     return cost / min_weight
 
 
@@ -120,8 +122,8 @@ def test_first_come_first_served_breaks_that_bound():
 
 def test_weights_two_to_one_give_service_two_to_one():
     sim = Sim()
-    sim.submit("a", 60, weight=2.0)
-    sim.submit("b", 30, weight=1.0)
+    sim.submit("a", 90, weight=2.0)
+    sim.submit("b", 45, weight=1.0)
     bound = vtc_bound(8, 8, sim.max_num_seqs, 1.0)
     run_backlogged(sim, {"a": 2.0, "b": 1.0}, bound)
     a, b = sim.service("a"), sim.service("b")
@@ -177,6 +179,26 @@ def test_a_flood_cannot_hold_back_a_newcomer(fairness):
         assert ahead == []  # the first request admitted once a slot frees
     else:
         assert len(ahead) > 40  # behind the whole flood
+
+
+@pytest.mark.parametrize("fairness", ["vtc", "fcfs"])
+def test_a_newcomer_takes_the_spare_seat_at_the_next_step(fairness):
+    sim = Sim(fairness=fairness)
+    sim.submit("a", 20, max_tokens=50)
+    for _ in range(3):
+        sim.step()
+    assert len(sim.sched.running) == sim.max_num_seqs  # every seat is a's
+    (newcomer,) = sim.submit("b")
+    sim.step()
+    if fairness == "vtc":
+        assert newcomer.status is SequenceStatus.RUNNING
+        assert len(sim.sched.running) == sim.max_num_seqs + 1
+        (second,) = sim.submit("b")  # b has a seat now: no second spare one
+        sim.step()
+        assert second.status is SequenceStatus.WAITING
+    else:
+        assert newcomer.status is SequenceStatus.WAITING
+    assert len(sim.sched.running) <= sim.max_num_seqs + 1
 
 
 def test_a_newcomer_lifted_into_a_tie_goes_before_the_tenant_just_served():

@@ -18,7 +18,7 @@ from tests.gateway.conftest import fake_backends
 
 async def _run(queue: FairQueue, tenant: str, cost: int, order: list[str], gate: asyncio.Event):
     async with queue.slot(tenant, queue.tenants[tenant].weight if tenant in queue.tenants else 1):
-        assert queue.in_flight <= queue.slots
+        assert queue.in_flight <= queue.slots + queue.spare
         order.append(tenant)
         queue.charge(tenant, cost)
         await gate.wait()
@@ -38,6 +38,21 @@ async def test_a_flood_does_not_hold_a_newcomer_behind_its_line(fairness, quiet_
     await _drain(tasks, gate)
     assert order.index("quiet") + 1 == quiet_at
     assert queue.in_flight == 0 and queue.stats()["quiet"]["waiting"] == 0
+
+
+@pytest.mark.parametrize("fairness", ["vtc", "fcfs"])
+async def test_a_newcomer_takes_the_spare_seat_only_under_vtc(fairness):
+    queue, order, gate = FairQueue(2, fairness), [], asyncio.Event()
+    tasks = [asyncio.create_task(_run(queue, "flood", 10, order, gate)) for _ in range(6)]
+    await asyncio.sleep(0)
+    tasks += [asyncio.create_task(_run(queue, "quiet", 1, order, gate)) for _ in range(2)]
+    await asyncio.sleep(0)
+    if fairness == "vtc":  # the first of quiet's two starts beside the flood's two
+        assert order == ["flood", "flood", "quiet"] and queue.in_flight == 3
+    else:
+        assert order == ["flood", "flood"] and queue.in_flight == 2
+    await _drain(tasks, gate)
+    assert queue.in_flight == 0 and sorted(order) == ["flood"] * 6 + ["quiet"] * 2
 
 
 async def test_weights_share_the_service():
@@ -73,13 +88,14 @@ async def test_a_tenant_back_from_idle_banks_no_credit():
 
 async def test_a_cancelled_waiter_leaves_nothing_behind():
     queue, order, gate = FairQueue(1), [], asyncio.Event()
-    holder = asyncio.create_task(_run(queue, "a", 1, order, gate))
+    holders = [asyncio.create_task(_run(queue, t, 1, order, gate)) for t in "ab"]  # b: spare
     waiter = asyncio.create_task(_run(queue, "b", 1, order, gate))
     await asyncio.sleep(0)
+    assert queue.stats()["b"]["waiting"] == 1
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
-    await _drain([holder], gate)
-    assert order == ["a"] and queue.in_flight == 0
+    await _drain(holders, gate)
+    assert order == ["a", "b"] and queue.in_flight == 0
     assert queue.stats()["b"]["waiting"] == 0 and queue.stats()["b"]["running"] == 0
 
 
