@@ -12,6 +12,7 @@ from backend_gpu.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
     DecodeSpan,
+    PagedBatch,
     PrefillSpan,
 )
 from backend_gpu.loader import load_weights
@@ -74,6 +75,9 @@ class ModelRunner:
         shape = (self.num_blocks * self.block_size, num_kv_heads, head_dim)
         self.kv_row = num_kv_heads * head_dim
         self.k_workspace = self.v_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
+        # the one switch between attention paths: CUDA runs the Triton kernels, which read
+        # the cache through the block tables; elsewhere the torch spans gather it
+        self.paged_kernels = self.device.type == "cuda"
         for attn in self.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -136,6 +140,32 @@ class ModelRunner:
         slot_mapping = tables[row_seq, positions // bs] * bs + positions % bs
         q_ends = q_ends.tolist()
 
+        if self.paged_kernels:
+            meta = self._paged_meta(batch, ends, q_ends, tables, slot_mapping)
+        else:
+            meta = self._span_meta(batch, ends, q_ends, starts, tables, slot_mapping)
+        sampled = [
+            i
+            for i, (s, end) in enumerate(zip(batch.seqs, ends, strict=True))
+            if end == len(s) + len(s.spec_token_ids)
+        ]
+        # a sequence verifying k proposed tokens samples at its last k + 1 positions
+        sample_rows = torch.tensor(
+            [
+                row
+                for i in sampled
+                for row in range(q_ends[i] - 1 - len(batch.seqs[i].spec_token_ids), q_ends[i])
+            ],
+            dtype=torch.long,
+            device=self.device,
+        )
+        input_ids = torch.tensor(ids, device=self.device)
+        return input_ids, positions.to(self.device), meta, sample_rows, sampled
+
+    def _span_meta(self, batch, ends, q_ends, starts, tables, slot_mapping) -> AttentionMetadata:
+        """The torch attention's metadata: decodes in padded groups (or one by one) and
+        prefill chunks, each with its blocks, and workspaces to gather them into."""
+        bs = self.block_size
         decodes = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
         prefills = [i for i, n in enumerate(batch.num_new_tokens) if n > 1]
         # one thread on a CPU: decodes one by one, measured faster there (no padding, a
@@ -176,20 +206,21 @@ class ModelRunner:
                     block_ids=device_tables[i, : -(-ends[i] // bs)],
                 )
             )
-        sampled = [
-            i
-            for i, (s, end) in enumerate(zip(batch.seqs, ends, strict=True))
-            if end == len(s) + len(s.spec_token_ids)
-        ]
-        # a sequence verifying k proposed tokens samples at its last k + 1 positions
-        sample_rows = torch.tensor(
-            [
-                row
-                for i in sampled
-                for row in range(q_ends[i] - 1 - len(batch.seqs[i].spec_token_ids), q_ends[i])
-            ],
-            dtype=torch.long,
-            device=self.device,
+        return meta
+
+    def _paged_meta(self, batch, ends, q_ends, tables, slot_mapping) -> AttentionMetadata:
+        """The Triton kernels' metadata: the block tables and lengths as they are."""
+        device = self.device
+        empty = torch.empty(0, dtype=self.dtype, device=device)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            block_size=self.block_size,
+            k_workspace=empty,  # nothing is gathered
+            v_workspace=empty,
+            paged=PagedBatch(
+                block_tables=tables.to(device, torch.int32),
+                context_lens=torch.tensor(ends, dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor([0, *q_ends], dtype=torch.int32, device=device),
+                max_query_len=max(batch.num_new_tokens),
+            ),
         )
-        input_ids = torch.tensor(ids, device=self.device)
-        return input_ids, positions.to(self.device), meta, sample_rows, sampled

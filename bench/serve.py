@@ -191,6 +191,42 @@ def serve_benchmark(
     return build_result(cfg, requests, outputs, duration, model, extra or {})
 
 
+def plot_requests(result: dict, path: str) -> None:
+    """Each request's TTFT and end-to-end latency against when it was sent, as a PNG:
+    the summary's percentiles hide whether latency grew as a queue built up, came from
+    a warm-up, or from one slow stretch; this shows which."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    starts, errors = result["start_times"], result["errors"]
+    t0 = min(starts, default=0.0)
+    ok = [i for i, error in enumerate(errors) if not error]
+    sent = [starts[i] - t0 for i in ok]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    if ok:
+        ax.plot(sent, [result["latencies"][i] * 1000 for i in ok], "x", label="end-to-end latency")
+        ax.plot(sent, [result["ttfts"][i] * 1000 for i in ok], "o", ms=4, label="TTFT")
+    failed = [starts[i] - t0 for i, error in enumerate(errors) if error]
+    if failed:  # on the time axis, so a burst of errors shows where it happened
+        ax.plot(
+            failed, [0] * len(failed), "|", color="red", ms=12, mew=2, clip_on=False, label="failed"
+        )
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("sent at (s since the first request)")
+    ax.set_ylabel("ms")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(
+        f"{result['model']} at {result['url']} ({result['endpoint']}): "
+        f"{len(ok)} completed, {len(failed)} failed"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 PER_REQUEST_TIMINGS = ("ttfts", "itls", "latencies", "start_times")
 
 

@@ -12,6 +12,9 @@ chunk goes through SDPA with the causal (and sliding-window) mask its position c
 for; a chunk that starts a sequence attends to its own fresh keys and skips the gather.
 An FP8 cache holds K and V divided by the layer's scales; the reads fold them back into
 the query's scale and the attention output.
+
+On CUDA the model runner sets `AttentionMetadata.paged` instead, and the Triton kernels
+of triton_attention.py read the cache through the block tables with no gather.
 """
 
 from __future__ import annotations
@@ -49,6 +52,17 @@ class DecodeSpan:
 
 
 @dataclass
+class PagedBatch:
+    """The whole batch as the Triton kernels read it: sequence b's queries are rows
+    query_start_loc[b]:query_start_loc[b + 1], the last of its context_lens[b] tokens."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32, the new tokens included
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's KV goes
     block_size: int
@@ -57,6 +71,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     decodes: list[DecodeSpan] = field(default_factory=list)  # run one by one
     prefills: list[PrefillSpan] = field(default_factory=list)
+    paged: PagedBatch | None = None  # set: the Triton kernels run instead of the spans above
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, g: int, window: int | None) -> torch.Tensor:
@@ -130,6 +145,43 @@ def _unscale(x: torch.Tensor, v_scale: float) -> torch.Tensor:
     return x if v_scale == 1.0 else x * v_scale
 
 
+def _kernel_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """The Triton kernels on the batch: decode's when every query is alone, else prefill's."""
+    # imported here: triton comes with CUDA builds of torch, a CPU-only install may lack it
+    from backend_gpu.layers import triton_attention
+
+    paged, bs = meta.paged, meta.block_size
+    k_cache = k_cache.view(-1, bs, *k_cache.shape[1:])  # [num_blocks, block_size, Hkv, D]
+    v_cache = v_cache.view(-1, bs, *v_cache.shape[1:])
+    tables, lens = paged.block_tables, paged.context_lens
+    if paged.max_query_len == 1:
+        return triton_attention.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, window, k_scale, v_scale
+        )
+    return triton_attention.paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        paged.query_start_loc,
+        paged.max_query_len,
+        scale,
+        window,
+        k_scale,
+        v_scale,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -144,6 +196,8 @@ def paged_attention(
 ) -> torch.Tensor:
     _write(k_cache, meta.slot_mapping, k, k_scale)
     _write(v_cache, meta.slot_mapping, v, v_scale)
+    if meta.paged is not None:
+        return _kernel_attention(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
     # keys and values read back from the cache are scaled down: rather than a pass over
     # the gathered workspace, K's scale joins the query's, q . (k * s) = (q * s) . k,
     # and V's multiplies the attention output
