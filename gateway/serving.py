@@ -132,10 +132,12 @@ class Job:
 
     def _account(self, index: int, chunk: GenChunk) -> None:
         counted = self.counted.get(index, 0)
+        prompt = 0
         if chunk.token_ids or chunk.text:
             now = time.perf_counter()
             if self.first_token_at is None:
                 self.first_token_at = now
+                prompt = self.prompt_tokens  # its prefill is done
             self.last_token_at = now
         tokens = counted + len(chunk.token_ids)
         if chunk.usage is not None:
@@ -144,8 +146,12 @@ class Job:
             if chunk.usage.counted_by != "engine":
                 self.counted_by = chunk.usage.counted_by
             self.cached_by_prompt.setdefault(index // self.n, chunk.usage.cached_tokens)
-        self.completion_tokens += tokens - counted
+        delta = tokens - counted
+        self.completion_tokens += delta
         self.counted[index] = tokens
+        if prompt or delta:  # the dashboard's rates move while it streams
+            p = self.principal
+            self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, prompt, delta)
 
     async def finish(self, status: int, finish_reason: str | None, error: str = "") -> None:
         """Commit the usage row, then settle quota and count. Safe to call once."""

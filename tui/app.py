@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from textual import events
+from datetime import datetime
+from pathlib import Path
+
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -28,9 +30,11 @@ HELP = """\
   [b]p[/b]   pause / resume (the view freezes; a replay holds)
   [b]s[/b]   sort tenants: tok/s, req/s, 429s, quota, name
   [b]/[/b]   filter tenants by name or id (enter keeps it, escape clears it)
+  [b]S[/b]   save an SVG screenshot in --screenshot-dir (default: current directory)
   [b]?[/b]   this help
 
-Rates are over the gateway's last 10 s, latency percentiles over its last 60 s.
+Rates are over the gateway's last 10 s (tokens count as they are generated),
+latency percentiles over its last 60 s.
 Charts show the last few minutes, newest on the right.
 
 [dim]escape or ? closes this window[/dim]"""
@@ -55,6 +59,7 @@ class DashboardScreen(Screen[None]):
         Binding("p", "pause", "Pause"),
         Binding("s", "cycle_sort", "Sort"),
         Binding("slash", "filter", "Filter"),
+        Binding("escape", "clear_filter", "Clear filter", show=False),
         Binding("question_mark", "help", "Help"),
     ]
 
@@ -136,6 +141,15 @@ class DashboardScreen(Screen[None]):
         box.display = True
         box.focus()
 
+    def action_clear_filter(self) -> None:
+        """Escape: drop the filter, whether it is being typed or was kept with enter."""
+        box = self.query_one("#filter", Input)
+        box.value = ""
+        box.display = False
+        self.tenant_filter = ""
+        self.query_one(TenantsTable).focus()
+        self.redraw()
+
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen())
 
@@ -147,25 +161,34 @@ class DashboardScreen(Screen[None]):
         event.input.display = False
         self.query_one(TenantsTable).focus()
 
-    def on_key(self, event: events.Key) -> None:
-        box = self.query_one("#filter", Input)
-        if event.key == "escape" and box.has_focus:
-            box.value = ""  # fires Input.Changed, which clears the filter
-            box.display = False
-            self.query_one(TenantsTable).focus()
-            event.stop()
-
 
 class TopApp(App[None]):
     CSS_PATH = "top.tcss"
     TITLE = "kvgate top"
     ENABLE_COMMAND_PALETTE = False
-    BINDINGS = [Binding("q", "quit", "Quit")]
+    BINDINGS = [Binding("q", "quit", "Quit"), Binding("S", "save_svg", "Screenshot")]
 
-    def __init__(self, source: StatsSource) -> None:
+    def __init__(self, source: StatsSource, screenshot_dir: Path = Path(".")) -> None:
         super().__init__()
         self.source = source
+        self.screenshot_dir = screenshot_dir
         self.dashboard = DashboardScreen(source)
 
     def get_default_screen(self) -> Screen:
         return self.dashboard
+
+    def action_save_svg(self) -> None:
+        """Save the screen as it is now; the file is named by the local time."""
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = self.screenshot_dir / f"kvgate-top-{stamp}.svg"
+        copies = 1
+        while path.exists():  # two in one second
+            copies += 1
+            path = self.screenshot_dir / f"kvgate-top-{stamp}-{copies}.svg"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.save_screenshot(filename=path.name, path=str(path.parent))
+        except OSError as e:
+            self.notify(f"cannot save a screenshot: {e}", severity="error")
+            return
+        self.notify(str(path), title="screenshot saved")

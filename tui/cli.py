@@ -57,6 +57,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --replay: play the whole file, save the screen as SVG, and exit",
     )
     parser.add_argument(
+        "--screenshot-dir",
+        metavar="DIR",
+        type=Path,
+        default=Path("."),
+        help="where the S key saves SVG screenshots (default: the current directory)",
+    )
+    parser.add_argument(
         "--size",
         default="140x42",
         help="terminal size for --screenshot, COLUMNSxROWS (default %(default)s)",
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvgate top: cannot record: {e}", file=sys.stderr)
         return 2
     try:
-        TopApp(source).run()
+        TopApp(source, args.screenshot_dir).run()
     finally:
         if source.record is not None:
             source.record.close()

@@ -117,9 +117,9 @@ class StatsSource:
     # -- what the widgets get --------------------------------------------------
 
     def dashboard(self, sort_key: str = TENANT_SORTS[0][0], tenant_filter: str = "") -> Dashboard:
-        where = f"replay {self.replay_name}" if self.replay is not None else self.url
+        replay = self.replay_name if self.replay is not None else None
         return build_dashboard(
-            self.snapshot, self.history, self.connection, where, self.url, sort_key, tenant_filter
+            self.snapshot, self.history, self.connection, replay, self.url, sort_key, tenant_filter
         )
 
     def ingest(self, snapshot: dict[str, Any]) -> None:

@@ -93,7 +93,7 @@ class ErrorRow:
 @dataclass
 class Dashboard:
     connection: Connection
-    source: str  # the gateway URL, or "replay FILE"
+    replay: str | None  # the replayed file's name; None when live
     url: str
     version: str = ""
     uptime_s: float | None = None
@@ -244,7 +244,7 @@ def build_dashboard(
     snapshot: dict[str, Any] | None,
     history: Iterable[tuple[float, float, float, float]],
     connection: Connection,
-    source: str,
+    replay: str | None,
     url: str,
     sort_key: str,
     tenant_filter: str,
@@ -252,7 +252,7 @@ def build_dashboard(
     """The whole screen's data. `history` holds (ts, req/s, prompt tok/s, output tok/s)."""
     board = Dashboard(
         connection=connection,
-        source=source,
+        replay=replay,
         url=url,
         sort_key=sort_key,
         tenant_filter=tenant_filter,

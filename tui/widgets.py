@@ -26,6 +26,7 @@ from tui.view import (
 )
 
 BARS = " ▁▂▃▄▅▆▇█"
+SEPARATOR = Text(" │ ", "dim")
 
 STATE_STYLE = {
     "connected": "bold green",
@@ -43,10 +44,17 @@ class StatusBar(Static):
 
     def show(self, board: Dashboard, paused: bool) -> None:
         c = board.connection
+        # The title, a replay's mark and file, and the gateway, each set apart.
+        replay = (
+            [(" REPLAY ", "bold reverse cyan"), f" {board.replay}", SEPARATOR]
+            if board.replay is not None
+            else []
+        )
         line1 = Text.assemble(
             ("kvgate top", "bold"),
-            f"  {board.source}" if board.source != board.url else "",
-            f"  gateway {board.url}",
+            SEPARATOR,
+            *replay,
+            f"gateway {board.url}",
             f"  v{board.version}" if board.version else "",
             f"  up {fmt.duration(board.uptime_s)}",
             f"  backends {board.backends_up}/{len(board.backends)}",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from textual.widgets import Input
 from top_helpers import DATA, SIZE, played_out, replay_app, wait_for
 
 from tui import fmt
-from tui.app import HelpScreen
-from tui.source import load_replay
+from tui.app import HelpScreen, TopApp
+from tui.source import StatsSource, load_replay
 from tui.view import quota_used
 from tui.widgets import EnginePanel, LatencyPanel, StatusBar, TenantsTable
 
@@ -94,6 +95,49 @@ async def test_slash_filters_tenants_and_escape_clears():
         assert tenant_names(app) == []
         await pilot.press("escape")
         assert app.dashboard.tenant_filter == "" and len(tenant_names(app)) == 6
+
+
+async def test_escape_clears_a_filter_kept_with_enter():
+    app = replay_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        await pilot.press("slash", "i", "n", "enter")
+        assert tenant_names(app) == ["initech"] and app.query_one(TenantsTable).has_focus
+        await pilot.press("escape")
+        assert app.dashboard.tenant_filter == "" and len(tenant_names(app)) == 6
+        assert app.query_one("#filter", Input).value == ""
+        assert "matching" not in app.query_one(TenantsTable).border_title
+        await pilot.press("slash")  # the box opens empty
+        assert app.query_one("#filter", Input).value == ""
+
+
+async def test_replay_header_sets_the_title_apart_from_the_replay_mark():
+    app = replay_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        status = app.query_one(StatusBar)
+        header = status.render_lines(status.region.reset_offset)[0]
+        assert header.text.split("│")[:2] == [" kvgate top ", f"  REPLAY  {DATA.name} "]
+        segments = {seg.text: seg.style for seg in header}
+        assert segments["kvgate top"].bold and not segments["kvgate top"].reverse
+        assert segments[" REPLAY "].reverse  # a badge of its own
+
+
+async def test_capital_s_saves_an_svg_screenshot(tmp_path):
+    app = TopApp(
+        StatsSource(replay=load_replay(DATA), replay_name=DATA.name, speed=0),
+        screenshot_dir=tmp_path / "shots",
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        await pilot.press("S")
+        await pilot.press("S")  # a second in the same second gets a name of its own
+        await pilot.pause()
+        saved = sorted((tmp_path / "shots").glob("kvgate-top-*.svg"))
+        assert len(saved) == 2
+        svg = saved[0].read_text()
+        assert svg.startswith("<svg") and "REPLAY" in svg and "initech" in svg
+        assert app.dashboard.sort_key == "tokens_per_s"  # S is not s
 
 
 async def test_p_pauses_the_replay_and_resumes_it():
