@@ -3,6 +3,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+# `make serve PORT=8080`; unset: the configured port (KVGATE_PORT, the config file, 8000)
+PORT ?=
 
 # llama.cpp's default -march=native enables AMX where the CPU reports it, and some VMs
 # report AMX but fault on it (Illegal instruction in libggml-cpu). On x86 build for the
@@ -24,13 +26,16 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: pip takes the CPU build from this machine's disk
-	$(BIN)/pip install --quiet torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet '$(LLAMA_CPP_PYTHON)'
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install torch==2.13.0
+	@echo "make install: building llama.cpp from source (llama-cpp-python, for this CPU);"
+	@echo "              the first time this takes about 15 minutes. Compiler progress follows."
+	# -v: the build's own output ([ 42%] Building ...) rather than a silent spinner
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v '$(LLAMA_CPP_PYTHON)'
+	$(BIN)/pip install -e '.[dev]'
 	touch $(STAMP)
 
 serve: install
-	$(BIN)/kvgate serve
+	$(BIN)/kvgate serve $(if $(PORT),--port $(PORT))
 
 lint: install
 	$(BIN)/ruff check .

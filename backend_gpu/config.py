@@ -4,18 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from backend_gpu.quantization import KV_CACHE_DTYPES, QUANTIZE_PER_CHANNEL
 from backend_gpu.spec_decode.config import SpeculativeConfig
+
+
+def auto_device() -> str:
+    """What device "auto" means: CUDA when torch sees a GPU, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
 class EngineConfig:
     model: str
-    device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": CUDA when torch sees a GPU, else the CPU; resolved here, once
+    device: str = "auto"
+    # "auto": bfloat16 on CUDA, float32 on the CPU
+    dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # CPU budget; None: a quarter of free RAM, <= 4 GiB
+    # the KV cache's bytes, on any device (as vLLM's option); None: on CUDA what
+    # gpu_memory_utilization leaves, on the CPU a tenth of free RAM, at most 2 GiB
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # CUDA: no CUDA graphs, every step eager (vLLM's flag); elsewhere always eager
+    enforce_eager: bool = False
+    # "dummy": random weights in place of the checkpoint's (vLLM's load format, for
+    # benchmarks); the directory still gives the config and the tokenizer
+    load_format: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -50,12 +66,33 @@ class EngineConfig:
             )
         if self.fairness not in ("vtc", "fcfs"):
             raise ValueError(f"fairness must be 'vtc' or 'fcfs', got {self.fairness!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        self._resolve_device_and_dtype()
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    def _resolve_device_and_dtype(self) -> None:
+        if self.device == "auto":
+            self.device = auto_device()
+        try:
+            kind = torch.device(self.device).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: torch sees no CUDA GPU")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if kind == "cuda" else "float32"
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.dtype == "float16" and kind == "cpu":
+            raise ValueError("float16 is for CUDA; use float32 or bfloat16 on the CPU")
 
     def context_len(self, hf_config) -> int:
         """Tokens a sequence may hold: max_model_len, capped at the model's positions."""

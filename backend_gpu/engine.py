@@ -106,14 +106,10 @@ class LLMEngine:
             raise BadRequestError(
                 f"shared_prefix_len must be in [0, {len(prompt_ids)}], got {shared_prefix_len}"
             )
+        # the pool holds one max_model_len sequence (ModelRunner checks), so any request
+        # within max_model_len fits it alone
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_ids), params.max_tokens, self.max_model_len)
-        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
-            raise BadRequestError(
-                f"request needs up to {longest} tokens of KV cache, but the whole pool holds "
-                f"{self.block_manager.num_blocks * self.config.block_size}"
-            )
         seq = Sequence(
             request_id,
             prompt_ids,

@@ -1,5 +1,8 @@
-"""Load weights from a Hugging Face directory of safetensors into our models.
+"""Build our models and load weights from a Hugging Face directory of safetensors.
 
+A model is built on the meta device (no memory, no random init), given uninitialized
+memory on its device in its dtype, then every parameter is filled from the checkpoint
+(or with random values, load_format "dummy"): no float32 copy is ever made and cast.
 Checkpoint tensors keep their HF names; the ones our models pack into one matmul
 (q/k/v, gate/up) are copied into their shard of the packed weight.
 """
@@ -14,6 +17,8 @@ from safetensors import safe_open
 from torch import nn
 
 from backend_gpu.layers.linear import PackedLinear
+from backend_gpu.layers.rotary import RotaryEmbedding
+from backend_gpu.models import model_class
 
 # checkpoint module name -> (our packed module name, shard)
 PACKED_MODULES = {
@@ -68,6 +73,47 @@ def load_weights(model: nn.Module, weights) -> None:
         missing.discard(name)
     if missing:
         raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} missing)")
+
+
+def build_model(
+    hf_config, dtype: torch.dtype, device: torch.device, weights, load_format: str, seed: int
+) -> nn.Module:
+    """The model of `hf_config` on `device` in `dtype`, its parameters from `weights`
+    ((name, tensor) pairs), or random for load_format "dummy"."""
+    architecture = (hf_config.architectures or [hf_config.model_type])[0]
+    with torch.device("meta"):
+        model = model_class(architecture)(hf_config).to(dtype)
+    # to_empty gives each module its own tensors: note which parameters are one
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            shared.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for (first, first_name), *others in shared.values():
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.compute_tables()
+    if load_format == "dummy":
+        dummy_weights(model, seed)
+    else:
+        load_weights(model, weights)
+    return model
+
+
+@torch.no_grad()
+def dummy_weights(model: nn.Module, seed: int) -> None:
+    """Seeded random weights, normal(0, 0.02) as HF initializes; vectors (norm scales,
+    biases) at 1, which keeps the activations at their usual size."""
+    generator = None
+    for param in model.parameters():
+        if generator is None:
+            generator = torch.Generator(param.device).manual_seed(seed)
+        if param.dim() > 1:
+            param.normal_(0.0, 0.02, generator=generator)
+        else:
+            param.fill_(1.0)
 
 
 def open_model(path: str):

@@ -22,17 +22,26 @@ class Sampler:
         self.seq_generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits [S, V] float32 -> one token per sequence; logprobs are stored on seqs."""
+        """logits [S, V] float32 -> one token per sequence; logprobs are stored on seqs.
+        The tokens and the logprobs come back to the host together, in one read back."""
         raw = logits
         logits = logits.clone()
         self._apply_penalties(logits, seqs)
         self._block_stops_before_min_tokens(logits, seqs)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=self.device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(s.params.greedy for s in seqs):
+            greedy = torch.tensor([s.params.greedy for s in seqs], device=self.device)
             tokens = torch.where(greedy, tokens, self._sample(logits, seqs))
-        token_list = tokens.tolist()
-        self._record_logprobs(raw, token_list, seqs)
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not wanted:
+            return read_back(tokens)[0].tolist()
+        rows = torch.tensor(wanted, device=self.device)
+        logprobs = raw[rows].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[rows, None])[:, 0]
+        top = logprobs.topk(max(1, max(seqs[i].params.logprobs for i in wanted)), dim=-1)
+        host = read_back(tokens, chosen, top.values, top.indices)
+        token_list = host[0].tolist()
+        self._record_logprobs(wanted, token_list, seqs, *(t.tolist() for t in host[1:]))
         return token_list
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -94,8 +103,8 @@ class Sampler:
         if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
             logits = self._top_k_top_p(logits, seqs)
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=self.device)
-        if bool((min_p > 0).any()):
+        if any(s.params.min_p > 0 for s in seqs):
+            min_p = torch.tensor([s.params.min_p for s in seqs], device=self.device)
             keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))
         return probs
@@ -115,19 +124,32 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
-    def _record_logprobs(self, raw: torch.Tensor, tokens: list[int], seqs: list[Sequence]):
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not wanted:
-            return
-        logprobs = raw[wanted].log_softmax(dim=-1)
-        max_n = max(seqs[i].params.logprobs for i in wanted)
-        top_vals, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
+    def _record_logprobs(
+        self,
+        wanted: list[int],
+        tokens: list[int],
+        seqs: list[Sequence],
+        chosen: list[float],
+        top_values: list[list[float]],
+        top_ids: list[list[int]],
+    ) -> None:
         for j, i in enumerate(wanted):
             n = seqs[i].params.logprobs
             seqs[i].logprobs.append(
                 Logprob(
                     token_id=tokens[i],
-                    logprob=float(logprobs[j, tokens[i]]),
-                    top=list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True)),
+                    logprob=chosen[j],
+                    top=list(zip(top_ids[j][:n], top_values[j][:n], strict=True)),
                 )
             )
+
+
+def read_back(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the host, after one wait for the device: each is copied without
+    blocking (into pinned memory, which torch allocates for such a copy), then the
+    stream is synchronized once."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return list(tensors)
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host

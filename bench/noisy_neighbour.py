@@ -36,10 +36,10 @@ def tenant_key(url: str, name: str, weight: float) -> str:
     return key["key"]
 
 
-def backend_config(backend: str, fairness: str, model: str, args: argparse.Namespace) -> str:
-    if backend == "gpu":  # the engine's own scheduler takes the policy as an option
-        options = {"max_num_seqs": args.max_num_seqs, "fairness": fairness}
-        return toml_backend("tiny", "gpu", "tiny", model, **options)
+def backend_config(backend: str, model: str, args: argparse.Namespace) -> str:
+    """The gateway's one backend (`--fairness` reaches the gpu engine's scheduler)."""
+    if backend == "gpu":
+        return toml_backend("tiny", "gpu", "tiny", model, max_num_seqs=args.max_num_seqs)
     return toml_backend("gemma", "local", "gemma", n_parallel=args.n_parallel)
 
 
@@ -48,7 +48,7 @@ def run_backend(workdir: Path, backend: str, model: str, args: argparse.Namespac
     with contextlib.ExitStack() as stack:
         targets = {}
         for fairness in FAIRNESS:
-            config = backend_config(backend, fairness, model, args)
+            config = backend_config(backend, model, args)
             gw = start_gateway(workdir, f"{backend}-{fairness}", config, "--fairness", fairness)
             stack.enter_context(gw)
             target = argparse.Namespace(**vars(args))

@@ -56,7 +56,8 @@ CONFIGS = {
     "fp8 weights + fp8 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }
 PPL_CHUNK = 128
-KV_BYTES = 256 << 20  # the CPU's KV budget, the same for every row (CUDA sizes its own)
+KV_BYTES = 256 << 20  # the KV budget, the same for every row and device
+MAX_MODEL_LEN = 4096  # what the budget must hold for one sequence (the prompts are short)
 
 
 def load_texts(num_prompts: int) -> tuple[list[str], str]:
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             path,
             device=args.device,
             kv_cache_memory_bytes=KV_BYTES,
+            max_model_len=MAX_MODEL_LEN,
             **({"dtype": args.dtype} | options),
         )
         text_ids = llm.tokenizer.encode(text)[: args.ppl_tokens]

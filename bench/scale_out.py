@@ -11,11 +11,15 @@ measured servers sharing the CPU):
 3. prefix routing over 2 worker processes: issue 7's workload (tenants with long system
    prompts, each worker's KV pool holding about half of them) on the gpu backend with
    bench.tiny_model's random Llama, `--router-policy prefix` against `round_robin`.
+4. approximate prefix routing, only with `--only approx` (bench/scale_out_approx.py): 2
+   llama-cpp-python servers that report no KV events behind one `remote` entry,
+   tenants with long system prompts, `prefix` against `round_robin`.
 
 Engine options that `kvgate serve`'s flags do not carry (threads, sequences, the KV pool)
 go in a TOML [[backends]] entry, with `--workers N` on the command line.
 
     .venv/bin/python -m bench.scale_out      # docs/perf/scale_out.json and .png
+    .venv/bin/python -m bench.scale_out --only approx --out docs/perf/scale_out_approx.json
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.datasets import random_requests, shared_prefix_requests
+from bench.options import DefaultsHelpFormatter
+from bench.scale_out_approx import run_approx
 from bench.scale_out_procs import (
     Process,
     backend_rows,
@@ -270,7 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.scale_out",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--streams", type=int, default=16, help="scaling: concurrent streams")
     p.add_argument("--input-len", type=int, default=32, help="prompt words (parts 1 and 2)")
@@ -289,19 +295,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--routing-prompts", type=int, default=64, help="per policy and round")
     p.add_argument("--prefix-rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4, help="routing: requests in flight")
-    p.add_argument("--only", choices=["scaling", "overhead", "prefix"], action="append")
+    p.add_argument(
+        "--approx-tenants",
+        type=_counts,
+        default=[2, 4, 8],
+        help="approx: tenant counts to sweep, comma-separated",
+    )
+    p.add_argument("--approx-prefix-len", type=int, default=400, help="approx: prompt words")
+    p.add_argument("--approx-prompts", type=int, default=48, help="approx: per round")
+    p.add_argument("--approx-rounds", type=int, default=2)
+    p.add_argument("--approx-concurrency", type=int, default=2)
+    p.add_argument("--only", choices=["scaling", "overhead", "prefix", "approx"], action="append")
     p.add_argument("--out", default="docs/perf/scale_out.json")
     return p.parse_args(argv)
 
 
+def _counts(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    todo = args.only or ["scaling", "overhead", "prefix"]
+    todo = args.only or ["scaling", "overhead", "prefix"]  # approx: only when asked
     report: dict = {
         "machine": f"{os.cpu_count()} CPUs, shared with other engineers",
         "args": {k: v for k, v in vars(args).items() if k not in ("only", "out")},
-        "approximate_routing": "not available: approximate prefix routing for upstreams "
-        "without KV events is not built yet",
     }
     with tempfile.TemporaryDirectory(prefix="kvgate-scale-out-") as tmp:
         workdir = Path(tmp)
@@ -312,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             report["overhead_fake"] = run_overhead(FAKE_OVERHEAD, workdir)
         if "prefix" in todo:
             report["prefix_routing"] = run_prefix(args, workdir)
+        if "approx" in todo:
+            report["approximate_routing"] = run_approx(args, workdir, say)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))

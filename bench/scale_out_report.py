@@ -95,6 +95,8 @@ def table_lines(report: dict) -> list[str]:
         lines += _overhead_lines(report["overhead_fake"], title, judged=False)
     if "prefix_routing" in report:
         lines += _routing_lines(report["prefix_routing"])
+    if "approximate_routing" in report:
+        lines += _approx_lines(report["approximate_routing"])
     return lines
 
 
@@ -164,7 +166,6 @@ def _routing_lines(routing: dict) -> list[str]:
             f"| {policy} | {row['hit_rate']:.1%} | {row['ttft_p50_ms']:.0f} ms | "
             f"{row['ttft_p99_ms']:.0f} ms |"
         )
-    lines.append("| approximate (no KV events), 2 upstreams | not available | | |")
     hit, ratio = routing["policies"]["prefix"]["hit_rate"], routing["ttft_p50_ratio"]
     return [
         *lines,
@@ -173,6 +174,30 @@ def _routing_lines(routing: dict) -> list[str]:
         f"round robin / prefix = {ratio:.2f}x "
         f"(goal >= 2x: {_met(ratio >= GOALS['routing_ttft_ratio'])})",
     ]
+
+
+def _approx_lines(approx: dict) -> list[str]:
+    probe = approx["server_cache"]
+    probe_text = "; ".join(
+        f"{label} {statistics.median(row['ttft_ms']):.0f} ms" for label, row in probe.items()
+    )
+    lines = [
+        f"one llama-cpp-python server alone, TTFT p50: {probe_text}",
+        "",
+        "| approximate routing, 2 llama-cpp-python servers | tenants | TTFT p50 | TTFT p90 "
+        f"| TTFT < {approx['hit_bound_ms']:.0f} ms |",
+        "|---|---|---|---|---|",
+    ]
+    for policy, by_tenants in approx["policies"].items():
+        for tenants, load in by_tenants.items():
+            lines.append(
+                f"| {policy} | {tenants} | {load['ttft_p50_ms']:.0f} ms | "
+                f"{load['ttft_p90_ms']:.0f} ms | {load['fast_share']:.0%} |"
+            )
+    ratios = ", ".join(
+        f"{tenants} tenants {ratio:.2f}x" for tenants, ratio in approx["ttft_p50_ratio"].items()
+    )
+    return [*lines, "", f"TTFT p50 round robin / prefix: {ratios}", ""]
 
 
 def print_table(report: dict) -> None:
@@ -194,6 +219,7 @@ def plot(report: dict, path: Path) -> None:
             ("overhead", _plot_overhead_tokens),
             ("overhead", _plot_overhead_ttft),
             ("prefix_routing", _plot_routing),
+            ("approximate_routing", _plot_approx),
         )
         if name in report
     ]
@@ -238,3 +264,15 @@ def _plot_routing(ax, report: dict) -> None:
         ax.annotate(f"hit {p['hit_rate']:.0%}", (i, p["ttft_p50_ms"]), ha="center", va="bottom")
     ax.set_title("prefix routing, 2 workers: TTFT p50 (ms)", fontsize=10)
     ax.margins(y=0.15)
+
+
+def _plot_approx(ax, report: dict) -> None:
+    policies = report["approximate_routing"]["policies"]
+    width = 0.4
+    for j, (policy, by_tenants) in enumerate(policies.items()):
+        tenants = list(by_tenants)
+        xs = [i + j * width for i in range(len(tenants))]
+        ax.bar(xs, [by_tenants[n]["ttft_p50_ms"] for n in tenants], width, label=policy)
+    ax.set_xticks([i + width / 2 for i in range(len(tenants))], [f"{n} tenants" for n in tenants])
+    ax.legend(fontsize=7)
+    ax.set_title("approximate routing, 2 llama-cpp-python: TTFT p50 (ms)", fontsize=9)

@@ -16,7 +16,7 @@ from gateway.auth import Principal
 from gateway.errors import ApiError
 from gateway.http_util import json_response, parse_body, sse
 from gateway.openai_api import GW
-from gateway.schemas import KeyCreate, TenantCreate, TenantUpdate
+from gateway.schemas import KeyCreate, KeyUpdate, Limits, TenantCreate, TenantUpdate
 from gateway.state import GatewayState, with_queue
 from gateway.tenants import Conflict, NotFound
 
@@ -112,8 +112,10 @@ async def create_key(request: web.Request) -> web.Response:
     if expires_at is not None and expires_at <= time.time():
         message = "expires_at is in the past: the key would never work."
         raise ApiError(400, message, param="expires_at")
+    tenant_id = request.match_info["tenant_id"]
+    limits = body.model_dump(include=set(Limits.model_fields))
     record, key = await request.app[GW].tenants.create_key(
-        request.match_info["tenant_id"], body.name, list(body.scopes), expires_at, actor.key_id
+        tenant_id, body.name, list(body.scopes), expires_at, actor.key_id, limits=limits
     )
     return json_response(record | {"key": key}, status=201)
 
@@ -126,6 +128,31 @@ async def list_keys(request: web.Request) -> web.Response:
     await request.app[GW].tenants.get_tenant(tenant_id)
     keys = await request.app[GW].tenants.list_keys(tenant_id)
     return json_response({"object": "list", "data": keys})
+
+
+@_handle_service_errors
+async def get_key(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    key_id = request.match_info["key_id"]
+    record = await request.app[GW].tenants.get_key(key_id)
+    if not principal.is_admin and record["tenant_id"] != principal.tenant_id:
+        raise ApiError(404, f"No key {key_id!r}.")  # another tenant's: not even confirmed
+    return json_response(record)
+
+
+@_handle_service_errors
+async def update_key(request: web.Request) -> web.Response:
+    actor = await _admin(request)
+    body = await parse_body(request, KeyUpdate)
+    gw = request.app[GW]
+    key_id = request.match_info["key_id"]
+    changes = body.model_dump(exclude_unset=True)
+    try:
+        record = await gw.tenants.update_key(key_id, changes, actor.key_id)
+    except ValueError as e:  # limits on an admin key
+        raise ApiError(400, str(e)) from None
+    gw.auth.forget_key(key_id)
+    return json_response(record)
 
 
 @_handle_service_errors
@@ -274,6 +301,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/tenants/{tenant_id}", delete_tenant)
     app.router.add_post("/admin/tenants/{tenant_id}/keys", create_key)
     app.router.add_get("/admin/tenants/{tenant_id}/keys", list_keys)
+    app.router.add_get("/admin/keys/{key_id}", get_key)
+    app.router.add_patch("/admin/keys/{key_id}", update_key)
     app.router.add_delete("/admin/keys/{key_id}", revoke_key)
     app.router.add_get("/admin/usage", usage)
     app.router.add_get("/admin/backends", backends)

@@ -159,6 +159,16 @@ class ModelList(Body):
     data: list[ModelCard]
 
 
+class Tokens(Body):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(Body):
+    prompt: str
+
+
 class Tenant(Body):
     id: str
     object: Literal["tenant"]
@@ -192,6 +202,12 @@ class ApiKey(Body):
     name: str
     prefix: str
     scopes: list[Literal["inference", "admin"]]
+    rpm: int | None = Field(description="the key's own limits, beside its tenant's; null: none")
+    tpm: int | None
+    max_concurrent: int | None
+    daily_tokens: int | None
+    monthly_tokens: int | None
+    models: list[str] | None
     created_at: float
     expires_at: float | None
     revoked_at: float | None

@@ -14,7 +14,14 @@ from gateway.auth import AuthError, bearer_token
 from gateway.config import Settings
 from gateway.errors import ApiError, error_body
 from gateway.http_util import SETTINGS, json_response
-from gateway.openai_api import GW, chat_completions, completions, list_models
+from gateway.openai_api import (
+    GW,
+    chat_completions,
+    completions,
+    detokenize,
+    list_models,
+    tokenize,
+)
 from gateway.state import start_gateway, stop_gateway
 
 log = logging.getLogger("kvgate")
@@ -92,6 +99,8 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

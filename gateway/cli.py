@@ -6,60 +6,102 @@ import argparse
 import sys
 
 from gateway import cli_admin
-from gateway.config import load_settings
+from gateway.config import Settings, load_settings
 from gateway.worker import cli as worker_cli
 
-_DELEGATED = {"top": "tui.cli", "bench": "bench.cli"}
+_DELEGATED = {"top": "tui.cli", "bench": "bench.cli", "chat": "gateway.cli_chat"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
-    parser.add_argument("--config", help="TOML config file (or KVGATE_CONFIG)")
-    parser.add_argument("--database-url", help="e.g. sqlite+aiosqlite:///kvgate.db")
-    parser.add_argument("--database-schema", help="PostgreSQL schema (search_path)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+    _add_global_args(parser, top_level=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the gateway")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--backend", choices=["auto", "fake", "gpu", "local"])
-    serve.add_argument("--model", help="GGUF file or HF directory (default: Gemma 3 270M)")
-    serve.add_argument("--served-model-name")
-    serve.add_argument("--admin-key", help="bootstrap admin key (or KVGATE_ADMIN_KEY)")
-    serve.add_argument("--replicas", type=int, help="engine replicas of --backend (default 1)")
+    # no argparse defaults: an unset flag leaves the setting to the config file and KVGATE_*
+    serve.add_argument(
+        "--host",
+        metavar="ADDR",
+        help=f"address to listen on; 0.0.0.0: all (default {Settings.host}, or KVGATE_HOST)",
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        metavar="N",
+        help=f"port to listen on (default {Settings.port}, or KVGATE_PORT)",
+    )
+    serve.add_argument(
+        "--admin-key", metavar="KEY", help="bootstrap admin key (or KVGATE_ADMIN_KEY)"
+    )
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help=f"engine replicas of --backend (default {Settings.replicas})",
+    )
     serve.add_argument(
         "--workers",
         type=int,
-        help="run each engine as N `kvgate worker` processes (one per GPU, or the cores split)",
+        metavar="N",
+        help="run each engine as N `kvgate worker` processes (one per GPU, or the cores "
+        "split); default: in this process",
     )
     serve.add_argument(
         "--router-policy",
+        metavar="POLICY",
         help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
     )
-    serve.add_argument(
-        "--quantization", choices=["fp8", "int8"], help="gpu backend: 8-bit weights, made at load"
-    )
-    serve.add_argument(
-        "--kv-cache-dtype", choices=["auto", "fp8"], help="gpu backend: fp8 holds twice the blocks"
-    )
-    serve.add_argument(
-        "--fairness",
-        choices=["vtc", "fcfs"],
-        help="how tenants share a backend: vtc (default, the Virtual Token Counter) or fcfs",
-    )
+    worker_cli.add_engine_args(serve)
 
     worker_cli.add_parser(sub)
     sub.add_parser("models", help="list the models kvgate can serve and where they live")
     sub.add_parser("top", help="live dashboard of a running gateway", add_help=False)
     sub.add_parser("bench", help="benchmarks against any OpenAI-compatible server", add_help=False)
+    sub.add_parser("chat", help="chat with a model in the terminal", add_help=False)
     cli_admin.add_commands(sub)
+    _accept_global_args_anywhere(parser)
     return parser
+
+
+def _add_global_args(parser: argparse.ArgumentParser, top_level: bool) -> None:
+    default = None if top_level else argparse.SUPPRESS  # see _accept_global_args_anywhere
+    parser.add_argument(
+        "--config", default=default, metavar="FILE", help="TOML config file (or KVGATE_CONFIG)"
+    )
+    parser.add_argument(
+        "--database-url",
+        default=default,
+        metavar="URL",
+        help=f"or KVGATE_DATABASE_URL (default {Settings.database_url})",
+    )
+    parser.add_argument(
+        "--database-schema", default=default, metavar="NAME", help="PostgreSQL schema (search_path)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=False if top_level else argparse.SUPPRESS,
+        help="print JSON, for scripts (default: tables)",
+    )
+
+
+def _accept_global_args_anywhere(parser: argparse.ArgumentParser) -> None:
+    """`kvgate serve --config f.toml` as well as `kvgate --config f.toml serve`: users
+    type both. A subcommand's copy of a global flag defaults to SUPPRESS, so when it is
+    not given the value from before the subcommand stands."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for name, child in action.choices.items():
+            if name in _DELEGATED or "--config" in child._option_string_actions:
+                continue  # a delegated command owns its flags; an alias is done already
+            _add_global_args(child, top_level=False)
+            _accept_global_args_anywhere(child)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # `top` and `bench` own their flags: hand them everything after the subcommand.
+    # `top`, `bench` and `chat` own their flags: hand them everything after the subcommand.
     for i, arg in enumerate(argv):
         if arg in _DELEGATED:
             import importlib
@@ -78,17 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides |= {
             "host": args.host,
             "port": args.port,
-            "backend": args.backend,
-            "model": args.model,
-            "served_model_name": args.served_model_name,
             "admin_key": args.admin_key,
             "replicas": args.replicas,
             "workers": args.workers,
             "router_policy": args.router_policy,
-            "quantization": args.quantization,
-            "kv_cache_dtype": args.kv_cache_dtype,
-            "fairness": args.fairness,
-        }
+        } | worker_cli.engine_overrides(args)
     try:
         settings = load_settings(args.config, overrides)
         if args.command == "serve":
@@ -99,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from gateway.serve import run
 
-        run(settings)
-        return 0
+        return run(settings)
     if args.command == "models":
         return _models(args.json)
     return cli_admin.run(args, settings)

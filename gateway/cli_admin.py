@@ -1,8 +1,8 @@
 """`kvgate tenants|keys|usage|db`: administration straight on the database;
 `kvgate prefixes` asks a running gateway (its prefix catalog lives in memory).
 
-They work with or without a running gateway; a running one sees key changes within
-its key-cache TTL (admin API changes apply at once).
+They work with or without a running gateway; every running gateway on the database sees
+a key or tenant change (a revocation above all) within gateway.auth.EPOCH_CHECK_S.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import time
 from typing import Any
 
 import aiohttp
+from pydantic import ValidationError
 
 from gateway.config import Settings
 from gateway.db import Database, migrate
-from gateway.tenants import QUOTA_FIELDS, Conflict, NotFound, TenantService
+from gateway.schemas import KeyUpdate
+from gateway.tenants import LIMIT_FIELDS, QUOTA_FIELDS, Conflict, NotFound, TenantService
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -40,16 +42,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     delete = t_sub.add_parser("delete", help="delete a tenant and its keys")
     delete.add_argument("tenant_id")
 
-    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys = sub.add_parser("keys", help="create, list, update and revoke API keys")
     k_sub = keys.add_subparsers(dest="keys_command", required=True)
     kc = k_sub.add_parser("create", help="create a key (shown once)")
     kc.add_argument("tenant_id", help="the tenant; 'admin' for an admin key of no tenant")
     kc.add_argument("--name", default="")
     kc.add_argument("--scopes", default="inference", help="comma-separated: inference,admin")
     kc.add_argument("--expires-in", type=float, help="seconds until the key expires")
+    _limit_args(kc, "key")
     kl = k_sub.add_parser("list", help="list keys")
     kl.add_argument("tenant_id", nargs="?")
-    kr = k_sub.add_parser("revoke", help="revoke a key")
+    ku = k_sub.add_parser("update", help="change a key's name or limits")
+    ku.add_argument("key_id")
+    ku.add_argument("--name")
+    _limit_args(ku, "key")
+    kr = k_sub.add_parser("revoke", help="revoke a key (every running gateway refuses it at once)")
     kr.add_argument("key_id")
 
     usage = sub.add_parser("usage", help="daily usage per tenant and model")
@@ -70,18 +77,37 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     prefixes.add_argument("--limit", type=int, default=20)
 
 
+def _limit_args(p: argparse.ArgumentParser, whose: str) -> None:
+    for f in LIMIT_FIELDS:
+        if f != "models":
+            p.add_argument("--" + f.replace("_", "-"), type=int)
+    p.add_argument("--models", help=f"comma-separated model ids the {whose} may use")
+
+
 def _quota_args(p: argparse.ArgumentParser) -> None:
-    for f in ("rpm", "tpm", "max-concurrent", "daily-tokens", "monthly-tokens", "priority"):
-        p.add_argument(f"--{f}", type=int)
+    _limit_args(p, "tenant")
+    p.add_argument("--priority", type=int)
     p.add_argument("--weight", type=float)
-    p.add_argument("--models", help="comma-separated model ids the tenant may use")
 
 
-def _quota_values(args: argparse.Namespace) -> dict[str, Any]:
-    values = {f: getattr(args, f) for f in QUOTA_FIELDS if f != "models"}
+def _quota_values(
+    args: argparse.Namespace, fields: tuple[str, ...] = QUOTA_FIELDS
+) -> dict[str, Any]:
+    values = {f: getattr(args, f) for f in fields if f != "models"}
     if args.models is not None:
         values["models"] = [m for m in args.models.split(",") if m]
     return {k: v for k, v in values.items() if v is not None}
+
+
+def _key_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The key limits given as flags, checked as the admin API checks them."""
+    limits = _quota_values(args, LIMIT_FIELDS)
+    try:
+        return KeyUpdate.model_validate(limits).model_dump(exclude_unset=True)
+    except ValidationError as e:
+        error = e.errors()[0]
+        flag = "--" + str(error["loc"][0]).replace("_", "-")
+        raise ValueError(f"{flag}: {error['msg']}") from None
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -106,7 +132,7 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif args.command == "keys":
             await _keys(args, service)
         elif args.command == "usage":
-            _print(await service.usage(args.tenant, args.since, args.until), args.json)
+            await _usage(args, service)
         return 0
     finally:
         await db.close()
@@ -123,7 +149,10 @@ async def _tenants(args: argparse.Namespace, service: TenantService) -> None:
         _print(await service.update_tenant(args.tenant_id, changes), args.json)
     elif cmd == "delete":
         await service.delete_tenant(args.tenant_id)
-        print(f"deleted tenant {args.tenant_id}")
+        if args.json:
+            _print({"id": args.tenant_id, "object": "tenant", "deleted": True}, True)
+        else:
+            print(f"deleted tenant {args.tenant_id}")
 
 
 async def _keys(args: argparse.Namespace, service: TenantService) -> None:
@@ -135,7 +164,8 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         bad = set(scopes) - {"inference", "admin"}
         if bad:
             raise ValueError(f"unknown scopes {sorted(bad)}; use inference and/or admin")
-        record, key = await service.create_key(tenant, args.name, scopes, expires)
+        limits = _key_limits(args)
+        record, key = await service.create_key(tenant, args.name, scopes, expires, limits=limits)
         if args.json:
             _print(record | {"key": key}, True)
         else:
@@ -143,9 +173,34 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
             print(f"    {key}")
             print("This key is shown only once; store it now.")
     elif cmd == "list":
+        if args.tenant_id is not None:
+            await service.get_tenant(args.tenant_id)  # an unknown tenant is an error
         _print(await service.list_keys(args.tenant_id), args.json)
+    elif cmd == "update":
+        changes = _key_limits(args) | ({"name": args.name} if args.name is not None else {})
+        _print(await service.update_key(args.key_id, changes), args.json)
     elif cmd == "revoke":
         _print(await service.revoke_key(args.key_id), args.json)
+
+
+async def _usage(args: argparse.Namespace, service: TenantService) -> None:
+    if args.tenant is not None:
+        await service.get_tenant(args.tenant)  # an unknown tenant is an error, not no usage
+    usage = await service.usage(args.tenant, args.since, args.until)
+    names = {t["id"]: t["name"] for t in await service.list_tenants()}
+    for row in usage["data"]:
+        row["tenant_name"] = names.get(row["tenant_id"])  # None: the tenant was deleted
+    if args.json:
+        _print(usage, True)
+        return
+    rows = [
+        {"day": r["day"], "tenant": r["tenant_name"] or f"{r['tenant_id']} (deleted)"}
+        | {k: v for k, v in r.items() if k not in ("day", "tenant_id", "tenant_name")}
+        for r in usage["data"]
+    ]
+    if rows:
+        rows.append({"day": "total", "tenant": "", "model": ""} | usage["total"])
+    _print(rows, False)
 
 
 async def _prefixes(args: argparse.Namespace) -> int:
@@ -182,13 +237,16 @@ async def _prefixes(args: argparse.Namespace) -> int:
 
 
 def _print(data: Any, as_json: bool) -> None:
-    if as_json or not isinstance(data, list):
+    """JSON for scripts; else a table for people (a record is a table of one row)."""
+    if as_json:
         print(json.dumps(data, indent=2))
         return
+    if isinstance(data, dict):
+        data = [data]
     if not data:
         print("(none)")
         return
-    cols = list(data[0])
+    cols = [c for c in data[0] if c != "object"]  # the same word on every row
     widths = [max(len(c), *(len(_cell(r[c])) for r in data)) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for r in data:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from gateway.backends import BackendSpec, replica_count
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MIN_ADMIN_KEY_CHARS = 32  # a configured admin key must be as hard to guess as a generated one
+MAX_INSTANCE_CHARS = 100  # catalog rows are keyed "<instance>/<replica>", 200 characters in all
 
 
 @dataclass
@@ -22,6 +24,9 @@ class Settings:
     port: int = 8000
     database_url: str = DEFAULT_DATABASE_URL
     database_schema: str | None = None
+    # names this gateway's prefix-catalog rows, so gateways sharing one database keep
+    # theirs apart; it must stay the same across restarts. "": "<hostname>:<port>"
+    instance: str = ""
     admin_key: str | None = None
     secret: str | None = None  # HMAC secret for cache salts; generated and stored when unset
     max_body_bytes: int = MAX_BODY_BYTES  # also the limit on a decompressed body
@@ -45,13 +50,29 @@ class Settings:
     replicas: int = 1  # engine replicas of the one --backend/--model (else per [[backends]])
     workers: int = 0  # >0: each engine runs as this many `kvgate worker` processes
     router_policy: str = "prefix"  # or "round_robin", "least_loaded"
+    # engine settings of the one --backend (a [[backends]] entry has them in its options);
+    # None: the engine's default. Each belongs to one backend type (ENGINE_SETTINGS).
     quantization: str | None = None  # gpu backend: "fp8" or "int8" weights
     kv_cache_dtype: str | None = None  # gpu backend: "auto" or "fp8"
+    max_model_len: int | None = None  # gpu backend: tokens per sequence (default: the model's)
+    max_num_seqs: int | None = None  # gpu backend: sequences scheduled together (default 256)
+    gpu_memory_utilization: float | None = None  # gpu backend: share of GPU memory (0.9)
+    device: str | None = None  # gpu backend: "auto" (default: CUDA if there), "cuda", "cpu"
+    dtype: str | None = None  # gpu backend: "auto" (bfloat16 on CUDA, float32 on the CPU)
+    n_ctx: int | None = None  # local backend: KV cells shared by all sequences (16384)
+    n_parallel: int | None = None  # local backend: sequences decoded together (4)
+    n_threads: int | None = None  # local backend: CPU threads (default: one per core, <= 8)
     # how tenants share a backend: "vtc" (the Virtual Token Counter: the gpu engine's
     # scheduler, and the gateway's queue before other backends) or "fcfs"; None: vtc
     fairness: str | None = None
 
     def __post_init__(self) -> None:
+        self.instance = self.instance or f"{socket.gethostname()}:{self.port}"
+        if "/" in self.instance or len(self.instance) > MAX_INSTANCE_CHARS:
+            raise ValueError(
+                f"instance must be at most {MAX_INSTANCE_CHARS} characters without '/', "
+                f"got {self.instance!r} (set KVGATE_INSTANCE)"
+            )
         if self.admin_key is not None and len(self.admin_key) < MIN_ADMIN_KEY_CHARS:
             raise ValueError(
                 f"admin_key must be at least {MIN_ADMIN_KEY_CHARS} characters; "
@@ -74,22 +95,24 @@ class Settings:
 
     def resolved_backends(self) -> list[BackendSpec]:
         engine_options = {
-            name: value
-            for name in ("quantization", "kv_cache_dtype")
-            if (value := getattr(self, name)) is not None
+            name: value for name in ENGINE_SETTINGS if (value := getattr(self, name)) is not None
         }
         if self.backends and not self.model and self.backend in ("", "auto"):
             if engine_options:
                 raise ValueError(
-                    f"{sorted(engine_options)} with [[backends]]: set them in a gpu entry's options"
+                    f"{sorted(engine_options)} with [[backends]]: set them in an entry's options"
                 )
-            return self.backends
+            if self.fairness is None:
+                return self.backends
+            # --fairness reaches every gpu entry's scheduler that does not choose its own
+            return [
+                replace(spec, options={"fairness": self.fairness} | spec.options)
+                if spec.type == "gpu"
+                else spec
+                for spec in self.backends
+            ]
         kind = pick_backend_type() if self.backend in ("", "auto") else self.backend
-        if engine_options and kind != "gpu":
-            hint = ""
-            if "quantization" in engine_options or "kv_cache_dtype" in engine_options:
-                hint = " (llama.cpp runs the quantization of its GGUF file: pick a quantized GGUF)"
-            raise ValueError(f"{sorted(engine_options)} need the gpu backend, not {kind!r}{hint}")
+        _check_engine_settings(engine_options, kind)
         options = {"replicas": self.replicas} if self.replicas != 1 else {}
         options |= engine_options
         if self.fairness is not None and kind == "gpu":  # the engine's own scheduler
@@ -97,11 +120,42 @@ class Settings:
         return [BackendSpec(kind, kind, self.model, self.served_model_name, options)]
 
 
+# the engine settings above and the backend type that takes each
+ENGINE_SETTINGS = {
+    "quantization": "gpu",
+    "kv_cache_dtype": "gpu",
+    "max_model_len": "gpu",
+    "max_num_seqs": "gpu",
+    "gpu_memory_utilization": "gpu",
+    "device": "gpu",
+    "dtype": "gpu",
+    "n_ctx": "local",
+    "n_parallel": "local",
+    "n_threads": "local",
+}
+
+
+def _check_engine_settings(engine_options: dict[str, Any], kind: str) -> None:
+    """A setting the chosen backend does not take is an error, not silently dropped."""
+    errors = []
+    for needed in ("gpu", "local"):
+        wrong = sorted(n for n in engine_options if ENGINE_SETTINGS[n] == needed != kind)
+        if not wrong:
+            continue
+        hint = ""
+        if kind == "local" and {"quantization", "kv_cache_dtype"} & set(wrong):
+            hint = " (llama.cpp runs the quantization of its GGUF file: pick a quantized GGUF)"
+        errors.append(f"{wrong} need the {needed} backend, not {kind!r}{hint}")
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
 _ENV_FIELDS = {
     "host": str,
     "port": int,
     "database_url": str,
     "database_schema": str,
+    "instance": str,
     "admin_key": str,
     "secret": str,
     "max_body_bytes": int,
@@ -122,6 +176,12 @@ _ENV_FIELDS = {
     "router_policy": str,
     "quantization": str,
     "kv_cache_dtype": str,
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "gpu_memory_utilization": float,
+    "n_ctx": int,
+    "n_parallel": int,
+    "n_threads": int,
     "fairness": str,
 }
 

@@ -1,13 +1,22 @@
-"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, and
+vLLM's /tokenize and /detokenize.
+
+/tokenize and /detokenize take a tenant's key and its allowed models, but neither bills
+nor counts against any quota (vLLM bills them nowhere either): they run no model, and
+the body size limit bounds each one's work.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aiohttp import web
 
-from gateway.backends import BackendError, BadRequestError, TokenLogprob, Usage
+from gateway.backends import Backend, BackendError, BadRequestError, TokenLogprob, Usage
 from gateway.errors import ApiError, error_body
 from gateway.http_util import json_response, parse_body, sse
 from gateway.openai_format import (
@@ -17,13 +26,19 @@ from gateway.openai_format import (
     response_body,
     usage_chunk,
 )
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.serving import Job, prepare
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from gateway.serving import Job, _card, prepare
 from gateway.state import GatewayState
 
 GW = web.AppKey("gateway", GatewayState)
 _CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 log = logging.getLogger("kvgate")
+T = TypeVar("T")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -49,6 +64,42 @@ async def list_models(request: web.Request) -> web.Response:
         if principal.may_use(card.id)
     ]
     return json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's shape: the token ids a completion of this prompt or chat would be given."""
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, TokenizeRequest)
+    card = _card(gw, principal, body.model)
+    tokens = await _on_a_replica(gw, body.model, lambda b: b.render(body.model, body.rendered()))
+    return json_response(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, DetokenizeRequest)
+    _card(gw, principal, body.model)
+    text = await _on_a_replica(gw, body.model, lambda b: b.detokenize(body.model, body.tokens))
+    return json_response({"prompt": text})
+
+
+async def _on_a_replica(gw: GatewayState, model: str, call: Callable[[Backend], Awaitable[T]]) -> T:
+    """`call` on the first healthy replica of `model` that answers (a remote one may have
+    just died); the last one's error is the client's."""
+    try:
+        candidates = gw.router.candidates(model)
+        for candidate in candidates[:-1]:
+            with contextlib.suppress(BackendError):
+                return await call(candidate.backend)
+        return await call(candidates[-1].backend)
+    except BadRequestError as e:
+        raise ApiError(400, str(e)) from None
+    except BackendError as e:
+        raise ApiError(503, str(e), code="backend_unavailable") from None
 
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:

@@ -24,10 +24,13 @@ from gateway.schemas import (
     AdminPinCreate,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     KeyCreate,
+    KeyUpdate,
     PinCreate,
     TenantCreate,
     TenantUpdate,
+    TokenizeRequest,
 )
 
 REF = "#/components/schemas/{model}"
@@ -40,6 +43,9 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     TenantCreate,
     TenantUpdate,
     KeyCreate,
+    KeyUpdate,
+    TokenizeRequest,
+    DetokenizeRequest,
 )
 _ERRORS = {
     400: "The request is malformed or breaks a rule (the body, a parameter, the URL).",
@@ -50,7 +56,8 @@ _ERRORS = {
     409: "The name is taken.",
     413: "The body is larger than the server's limit.",
     415: "The body is not JSON (Content-Type), or its Content-Encoding is not gzip or deflate.",
-    429: "A quota is exhausted; the x-ratelimit-* headers say which.",
+    429: "A quota (the tenant's or the key's) is exhausted; the message says whose, the "
+    "x-ratelimit-* headers which.",
     503: "No backend could serve it, or its usage could not be recorded.",
 }
 # the statuses each kind of route answers with besides its success
@@ -62,12 +69,15 @@ UPDATE = (*CREATE, 404)
 KEY = (*LOOKUP, *BODY)
 COMPLETE = (*LOOKUP, *BODY, 429, 503)
 PIN = (*LOOKUP, *BODY, 409, 429, 503)
+TOKENS = (*LOOKUP, *BODY, 503)  # not billed: no 429
 PUBLIC = (400,)  # no key needed
 
 _SUMMARIES = {
     "post /v1/chat/completions": "Create a chat completion (OpenAI's).",
     "post /v1/completions": "Create a text completion (OpenAI's).",
     "get /v1/models": "The models this key may use.",
+    "post /tokenize": "A prompt or chat as the token ids a completion gets (vLLM's); not billed.",
+    "post /detokenize": "Token ids back to text (vLLM's); not billed.",
     "post /v1/prefixes": "Pin a system prompt for the key's tenant.",
     "get /v1/prefixes": "The tenant's pins and the published ones.",
     "delete /v1/prefixes/{name}": "Unpin one of the tenant's prefixes.",
@@ -82,6 +92,8 @@ _SUMMARIES = {
     "delete /admin/tenants/{tenant_id}": "Delete a tenant and its keys.",
     "post /admin/tenants/{tenant_id}/keys": "Make a key for a tenant.",
     "get /admin/tenants/{tenant_id}/keys": "A tenant's keys.",
+    "get /admin/keys/{key_id}": "A key and its limits (with a tenant's key: its own).",
+    "patch /admin/keys/{key_id}": "Change a key's name or limits.",
     "delete /admin/keys/{key_id}": "Revoke a key.",
     "get /admin/usage": "Daily usage per tenant and model (a tenant's key: its own).",
     "get /admin/backends": "The backends and their load.",
@@ -101,7 +113,8 @@ _PATH_PARAMS = {
 }
 # request bodies the examples phase of a fuzzer starts from; "model" becomes a served one
 _STREAM = {"stream": True, "stream_options": {"include_usage": True}}
-_CHAT = {"model": "", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+_MESSAGES = {"messages": [{"role": "user", "content": "Say hello."}]}
+_CHAT = {"model": ""} | _MESSAGES | {"max_tokens": 8}
 _TEXT = {"model": "", "prompt": "Once upon a time", "max_tokens": 8}
 _PIN = {"name": "support", "text": "You are a helpful support agent.", "model": ""}
 EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
@@ -111,7 +124,10 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     AdminPinCreate: (_PIN | {"tenant": None, "name": "house-style", "shared": True},),
     TenantCreate: ({"name": "acme", "rpm": 600},),
     TenantUpdate: ({"rpm": 1200},),
-    KeyCreate: ({"name": "ci", "scopes": ["inference"]},),
+    KeyCreate: ({"name": "ci", "scopes": ["inference"]}, {"name": "batch", "rpm": 60}),
+    KeyUpdate: ({"rpm": 120, "daily_tokens": None},),
+    TokenizeRequest: ({"model": "", "prompt": "Once upon a time"}, {"model": ""} | _MESSAGES),
+    DetokenizeRequest: ({"model": "", "tokens": [1, 2, 3]},),
 }
 
 
@@ -154,6 +170,8 @@ def _routes() -> list[Route]:
         Route("post /v1/chat/completions", chat, ChatCompletionRequest, errors=COMPLETE),
         Route("post /v1/completions", text, CompletionRequest, errors=COMPLETE),
         Route("get /v1/models", _json(m.ModelList)),
+        Route("post /tokenize", _json(m.Tokens), TokenizeRequest, errors=TOKENS),
+        Route("post /detokenize", _json(m.Detokenized), DetokenizeRequest, errors=TOKENS),
         Route("post /v1/prefixes", _json(m.PrefixCreated), PinCreate, 201, PIN),
         Route("get /v1/prefixes", _json(m.PrefixList)),
         Route("delete /v1/prefixes/{name}", _json(m.PrefixDeleted), errors=LOOKUP),
@@ -181,6 +199,8 @@ def _admin_routes() -> list[Route]:
         Route("delete /admin/tenants/{tenant_id}", _json(m.TenantDeleted), errors=LOOKUP),
         Route("post /admin/tenants/{tenant_id}/keys", _json(m.ApiKeyCreated), KeyCreate, 201, KEY),
         Route("get /admin/tenants/{tenant_id}/keys", _json(m.ApiKeyList), errors=LOOKUP),
+        Route("get /admin/keys/{key_id}", _json(m.ApiKey), errors=LOOKUP),
+        Route("patch /admin/keys/{key_id}", _json(m.ApiKey), KeyUpdate, errors=KEY),
         Route("delete /admin/keys/{key_id}", _json(m.ApiKey), errors=LOOKUP),
         Route("get /admin/usage", _json(m.UsageReport), errors=LOOKUP, query=usage),
         Route("get /admin/backends", _json(m.BackendList)),
@@ -259,7 +279,7 @@ def _tag(path: str) -> str:
         return "prefixes"
     if path.startswith("/admin/"):
         return "admin"
-    return "openai" if path.startswith("/v1/") else "health"
+    return "openai" if path.startswith("/v1/") or path.endswith("tokenize") else "health"
 
 
 def build_document(model: str = "MODEL") -> dict[str, Any]:

@@ -11,18 +11,25 @@ After a restart the engines are empty: the rows loaded from the database are kep
 aside as `stale`; the blocks that the pinned prefixes' prefill stores again take their
 old rows back (hits kept), and the first flush (after start-up, so late events still
 count) deletes the rest.
+
+Gateways sharing one database each keep their own rows: a row's key is
+"<instance>/<replica>" (the gateway's `instance` setting), so two gateways that both
+run a replica "tiny-0" never write the same row, and each loads, and so drops as
+stale, only its own. Within the gateway, and in its reports, a replica keeps its
+backend name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 
 from gateway.backends import Backend, KVEvent, PrefixCachingBackend
 from gateway.db import Database, PrefixBlock
@@ -48,8 +55,11 @@ FLUSH_EVERY_S = 1.0
 
 
 class PrefixCatalog:
-    def __init__(self, db: Database | None = None) -> None:
+    def __init__(self, db: Database | None = None, instance: str | None = None) -> None:
+        """`instance`: the gateway that owns this catalog's rows (None: the database's
+        only writer, rows keyed by the plain replica name)."""
         self.db = db
+        self._prefix = "" if instance is None else instance + "/"  # of this gateway's rows
         self._task: asyncio.Task | None = None
         self.replicas: dict[str, dict[str, BlockEntry]] = {}  # replica -> block hash -> entry
         self.stale: dict[str, dict[str, BlockEntry]] = {}  # loaded, not yet seen again
@@ -169,15 +179,18 @@ class PrefixCatalog:
     # -- persistence -----------------------------------------------------------------
 
     async def load(self) -> None:
-        """Read the last run's rows. The engines start empty, so every row is stale until
-        its replica stores the block again (a pin's prefill) or the first flush deletes it."""
+        """Read this gateway's rows from its last run. The engines start empty, so every
+        row is stale until its replica stores the block again (a pin's prefill) or the
+        first flush deletes it. Other gateways' rows are not read, so never dropped."""
         assert self.db is not None
+        query = select(PrefixBlock)
+        if self._prefix:  # an exact prefix test: LIKE is case-blind on SQLite
+            n = len(self._prefix)
+            query = query.where(func.substr(PrefixBlock.replica, 1, n) == self._prefix)
         async with self.db.session() as s:
-            for row in (await s.scalars(select(PrefixBlock))).all():
-                self.stale.setdefault(row.replica, {})[row.block_hash] = BlockEntry(
-                    row.parent_hash, row.tenant_id, row.num_tokens, row.first_seen,
-                    row.last_used, row.hits, row.tokens_saved,
-                )  # fmt: skip
+            for row in (await s.scalars(query)).all():
+                replica = row.replica[len(self._prefix) :]
+                self.stale.setdefault(replica, {})[row.block_hash] = _entry(row)
 
     async def flush(self) -> None:
         """Write the changed rows and delete the removed and stale ones, in one transaction."""
@@ -191,11 +204,9 @@ class PrefixCatalog:
         for replica, h in dirty:
             e = self.replicas.get(replica, {}).get(h)
             if e is not None:
-                rows.append({"replica": replica, "block_hash": h, "parent_hash": e.parent_hash,
-                             "tenant_id": e.tenant_id, "num_tokens": e.num_tokens,
-                             "hits": e.hits, "tokens_saved": e.tokens_saved,
-                             "first_seen": e.first_seen, "last_used": e.last_used})  # fmt: skip
-        gone = [{"replica": r, "block_hash": h} for r, h in removed]
+                key = {"replica": self._prefix + replica, "block_hash": h}
+                rows.append(key | dataclasses.asdict(e))
+        gone = [{"replica": self._prefix + r, "block_hash": h} for r, h in removed]
         try:
             if self.db.sync_engine is not None:
                 # SQLite: in a worker thread, so the write lock is never held across an
@@ -251,6 +262,18 @@ class PrefixCatalog:
                     await self.flush()
             except Exception:  # the catalog is advisory: serving goes on without it
                 log.exception("prefix catalog update failed")
+
+
+def _entry(row: PrefixBlock) -> BlockEntry:
+    return BlockEntry(
+        parent_hash=row.parent_hash,
+        tenant_id=row.tenant_id,
+        num_tokens=row.num_tokens,
+        first_seen=row.first_seen,
+        last_used=row.last_used,
+        hits=row.hits,
+        tokens_saved=row.tokens_saved,
+    )
 
 
 _DELETE = text("DELETE FROM prefix_blocks WHERE replica = :replica AND block_hash = :block_hash")

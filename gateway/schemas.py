@@ -214,37 +214,83 @@ Weight = Annotated[float, Field(gt=0, le=1e6)]
 Models = Annotated[list[Name], Field(max_length=1000)]
 
 
-class TenantCreate(_Body):
-    name: Name
+class Limits(_Body):
+    """The limits a tenant and an API key may each have (null or left out: none); a key's
+    hold beside its tenant's, the stricter one winning, and its models narrow the tenant's."""
+
     rpm: Count32 | None = None
     tpm: Count53 | None = None
     max_concurrent: Count32 | None = None
     daily_tokens: Count53 | None = None
     monthly_tokens: Count53 | None = None
     models: Models | None = None
+
+
+class TenantCreate(Limits):
+    name: Name
     priority: Priority = 0
     weight: Weight = 1.0
 
 
-class TenantUpdate(_Body):
+class TenantUpdate(Limits):
     name: Name | None = None
-    rpm: Count32 | None = None
-    tpm: Count53 | None = None
-    max_concurrent: Count32 | None = None
-    daily_tokens: Count53 | None = None
-    monthly_tokens: Count53 | None = None
-    models: Models | None = None
     priority: Priority | None = None
     weight: Weight | None = None
 
 
-class KeyCreate(_Body):
-    name: Annotated[str, Field(max_length=200, pattern=NO_CONTROL)] = ""
+KeyName = Annotated[str, Field(max_length=200, pattern=NO_CONTROL)]
+
+
+class KeyCreate(Limits):
+    name: KeyName = ""
     scopes: Annotated[list[Literal["inference", "admin"]], Field(min_length=1, max_length=2)] = [
         "inference"
     ]
     expires_at: Annotated[float, Field(ge=0, le=1e11)] | None = None
     expires_in_s: Annotated[float, Field(gt=0, le=1e10)] | None = None
+
+
+class KeyUpdate(Limits):
+    """Fields sent replace the old ones; a limit sent as null is lifted."""
+
+    name: KeyName | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template, made
+    into the token ids a completion of it would be given."""
+
+    model: Name
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        if not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt must be true: chats are rendered for a reply")
+        if not self.add_special_tokens:
+            raise ValueError(
+                "add_special_tokens must be true: prompts are tokenized as a completion gets them"
+            )
+        for m in self.messages or []:
+            m.text()  # refuses unsupported content parts here, as a 400
+        return self
+
+    def rendered(self) -> str | list[dict[str, str]]:
+        """What the adapter's `render` takes, as the gateway passes it."""
+        if self.messages is None:
+            assert self.prompt is not None
+            return self.prompt
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class DetokenizeRequest(_Body):
+    model: Name
+    tokens: TokenIds
 
 
 class PinCreate(_Body):

@@ -90,7 +90,7 @@ async def start_gateway(settings: Settings) -> GatewayState:
     await quota.start()
     usage = UsageRecorder(db)
     usage.start()
-    catalog = PrefixCatalog(db)
+    catalog = PrefixCatalog(db, settings.instance)
     await catalog.load()
     for tenant in await tenants.list_tenants():
         catalog.note_salt(tenant_cache_salt(secret, tenant["id"]), tenant["id"])

@@ -1,18 +1,20 @@
-"""Tenants, their quotas and their API keys: the one service behind the admin API and
-the CLI."""
+"""Tenants, their quotas and their API keys (with limits of their own): the one service
+behind the admin API and the CLI. Every change to a key or a tenant rewrites the auth
+epoch in its transaction, so every running gateway drops its cached keys (gateway.auth)."""
 
 from __future__ import annotations
 
+import calendar
 import json
 import secrets
 import time
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 
-from gateway.auth import generate_key, hash_key, visible_prefix
+from gateway.auth import bump_epoch, generate_key, hash_key, visible_prefix
 from gateway.db import (
     ApiKey,
     AuditLog,
@@ -25,16 +27,9 @@ from gateway.db import (
 )
 from gateway.quota.limits import DAILY, MONTHLY, REQUESTS, TOKENS
 
-QUOTA_FIELDS = (
-    "rpm",
-    "tpm",
-    "max_concurrent",
-    "daily_tokens",
-    "monthly_tokens",
-    "models",
-    "priority",
-    "weight",
-)
+# what a tenant and a key may both limit; a tenant also has a priority and a weight
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "daily_tokens", "monthly_tokens", "models")
+QUOTA_FIELDS = (*LIMIT_FIELDS, "priority", "weight")
 
 
 class NotFound(LookupError):
@@ -59,17 +54,17 @@ def tenant_dict(t: Tenant) -> dict[str, Any]:
 
 
 def key_dict(k: ApiKey) -> dict[str, Any]:
-    return {
+    head = {
         "id": k.id,
         "object": "api_key",
         "tenant_id": k.tenant_id,
         "name": k.name,
         "prefix": k.prefix,
         "scopes": list(k.scopes),
-        "created_at": k.created_at,
-        "expires_at": k.expires_at,
-        "revoked_at": k.revoked_at,
     }
+    limits = {f: getattr(k, f) for f in LIMIT_FIELDS}
+    times = {"created_at": k.created_at, "expires_at": k.expires_at, "revoked_at": k.revoked_at}
+    return head | limits | times
 
 
 def _new_id(kind: str) -> str:
@@ -121,6 +116,7 @@ class TenantService:
                     if f in changes:
                         setattr(tenant.quota, f, changes[f])
                 s.add(_audit(actor, "tenant.update", tenant_id, changes))
+                await bump_epoch(s)
                 await s.flush()
                 return tenant_dict(tenant)
         except IntegrityError:
@@ -134,6 +130,7 @@ class TenantService:
             await s.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))
             await s.delete(tenant)
             s.add(_audit(actor, "tenant.delete", tenant_id, {"name": tenant.name}))
+            await bump_epoch(s)
 
     async def create_key(
         self,
@@ -143,8 +140,12 @@ class TenantService:
         expires_at: float | None = None,
         actor: str = "cli",
         key: str | None = None,
+        limits: dict[str, Any] | None = None,
     ) -> tuple[dict, str]:
-        """Returns the key's record and the key itself, which is never shown again."""
+        """Returns the key's record and the key itself, which is never shown again.
+        `limits`: the key's own (LIMIT_FIELDS), held beside its tenant's."""
+        limits = {f: v for f, v in (limits or {}).items() if v is not None}
+        _check_limits(tenant_id, limits)
         key = key or generate_key()
         record = ApiKey(
             id=_new_id("key"),
@@ -156,13 +157,32 @@ class TenantService:
             created_at=time.time(),
             expires_at=expires_at,
             revoked_at=None,
+            **limits,
         )
         async with self.db.session() as s, s.begin():
             if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
                 raise NotFound(f"no tenant {tenant_id!r}")
             s.add(record)
-            s.add(_audit(actor, "key.create", record.id, {"tenant_id": tenant_id, "name": name}))
+            detail = {"tenant_id": tenant_id, "name": name} | limits
+            s.add(_audit(actor, "key.create", record.id, detail))
         return key_dict(record), key
+
+    async def update_key(self, key_id: str, changes: dict[str, Any], actor: str = "cli") -> dict:
+        """Change a key's name or limits: those in `changes` replace the old ones, None
+        lifts a limit."""
+        async with self.db.session() as s, s.begin():
+            key = await s.get(ApiKey, key_id)
+            if key is None:
+                raise NotFound(f"no key {key_id!r}")
+            limits = {f: v for f, v in changes.items() if f in LIMIT_FIELDS}
+            _check_limits(key.tenant_id, {f: v for f, v in limits.items() if v is not None})
+            for f, value in limits.items():
+                setattr(key, f, value)
+            if "name" in changes:
+                key.name = changes["name"] or ""  # null: no name, as a key made without
+            s.add(_audit(actor, "key.update", key_id, changes))
+            await bump_epoch(s)
+            return key_dict(key)
 
     async def list_keys(self, tenant_id: str | None = None) -> list[dict]:
         query = select(ApiKey).order_by(ApiKey.created_at)
@@ -186,6 +206,7 @@ class TenantService:
             if key.revoked_at is None:
                 key.revoked_at = time.time()
                 s.add(_audit(actor, "key.revoke", key_id, {}))
+                await bump_epoch(s)
             return key_dict(key)
 
     async def usage(
@@ -211,9 +232,10 @@ class TenantService:
         return {"object": "list", "data": data, "total": total}
 
     async def committed_usage(self, now: float) -> dict[str, dict[str, int]]:
-        """Per tenant, what its committed rows used in the windows open at `now`: tokens
-        this month and today (daily totals), requests and tokens this minute (rows). The
-        in-memory quota store starts from these, so a restart resets no window."""
+        """Per tenant, and per key with limits of its own, what its committed rows used
+        in the windows open at `now`: tokens this month and today (a tenant's from its
+        daily totals), requests and tokens this minute (rows). The in-memory quota store
+        starts from these, so a restart resets no window."""
         day = time.strftime("%Y-%m-%d", time.gmtime(now))
         tokens = func.sum(DailyUsage.prompt_tokens + DailyUsage.completion_tokens)
         row_tokens = func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
@@ -242,7 +264,48 @@ class TenantService:
             used[tenant][DAILY] = int(value or 0)
         for tenant, requests, value in minute.all():
             used[tenant] |= {REQUESTS: int(requests), TOKENS: int(value or 0)}
-        return dict(used)
+        return dict(used) | await self._keys_committed_usage(now)
+
+    async def _keys_committed_usage(self, now: float) -> dict[str, dict[str, int]]:
+        """committed_usage for the keys with limits, from their rows of this month (read
+        by their tenants' index: there is no daily total per key)."""
+        counters = [getattr(ApiKey, f).is_not(None) for f in LIMIT_FIELDS if f != "models"]
+        t = time.gmtime(now)
+        month_start = calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
+        today = UsageRecord.created_at >= now - now % 86400
+        this_minute = UsageRecord.created_at >= now - now % 60
+        tokens = UsageRecord.prompt_tokens + UsageRecord.completion_tokens
+        columns = (
+            func.sum(tokens),
+            func.sum(tokens).filter(today),
+            func.sum(tokens).filter(this_minute),
+            # a 503 gives its request back (QuotaStore.settle), so it does not count here
+            func.count().filter(this_minute, UsageRecord.status != 503),
+        )
+        async with self.db.session() as s:
+            keys = (
+                await s.execute(
+                    select(ApiKey.id, ApiKey.tenant_id).where(
+                        ApiKey.revoked_at.is_(None), ApiKey.tenant_id.is_not(None), or_(*counters)
+                    )
+                )
+            ).all()
+            if not keys:
+                return {}
+            rows = await s.execute(
+                select(UsageRecord.key_id, *columns)
+                .where(
+                    UsageRecord.tenant_id.in_({tenant for _, tenant in keys}),
+                    UsageRecord.created_at >= month_start,
+                    UsageRecord.key_id.in_([key for key, _ in keys]),
+                )
+                .group_by(UsageRecord.key_id)
+            )
+        used = {}
+        for key, month, day, minute, requests in rows.all():
+            used[key] = {MONTHLY: int(month or 0), DAILY: int(day or 0)}
+            used[key] |= {TOKENS: int(minute or 0), REQUESTS: int(requests)}
+        return used
 
     async def ensure_admin_key(self, admin_key: str | None) -> str | None:
         """Make sure an admin key exists. Returns a newly generated key (to print once),
@@ -270,6 +333,11 @@ class TenantService:
                 row = ServerSetting(key="cache_salt_secret", value=secrets.token_hex(32))
                 s.add(row)
             return row.value
+
+
+def _check_limits(tenant_id: str | None, limits: dict[str, Any]) -> None:
+    if tenant_id is None and limits:
+        raise ValueError("an admin key belongs to no tenant: it cannot have limits")
 
 
 def _audit(actor: str, action: str, target: str, detail: dict[str, Any]) -> AuditLog:

@@ -29,13 +29,26 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
+    """cos and sin of every position, float32: a model makes one and its layers share
+    it (a table of 128k positions is 128 MiB at head size 128)."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = inv_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.settings = (head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.compute_tables()
+
+    def compute_tables(self) -> None:
+        """(Re)compute the tables where the module lives: after a model built on the
+        meta device is given memory, they hold garbage until this runs."""
+        head_dim, max_positions, theta, scaling = self.settings
+        device = self.cos.device
+        inv_freq = inv_frequencies(head_dim, theta, scaling).to(device)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -22,7 +22,7 @@ from backend_gpu.models.llama import (
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config, layer: int) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise NotImplementedError("attention logit soft-capping is not supported")
@@ -40,9 +40,7 @@ class Gemma3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.qk_norm = True
         self.window = sliding_window_of(config, layer)
-        layer_type = "sliding_attention" if self.window else "full_attention"
-        theta, scaling = rope_settings(config, layer_type)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary  # one table per layer type, shared by the layers of that type
         self.scale = config.query_pre_attn_scalar**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
         self.k_scale = self.v_scale = 1.0  # the FP8 cache's, calibrated by the model runner
@@ -52,9 +50,9 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer)
+        self.self_attn = Gemma3Attention(config, layer, rotary)
         self.mlp = GatedMLP(config, partial(F.gelu, approximate="tanh"))
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(dim, eps, offset=1.0)
@@ -74,9 +72,18 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
+        rotaries: dict[str, RotaryEmbedding] = {}
+        layers = []
+        for i in range(config.num_hidden_layers):
+            kind = "sliding_attention" if sliding_window_of(config, i) else "full_attention"
+            if kind not in rotaries:
+                rotaries[kind] = RotaryEmbedding(
+                    head_dim_of(config),
+                    config.max_position_embeddings,
+                    *rope_settings(config, kind),
+                )
+            layers.append(Gemma3DecoderLayer(config, i, rotaries[kind]))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
 
     def forward(self, input_ids, positions, meta):

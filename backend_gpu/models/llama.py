@@ -29,7 +29,7 @@ def sliding_window_of(config, layer: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer: int) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -49,8 +49,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary  # the model's one table, shared by every layer
         self.window = sliding_window_of(config, layer)
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
@@ -87,9 +86,9 @@ class GatedMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer)
+        self.self_attn = LlamaAttention(config, layer, rotary)
         self.mlp = GatedMLP(config, F.silu)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -103,8 +102,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            head_dim_of(config), config.max_position_embeddings, *rope_settings(config)
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -34,6 +34,11 @@ class Backend(Protocol):
         """Chat messages (through the model's chat template) or a prompt -> token ids."""
         ...
 
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """Token ids -> text, with the model's tokenizer (/detokenize); BadRequestError
+        for an id outside its vocabulary."""
+        ...
+
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """Stream the request's output. Closing the iterator early aborts the request
         in the engine and frees its KV blocks."""

@@ -1,4 +1,4 @@
-"""What the engine adapters (gpu, local) share: option checks, model ids, rendering."""
+"""What the engine adapters share: option checks, model ids, rendering and decoding."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from gateway.backends import BackendSpec
 from gateway.chat_template import render_chat
 from gateway.default_model import DEFAULT_MODEL_ID
 
-# Tokenizing more characters than this would hold the event loop for milliseconds.
+# Tokenizing more characters, or decoding more ids, than this would hold the event loop
+# for milliseconds.
 LARGE_PROMPT_CHARS = 16_384
+LARGE_DECODE_IDS = 4_096
 
 
 def _prompt_chars(prompt: PromptInput) -> int:
@@ -32,6 +34,22 @@ async def render_off_loop(
     if _prompt_chars(prompt) < LARGE_PROMPT_CHARS:
         return render(prompt)
     return await asyncio.to_thread(render, prompt)
+
+
+async def decode_off_loop(
+    decode: Callable[[list[int]], str], token_ids: list[int], known: range
+) -> str:
+    """`decode(token_ids)` once every id is checked to be one the tokenizer `known`s
+    (llama.cpp reads out of bounds past its vocabulary); in a worker thread when there
+    are many."""
+    bad = [t for t in token_ids if t not in known]
+    if bad:
+        raise BadRequestError(
+            f"token ids outside the vocabulary ({known.start}..{known.stop - 1}): {bad[:5]}"
+        )
+    if len(token_ids) < LARGE_DECODE_IDS:
+        return decode(token_ids)
+    return await asyncio.to_thread(decode, token_ids)
 
 
 def check_options(spec: BackendSpec, allowed: Iterable[str]) -> None:

@@ -32,7 +32,7 @@ from engine_api.records import (
     Usage,
 )
 from gateway.backends import BackendSpec
-from gateway.backends.common import render_off_loop
+from gateway.backends.common import decode_off_loop, render_off_loop
 
 WORDS = [
     "the",
@@ -133,6 +133,11 @@ class FakeBackend:
             raise BadRequestError("The prompt is empty.")
         return ids
 
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        # its prompt ids are hashes of words, not invertible: only its output decodes
+        known = range(WORD_ID_BASE, WORD_ID_BASE + len(WORDS))
+        return await decode_off_loop(_words, token_ids, known)
+
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         return self._generate(req)
 
@@ -231,6 +236,10 @@ class FakeBackend:
         self.prefix_queries += len(ids)
         self.prefix_hits += cached
         return cached
+
+
+def _words(token_ids: list[int]) -> str:
+    return " ".join(WORDS[t - WORD_ID_BASE] for t in token_ids)
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

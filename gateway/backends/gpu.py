@@ -28,6 +28,7 @@ from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
     check_options,
+    decode_off_loop,
     render_off_loop,
     render_prompt,
     served_model_id,
@@ -98,6 +99,11 @@ class GpuBackend:
             ),
             prompt,
         )
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        check_model(model, self.model_id)
+        tokenizer = self.engine.tokenizer
+        return await decode_off_loop(tokenizer.decode, token_ids, range(len(tokenizer)))
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """BadRequestError (400) or EngineDeadError (a BackendError, 503) come from the

@@ -28,6 +28,7 @@ from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
     check_options,
+    decode_off_loop,
     render_off_loop,
     render_prompt,
     served_model_id,
@@ -96,6 +97,11 @@ class LocalBackend:
             ),
             prompt,
         )
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        check_model(model, self.model_id)
+        engine = self.engine
+        return await decode_off_loop(engine.detokenize, token_ids, range(engine.model.n_vocab))
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """BadRequestError (400) comes from the engine before the first chunk;

@@ -38,7 +38,12 @@ from engine_api.block_hash import hash_blocks
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent, ModelCard, PromptInput
 from gateway.backends import BackendSpec
-from gateway.backends.common import check_model, check_options, render_off_loop
+from gateway.backends.common import (
+    check_model,
+    check_options,
+    decode_off_loop,
+    render_off_loop,
+)
 from gateway.backends.remote_health import Monitor
 from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
 from gateway.backends.remote_openai import completion_chunks, open_completion
@@ -245,6 +250,24 @@ class RemoteBackend:
         ):
             raise BackendError(f"{self.label} sent an invalid /tokenize answer")
         return tokens
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """With options.tokenizer where it renders too; else the upstream's /detokenize
+        (vLLM's shape, which a worker serves)."""
+        check_model(model, self.model_id)
+        if self.tokenizer is not None and not self._is_worker:
+            tok = self.tokenizer.tokenizer
+            return await decode_off_loop(tok.decode, token_ids, range(len(tok)))
+        body = {"model": self.upstream_model, "tokens": token_ids}
+        try:
+            data = await self.client.json("POST", self.client.endpoint.root + "/detokenize", body)
+        except BackendError as e:
+            self._failed(e)
+            raise
+        text = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(text, str):
+            raise BackendError(f"{self.label} sent an invalid /detokenize answer")
+        return text
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """Errors before the first chunk (connect, 5xx, timeout, invalid JSON) let the

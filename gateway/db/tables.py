@@ -52,7 +52,8 @@ class Quota(Base):
 
 
 class ApiKey(Base):
-    """Only the SHA-256 of a key is stored, with a short visible prefix to find it by."""
+    """Only the SHA-256 of a key is stored, with a short visible prefix to find it by.
+    Its limits are the tenant's fields, held beside the tenant's; NULL: no limit of its own."""
 
     __tablename__ = "api_keys"
 
@@ -67,6 +68,12 @@ class ApiKey(Base):
     created_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float | None] = mapped_column(Float)
     revoked_at: Mapped[float | None] = mapped_column(Float)
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    models: Mapped[list[str] | None] = mapped_column(JSON)
 
 
 class UsageRecord(Base):
@@ -139,7 +146,8 @@ class AuditLog(Base):
 
 
 class ServerSetting(Base):
-    """Values the server generates once and must keep across restarts (the cache-salt secret)."""
+    """Values the server generates once and must keep across restarts (the cache-salt
+    secret), and the auth epoch every key and tenant change rewrites (gateway.auth)."""
 
     __tablename__ = "server_settings"
 

@@ -1,4 +1,8 @@
-"""Quota limits, the windows they count in, and what a refusal says."""
+"""Quota limits, the windows they count in, and what a refusal says.
+
+A request takes from its tenant's counters and, where its API key has limits of its
+own, from the key's as well: it is admitted only if both admit it (`QuotaLimits.scopes`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT = (
     "concurrent",
 )
 
+
+# Who a set of counters belongs to, as a refusal names it.
+TENANT, KEY = "tenant", "key"
 
 _LIMIT_FIELD = {
     REQUESTS: "rpm",
@@ -45,6 +52,12 @@ class QuotaLimits:
     max_concurrent: int | None = None
     daily_tokens: int | None = None
     monthly_tokens: int | None = None
+    # Set by `with_key` for a key with limits of its own: the fields above are then the
+    # stricter of the tenant's and the key's (what token planning and the x-ratelimit-*
+    # headers see), and admission holds each to counters of its own (`scopes`).
+    key_id: str | None = None
+    tenant: QuotaLimits | None = None
+    key: QuotaLimits | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> QuotaLimits:
@@ -52,8 +65,51 @@ class QuotaLimits:
             return cls()
         return cls(row.rpm, row.tpm, row.max_concurrent, row.daily_tokens, row.monthly_tokens)
 
+    @classmethod
+    def with_key(cls, tenant: QuotaLimits, key_id: str, key: QuotaLimits) -> QuotaLimits:
+        """The tenant's limits with a key's on top; the tenant's alone if the key has none
+        (its requests then move no counters of their own)."""
+        if key == cls():
+            return tenant
+        stricter = {f: _least(getattr(tenant, f), getattr(key, f)) for f in _LIMIT_FIELD.values()}
+        return cls(**stricter, key_id=key_id, tenant=tenant, key=key)
+
     def limit_for(self, kind: str) -> int | None:
         return getattr(self, _LIMIT_FIELD[kind])
+
+    def scopes(self, tenant_id: str) -> tuple[Scope, ...]:
+        """Every set of counters a request takes from: the tenant's, then the key's."""
+        if self.key_id is None:
+            return (Scope(TENANT, tenant_id, self),)
+        assert self.tenant is not None and self.key is not None
+        return (Scope(TENANT, tenant_id, self.tenant), Scope(KEY, self.key_id, self.key))
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One owner's counters and the limits they are held to. Owner ids never collide:
+    tenants' are `t_...`, keys' `key_...`."""
+
+    who: str  # TENANT or KEY
+    owner: str
+    limits: QuotaLimits
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+def least_remaining(scopes: tuple[Scope, ...], kind: str, taken: dict[str, int]) -> int | None:
+    """What is left of `kind` after an admission, in the tightest scope (None: unlimited);
+    `taken` is each owner's counter value after it."""
+    left = None
+    for scope in scopes:
+        limit = scope.limits.limit_for(kind)
+        if limit is not None:
+            left = _least(left, limit - taken[scope.owner])
+    return left
 
 
 @dataclass(frozen=True)
@@ -104,7 +160,8 @@ def windows_at(now: float) -> Windows:
 
 @dataclass
 class Reservation:
-    """What admission took from a tenant's counters, to be settled at completion."""
+    """What admission took from a tenant's counters (and its key's, where the key has
+    limits: `limits.scopes`), to be settled at completion."""
 
     tenant_id: str
     tokens: int
@@ -115,13 +172,26 @@ class Reservation:
     requests: int = 1  # one per choice: n=4 takes four requests and four slots
     settled: bool = False
 
+    def owners(self) -> list[str]:
+        """Whose counters it took from."""
+        return [scope.owner for scope in self.limits.scopes(self.tenant_id)]
+
 
 class QuotaExceeded(Exception):
-    """A refusal: HTTP 429 with Retry-After and x-ratelimit-* headers."""
+    """A refusal: HTTP 429 with Retry-After and x-ratelimit-* headers; the message names
+    whose limit it was, the tenant's or the API key's."""
 
-    def __init__(self, kind: str, limit: int, used: int, requested: int, reset_s: float) -> None:
+    def __init__(
+        self,
+        kind: str,
+        limit: int,
+        used: int,
+        requested: int,
+        reset_s: float,
+        who: str = TENANT,
+    ) -> None:
         self.kind, self.limit, self.used, self.requested = kind, limit, used, requested
-        self.reset_s = reset_s
+        self.reset_s, self.who = reset_s, who
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -132,8 +202,9 @@ class QuotaExceeded(Exception):
             MONTHLY: ("tokens per month", "tokens"),
             CONCURRENT: ("concurrent requests", "requests"),
         }[self.kind]
+        whose = "this API key's" if self.who == KEY else "your tenant's"
         return (
-            f"Rate limit reached for {what[0]}: limit {self.limit}, used {self.used}, "
+            f"Rate limit reached for {whose} {what[0]}: limit {self.limit}, used {self.used}, "
             f"requested {self.requested} {what[1]}. Please try again in {self.reset_s:.1f}s."
         )
 

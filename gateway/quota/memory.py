@@ -1,7 +1,8 @@
 """Exact in-process counters for one gateway (the SQLite deployment).
 
-admit() checks and takes every counter with no await in between, so on one event
-loop two requests can never both take the last slot."""
+admit() checks and takes every counter, the tenant's and its key's, with no await in
+between, so on one event loop two requests can never both take the last slot, and a
+refusal by either takes nothing from both."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from gateway.quota.limits import (
     QuotaLimits,
     Reservation,
     amounts,
+    least_remaining,
     windows_at,
 )
 
-Counter = tuple[str, str, int]  # (tenant, kind, window)
+Counter = tuple[str, str, int]  # (owner: a tenant or a key, kind, window)
 
 
 class MemoryQuotaStore:
@@ -26,35 +28,39 @@ class MemoryQuotaStore:
         self.counters: dict[Counter, int] = {}
         self.minute_of: dict[str, int] = {}  # each tenant's newest minute window
 
-    def preload(self, tenant_id: str, used: dict[str, int], now: float) -> None:
-        """Seed the counters (kind -> amount) with the usage already committed in the
-        current windows: the database is the record, so a restart resets nothing."""
+    def preload(self, owner: str, used: dict[str, int], now: float) -> None:
+        """Seed a tenant's or a key's counters (kind -> amount) with the usage already
+        committed in the current windows: the database is the record, so a restart
+        resets nothing."""
         w = windows_at(now)
         for kind, amount in used.items():
-            self.counters[(tenant_id, kind, w.of(kind))] = amount
+            self.counters[(owner, kind, w.of(kind))] = amount
             if kind in (REQUESTS, TOKENS):
-                self.minute_of[tenant_id] = w.minute
+                self.minute_of[owner] = w.minute
 
     async def admit(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
     ) -> Reservation:
         w = windows_at(now)
         wanted = amounts(requests, tokens)
-        for kind, amount in wanted.items():
-            limit = limits.limit_for(kind)
-            if limit is None:
-                continue
-            used = self.counters.get((tenant_id, kind, w.of(kind)), 0)
-            if used + amount > limit:
-                raise QuotaExceeded(kind, limit, used, amount, w.reset_s(kind))
-        for kind, amount in wanted.items():
-            key = (tenant_id, kind, w.of(kind))
-            self.counters[key] = self.counters.get(key, 0) + amount
-        self._drop_old_minute(tenant_id, w.minute)
+        scopes = limits.scopes(tenant_id)
+        for scope in scopes:
+            for kind, amount in wanted.items():
+                limit = scope.limits.limit_for(kind)
+                if limit is None:
+                    continue
+                used = self.counters.get((scope.owner, kind, w.of(kind)), 0)
+                if used + amount > limit:
+                    raise QuotaExceeded(kind, limit, used, amount, w.reset_s(kind), scope.who)
+        for scope in scopes:
+            for kind, amount in wanted.items():
+                key = (scope.owner, kind, w.of(kind))
+                self.counters[key] = self.counters.get(key, 0) + amount
+            self._drop_old_minute(scope.owner, w.minute)
         remaining = {
-            kind: None
-            if limits.limit_for(kind) is None
-            else limits.limit_for(kind) - self.counters[(tenant_id, kind, w.of(kind))]
+            kind: least_remaining(
+                scopes, kind, {s.owner: self.counters[(s.owner, kind, w.minute)] for s in scopes}
+            )
             for kind in (REQUESTS, TOKENS)
         }
         return Reservation(tenant_id, tokens, w, remaining, limits, requests)
@@ -63,18 +69,19 @@ class MemoryQuotaStore:
         if res.settled:
             return
         res.settled = True
-        w, t = res.windows, res.tenant_id
+        w = res.windows
         delta = used_tokens - res.tokens
-        for kind in (TOKENS, DAILY, MONTHLY):
-            self._add((t, kind, w.of(kind)), delta)
-        self._add((t, CONCURRENT, 0), -res.requests)
-        if not count_request:
-            self._add((t, REQUESTS, w.minute), -res.requests)
+        for owner in res.owners():
+            for kind in (TOKENS, DAILY, MONTHLY):
+                self._add((owner, kind, w.of(kind)), delta)
+            self._add((owner, CONCURRENT, 0), -res.requests)
+            if not count_request:
+                self._add((owner, REQUESTS, w.minute), -res.requests)
 
-    async def used(self, tenant_id: str, now: float) -> dict[str, int]:
+    async def used(self, owner: str, now: float) -> dict[str, int]:
         w = windows_at(now)
         return {
-            kind: self.counters.get((tenant_id, kind, w.of(kind)), 0)
+            kind: self.counters.get((owner, kind, w.of(kind)), 0)
             for kind in (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT)
         }
 
@@ -91,9 +98,9 @@ class MemoryQuotaStore:
         assert value >= 0, f"quota counter {key} went negative"
         self.counters[key] = value
 
-    def _drop_old_minute(self, tenant_id: str, minute: int) -> None:
-        previous = self.minute_of.get(tenant_id)
+    def _drop_old_minute(self, owner: str, minute: int) -> None:
+        previous = self.minute_of.get(owner)
         if previous is not None and previous != minute:
             for kind in (REQUESTS, TOKENS):
-                self.counters.pop((tenant_id, kind, previous), None)
-        self.minute_of[tenant_id] = minute
+                self.counters.pop((owner, kind, previous), None)
+        self.minute_of[owner] = minute

@@ -1,19 +1,22 @@
 """Quota counters in PostgreSQL, so that N gateways enforce one limit, not N.
 
-Admission is one conditional upsert of every counter the request moves, in one
-transaction: a row is only incremented `WHERE value + amount <= limit`, and the
-tenant's advisory lock makes concurrent gateways queue on the same tenant. If fewer
-rows come back than were offered, a limit was hit and the transaction rolls back whole.
+Admission is one conditional upsert of every counter the request moves (its tenant's,
+and its key's where the key has limits), in one transaction: a row is only incremented
+`WHERE value + amount <= limit`, and the tenant's advisory lock makes concurrent gateways
+queue on the same tenant (a key's requests all take its tenant's lock too). If fewer rows
+come back than were offered, a limit was hit and the transaction rolls back whole.
+The counter and lease tables' `tenant_id` column holds the owner: a tenant's id or a key's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 
-from sqlalchemy import BigInteger, bindparam, delete, select, text, update
+from sqlalchemy import BigInteger, TextClause, bindparam, delete, select, text, update
 
 from gateway.db import Database, QuotaCounter, QuotaLease
 from gateway.quota.limits import (
@@ -25,7 +28,9 @@ from gateway.quota.limits import (
     QuotaExceeded,
     QuotaLimits,
     Reservation,
+    Windows,
     amounts,
+    least_remaining,
     windows_at,
 )
 
@@ -37,34 +42,44 @@ HEARTBEAT_S = 5.0
 STALE_AFTER_S = 20.0
 
 # Admission and settlement each take the tenant's advisory lock first: one tenant's
-# counter rows are then always locked by one transaction at a time, in no order that
-# could deadlock, and each is one statement (one round trip) after the lock.
+# counter rows (and its keys') are then always locked by one transaction at a time, in
+# no order that could deadlock, and each is one statement (one round trip) after the lock.
 _TENANT_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:t))")
 
-_ADMIT = text("""
+# one owner's five counters, and its lease when all of the request's counters were taken
+_COUNTER_ROWS = (
+    "(:t{i}, 'requests', :wm, :r, :l{i}_requests), (:t{i}, 'tokens', :wm, :n, :l{i}_tokens), "
+    "(:t{i}, 'daily', :wd, :n, :l{i}_daily), (:t{i}, 'monthly', :wmo, :n, :l{i}_monthly), "
+    "(:t{i}, 'concurrent', 0, :r, :l{i}_concurrent)"
+)
+_LEASE = """, lease{i} AS (
+  INSERT INTO quota_leases (instance_id, tenant_id, held, heartbeat)
+  SELECT :i, :t{i}, :r, :now WHERE (SELECT count(*) FROM taken) = {rows}
+  ON CONFLICT (instance_id, tenant_id) DO UPDATE
+    SET held = quota_leases.held + excluded.held, heartbeat = excluded.heartbeat
+)"""
+
+
+@functools.cache
+def _admit_sql(owners: int) -> TextClause:
+    """The admission statement for a tenant alone (1) or a tenant and its key (2)."""
+    rows = ",\n    ".join(_COUNTER_ROWS.format(i=i) for i in range(owners))
+    leases = "".join(_LEASE.format(i=i, rows=len(KINDS) * owners) for i in range(owners))
+    sql = f"""
 WITH taken AS (
   INSERT INTO quota_counters (tenant_id, kind, "window", value, limit_value) VALUES
-    (:t, 'requests', :wm, :r, :l_requests), (:t, 'tokens', :wm, :n, :l_tokens),
-    (:t, 'daily', :wd, :n, :l_daily), (:t, 'monthly', :wmo, :n, :l_monthly),
-    (:t, 'concurrent', 0, :r, :l_concurrent)
+    {rows}
   ON CONFLICT (tenant_id, kind, "window") DO UPDATE
     SET value = quota_counters.value + excluded.value, limit_value = excluded.limit_value
     WHERE excluded.limit_value IS NULL
        OR quota_counters.value + excluded.value <= excluded.limit_value
-  RETURNING kind, value
-), lease AS (
-  INSERT INTO quota_leases (instance_id, tenant_id, held, heartbeat)
-  SELECT :i, :t, :r, :now WHERE (SELECT count(*) FROM taken) = 5
-  ON CONFLICT (instance_id, tenant_id) DO UPDATE
-    SET held = quota_leases.held + excluded.held, heartbeat = excluded.heartbeat
-)
-SELECT kind, value FROM taken
-""").bindparams(
-    bindparam("wm", type_=BigInteger), bindparam("wd", type_=BigInteger),
-    bindparam("wmo", type_=BigInteger), bindparam("n", type_=BigInteger),
-    bindparam("r", type_=BigInteger),
-    *(bindparam("l_" + k, type_=BigInteger) for k in KINDS),
-)  # fmt: skip
+  RETURNING tenant_id, kind, value
+){leases}
+SELECT tenant_id, kind, value FROM taken"""
+    limits = [bindparam(f"l{i}_{k}", type_=BigInteger) for i in range(owners) for k in KINDS]
+    amounts_ = [bindparam(p, type_=BigInteger) for p in ("wm", "wd", "wmo", "n", "r")]
+    return text(sql).bindparams(*amounts_, *limits)
+
 
 _SETTLE = text("""
 WITH counters AS (
@@ -78,11 +93,11 @@ WITH counters AS (
   RETURNING 1
 )
 UPDATE quota_leases SET held = held - :r WHERE instance_id = :i AND tenant_id = :t
-""").bindparams(
-    bindparam("wm", type_=BigInteger), bindparam("wd", type_=BigInteger),
-    bindparam("wmo", type_=BigInteger), bindparam("dt", type_=BigInteger),
-    bindparam("dr", type_=BigInteger), bindparam("r", type_=BigInteger),
-)  # fmt: skip
+""").bindparams(*(bindparam(p, type_=BigInteger) for p in ("wm", "wd", "wmo", "dt", "dr", "r")))
+
+
+def _window_params(w: Windows) -> dict[str, int]:
+    return {"wm": w.minute, "wd": w.day, "wmo": w.month}
 
 
 class PostgresQuotaStore:
@@ -142,31 +157,37 @@ class PostgresQuotaStore:
     ) -> Reservation:
         w = windows_at(now)
         wanted = amounts(requests, tokens)
-        for kind, amount in wanted.items():
-            limit = limits.limit_for(kind)
-            if limit is not None and amount > limit:  # a fresh row is inserted unchecked
-                raise QuotaExceeded(kind, limit, 0, amount, w.reset_s(kind))
-        params = {"t": tenant_id, "i": self.instance_id, "now": now, "n": tokens,
-                  "r": requests, "wm": w.minute, "wd": w.day, "wmo": w.month}  # fmt: skip
-        for kind in KINDS:
-            params["l_" + kind] = limits.limit_for(kind)
+        scopes = limits.scopes(tenant_id)
+        params = _window_params(w) | {"i": self.instance_id, "now": now, "n": tokens}
+        params["r"] = requests
+        for i, scope in enumerate(scopes):
+            params[f"t{i}"] = scope.owner
+            for kind, amount in wanted.items():
+                limit = scope.limits.limit_for(kind)
+                if limit is not None and amount > limit:  # a fresh row is inserted unchecked
+                    raise QuotaExceeded(kind, limit, 0, amount, w.reset_s(kind), scope.who)
+                params[f"l{i}_{kind}"] = limit
         async with self.db.engine.begin() as conn:
-            await conn.execute(_TENANT_LOCK, params)
-            taken = {kind: value for kind, value in (await conn.execute(_ADMIT, params)).all()}
-            if len(taken) < len(wanted):
-                refused = next(k for k in KINDS if k not in taken)
+            await conn.execute(_TENANT_LOCK, {"t": tenant_id})
+            rows = (await conn.execute(_admit_sql(len(scopes)), params)).all()
+            taken = {(owner, kind): value for owner, kind, value in rows}
+            if len(taken) < len(wanted) * len(scopes):
+                scope, refused = next(
+                    (s, k) for s in scopes for k in KINDS if (s.owner, k) not in taken
+                )
                 used = await conn.scalar(
                     select(QuotaCounter.value).where(
-                        QuotaCounter.tenant_id == tenant_id,
+                        QuotaCounter.tenant_id == scope.owner,
                         QuotaCounter.kind == refused,
                         QuotaCounter.window == w.of(refused),
                     )
                 )
                 await conn.rollback()
-                raise QuotaExceeded(refused, limits.limit_for(refused) or 0, used or 0,
-                                    wanted[refused], w.reset_s(refused))  # fmt: skip
+                limit = scope.limits.limit_for(refused) or 0
+                reset_s = w.reset_s(refused)
+                raise QuotaExceeded(refused, limit, used or 0, wanted[refused], reset_s, scope.who)
         remaining = {
-            kind: None if limits.limit_for(kind) is None else limits.limit_for(kind) - taken[kind]
+            kind: least_remaining(scopes, kind, {s.owner: taken[(s.owner, kind)] for s in scopes})
             for kind in (REQUESTS, TOKENS)
         }
         return Reservation(tenant_id, tokens, w, remaining, limits, requests)
@@ -176,20 +197,21 @@ class PostgresQuotaStore:
             return
         res.settled = True
         w = res.windows
-        params = {"t": res.tenant_id, "i": self.instance_id, "dt": used_tokens - res.tokens,
-                  "dr": 0 if count_request else -res.requests, "r": res.requests,
-                  "wm": w.minute, "wd": w.day, "wmo": w.month}  # fmt: skip
+        params = _window_params(w) | {"i": self.instance_id, "r": res.requests}
+        params["dt"] = used_tokens - res.tokens
+        params["dr"] = 0 if count_request else -res.requests
         async with self.db.engine.begin() as conn:
-            await conn.execute(_TENANT_LOCK, params)
-            await conn.execute(_SETTLE, params)
+            await conn.execute(_TENANT_LOCK, {"t": res.tenant_id})
+            for owner in res.owners():
+                await conn.execute(_SETTLE, params | {"t": owner})
 
-    async def used(self, tenant_id: str, now: float) -> dict[str, int]:
+    async def used(self, owner: str, now: float) -> dict[str, int]:
         w = windows_at(now)
         async with self.db.session() as session:
             rows = (
                 await session.execute(
                     select(QuotaCounter.kind, QuotaCounter.window, QuotaCounter.value).where(
-                        QuotaCounter.tenant_id == tenant_id
+                        QuotaCounter.tenant_id == owner
                     )
                 )
             ).all()

@@ -11,8 +11,9 @@ class QuotaStore(Protocol):
     async def admit(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
     ) -> Reservation:
-        """Take `requests` requests and concurrency slots and `tokens` from every window,
-        or raise QuotaExceeded and take nothing."""
+        """Take `requests` requests and concurrency slots and `tokens` from every window of
+        every scope of `limits` (the tenant's, and its key's where the key has limits), or
+        raise QuotaExceeded, naming the scope that refused, and take nothing."""
         ...
 
     async def settle(self, res: Reservation, used_tokens: int, count_request: bool = True) -> None:
@@ -20,8 +21,8 @@ class QuotaStore(Protocol):
         give the request back when `count_request` is false. Idempotent."""
         ...
 
-    async def used(self, tenant_id: str, now: float) -> dict[str, int]:
-        """Current values of the tenant's counters, for stats."""
+    async def used(self, owner: str, now: float) -> dict[str, int]:
+        """Current values of a tenant's or a key's counters, for stats."""
         ...
 
     async def start(self) -> None: ...

@@ -18,11 +18,10 @@ from engine_api.errors import BackendError, BadRequestError
 from gateway.app import openai_errors
 from gateway.errors import ApiError
 from gateway.http_util import SETTINGS, json_response, parse_body
+from gateway.schemas import DetokenizeRequest, TokenizeRequest
 from gateway.worker.completions import completions
-from gateway.worker.detokenize import detokenize
 from gateway.worker.errors import api_error
 from gateway.worker.generate import generate
-from gateway.worker.schemas import DetokenizeRequest, TokenizeRequest
 from gateway.worker.state import WORKER, WorkerState
 
 MAX_WAIT_S = 30.0  # the longest long poll of /kvgate/v1/kv_events
@@ -88,7 +87,7 @@ async def detokenize_route(request: web.Request) -> web.Response:
     body = await parse_body(request, DetokenizeRequest)
     state.card(body.model)
     try:
-        text = detokenize(state.backend, state.kind, body.tokens)
+        text = await state.backend.detokenize(body.model, body.tokens)
     except (BadRequestError, BackendError) as e:
         raise api_error(e) from None
     return json_response({"prompt": text})

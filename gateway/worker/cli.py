@@ -1,8 +1,9 @@
 """`kvgate worker`: its flags, its configuration, and the process's life.
 
-The engine flags are `kvgate serve`'s and become a BackendSpec through the same code
-(Settings.resolved_backends); `--options` adds engine options (a JSON object) that
-serve takes from a [[backends]] entry. A worker is one replica of one backend.
+The engine flags are `kvgate serve`'s (add_engine_args, one definition for both) and
+become a BackendSpec through the same code (Settings.resolved_backends); `--options`
+adds engine options (a JSON object) that serve takes from a [[backends]] entry. A
+worker is one replica of one backend.
 """
 
 from __future__ import annotations
@@ -18,22 +19,116 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from gateway.config import ENGINE_SETTINGS, load_settings
+
 ENGINE_CHOICES = ["auto", "fake", "gpu", "local"]
 READY_LINE = "kvgate worker: listening on "  # the supervisor and tests wait for it
+# The engines' defaults, for --help only (the engines own them; a test holds these to
+# backend_local's and backend_gpu's EngineConfig): importing the engines here would
+# make every `kvgate` command start slowly.
+LOCAL_DEFAULTS = {"n_ctx": 16384, "n_parallel": 4}
+GPU_DEFAULTS = {
+    "max_num_seqs": 256,
+    "gpu_memory_utilization": 0.9,
+    "device": "auto",
+    "dtype": "auto",
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags of `kvgate serve` and `kvgate worker`. Unset ones leave the
+    setting to the config file, KVGATE_*, then the engine's default."""
+    p.add_argument(
+        "--backend",
+        choices=ENGINE_CHOICES,
+        help="auto (default): gpu with CUDA, else local (llama.cpp), else fake",
+    )
+    p.add_argument(
+        "--model", metavar="PATH", help="GGUF file or HF directory (default: Gemma 3 270M)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id clients send (default: the model's)",
+    )
+    p.add_argument(
+        "--fairness",
+        choices=["vtc", "fcfs"],
+        help="how tenants share a backend: vtc (default, the Virtual Token Counter) or fcfs",
+    )
+    gpu = p.add_argument_group("gpu backend (kvgate's PyTorch engine)")
+    gpu.add_argument(
+        "--quantization",
+        choices=["fp8", "int8"],
+        help="8-bit weights, made at load (default: none)",
+    )
+    gpu.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        help="fp8 holds twice the blocks (default auto)",
+    )
+    gpu.add_argument(
+        "--max-model-len", type=int, metavar="N", help="tokens per sequence (default: the model's)"
+    )
+    gpu.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help=f"sequences scheduled together (default {GPU_DEFAULTS['max_num_seqs']})",
+    )
+    gpu.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="share of the GPU's memory the engine may take, weights and KV cache "
+        f"(default {GPU_DEFAULTS['gpu_memory_utilization']})",
+    )
+    gpu.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        help="where the engine runs; auto: CUDA when torch sees a GPU, else the CPU "
+        f"(default {GPU_DEFAULTS['device']})",
+    )
+    gpu.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU "
+        f"(default {GPU_DEFAULTS['dtype']})",
+    )
+    local = p.add_argument_group("local backend (llama.cpp)")
+    local.add_argument(
+        "--n-parallel",
+        type=int,
+        metavar="N",
+        help=f"sequences decoded together (default {LOCAL_DEFAULTS['n_parallel']})",
+    )
+    local.add_argument(
+        "--n-ctx",
+        type=int,
+        metavar="N",
+        help="KV cells shared by the sequences: each holds n_ctx / n_parallel tokens "
+        f"(default {LOCAL_DEFAULTS['n_ctx']})",
+    )
+    local.add_argument(
+        "--n-threads", type=int, metavar="N", help="CPU threads (default: one per core, up to 8)"
+    )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """add_engine_args' values as load_settings overrides (None: not given)."""
+    names = ("backend", "model", "served_model_name", "fairness", *ENGINE_SETTINGS)
+    return {name: getattr(args, name) for name in names}
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("worker", help="run one engine in its own process, served over HTTP")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8001, help="0: any free port (printed)")
-    p.add_argument("--backend", choices=ENGINE_CHOICES)
-    p.add_argument("--model", help="GGUF file or HF directory (default: Gemma 3 270M)")
-    p.add_argument("--served-model-name")
-    p.add_argument("--quantization", choices=["fp8", "int8"], help="gpu backend: 8-bit weights")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], help="gpu backend: fp8 KV cache")
-    p.add_argument("--fairness", choices=["vtc", "fcfs"], help="gpu backend: default vtc")
+    p.add_argument("--host", default="127.0.0.1", help="default %(default)s")
     p.add_argument(
-        "--options", type=_json_object, default={}, help='engine options, e.g. {"n_threads": 2}'
+        "--port", type=int, default=8001, help="0: any free port (printed); default %(default)s"
+    )
+    add_engine_args(p)
+    p.add_argument(
+        "--options", type=_json_object, default={}, help='engine options, e.g. {"n_batch": 256}'
     )
     p.add_argument("--worker-token", help="callers must send it (or KVGATE_WORKER_TOKEN)")
     p.add_argument("--cpus", type=_cpu_list, help="run on these CPU cores only, e.g. 0-3 or 0,2")
@@ -52,19 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if args.cpus:
         os.sched_setaffinity(0, args.cpus)  # before the engine sizes its thread pools
     from gateway.backends import build_backends
-    from gateway.config import load_settings
 
-    overrides = {
-        "host": args.host,
-        "port": args.port,
-        "backend": args.backend,
-        "model": args.model,
-        "served_model_name": args.served_model_name,
-        "quantization": args.quantization,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "fairness": args.fairness,
-        "replicas": 1,
-    }
+    overrides = {"host": args.host, "port": args.port, "replicas": 1} | engine_overrides(args)
     try:
         settings = load_settings(args.config, overrides)
         specs = settings.resolved_backends()

@@ -1,9 +1,12 @@
-"""Greedy reference outputs from transformers, and the token-for-token comparison."""
+"""Greedy reference outputs from transformers, the token-for-token comparison, and the
+teacher-forced agreement of two engines."""
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM
+
+from engine_api.sampling import SamplingParams
 
 # Two tokens whose logits are this close may swap places under a different (but
 # equally valid) floating-point summation order; vLLM's tests accept that too.
@@ -46,3 +49,17 @@ def assert_greedy_matches(ours: list[int], ref_ids: list[int], ref_logits: torch
             f"ours {ours}\nref  {ref_ids}"
         )
         return
+
+
+def forced_agreement(llm, prompts: list, refs: list) -> float:
+    """Share of the reference's tokens that `llm` picks greedily after the prompt and
+    the reference's tokens before it."""
+    prefixes = [
+        p + r.token_ids[:i]
+        for p, r in zip(prompts, refs, strict=True)
+        for i in range(len(r.token_ids))
+    ]
+    want = [t for r in refs for t in r.token_ids]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    got = [o.token_ids[0] for o in llm.generate(prefixes, params)]
+    return sum(a == b for a, b in zip(got, want, strict=True)) / len(want)

@@ -79,7 +79,12 @@ def test_greedy_matches_under_preemption(tiny_model_dir, arch):
     probe = LLM(model_dir, kv_cache_memory_bytes=1 << 20)
     block_bytes = probe.stats().kv_cache_bytes // probe.stats().num_blocks
     # 8 blocks of 16 tokens: the longest request (70 + 12 tokens) fits, the batch does not
-    llm = LLM(model_dir, kv_cache_memory_bytes=8 * block_bytes, max_num_batched_tokens=32)
+    llm = LLM(
+        model_dir,
+        kv_cache_memory_bytes=8 * block_bytes,
+        max_num_batched_tokens=32,
+        max_model_len=8 * 16,  # what the pool holds: a smaller pool is refused
+    )
     assert llm.stats().num_blocks == 8
     check(llm, model_dir)
     stats = llm.stats()

@@ -48,11 +48,16 @@ def test_prompt_too_long_names_the_limit(llm):
     assert info.value.prompt_tokens == 256 and info.value.context_length == 256
 
 
-def test_request_that_can_never_fit_the_pool_is_refused(tiny_model_dir):
-    small = LLM(tiny_model_dir("llama"), kv_cache_memory_bytes=40_000)
-    pool_tokens = small.stats().num_blocks * 16
-    with pytest.raises(ValueError, match="pool"):
-        small.generate([[5] * (pool_tokens - 4)], SamplingParams(max_tokens=8))
+def test_a_pool_smaller_than_one_sequence_is_refused_at_start(tiny_model_dir):
+    """40 kB hold 4 blocks of 16 tokens (8 kB each): not one sequence of the model's 256
+    positions. An error at start, not an engine that refuses most requests."""
+    with pytest.raises(ValueError, match="fewer than the 16 blocks .* max_model_len 256"):
+        LLM(tiny_model_dir("llama"), kv_cache_memory_bytes=40_000)
+    small = LLM(tiny_model_dir("llama"), kv_cache_memory_bytes=40_000, max_model_len=64)
+    assert small.stats().num_blocks == 4
+    # the longest request fits the pool alone
+    out = small.generate([[5] * 60], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert all_blocks_free(small)
 
 

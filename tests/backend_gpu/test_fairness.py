@@ -399,8 +399,13 @@ def test_fairness_changes_the_order_not_the_greedy_outputs(tiny_model_dir):
     runs = {
         "fcfs": {"fairness": "fcfs"},
         "vtc": {"fairness": "vtc"},
-        # a pool of 6 blocks for 3 requests of up to 3: preemption, and speculation too
-        "vtc-spec": {"kv_cache_memory_bytes": 4 * 8192, "speculative_config": ngram},
+        # a pool of 4 blocks for 3 requests of up to 3: preemption, and speculation too
+        # (max_model_len 64: a pool must hold one whole sequence)
+        "vtc-spec": {
+            "kv_cache_memory_bytes": 4 * 8192,
+            "max_model_len": 64,
+            "speculative_config": ngram,
+        },
     }
     results = {}
     for name, options in runs.items():

@@ -19,6 +19,7 @@ from backend_gpu.quantization.fp8 import FP8
 from gateway.backends import build_backend
 from gateway.cli import main as kvgate_main
 from gateway.config import load_settings
+from tests.backend_gpu.reference import forced_agreement
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 9, 30, 41, 7], [100, 3, 77], [12] * 20, [250, 251, 252, 253, 254, 255, 8, 9]]
@@ -142,20 +143,6 @@ def test_greedy_next_tokens_agree_with_the_unquantized_model(tiny_model_dir, arc
     assert forced_agreement(llm, PROMPTS, refs) >= 0.75
 
 
-def forced_agreement(llm: LLM, prompts: list, refs: list) -> float:
-    """Share of the reference's tokens that `llm` picks greedily after the prompt and
-    the reference's tokens before it."""
-    prefixes = [
-        p + r.token_ids[:i]
-        for p, r in zip(prompts, refs, strict=True)
-        for i in range(len(r.token_ids))
-    ]
-    want = [t for r in refs for t in r.token_ids]
-    params = SamplingParams(temperature=0, max_tokens=1)
-    got = [o.token_ids[0] for o in llm.generate(prefixes, params)]
-    return sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
-
-
 @pytest.mark.parametrize("method", ["fp8", "int8"])
 def test_quantized_model_computes_what_its_dequantized_weights_say(tiny_llama, method):
     """The quantized engine, token for token, against the unquantized engine holding the
@@ -212,13 +199,15 @@ def test_gemma3_270m_fp8_greedy_agrees_with_the_unquantized_model():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     # float32 (bfloat16 matmuls are slow on CPUs without AVX512-BF16), a small KV cache
-    ref = LLM(path, kv_cache_memory_bytes=16 << 20)
+    # and a max_model_len it holds (28 blocks of 16 tokens in float32, 112 in FP8)
+    ref = LLM(path, kv_cache_memory_bytes=16 << 20, max_model_len=448)
     prompt_ids = [ref.tokenizer.encode(p) for p in prompts]
     refs, ref_bytes = ref.generate(prompt_ids, params), ref.engine.runner.weight_bytes
     del ref
     llm = LLM(
         path,
         kv_cache_memory_bytes=16 << 20,
+        max_model_len=1024,  # the whole calibration text (482 tokens) fits
         quantization="fp8",
         kv_cache_dtype="fp8",
         max_num_batched_tokens=8,  # prefixes in chunks: the later ones read the FP8 cache

@@ -316,8 +316,9 @@ def test_abort_and_preemption_give_every_block_back(tiny_model_dir):
     path = tiny_model_dir("llama")
     spec_config = {"method": "draft", "num_speculative_tokens": 3, "model": tiny_model_dir("qwen3")}
     # a pool small enough that the running requests preempt each other
-    spec = LLM(path, kv_cache_memory_bytes=100_000, speculative_config=spec_config)
-    plain = LLM(path, kv_cache_memory_bytes=100_000)
+    pool = {"kv_cache_memory_bytes": 100_000, "max_model_len": 192}  # 12 blocks of 16
+    spec = LLM(path, **pool, speculative_config=spec_config)
+    plain = LLM(path, **pool)
     engine = spec.engine
     prompts = copy_prompts(spec.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)

@@ -249,15 +249,15 @@ def test_engine_on_the_kernels_matches_transformers(tiny_model_dir):
     caching, decodes; Gemma 3's sliding window and GQA): greedy outputs equal
     transformers'."""
     model_dir = tiny_model_dir("gemma3")
-    llm = LLM(model_dir, device=DEVICE, max_num_batched_tokens=24)
+    llm = LLM(model_dir, device=DEVICE, dtype="float32", max_num_batched_tokens=24)
     runner = llm.engine.runner
     assert runner.paged_kernels == (DEVICE == "cuda")
     runner.paged_kernels = True  # on a CPU too: the kernels in the interpreter
     steps = []
     prepare = runner.prepare
 
-    def prepare_and_count(batch):
-        prepared = prepare(batch)
+    def prepare_and_count(batch, graph_size=None):
+        prepared = prepare(batch, graph_size)
         meta = prepared[2]
         assert meta.paged is not None and not meta.prefills and not meta.decode_groups
         steps.append(meta.paged.max_query_len)

@@ -15,6 +15,7 @@ from gateway.backends import (
 )
 from gateway.backends.local import LocalBackend
 from gateway.default_model import DEFAULT_MODEL_ID
+from gateway.fair_queue import SPARE_SEATS
 from tests.backend_local.helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -106,7 +107,8 @@ async def test_closing_the_stream_aborts_and_stats_follow(backend):
     await stream.aclose()
     await wait_for(lambda: b.stats().running == 0)
     stats = b.stats()
-    assert stats.extra["free_sequences"] == 2
+    # every sequence is free again: n_parallel, plus the fair queue's spare seat
+    assert stats.extra["free_sequences"] == OPTIONS["n_parallel"] + SPARE_SEATS
     assert stats.prefix_queries > 0 and stats.extra["gen_tokens_total"] > 0
 
 

@@ -44,3 +44,31 @@ def test_bad_config_is_a_clear_error(tmp_path):
     cfg.write_text("[server]\nprot = 1\n")
     with pytest.raises(ValueError, match="prot"):
         load_settings(cfg, environ={})
+
+
+def test_fairness_reaches_gpu_entries_that_do_not_choose_their_own(tmp_path):
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text(
+        """
+[[backends]]
+name = "a"
+type = "gpu"
+model = "m"
+
+[[backends]]
+name = "b"
+type = "gpu"
+model = "m"
+options = { fairness = "vtc" }
+
+[[backends]]
+name = "c"
+type = "fake"
+"""
+    )
+    a, b, c = load_settings(cfg, overrides={"fairness": "fcfs"}, environ={}).resolved_backends()
+    assert a.options == {"fairness": "fcfs"}
+    assert b.options == {"fairness": "vtc"}  # the entry's own choice wins
+    assert c.options == {}
+    a, b, c = load_settings(cfg, environ={}).resolved_backends()
+    assert a.options == {} and b.options == {"fairness": "vtc"}

@@ -1,4 +1,6 @@
-"""Both quota stores, same rules: exact limits, refusals take nothing, settle corrects."""
+"""Both quota stores, same rules: exact limits, refusals take nothing, settle corrects;
+a key's own limits hold beside its tenant's, the stricter one refusing, and a refusal by
+either takes nothing from both."""
 
 from __future__ import annotations
 
@@ -103,6 +105,97 @@ async def test_concurrent_admissions_are_exact(store):
     assert sum(results) == 50
 
 
+def keyed(tenant: QuotaLimits, key: QuotaLimits, key_id: str = "key_a") -> QuotaLimits:
+    return QuotaLimits.with_key(tenant, key_id, key)
+
+
+# (limit field, the counter it holds, whether it counts tokens rather than requests)
+LIMITED = [
+    ("rpm", "requests", False),
+    ("tpm", "tokens", True),
+    ("max_concurrent", "concurrent", False),
+    ("daily_tokens", "daily", True),
+    ("monthly_tokens", "monthly", True),
+]
+
+
+@pytest.mark.parametrize("stricter", ["key", "tenant"])
+@pytest.mark.parametrize(("field", "kind", "counts_tokens"), LIMITED, ids=[f for f, *_ in LIMITED])
+async def test_the_stricter_of_key_and_tenant_refuses(store, field, kind, counts_tokens, stricter):
+    unit = 10 if counts_tokens else 1  # each admission: 1 request, 10 tokens
+    tight, loose = QuotaLimits(**{field: 2 * unit}), QuotaLimits(**{field: 4 * unit})
+    tenant, key = (loose, tight) if stricter == "key" else (tight, loose)
+    limits = keyed(tenant, key)
+    assert limits.limit_for(kind) == 2 * unit  # what token planning and headers see
+    for _ in range(2):
+        await store.admit("t", limits, 10, NOW)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 10, NOW)
+    assert (e.value.kind, e.value.who, e.value.limit, e.value.used) == (
+        kind,
+        stricter,
+        2 * unit,
+        2 * unit,
+    )
+    assert ("this API key's" in str(e.value)) == (stricter == "key")
+    for owner in ("t", "key_a"):  # the refusal took nothing from either
+        used = await store.used(owner, NOW)
+        assert (used["requests"], used["tokens"], used["concurrent"]) == (2, 20, 2), owner
+        assert used["daily"] == used["monthly"] == 20
+
+
+async def test_keys_count_apart_and_share_their_tenants_limit(store):
+    tenant = QuotaLimits(rpm=3)
+    a, b = keyed(tenant, QuotaLimits(rpm=2)), keyed(tenant, QuotaLimits(rpm=2), "key_b")
+    unlimited_key = keyed(tenant, QuotaLimits(), "key_c")
+    assert unlimited_key == tenant  # no counters of its own
+    await store.admit("t", a, 1, NOW)
+    await store.admit("t", a, 1, NOW)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", a, 1, NOW)
+    assert e.value.who == "key"
+    await store.admit("t", b, 1, NOW)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", b, 1, NOW)
+    assert e.value.who == "tenant" and e.value.used == 3
+    assert (await store.used("key_b", NOW))["requests"] == 1
+    assert (await store.used("key_c", NOW))["requests"] == 0
+
+
+async def test_settle_corrects_the_keys_counters_too(store):
+    limits = keyed(QuotaLimits(tpm=1000, rpm=50), QuotaLimits(tpm=100, max_concurrent=1))
+    res = await store.admit("t", limits, 80, NOW)
+    assert res.remaining == {"requests": 49, "tokens": 20}  # the tightest of both
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 1, NOW)
+    assert (e.value.kind, e.value.who) == ("concurrent", "key")
+    await store.settle(res, 15, count_request=False)
+    await store.settle(res, 15)  # idempotent
+    for owner in ("t", "key_a"):
+        used = await store.used(owner, NOW)
+        assert (used["requests"], used["tokens"], used["concurrent"]) == (0, 15, 0), owner
+    await store.admit("t", limits, 85, NOW)
+
+
+@pytest.mark.parametrize("stricter", ["key", "tenant"])
+async def test_concurrent_admissions_against_a_key_are_exact(store, stricter):
+    tight, loose = QuotaLimits(rpm=10), QuotaLimits(rpm=50)
+    limits = keyed(loose, tight) if stricter == "key" else keyed(tight, loose)
+
+    async def one():
+        try:
+            await store.admit("t", limits, 1, NOW)
+            return True
+        except QuotaExceeded as e:
+            assert e.who == stricter
+            return False
+
+    results = await asyncio.gather(*(one() for _ in range(100)))
+    assert sum(results) == 10
+    assert (await store.used("t", NOW))["requests"] == 10
+    assert (await store.used("key_a", NOW))["requests"] == 10
+
+
 async def test_slots_of_a_dead_gateway_are_taken_back(pg_schema):
     db = Database(PG_URL, pg_schema)
     await migrate(db)
@@ -118,4 +211,20 @@ async def test_slots_of_a_dead_gateway_are_taken_back(pg_schema):
     res = await alive.admit("t", limits, 1, NOW + 600)
     await alive.settle(res, 1)
     assert (await alive.used("t", NOW + 600))["concurrent"] == 0
+    await db.close()
+
+
+async def test_a_dead_gateways_slots_of_a_key_are_taken_back(pg_schema):
+    db = Database(PG_URL, pg_schema)
+    await migrate(db)
+    dead, alive = PostgresQuotaStore(db), PostgresQuotaStore(db)
+    limits = keyed(QuotaLimits(max_concurrent=5), QuotaLimits(max_concurrent=1))
+    await dead.admit("t", limits, 1, NOW)  # then it is killed: never settles
+    with pytest.raises(QuotaExceeded) as e:
+        await alive.admit("t", limits, 1, NOW + 1)
+    assert (e.value.kind, e.value.who) == ("concurrent", "key")
+    assert await alive.reclaim_stale(NOW + 600) == 2  # the tenant's slot and the key's
+    res = await alive.admit("t", limits, 1, NOW + 600)
+    await alive.settle(res, 1)
+    assert (await alive.used("key_a", NOW + 600))["concurrent"] == 0
     await db.close()

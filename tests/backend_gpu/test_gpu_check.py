@@ -1,0 +1,78 @@
+"""bench/gpu_check: what of it a CPU can run. The bandwidth arithmetic, the options,
+the script's paths, and the whole kvgate half on a tiny shape (the GPU runs the real
+one, bench/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bandwidth_share_of_a_batch1_decode():
+    # Llama 3 8B in bfloat16: 16.06 GB of weights, 1.05 GB of them the input table (a
+    # lookup), 128 KiB of KV per position (32 layers x 8 heads x 128 x 2 bytes, K and V)
+    per_token = gpu_check.decode_bytes_per_token(16_060_000_000, 1_050_000_000, 131072, 200.0)
+    assert per_token == 16_060_000_000 - 1_050_000_000 + 131072 * 200
+    share = gpu_check.bandwidth_share(250.0, per_token, gpu_check.H200_BANDWIDTH)
+    assert share == pytest.approx(250 * 15_036_214_400 / 4.8e12)
+    assert 0.78 < share < 0.79
+
+
+def test_options_and_their_checks():
+    args = gpu_check.parse_args(["--out", "x"])
+    assert (args.shape, args.device, args.budget_s) == ("llama3-8b", "cuda", 250.0)
+    assert args.only == gpu_check.PARTS and args.vocab == 128256
+    assert gpu_check.parse_args(["--out", "x", "--prompt-lens", "3,9"]).prompt_lens == (3, 9)
+    for bad in ("9,3", "0,4", "7"):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(["--out", "x", "--output-lens", bad])
+    assert gpu_check.ratios({"kvgate_bf16": {"tokens_per_s": 300.0}, "transformers_cb": {}}) == {}
+    parts = {"kvgate_bf16": {"tokens_per_s": 300.0}, "kvgate_fp8": {"tokens_per_s": 450.0}}
+    parts["transformers_cb"] = {"tokens_per_s": 100.0}
+    assert gpu_check.ratios(parts) == {
+        "kvgate_bf16_over_transformers_cb": 3.0,
+        "kvgate_fp8_over_bf16": 1.5,
+    }
+
+
+def test_the_script_runs_files_that_exist():
+    script = (ROOT / "bench/gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "bench/gpu_check.sh")], check=True)
+    files = re.findall(r"tests/backend_gpu/\w+\.py", script)
+    assert "tests/backend_gpu/test_cuda.py" in files
+    assert all((ROOT / f).is_file() for f in files)
+    assert "-m bench.gpu_check" in script and "-m cuda" in script
+
+
+def test_the_kvgate_runs_on_a_tiny_shape(tmp_path):
+    gpu_check.main(
+        [
+            "--out", str(tmp_path), "--shape", "tiny", "--device", "cpu",
+            "--only", "kvgate_bf16", "kvgate_fp8", "--num-requests", "5",
+            "--prompt-lens", "3,40", "--output-lens", "2,6",
+            "--batch1-prompt", "8", "--batch1-tokens", "6", "--budget-s", "120",
+        ]
+    )  # fmt: skip
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    bf16, fp8 = results["parts"]["kvgate_bf16"], results["parts"]["kvgate_fp8"]
+    for part in (bf16, fp8):
+        assert "error" not in part and not part["cut"] and part["requests"] == 5
+        assert part["tokens_per_s"] > 0 and part["graph_steps"] == 0  # no graphs on a CPU
+        b1 = part["batch1"]
+        assert b1["decode_tokens"] == 5 and b1["mean_context"] == 8 + 3
+        assert b1["bandwidth_share"] == pytest.approx(
+            b1["tokens_per_s"] * b1["bytes_per_token"] / gpu_check.H200_BANDWIDTH
+        )
+    # 8-bit weights: fewer bytes per decoded token
+    assert fp8["weight_bytes"] < 0.5 * bf16["weight_bytes"]
+    assert fp8["batch1"]["bytes_per_token"] < bf16["batch1"]["bytes_per_token"]
+    assert set(results["ratios"]) == {"kvgate_fp8_over_bf16"}
+    assert results["env"]["device"] == "cpu"

@@ -1,0 +1,138 @@
+"""/tokenize and /detokenize on the gateway, in vLLM's shape: under a tenant's key and
+its (and its key's) allowed models, OpenAI-shaped errors, never billed or counted against
+a quota; on the fake backend, a real tokenizer (the gpu engine's tiny model) and a remote
+`kvgate worker` (through its own /tokenize and /detokenize)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.backends import BackendSpec
+from gateway.backends.fake import FakeBackend
+from tests.backend_gpu.tiny_models import save_tiny_model
+from tests.conftest import away_from_minute_boundary
+from tests.gateway.test_worker import TOKEN, start_worker
+
+PROMPT = "the gateway counts exactly what a completion gets"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+async def call(gw, key: str | None, path: str, body: dict) -> tuple[int, dict]:
+    async with await gw.post(path, key, body) as r:
+        return r.status, await r.json()
+
+
+async def tokenize(gw, key: str, model: str, **body) -> tuple[int, dict]:
+    return await call(gw, key, "/tokenize", {"model": model} | body)
+
+
+async def detokenize(gw, key: str, model: str, tokens: list[int]) -> tuple[int, dict]:
+    return await call(gw, key, "/detokenize", {"model": model, "tokens": tokens})
+
+
+async def test_tokenize_and_detokenize_on_the_fake_backend(gw):
+    fake = FakeBackend(BackendSpec("fake", "fake", "", "fake-model"))
+    tenant, key = await gw.tenant(rpm=1)
+    status, body = await tokenize(gw, key, "fake-model", prompt=PROMPT)
+    assert status == 200
+    assert body == {
+        "tokens": await fake.render("fake-model", PROMPT),
+        "count": len(PROMPT.split()),
+        "max_model_len": 4096,
+    }
+    status, body = await tokenize(gw, key, "fake-model", messages=MESSAGES)
+    assert status == 200 and body["tokens"] == await fake.render("fake-model", MESSAGES)
+    status, body = await detokenize(gw, key, "fake-model", [1, 2, 3])
+    assert (status, body) == (200, {"prompt": "the quick brown"})
+
+    # not billed, and no quota counts them: the tenant's one request a minute is still free
+    await away_from_minute_boundary()
+    async with await gw.chat(key, max_tokens=2) as r:
+        assert r.status == 200
+    _, usage = await gw.admin("GET", f"/admin/usage?tenant_id={tenant['id']}")
+    assert usage["total"]["requests"] == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "says"),
+    [
+        ("/tokenize", {"model": "fake-model"}, 400, "exactly one of prompt and messages"),
+        ("/tokenize", {"model": "fake-model", "prompt": "x", "messages": MESSAGES}, 400, "one"),
+        (
+            "/tokenize",
+            {"model": "fake-model", "prompt": "x", "add_special_tokens": False},
+            400,
+            "add_special_tokens",
+        ),
+        ("/tokenize", {"model": "fake-model", "prompt": "x", "truncate": 5}, 400, "'truncate'"),
+        ("/tokenize", {"model": "fake-model", "prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "nope"),
+        ("/detokenize", {"model": "fake-model", "tokens": [10**6]}, 400, "vocabulary"),
+        ("/detokenize", {"model": "fake-model", "tokens": [-1]}, 400, "tokens"),
+        ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "nope"),
+    ],
+)
+async def test_bad_bodies_are_openai_errors(gw, path, body, status, says):
+    _, key = await gw.tenant()
+    got, error = await call(gw, key, path, body)
+    assert got == status and says in error["error"]["message"], error
+
+
+async def test_they_need_a_key_and_an_allowed_model(gw):
+    text = {"model": "fake-model", "prompt": "x"}
+    status, error = await call(gw, None, "/tokenize", text)
+    assert status == 401 and error["error"]["code"] == "invalid_api_key"
+    tenant, _ = await gw.tenant(models=["fake-model"])
+    keys = f"/admin/tenants/{tenant['id']}/keys"
+    status, key = await gw.admin("POST", keys, {"models": ["other-model"]})
+    assert status == 201
+    for path, body in (
+        ("/tokenize", text),
+        ("/detokenize", {"model": "fake-model", "tokens": [1]}),
+    ):
+        status, error = await call(gw, key["key"], path, body)
+        assert status == 403 and error["error"]["code"] == "model_not_allowed", path
+
+
+async def test_a_real_tokenizer_round_trips(make_gateway, tmp_path):
+    spec = BackendSpec("gpu0", "gpu", save_tiny_model("llama", str(tmp_path)), "tiny-llama")
+    spec.options = {"max_num_batched_tokens": 32}
+    gw = await make_gateway([spec])
+    _, key = await gw.tenant()
+    text = "The quick brown fox jumps over the lazy dog."
+    status, body = await tokenize(gw, key, "tiny-llama", prompt=text)
+    assert status == 200 and body["count"] == len(body["tokens"]) > 1
+    assert body["max_model_len"] == 256
+    tokenizer = gw.backend("gpu0").engine.tokenizer
+    assert body["tokens"] == tokenizer.encode(text)
+    status, back = await detokenize(gw, key, "tiny-llama", body["tokens"])
+    assert status == 200 and back["prompt"] == tokenizer.decode(body["tokens"])
+    assert back["prompt"].endswith(text)
+    status, chat = await tokenize(gw, key, "tiny-llama", messages=MESSAGES)
+    rendered = await gw.backend("gpu0").render("tiny-llama", MESSAGES)
+    assert status == 200 and chat["tokens"] == rendered
+    size = len(tokenizer)
+    status, error = await detokenize(gw, key, "tiny-llama", [size])
+    assert status == 400 and f"vocabulary (0..{size - 1})" in error["error"]["message"]
+
+
+async def test_through_a_remote_worker(make_gateway, tmp_path):
+    worker = start_worker(tmp_path, "--backend", "fake")
+    try:
+        options = {"urls": [worker.url + "/v1"], "api_key": TOKEN, "context_length": 4096}
+        gw = await make_gateway([BackendSpec("up", "remote", "fake-model", options=options)])
+        (up,) = gw.state.backends
+        while not up.stats().healthy:  # the health watch's first answer
+            await asyncio.sleep(0.05)
+        _, key = await gw.tenant()
+        fake = FakeBackend(BackendSpec("fake", "fake", "", "fake-model"))
+        status, body = await tokenize(gw, key, "fake-model", messages=MESSAGES)
+        assert status == 200 and body["tokens"] == await fake.render("fake-model", MESSAGES)
+        status, body = await detokenize(gw, key, "fake-model", [4, 5, 6])
+        assert (status, body) == (200, {"prompt": "fox jumps over"})
+        status, error = await detokenize(gw, key, "fake-model", [10**6])
+        assert status == 400 and "vocabulary" in error["error"]["message"]  # the worker's word
+    finally:
+        worker.stop()
