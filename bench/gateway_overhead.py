@@ -29,6 +29,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from bench.options import DefaultsHelpFormatter
+
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 16}  # fmt: skip
 ADMIN = "kvg-bench-admin-" + "a" * 32
@@ -230,7 +232,9 @@ def measure(url: str, key: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--duration", type=int, default=10)
     p.add_argument("--rate", type=float, default=1000)
     p.add_argument("--out", default="docs/perf")

@@ -9,6 +9,15 @@ One bad row must not fail the others in its transaction: a batch that fails is
 committed again row by row, a row that fails alone once more without the field the
 client chose (`user`), and a row that still fails (the database is down) is kept and
 retried until it is committed, so a response that already went out is still billed.
+
+On SQLite the recorder also keeps the write-ahead log bounded. Commits come without
+a gap under load, so a checkpoint beside them never catches up and the log never
+starts again. Once the log passes the database's `wal_limit_bytes`, a PASSIVE
+checkpoint copies it into the database from a worker thread while commits go on;
+then, between two commits, a RESTART checkpoint copies the little that came since,
+and the next commit starts the log again from the beginning of its file (which it
+cuts back to the limit). Rows that arrive during that checkpoint wait and go together
+in the next commit.
 """
 
 from __future__ import annotations
@@ -29,7 +38,10 @@ from gateway.db import Database, UsageRecord
 log = logging.getLogger("kvgate.usage")
 
 INLINE_COMMIT_ROWS = 32
-CHECKPOINT_EVERY_S = 2.0
+# The RESTART checkpoint waits this long at most for a reader of an older snapshot
+# (commits wait too); after one that could not finish, the next is tried this much later.
+RESTART_BUSY_MS = 100
+RESTART_RETRY_S = 1.0
 _ROW_FAULTS = (DataError, IntegrityError, sqlite3.DataError, sqlite3.IntegrityError)
 
 
@@ -78,6 +90,7 @@ class UsageRecorder:
         stop_flush_s: float = 5.0,
     ) -> None:
         self.db = db
+        self.wal = db.wal_path
         self.max_batch = max_batch
         self.retry_s, self.retry_max_s, self.stop_flush_s = retry_s, retry_max_s, stop_flush_s
         self.pending: list[Waiter] = []
@@ -89,8 +102,9 @@ class UsageRecorder:
         self._retry_delay = retry_s
         self._retry_at = 0.0
         self._stopping = False
-        self._checkpoint: asyncio.Task[None] | None = None
-        self._last_checkpoint = time.monotonic()
+        self._copying: asyncio.Task[bool] | None = None  # the PASSIVE checkpoint
+        self._restart_at = 0.0
+        self.wal_restarts = 0
 
     def start(self) -> None:
         self._stopping = False
@@ -105,8 +119,9 @@ class UsageRecorder:
         await self.task  # it drains the pending rows, then returns
         self.task = None
         await self._flush_kept()
-        if self._checkpoint is not None:
-            await self._checkpoint
+        if self._copying is not None:
+            with contextlib.suppress(Exception):  # it logged its error
+                await self._copying
 
     def submit(self, row: UsageRow) -> asyncio.Future[None]:
         """Queue `row`; the future resolves once it is committed, or fails with
@@ -127,6 +142,7 @@ class UsageRecorder:
                 batch = self.pending[: self.max_batch]
                 del self.pending[: self.max_batch]
                 await self._commit_batch(batch)
+                await self._bound_wal()
             if self._stopping:
                 return
             if self.kept and time.monotonic() >= self._retry_at:
@@ -189,7 +205,6 @@ class UsageRecorder:
     def _committed(self, batch: list[Waiter]) -> None:
         self.commits += 1
         self.rows_committed += len(batch)
-        self._maybe_checkpoint()
         for _, fut in batch:
             if not fut.done():
                 fut.set_result(None)
@@ -273,25 +288,37 @@ class UsageRecorder:
             await conn.execute(UsageRecord.__table__.insert(), values)
             await conn.execute(_DAILY_UPSERT, daily)
 
-    def _maybe_checkpoint(self) -> None:
-        """Fold the SQLite WAL back into the database now and then, off the event loop."""
-        if (
-            self.db.sync_engine is None
-            or time.monotonic() - self._last_checkpoint < CHECKPOINT_EVERY_S
-        ):
+    async def _bound_wal(self) -> None:
+        """Between two commits: once the log has passed its limit, copy it beside the
+        commits, then have it start again; wait for the copy only at twice the limit."""
+        if self.wal is None:
             return
-        if self._checkpoint is not None and not self._checkpoint.done():
-            return
-        self._last_checkpoint = time.monotonic()
-        self._checkpoint = asyncio.create_task(asyncio.to_thread(self._checkpoint_sync))
-
-    def _checkpoint_sync(self) -> None:
-        assert self.db.sync_engine is not None
-        raw = self.db.sync_engine.raw_connection()
         try:
-            raw.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        finally:
-            raw.close()
+            size = self.wal.stat().st_size
+        except FileNotFoundError:
+            return
+        limit = self.db.wal_limit_bytes
+        if size <= limit:  # a log started again keeps its file at the limit
+            return
+        if self._copying is None:
+            self._copying = asyncio.create_task(self._checkpoint("PASSIVE"))
+        if not (self._copying.done() or size >= 2 * limit):
+            return
+        if time.monotonic() < self._restart_at:
+            return
+        await self._copying  # two checkpoints at once: the second would be refused
+        self._copying = None
+        if await self._checkpoint("RESTART"):
+            self.wal_restarts += 1
+        else:
+            self._restart_at = time.monotonic() + RESTART_RETRY_S
+
+    async def _checkpoint(self, mode: str) -> bool:
+        try:
+            return await asyncio.to_thread(self.db.wal_checkpoint, mode, RESTART_BUSY_MS)
+        except Exception as e:  # a failed checkpoint must not stop the commits
+            log.warning("SQLite %s checkpoint failed: %s", mode, e)
+            return False
 
     def _commit_sync(self, values: list[dict], daily: list[dict]) -> None:
         # The plain sqlite3 cursor: SQLAlchemy's per-statement work would be most of a
@@ -319,10 +346,14 @@ class UsageRecorder:
             t[3] += r.cached_tokens
         # sorted: concurrent writers (several gateways) lock daily rows in one order
         return [
-            {"tenant_id": tenant, "day": day, "model": model, "requests": n,
-             "prompt_tokens": p, "completion_tokens": c, "cached_tokens": k}
-            for (tenant, day, model), (n, p, c, k) in sorted(totals.items())
-        ]  # fmt: skip
+            {
+                "tenant_id": tenant,
+                "day": day,
+                "model": model,
+                **dict(zip(_DAILY_COUNTS, counts, strict=True)),
+            }
+            for (tenant, day, model), counts in sorted(totals.items())
+        ]
 
 
 def _row_fault(e: Exception) -> bool:
@@ -335,6 +366,7 @@ def _row_fault(e: Exception) -> bool:
 
 
 _USAGE_COLUMNS = [f.name for f in fields(UsageRow)]
+_DAILY_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 _SQLITE_USAGE_INSERT = (
     f"INSERT INTO usage_records ({', '.join(_USAGE_COLUMNS)}) "
     f"VALUES ({', '.join(':' + c for c in _USAGE_COLUMNS)})"

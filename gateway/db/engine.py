@@ -1,7 +1,16 @@
-"""Engine set-up for SQLite (WAL) and PostgreSQL, and the Alembic upgrade."""
+"""Engine set-up for SQLite (WAL) and PostgreSQL, and the Alembic upgrade.
+
+SQLite's write-ahead log starts again from its beginning only after a checkpoint has
+copied all of it with no commit since and no reader left on an older snapshot; under
+steady load that gap never comes by itself, so the usage writer makes one (see
+`Database.wal_checkpoint`). A log that starts again keeps its file at the largest size
+it reached, so `journal_size_limit` cuts the file back to `wal_limit_bytes`: past that
+size, the file says the log has grown past the limit since it last started again.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +21,10 @@ from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+BUSY_TIMEOUT_MS = 10_000
+# the SQLite log's size past which the usage writer starts it again; the environment
+# variable sets it for a whole process (a test, a benchmark)
+WAL_LIMIT_BYTES = int(os.environ.get("KVGATE_SQLITE_WAL_LIMIT_BYTES") or 16 * 2**20)
 
 
 def is_postgres(url: str) -> bool:
@@ -37,7 +50,7 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
 
@@ -47,9 +60,12 @@ def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
 
 
 class Database:
-    def __init__(self, url: str, schema: str | None = None) -> None:
+    def __init__(
+        self, url: str, schema: str | None = None, wal_limit_bytes: int = WAL_LIMIT_BYTES
+    ) -> None:
         self.url = url
         self.schema = schema
+        self.wal_limit_bytes = wal_limit_bytes
         self.engine = create_engine(url, schema)
         self.session = async_sessionmaker(self.engine, expire_on_commit=False)
         # SQLite writes from a worker thread on a plain sqlite3 connection: one thread
@@ -59,12 +75,49 @@ class Database:
             self.sync_engine = create_sync_engine(url.replace("+aiosqlite", "+pysqlite", 1))
             event.listen(self.sync_engine, "connect", _sqlite_pragmas)
             # The usage writer must not pay a checkpoint's fsync inside a commit that
-            # requests wait on; UsageRecorder checkpoints from a worker thread instead.
+            # requests wait on; UsageRecorder checkpoints between its commits instead.
             event.listen(self.sync_engine, "connect", _no_autocheckpoint)
+            for engine in (self.engine.sync_engine, self.sync_engine):
+                event.listen(engine, "connect", self._limit_wal_file)
 
     @property
     def is_postgres(self) -> bool:
         return is_postgres(self.url)
+
+    @property
+    def wal_path(self) -> Path | None:
+        """The SQLite write-ahead log's file; None without the sync SQLite writer or
+        for an in-memory database."""
+        if self.sync_engine is None:
+            return None
+        name = self.sync_engine.url.database
+        if not name or name == ":memory:":
+            return None
+        return Path(name + "-wal")
+
+    def _limit_wal_file(self, dbapi_conn: Any, _record: Any) -> None:
+        # any connection's commit may be the first of a log started again
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA journal_size_limit={self.wal_limit_bytes}")
+        cur.close()
+
+    def wal_checkpoint(self, mode: str, busy_ms: int = BUSY_TIMEOUT_MS) -> bool:
+        """One checkpoint on the SQLite writer engine: `PASSIVE` copies what it can
+        beside commits and readers; `RESTART` also waits up to `busy_ms` for the other
+        writers and for the readers of older snapshots, so that the next commit starts
+        the log again. True when the whole log was copied (and, for RESTART, no reader
+        holds it)."""
+        assert self.sync_engine is not None and mode in ("PASSIVE", "RESTART")
+        raw = self.sync_engine.raw_connection()
+        try:
+            raw.execute(f"PRAGMA busy_timeout={busy_ms}")
+            try:
+                busy, log_frames, copied = raw.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+            finally:
+                raw.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        finally:
+            raw.close()
+        return not busy and copied == log_frames
 
     async def close(self) -> None:
         await self.engine.dispose()
