@@ -270,6 +270,7 @@ def run_ladder(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "seed": args.seed,
         "enable_prefix_caching": False,  # step 3 turns it on
@@ -326,6 +327,9 @@ def add_ladder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="CPU KV budget (default: engine's)")
+    p.add_argument(
+        "--max-model-len", type=int, help="longest sequence the KV budget must hold (the model's)"
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="CUDA memory share")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128, help="base workload prompt tokens")

@@ -120,8 +120,7 @@ class UsageRecorder:
         self.task = None
         await self._flush_kept()
         if self._copying is not None:
-            with contextlib.suppress(Exception):  # it logged its error
-                await self._copying
+            await self._copying
 
     def submit(self, row: UsageRow) -> asyncio.Future[None]:
         """Queue `row`; the future resolves once it is committed, or fails with

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from backend_local import EngineConfig, LocalEngine, PromptTooLongError, SamplingParams
+from backend_local.slots import common_prefix_len
 from tests.backend_local.helpers import collect, wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,10 @@ async def test_four_concurrent_greedy_requests_each_continue_their_own_prompt(en
         assert ids[:4] == solo_ids[:4]
         assert last.prompt_tokens == len(prompt)
         assert last.completion_tokens == len(ids)
-        assert last.cached_tokens == 0
+        # nothing from the solo cells; at most the prefix (the BOS) another batch prompt,
+        # under the same salt, computed first
+        shared = max(common_prefix_len(prompt, other) for other in prompts if other != prompt)
+        assert last.cached_tokens <= shared < len(prompt)
     agree = sum(s[1] == b[1] for s, b in zip(solo, batch, strict=True))
     with capsys.disabled():
         print(f"\nfull-text agreement, 4 concurrent vs solo: {agree}/4")

@@ -11,7 +11,7 @@ TINY_WORKLOAD = [
     "--model", "random", "--num-prompts", "4", "--input-len", "12", "--output-len", "6",
     "--prefix-len", "48", "--suffix-len", "4", "--prefix-output-len", "3",
     "--long-num-prompts", "2", "--long-output-len", "12", "--max-num-seqs", "2",
-    "--kv-cache-memory-bytes", str(8 << 20), "--no-progress",
+    "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "512", "--no-progress",
 ]  # fmt: skip
 
 
