@@ -16,6 +16,7 @@ beside it) to `--out`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -100,7 +101,7 @@ def measure(args: argparse.Namespace) -> WalRun:
             finally:
                 sampler.done.set()
                 sampler.join()
-            with sqlite3.connect(tmp / "bench.db") as conn:
+            with contextlib.closing(sqlite3.connect(tmp / "bench.db")) as conn:
                 run.requests = conn.execute("SELECT count(*) FROM usage_records").fetchone()[0]
         finally:
             gw.terminate()

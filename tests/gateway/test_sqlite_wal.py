@@ -5,6 +5,7 @@ until shutdown. A reader that holds an old snapshot delays that, but no commit."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -47,7 +48,7 @@ async def commit_wave(recorder: UsageRecorder, wave: int, rows: int = 20) -> Non
 
 
 def usage_count(db_file: Path) -> int:
-    with sqlite3.connect(db_file) as conn:
+    with contextlib.closing(sqlite3.connect(db_file)) as conn:
         return conn.execute("SELECT count(*) FROM usage_records").fetchone()[0]
 
 
@@ -125,7 +126,7 @@ async def test_live_gateway_keeps_the_wal_bounded_under_sustained_load(tmp_path)
         finally:
             done.set()
             await sampler
-        with sqlite3.connect(tmp_path / "kvgate.db") as conn:
+        with contextlib.closing(sqlite3.connect(tmp_path / "kvgate.db")) as conn:
             committed = {r for (r,) in conn.execute("SELECT request_id FROM usage_records")}
     finally:
         gw.stop()
