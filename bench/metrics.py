@@ -152,6 +152,16 @@ def compute_metrics(
     )
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation, as numpy's default computes it (for callers without numpy's
+    arrays at hand)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
 def percentile_key(p: float) -> str:
     return str(int(p)) if float(p).is_integer() else str(p)
 

@@ -31,6 +31,7 @@ import aiohttp
 
 from bench.client import build_payload, chunk_text, sse_events
 from bench.datasets import random_words
+from bench.metrics import percentile
 
 
 @dataclass
@@ -128,15 +129,6 @@ async def steady(client: Client, key: str, shape: Shape, n: int, interval: float
     return records
 
 
-def percentile(values: list[float], p: float) -> float:
-    """The p-th percentile, linearly interpolated (as numpy's default)."""
-    xs = sorted(values)
-    k = (len(xs) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def ttft_summary(records: list[Stream]) -> dict:
     ttfts = [r.ttft * 1000 for r in records if r.ttft is not None]
     return {
@@ -186,10 +178,11 @@ async def phase_flood(client: Client, args: argparse.Namespace) -> dict:
     t1 = time.perf_counter()
     stop.set()
     a = await flood
+    tokens = {"A": tokens_in(a, t0, t1), "B": tokens_in(b, t0, t1)}
     return {
         "B": ttft_summary(b),
-        "tokens": {"A": tokens_in(a, t0, t1), "B": tokens_in(b, t0, t1)},
-        "output_tokens_per_s": (tokens_in(a, t0, t1) + tokens_in(b, t0, t1)) / (t1 - t0),
+        "tokens": tokens,
+        "output_tokens_per_s": (tokens["A"] + tokens["B"]) / (t1 - t0),
         "seconds": t1 - t0,
     }
 

@@ -28,8 +28,9 @@ from pathlib import Path
 
 from bench.datasets import shared_prefix_requests
 from bench.local_vs_llama_server import MODEL_ID, llama_cpp_server
+from bench.metrics import percentile
 from bench.scale_out_procs import measure, start_gateway, tenant_key, toml_backend
-from bench.scale_out_report import percentile, pooled
+from bench.scale_out_report import pooled
 from gateway.default_model import default_model_path
 
 SERVER_CTX = 2048  # tokens: a ~400-token prompt, its question and output, with room

@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.metrics import percentile
 from bench.scale_out_procs import Run
 
 ARMS = ("direct", "gateway")
@@ -22,15 +23,6 @@ GOALS = {  # issue 14's benchmark section
     "hit_rate": 0.90,  # prefix routing over 2 workers, at least
     "routing_ttft_ratio": 2.0,  # round robin / prefix TTFT p50, at least
 }
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation, as numpy's default (and bench/metrics.py) computes it."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def pooled(runs: Sequence[Run]) -> dict:

@@ -78,7 +78,7 @@ class TenantService:
     async def create_tenant(self, name: str, quota: dict[str, Any], actor: str = "cli") -> dict:
         tenant = Tenant(id=_new_id("t"), name=name, created_at=time.time())
         tenant.quota = Quota(
-            **{f: quota.get(f) for f in QUOTA_FIELDS if f not in ("priority", "weight")},
+            **{f: quota.get(f) for f in LIMIT_FIELDS},
             priority=quota.get("priority") or 0,
             weight=quota.get("weight") or 1.0,
         )

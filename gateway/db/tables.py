@@ -32,7 +32,18 @@ class Tenant(Base):
     )
 
 
-class Quota(Base):
+class Limits:
+    """The limit columns a tenant's quota and an API key both hold (NULL: no limit)."""
+
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    models: Mapped[list[str] | None] = mapped_column(JSON)
+
+
+class Quota(Limits, Base):
     """A tenant's limits; NULL means unlimited."""
 
     __tablename__ = "quotas"
@@ -40,18 +51,12 @@ class Quota(Base):
     tenant_id: Mapped[str] = mapped_column(
         ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
     )
-    rpm: Mapped[int | None] = mapped_column(Integer)
-    tpm: Mapped[int | None] = mapped_column(BigInteger)
-    max_concurrent: Mapped[int | None] = mapped_column(Integer)
-    daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    models: Mapped[list[str] | None] = mapped_column(JSON)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     weight: Mapped[float] = mapped_column(Float, default=1.0)
     tenant: Mapped[Tenant] = relationship(back_populates="quota")
 
 
-class ApiKey(Base):
+class ApiKey(Limits, Base):
     """Only the SHA-256 of a key is stored, with a short visible prefix to find it by.
     Its limits are the tenant's fields, held beside the tenant's; NULL: no limit of its own."""
 
@@ -68,12 +73,6 @@ class ApiKey(Base):
     created_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float | None] = mapped_column(Float)
     revoked_at: Mapped[float | None] = mapped_column(Float)
-    rpm: Mapped[int | None] = mapped_column(Integer)
-    tpm: Mapped[int | None] = mapped_column(BigInteger)
-    max_concurrent: Mapped[int | None] = mapped_column(Integer)
-    daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    models: Mapped[list[str] | None] = mapped_column(JSON)
 
 
 class UsageRecord(Base):

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from bench.cli import main
-from bench.noisy import Stream, percentile, share_summary
+from bench.metrics import percentile
+from bench.noisy import Stream, share_summary
 from tests.conftest import start_gateway
 
 
