@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import admin_api, openapi, prefix_api
 from gateway.auth import AuthError, bearer_token
 from gateway.config import Settings
+from gateway.db import is_outage
 from gateway.errors import ApiError, error_body
 from gateway.http_util import SETTINGS, json_response
 from gateway.openai_api import (
@@ -25,6 +26,12 @@ from gateway.openai_api import (
 from gateway.state import start_gateway, stop_gateway
 
 log = logging.getLogger("kvgate")
+DATABASE_UNAVAILABLE = ApiError(
+    503,
+    "The database is unavailable; the request was not served. Retry shortly.",
+    code="database_unavailable",
+    headers={"Retry-After": "1"},
+)
 
 
 @web.middleware
@@ -41,7 +48,10 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         # keep what the exception says in headers (Allow on a 405), not its text type
         headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
         return json_response(error_body(e.status, message), status=e.status, headers=headers)
-    except Exception:
+    except Exception as e:
+        if is_outage(e):
+            log.warning("database unavailable on %s %s: %s", request.method, request.path, e)
+            return DATABASE_UNAVAILABLE.response()
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response(error_body(500, "Internal server error."), status=500)
 

@@ -1,6 +1,7 @@
 """Persistence: SQLAlchemy 2 (async) tables, engine set-up and Alembic migrations."""
 
 from gateway.db.engine import Database, migrate
+from gateway.db.outage import is_outage
 from gateway.db.tables import (
     ApiKey,
     AuditLog,
@@ -30,5 +31,6 @@ __all__ = [
     "ServerSetting",
     "Tenant",
     "UsageRecord",
+    "is_outage",
     "migrate",
 ]
