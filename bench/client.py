@@ -79,6 +79,23 @@ def build_payload(
     return payload
 
 
+# what aiohttp raises when a kept-alive connection the server has since closed is reused:
+# the request never reached the server, so sending it again on a fresh connection is safe
+_STALE_CONNECTION = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, payload: dict, headers: dict[str, str]
+) -> aiohttp.ClientResponse:
+    """POST, sending once more if the first try dies on a stale pooled connection before
+    any response came (llama-server closes idle connections after 5 s); a second failure
+    is the server's and counts."""
+    try:
+        return await session.post(url, json=payload, headers=headers)
+    except _STALE_CONNECTION:
+        return await session.post(url, json=payload, headers=headers)
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -94,7 +111,7 @@ async def send_request(
     out.start_time = start
     text_parts = []
     try:
-        async with session.post(base_url + path, json=payload, headers=headers) as response:
+        async with await _post(session, base_url + path, payload, headers) as response:
             if response.status != 200:
                 out.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return out

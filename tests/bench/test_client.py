@@ -1,7 +1,9 @@
 """The streaming client against a real local HTTP server that replays fixed SSE bytes,
 cut at awkward places, so parsing and token accounting are checked byte for byte."""
 
+import asyncio
 import json
+import re
 
 import aiohttp
 import pytest
@@ -127,3 +129,53 @@ async def test_stream_error_event_and_empty_stream():
     finally:
         await server.close()
     assert not out.success and "no generated text" in out.error
+
+
+async def _dropping_server(drop_all: bool) -> tuple[asyncio.Server, str]:
+    """A raw HTTP server that answers the first request of each connection with a
+    kept-alive SSE reply and closes the connection on the next one unanswered, as
+    llama-server does with a connection it has timed out (or, `drop_all`, every one)."""
+    body = sse(chat_chunk("hi")) + sse(USAGE) + sse(b"[DONE]")
+    reply = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+            await reader.readexactly(length)
+            if served or drop_all:
+                writer.close()
+                return
+            writer.write(reply)
+            await writer.drain()
+            served += 1
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_request_on_a_connection_the_server_closed_is_sent_again():
+    server, base = await _dropping_server(drop_all=False)
+    payload = build_payload("chat", "m", "hello", 3, 0.0, ignore_eos=True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            outs = [await send_request(session, base, "chat", payload, None) for _ in range(3)]
+    finally:
+        server.close()
+    assert [o.error for o in outs] == ["", "", ""]
+    assert all(o.success and o.generated_text == "hi" for o in outs)
+
+
+async def test_a_server_that_drops_every_request_fails_it():
+    server, base = await _dropping_server(drop_all=True)
+    payload = build_payload("chat", "m", "hello", 3, 0.0, ignore_eos=True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            out = await send_request(session, base, "chat", payload, None)
+    finally:
+        server.close()
+    assert not out.success and "ServerDisconnected" in out.error
