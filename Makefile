@@ -19,7 +19,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	$(if $(findstring avx512_bf16,$(CPU_FLAGS)),-DGGML_AVX512_BF16=ON)
 endif
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install serve test lint format bench clean llama-server
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ $(STAMP): pyproject.toml
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v '$(LLAMA_CPP_PYTHON)'
 	$(BIN)/pip install -e '.[dev]'
 	touch $(STAMP)
+
+# llama.cpp's own server from the same vendored llama.cpp, for bench/llama_server_anchor.py
+llama-server: install
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" bash bench/build_llama_server.sh
 
 serve: install
 	$(BIN)/kvgate serve $(if $(PORT),--port $(PORT))

@@ -173,8 +173,10 @@ async def usage(request: web.Request) -> web.Response:
         if tenant_id is not None and tenant_id != principal.tenant_id:
             raise ApiError(404, f"No tenant {tenant_id!r}.")
         tenant_id = principal.tenant_id
+    elif tenant_id is not None:
+        await request.app[GW].tenants.get_tenant(tenant_id)  # an unknown id: 404, not no usage
     since, until = _day(request, "since"), _day(request, "until")
-    data = await request.app[GW].tenants.usage(tenant_id, since, until)
+    data = await request.app[GW].tenants.usage(tenant_id, since, until, summaries=True)
     return json_response(data)
 
 

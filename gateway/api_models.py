@@ -179,6 +179,8 @@ class Tenant(Body):
     max_concurrent: int | None
     daily_tokens: int | None
     monthly_tokens: int | None
+    daily_spend: float | None = Field(description="USD")
+    monthly_spend: float | None = Field(description="USD")
     models: list[str] | None
     priority: int | None
     weight: float | None
@@ -207,6 +209,8 @@ class ApiKey(Body):
     max_concurrent: int | None
     daily_tokens: int | None
     monthly_tokens: int | None
+    daily_spend: float | None = Field(description="USD")
+    monthly_spend: float | None = Field(description="USD")
     models: list[str] | None
     created_at: float
     expires_at: float | None
@@ -227,6 +231,7 @@ class UsageTotals(Body):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    spend: float = Field(description="USD at the configured prices; 0 for a model with none")
 
 
 class UsageDay(UsageTotals):
@@ -235,10 +240,22 @@ class UsageDay(UsageTotals):
     model: str
 
 
+class UsageTenant(UsageTotals):
+    tenant_id: str
+
+
+class UsageKey(UsageTotals):
+    key_id: str
+    tenant_id: str
+    name: str | None = Field(description="null: the key was deleted with its tenant")
+
+
 class UsageReport(Body):
     object: Literal["list"]
     data: list[UsageDay]
     total: UsageTotals
+    tenants: list[UsageTenant] = Field(description="the period's totals per tenant")
+    keys: list[UsageKey] = Field(description="the period's totals per API key")
 
 
 class BackendInfo(Body):

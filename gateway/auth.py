@@ -7,7 +7,9 @@ path does not touch the database. Every change to a key or a tenant, by any writ
 (the admin API of any gateway, the CLI), rewrites the auth epoch row in the same
 transaction; each gateway reads that one row at most every EPOCH_CHECK_S, on a request,
 and drops its whole cache when it changed. A revoked key is so refused by every gateway
-on the database from EPOCH_CHECK_S after the revocation at most.
+on the database from EPOCH_CHECK_S after the revocation at most. On PostgreSQL the same
+transaction also announces the change (gateway.auth_notify), and a gateway that is
+listening reads no epoch at all.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.auth_notify import AuthListener, notify
 from gateway.db import ApiKey, Database, ServerSetting, Tenant
 from gateway.quota import QuotaLimits
 
@@ -82,6 +85,13 @@ class Authenticator:
         self._generation = 0  # moves when the epoch does: older entries are stale
         self._epoch_read_at = -EPOCH_CHECK_S
         self._epoch_read: asyncio.Future[None] | None = None
+        # on PostgreSQL changes are announced (gateway.auth_notify): no epoch reads then
+        self.listener = AuthListener(db, self.changed) if db.is_postgres else None
+
+    def changed(self) -> None:
+        """Keys or tenants changed somewhere: every cached key is stale."""
+        self._generation += 1
+        self._cache.clear()
 
     def forget_key(self, key_id: str) -> None:
         for digest, (principal, *_) in list(self._cache.items()):
@@ -118,6 +128,8 @@ class Authenticator:
     async def _check_epoch(self) -> None:
         """Read the epoch if EPOCH_CHECK_S has passed since the last read (requests that
         come meanwhile wait on the same read); a new one drops every cached key."""
+        if self.listener is not None and self.listener.listening:
+            return
         read = self._epoch_read
         if read is None:
             if time.monotonic() - self._epoch_read_at < EPOCH_CHECK_S:
@@ -132,8 +144,8 @@ class Authenticator:
     async def _read_epoch(self) -> None:
         self._epoch_read_at = time.monotonic()  # from the start: a commit after it is new
         try:
-            async with self.db.session() as session:
-                epoch = await session.scalar(
+            async with self.db.autocommit() as conn:
+                epoch = await conn.scalar(
                     select(ServerSetting.value).where(ServerSetting.key == AUTH_EPOCH)
                 )
         except Exception:  # the database is away: cached keys serve out their TTL
@@ -141,11 +153,11 @@ class Authenticator:
             return
         if epoch != self._epoch:
             self._epoch = epoch
-            self._generation += 1
-            self._cache.clear()
+            self.changed()
 
     async def _load(self, token: str, digest: str, now: float) -> tuple[Principal, float | None]:
-        async with self.db.session() as session:
+        # one statement in autocommit: one round trip on PostgreSQL, not three
+        async with self.db.autocommit() as conn, AsyncSession(conn) as session:
             rows = (
                 await session.execute(
                     select(ApiKey, Tenant)
@@ -199,6 +211,7 @@ async def bump_epoch(session: AsyncSession) -> None:
         .where(ServerSetting.key == AUTH_EPOCH)
         .values(value=secrets.token_hex(8))
     )
+    await notify(session)
 
 
 def bearer_token(authorization: str | None) -> str:

@@ -20,8 +20,18 @@ from pydantic import ValidationError
 
 from gateway.config import Settings
 from gateway.db import Database, migrate
-from gateway.schemas import KeyUpdate
-from gateway.tenants import LIMIT_FIELDS, QUOTA_FIELDS, Conflict, NotFound, TenantService
+from gateway.quota.prices import usd_text
+from gateway.schemas import KeyUpdate, TenantUpdate
+from gateway.tenants import (
+    LIMIT_FIELDS,
+    QUOTA_FIELDS,
+    SPEND_FIELDS,
+    Conflict,
+    NotFound,
+    TenantService,
+)
+
+LIFT = "none"  # a limit flag's value that lifts the limit: `kvgate keys update K --rpm none`
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +62,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _limit_args(kc, "key")
     kl = k_sub.add_parser("list", help="list keys")
     kl.add_argument("tenant_id", nargs="?")
+    kl.add_argument("--tenant", dest="tenant_flag", metavar="TENANT_ID", help="as TENANT_ID")
     ku = k_sub.add_parser("update", help="change a key's name or limits")
     ku.add_argument("key_id")
     ku.add_argument("--name")
@@ -78,10 +89,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _limit_args(p: argparse.ArgumentParser, whose: str) -> None:
+    lift = f"; {LIFT!r}: no limit (lifts it)"
     for f in LIMIT_FIELDS:
-        if f != "models":
-            p.add_argument("--" + f.replace("_", "-"), type=int)
-    p.add_argument("--models", help=f"comma-separated model ids the {whose} may use")
+        flag = "--" + f.replace("_", "-")
+        if f in SPEND_FIELDS:
+            p.add_argument(flag, type=_or_lift(float), metavar="USD", help="dollars" + lift)
+        elif f != "models":
+            p.add_argument(flag, type=_or_lift(int), metavar="N", help=lift[2:])
+    p.add_argument("--models", help=f"comma-separated model ids the {whose} may use" + lift)
+
+
+def _or_lift(cast: type) -> Any:
+    """A limit's value, or None for `none` (a limit given as None is lifted)."""
+
+    def parse(value: str) -> Any:
+        return _LIFTED if value.lower() == LIFT else cast(value)
+
+    parse.__name__ = cast.__name__  # argparse's "invalid int value" names it
+    return parse
+
+
+_LIFTED = object()  # `--rpm none`: kept apart from a flag not given (None)
 
 
 def _quota_args(p: argparse.ArgumentParser) -> None:
@@ -90,24 +118,22 @@ def _quota_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight", type=float)
 
 
-def _quota_values(
-    args: argparse.Namespace, fields: tuple[str, ...] = QUOTA_FIELDS
-) -> dict[str, Any]:
+def _quota_values(args: argparse.Namespace, whose: str) -> dict[str, Any]:
+    """The limits (and a tenant's priority and weight) given as flags, checked as the
+    admin API checks them; a limit given as `none` is there as None (lifted)."""
+    fields = QUOTA_FIELDS if whose == "tenant" else LIMIT_FIELDS
     values = {f: getattr(args, f) for f in fields if f != "models"}
     if args.models is not None:
-        values["models"] = [m for m in args.models.split(",") if m]
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _key_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The key limits given as flags, checked as the admin API checks them."""
-    limits = _quota_values(args, LIMIT_FIELDS)
+        models = args.models.split(",")
+        values["models"] = _LIFTED if args.models.lower() == LIFT else [m for m in models if m]
+    given = {f: None if v is _LIFTED else v for f, v in values.items() if v is not None}
     try:
-        return KeyUpdate.model_validate(limits).model_dump(exclude_unset=True)
+        body = (TenantUpdate if whose == "tenant" else KeyUpdate).model_validate(given)
     except ValidationError as e:
         error = e.errors()[0]
         flag = "--" + str(error["loc"][0]).replace("_", "-")
         raise ValueError(f"{flag}: {error['msg']}") from None
+    return body.model_dump(exclude_unset=True)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -141,11 +167,11 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
 async def _tenants(args: argparse.Namespace, service: TenantService) -> None:
     cmd = args.tenants_command
     if cmd == "create":
-        _print(await service.create_tenant(args.name, _quota_values(args)), args.json)
+        _print(await service.create_tenant(args.name, _quota_values(args, "tenant")), args.json)
     elif cmd == "list":
         _print(await service.list_tenants(), args.json)
     elif cmd == "update":
-        changes = _quota_values(args) | ({"name": args.name} if args.name else {})
+        changes = _quota_values(args, "tenant") | ({"name": args.name} if args.name else {})
         _print(await service.update_tenant(args.tenant_id, changes), args.json)
     elif cmd == "delete":
         await service.delete_tenant(args.tenant_id)
@@ -164,7 +190,7 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         bad = set(scopes) - {"inference", "admin"}
         if bad:
             raise ValueError(f"unknown scopes {sorted(bad)}; use inference and/or admin")
-        limits = _key_limits(args)
+        limits = _quota_values(args, "key")
         record, key = await service.create_key(tenant, args.name, scopes, expires, limits=limits)
         if args.json:
             _print(record | {"key": key}, True)
@@ -173,11 +199,13 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
             print(f"    {key}")
             print("This key is shown only once; store it now.")
     elif cmd == "list":
-        if args.tenant_id is not None:
-            await service.get_tenant(args.tenant_id)  # an unknown tenant is an error
-        _print(await service.list_keys(args.tenant_id), args.json)
+        tenant = args.tenant_id or args.tenant_flag
+        if tenant is not None:
+            await service.get_tenant(tenant)  # an unknown tenant is an error
+        _print(await service.list_keys(tenant), args.json)
     elif cmd == "update":
-        changes = _key_limits(args) | ({"name": args.name} if args.name is not None else {})
+        changes = _quota_values(args, "key")
+        changes |= {"name": args.name} if args.name is not None else {}
         _print(await service.update_key(args.key_id, changes), args.json)
     elif cmd == "revoke":
         _print(await service.revoke_key(args.key_id), args.json)
@@ -186,32 +214,48 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
 async def _usage(args: argparse.Namespace, service: TenantService) -> None:
     if args.tenant is not None:
         await service.get_tenant(args.tenant)  # an unknown tenant is an error, not no usage
-    usage = await service.usage(args.tenant, args.since, args.until)
+    usage = await service.usage(args.tenant, args.since, args.until, summaries=True)
     names = {t["id"]: t["name"] for t in await service.list_tenants()}
-    for row in usage["data"]:
+    for row in (*usage["data"], *usage["tenants"], *usage["keys"]):
         row["tenant_name"] = names.get(row["tenant_id"])  # None: the tenant was deleted
     if args.json:
         _print(usage, True)
         return
-    rows = [
-        {"day": r["day"], "tenant": r["tenant_name"] or f"{r['tenant_id']} (deleted)"}
-        | {k: v for k, v in r.items() if k not in ("day", "tenant_id", "tenant_name")}
-        for r in usage["data"]
-    ]
+    rows = [{"day": r["day"]} | _usage_row(r) for r in usage["data"]]
     if rows:
-        rows.append({"day": "total", "tenant": "", "model": ""} | usage["total"])
+        rows.append({"day": "total", "tenant": "", "model": ""} | _usage_row(usage["total"]))
     _print(rows, False)
+    if not rows:
+        return
+    print("\nper tenant")
+    _print([_usage_row(r) for r in usage["tenants"]], False)
+    print("\nper key")
+    _print([{"key": r["key_id"], "name": r["name"]} | _usage_row(r) for r in usage["keys"]], False)
+
+
+def _usage_row(r: dict[str, Any]) -> dict[str, Any]:
+    """A usage report's row for people: the tenant's name, spend in dollars."""
+    row = {}
+    if "tenant_id" in r:
+        row["tenant"] = r["tenant_name"] or f"{r['tenant_id']} (deleted)"
+    if "model" in r:
+        row["model"] = r["model"]
+    counts = {c: r[c] for c in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
+    return row | counts | {"spend_usd": usd_text(r["spend"])}
 
 
 async def _prefixes(args: argparse.Namespace) -> int:
     """GET /admin/prefixes: the catalog lives in the running gateway's memory."""
     query = {"limit": str(args.limit)} | ({"tenant_id": args.tenant} if args.tenant else {})
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
-    async with (
-        aiohttp.ClientSession() as http,
-        http.get(args.url.rstrip("/") + "/admin/prefixes", params=query, headers=headers) as r,
-    ):
-        body = await r.json()
+    url = args.url.rstrip("/")
+    async with aiohttp.ClientSession(headers=headers) as http:
+        if args.tenant:  # an unknown tenant is an error, not an empty report
+            async with http.get(f"{url}/admin/tenants/{args.tenant}") as r:
+                body = await r.json()
+        if not args.tenant or r.status == 200:
+            async with http.get(url + "/admin/prefixes", params=query) as r:
+                body = await r.json()
     if r.status != 200:
         print(f"kvgate: {r.status}: {body['error']['message']}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.backends import BackendSpec, replica_count
+from gateway.quota.prices import Price, parse_prices
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -65,8 +66,12 @@ class Settings:
     # how tenants share a backend: "vtc" (the Virtual Token Counter: the gpu engine's
     # scheduler, and the gateway's queue before other backends) or "fcfs"; None: vtc
     fairness: str | None = None
+    # per served model name, from the config's [prices."model"] tables (USD per million
+    # tokens); a model with none costs 0 and no money budget holds it
+    prices: dict[str, Price] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.prices = parse_prices(self.prices)
         self.instance = self.instance or f"{socket.gethostname()}:{self.port}"
         if "/" in self.instance or len(self.instance) > MAX_INSTANCE_CHARS:
             raise ValueError(
@@ -233,6 +238,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     if specs:
         values["backends"] = specs
         values.setdefault("backend", "")
+    if "prices" in data:
+        values["prices"] = data["prices"]  # checked by Settings
     return values
 
 

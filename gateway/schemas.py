@@ -214,6 +214,10 @@ Weight = Annotated[float, Field(gt=0, le=1e6)]
 Models = Annotated[list[Name], Field(max_length=1000)]
 
 
+# a money budget in USD; stored in nanodollars, so at most what 64 bits hold
+Dollars = Annotated[float, Field(ge=0, le=1e9)]
+
+
 class Limits(_Body):
     """The limits a tenant and an API key may each have (null or left out: none); a key's
     hold beside its tenant's, the stricter one winning, and its models narrow the tenant's."""
@@ -223,6 +227,8 @@ class Limits(_Body):
     max_concurrent: Count32 | None = None
     daily_tokens: Count53 | None = None
     monthly_tokens: Count53 | None = None
+    daily_spend: Dollars | None = None
+    monthly_spend: Dollars | None = None
     models: Models | None = None
 
 

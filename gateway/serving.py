@@ -32,6 +32,7 @@ from gateway.fair_queue import CACHED_TOKEN_COST, FairQueue
 from gateway.prefix import tenant_cache_salt
 from gateway.quota import QuotaExceeded, Reservation
 from gateway.quota.limits import ratelimit_headers
+from gateway.quota.prices import FREE
 from gateway.router import Candidate
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
@@ -167,6 +168,15 @@ class Job:
                 self.completion_tokens - self.num_choices
             )
         prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
+        price = gw.settings.prices.get(self.model, FREE)
+        spend = price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
+        # settled with the row: in memory at once, on PostgreSQL in the row's commit
+        settlement = gw.quota.settlement(
+            self.reservation,
+            prompt_tokens + self.completion_tokens,
+            count_request=status not in (503,),
+            used_spend=spend,
+        )
         row = UsageRow(
             request_id=self.request_id,
             tenant_id=p.tenant_id or "",
@@ -181,13 +191,13 @@ class Job:
             finish_reason=finish_reason,
             user=self.user,
             counted_by=self.counted_by,
+            spend_nano_usd=spend,
+            settlement=settlement,
         )
         try:
             # Shielded: a client that goes away must not lose the row.
             await asyncio.shield(gw.usage.submit(row))
         finally:
-            used = prompt_tokens + self.completion_tokens
-            await gw.quota.settle(self.reservation, used, count_request=status not in (503,))
             m, tenant, model = gw.metrics, p.tenant_name, self.model
             m.child(m.requests, tenant, model, str(status)).inc()
             m.child(m.prompt_tokens, tenant, model).inc(prompt_tokens)
@@ -238,7 +248,11 @@ async def prepare(
         "messages" if chat else "prompt",
         body.min_tokens,
     )
-    reservation = await _admit(gw, principal, plan)
+    # the worst case: no prompt token cached, every choice generating all its max_tokens
+    prompt_tokens = sum(len(p) for p in prompts)
+    price = gw.settings.prices.get(body.model, FREE)
+    worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
+    reservation = await _admit(gw, principal, plan, worst)
     try:
         # a published prefix's length per prompt: its blocks are hashed without the salt
         shared_lens = [gw.pins.shared_prefix_len(body.model, p) for p in prompts]
@@ -337,11 +351,18 @@ def _card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
     return card
 
 
-async def _admit(gw: GatewayState, principal: Principal, plan: TokenPlan) -> Reservation:
+async def _admit(
+    gw: GatewayState, principal: Principal, plan: TokenPlan, spend: int
+) -> Reservation:
     assert principal.tenant_id is not None
     try:
         return await gw.quota.admit(
-            principal.tenant_id, principal.limits, plan.reserve, time.time(), requests=plan.choices
+            principal.tenant_id,
+            principal.limits,
+            plan.reserve,
+            time.time(),
+            requests=plan.choices,
+            spend=spend,
         )
     except QuotaExceeded as e:
         m = gw.metrics

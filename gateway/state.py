@@ -139,6 +139,8 @@ async def start_gateway(settings: Settings) -> GatewayState:
     await state.pins.load()
     await state.pins.prefill_all()
     catalog.start(lambda: router.backends)
+    if state.auth.listener is not None:
+        state.auth.listener.start()
     return state
 
 
@@ -153,6 +155,8 @@ async def stop_gateway(state: GatewayState) -> None:
         await state.catalog.stop()
     except Exception:
         log.exception("the prefix catalog's last flush failed")
+    if state.auth.listener is not None:
+        await state.auth.listener.stop()
     await state.usage.stop()
     await state.quota.close()
     await state.db.close()

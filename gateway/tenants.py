@@ -4,32 +4,39 @@ epoch in its transaction, so every running gateway drops its cached keys (gatewa
 
 from __future__ import annotations
 
-import calendar
 import json
 import secrets
 import time
-from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.auth import bump_epoch, generate_key, hash_key, visible_prefix
 from gateway.db import (
     ApiKey,
     AuditLog,
-    DailyUsage,
-    Database,
     Quota,
     ServerSetting,
     Tenant,
-    UsageRecord,
 )
-from gateway.quota.limits import DAILY, MONTHLY, REQUESTS, TOKENS
+from gateway.quota.prices import to_nanos, to_usd
+from gateway.usage_queries import UsageQueries
 
 # what a tenant and a key may both limit; a tenant also has a priority and a weight
-LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "daily_tokens", "monthly_tokens", "models")
+LIMIT_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "daily_tokens",
+    "monthly_tokens",
+    "daily_spend",
+    "monthly_spend",
+    "models",
+)
 QUOTA_FIELDS = (*LIMIT_FIELDS, "priority", "weight")
+# money budgets: dollars here and at the API, nanodollars in the database and the counters
+SPEND_FIELDS = ("daily_spend", "monthly_spend")
 
 
 class NotFound(LookupError):
@@ -49,7 +56,7 @@ def tenant_dict(t: Tenant) -> dict[str, Any]:
         "created_at": t.created_at,
     }
     for f in QUOTA_FIELDS:
-        out[f] = getattr(q, f) if q is not None else None
+        out[f] = _stored_to_api(f, getattr(q, f)) if q is not None else None
     return out
 
 
@@ -62,23 +69,35 @@ def key_dict(k: ApiKey) -> dict[str, Any]:
         "prefix": k.prefix,
         "scopes": list(k.scopes),
     }
-    limits = {f: getattr(k, f) for f in LIMIT_FIELDS}
+    limits = {f: _stored_to_api(f, getattr(k, f)) for f in LIMIT_FIELDS}
     times = {"created_at": k.created_at, "expires_at": k.expires_at, "revoked_at": k.revoked_at}
     return head | limits | times
+
+
+def _stored_to_api(field: str, value: Any) -> Any:
+    return to_usd(value) if field in SPEND_FIELDS and value is not None else value
+
+
+def _api_to_stored(values: dict[str, Any]) -> dict[str, Any]:
+    """Limits as given (money budgets in dollars) as stored (nanodollars)."""
+    return {f: _api_to_stored_value(f, v) for f, v in values.items()}
+
+
+def _api_to_stored_value(field: str, value: Any) -> Any:
+    return to_nanos(value) if field in SPEND_FIELDS and value is not None else value
 
 
 def _new_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(8)}"
 
 
-class TenantService:
-    def __init__(self, db: Database) -> None:
-        self.db = db
+class TenantService(UsageQueries):
+    """Tenants and keys; the usage reports come from UsageQueries."""
 
     async def create_tenant(self, name: str, quota: dict[str, Any], actor: str = "cli") -> dict:
         tenant = Tenant(id=_new_id("t"), name=name, created_at=time.time())
         tenant.quota = Quota(
-            **{f: quota.get(f) for f in LIMIT_FIELDS},
+            **_api_to_stored({f: quota.get(f) for f in LIMIT_FIELDS}),
             priority=quota.get("priority") or 0,
             weight=quota.get("weight") or 1.0,
         )
@@ -114,7 +133,7 @@ class TenantService:
                     tenant.name = changes["name"]
                 for f in QUOTA_FIELDS:
                     if f in changes:
-                        setattr(tenant.quota, f, changes[f])
+                        setattr(tenant.quota, f, _api_to_stored_value(f, changes[f]))
                 s.add(_audit(actor, "tenant.update", tenant_id, changes))
                 await bump_epoch(s)
                 await s.flush()
@@ -157,7 +176,7 @@ class TenantService:
             created_at=time.time(),
             expires_at=expires_at,
             revoked_at=None,
-            **limits,
+            **_api_to_stored(limits),
         )
         async with self.db.session() as s, s.begin():
             if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
@@ -176,7 +195,7 @@ class TenantService:
                 raise NotFound(f"no key {key_id!r}")
             limits = {f: v for f, v in changes.items() if f in LIMIT_FIELDS}
             _check_limits(key.tenant_id, {f: v for f, v in limits.items() if v is not None})
-            for f, value in limits.items():
+            for f, value in _api_to_stored(limits).items():
                 setattr(key, f, value)
             if "name" in changes:
                 key.name = changes["name"] or ""  # null: no name, as a key made without
@@ -208,104 +227,6 @@ class TenantService:
                 s.add(_audit(actor, "key.revoke", key_id, {}))
                 await bump_epoch(s)
             return key_dict(key)
-
-    async def usage(
-        self, tenant_id: str | None = None, since: str | None = None, until: str | None = None
-    ) -> dict:
-        """Daily totals per tenant and model; `since`/`until` are inclusive YYYY-MM-DD."""
-        query = select(DailyUsage).order_by(DailyUsage.day, DailyUsage.tenant_id, DailyUsage.model)
-        if tenant_id is not None:
-            query = query.where(DailyUsage.tenant_id == tenant_id)
-        if since:
-            query = query.where(DailyUsage.day >= since)
-        if until:
-            query = query.where(DailyUsage.day <= until)
-        async with self.db.session() as s:
-            rows = (await s.scalars(query)).all()
-        cols = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
-        data = [
-            {"tenant_id": r.tenant_id, "day": r.day, "model": r.model}
-            | {c: getattr(r, c) for c in cols}
-            for r in rows
-        ]
-        total = {c: sum(d[c] for d in data) for c in cols}
-        return {"object": "list", "data": data, "total": total}
-
-    async def committed_usage(self, now: float) -> dict[str, dict[str, int]]:
-        """Per tenant, and per key with limits of its own, what its committed rows used
-        in the windows open at `now`: tokens this month and today (a tenant's from its
-        daily totals), requests and tokens this minute (rows). The in-memory quota store
-        starts from these, so a restart resets no window."""
-        day = time.strftime("%Y-%m-%d", time.gmtime(now))
-        tokens = func.sum(DailyUsage.prompt_tokens + DailyUsage.completion_tokens)
-        row_tokens = func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
-        async with self.db.session() as s:
-            month = await s.execute(
-                select(DailyUsage.tenant_id, tokens)
-                .where(DailyUsage.day.startswith(day[:7]))
-                .group_by(DailyUsage.tenant_id)
-            )
-            today = await s.execute(
-                select(DailyUsage.tenant_id, tokens)
-                .where(DailyUsage.day == day)
-                .group_by(DailyUsage.tenant_id)
-            )
-            # a 503 gives its request back (QuotaStore.settle), so it does not count here
-            counted = func.count().filter(UsageRecord.status != 503)
-            minute = await s.execute(
-                select(UsageRecord.tenant_id, counted, row_tokens)
-                .where(UsageRecord.created_at >= now - now % 60)
-                .group_by(UsageRecord.tenant_id)
-            )
-        used: dict[str, dict[str, int]] = defaultdict(dict)
-        for tenant, value in month.all():
-            used[tenant][MONTHLY] = int(value or 0)
-        for tenant, value in today.all():
-            used[tenant][DAILY] = int(value or 0)
-        for tenant, requests, value in minute.all():
-            used[tenant] |= {REQUESTS: int(requests), TOKENS: int(value or 0)}
-        return dict(used) | await self._keys_committed_usage(now)
-
-    async def _keys_committed_usage(self, now: float) -> dict[str, dict[str, int]]:
-        """committed_usage for the keys with limits, from their rows of this month (read
-        by their tenants' index: there is no daily total per key)."""
-        counters = [getattr(ApiKey, f).is_not(None) for f in LIMIT_FIELDS if f != "models"]
-        t = time.gmtime(now)
-        month_start = calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
-        today = UsageRecord.created_at >= now - now % 86400
-        this_minute = UsageRecord.created_at >= now - now % 60
-        tokens = UsageRecord.prompt_tokens + UsageRecord.completion_tokens
-        columns = (
-            func.sum(tokens),
-            func.sum(tokens).filter(today),
-            func.sum(tokens).filter(this_minute),
-            # a 503 gives its request back (QuotaStore.settle), so it does not count here
-            func.count().filter(this_minute, UsageRecord.status != 503),
-        )
-        async with self.db.session() as s:
-            keys = (
-                await s.execute(
-                    select(ApiKey.id, ApiKey.tenant_id).where(
-                        ApiKey.revoked_at.is_(None), ApiKey.tenant_id.is_not(None), or_(*counters)
-                    )
-                )
-            ).all()
-            if not keys:
-                return {}
-            rows = await s.execute(
-                select(UsageRecord.key_id, *columns)
-                .where(
-                    UsageRecord.tenant_id.in_({tenant for _, tenant in keys}),
-                    UsageRecord.created_at >= month_start,
-                    UsageRecord.key_id.in_([key for key, _ in keys]),
-                )
-                .group_by(UsageRecord.key_id)
-            )
-        used = {}
-        for key, month, day, minute, requests in rows.all():
-            used[key] = {MONTHLY: int(month or 0), DAILY: int(day or 0)}
-            used[key] |= {TOKENS: int(minute or 0), REQUESTS: int(requests)}
-        return used
 
     async def ensure_admin_key(self, admin_key: str | None) -> str | None:
         """Make sure an admin key exists. Returns a newly generated key (to print once),

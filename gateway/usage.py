@@ -1,7 +1,9 @@
 """Usage rows with group commit.
 
 Each finished request submits its row to the recorder and waits until the row is
-committed; only then does the gateway send the response's final bytes. Rows that
+committed; only then does the gateway send the response's final bytes. On PostgreSQL
+the row carries its request's quota settlement, applied in the same transaction: no
+round trip of its own, and counters and row are durable (or retried) together. Rows that
 arrive while a transaction is being written go together in the next one, so under
 load one commit carries many requests.
 
@@ -34,6 +36,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DataError, IntegrityError
 
 from gateway.db import Database, UsageRecord
+from gateway.quota.limits import Settlement
+from gateway.quota.postgres import apply_settlements
 
 log = logging.getLogger("kvgate.usage")
 
@@ -71,6 +75,9 @@ class UsageRow:
     user: str | None = None
     created_at: float = 0.0
     counted_by: str = "engine"
+    spend_nano_usd: int = 0  # at the model's price (gateway.quota.prices)
+    # the request's quota settlement on PostgreSQL: committed with the row, not a column
+    settlement: Settlement | None = None
 
     @property
     def day(self) -> str:
@@ -273,7 +280,7 @@ class UsageRecorder:
 
     async def _commit(self, rows: list[UsageRow]) -> None:
         # Core statements on a bare connection: executemany, no ORM unit of work.
-        values = [dict(vars(r)) for r in rows]
+        values = [{c: getattr(r, c) for c in _USAGE_COLUMNS} for r in rows]
         daily = self._daily_totals(rows)
         if self.db.sync_engine is not None:
             # A small batch costs less than the two thread switches that would hide it;
@@ -283,7 +290,10 @@ class UsageRecorder:
             else:
                 await asyncio.to_thread(self._commit_sync, values, daily)
             return
+        settlements = [r.settlement for r in rows if r.settlement is not None]
         async with self.db.engine.begin() as conn:
+            if settlements:  # first: counter rows are locked before any other row
+                await apply_settlements(conn, settlements)
             await conn.execute(UsageRecord.__table__.insert(), values)
             await conn.execute(_DAILY_UPSERT, daily)
 
@@ -336,13 +346,14 @@ class UsageRecorder:
             raw.close()
 
     def _daily_totals(self, rows: list[UsageRow]) -> list[dict]:
-        totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
         for r in rows:
             t = totals[(r.tenant_id, r.day, r.model)]
             t[0] += 1
             t[1] += r.prompt_tokens
             t[2] += r.completion_tokens
             t[3] += r.cached_tokens
+            t[4] += r.spend_nano_usd
         # sorted: concurrent writers (several gateways) lock daily rows in one order
         return [
             {
@@ -364,8 +375,14 @@ def _row_fault(e: Exception) -> bool:
     return isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23")
 
 
-_USAGE_COLUMNS = [f.name for f in fields(UsageRow)]
-_DAILY_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+_USAGE_COLUMNS = [f.name for f in fields(UsageRow) if f.name != "settlement"]
+_DAILY_COUNTS = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "spend_nano_usd",
+)
 _SQLITE_USAGE_INSERT = (
     f"INSERT INTO usage_records ({', '.join(_USAGE_COLUMNS)}) "
     f"VALUES ({', '.join(':' + c for c in _USAGE_COLUMNS)})"
@@ -373,13 +390,9 @@ _SQLITE_USAGE_INSERT = (
 
 # The same upsert syntax on SQLite and PostgreSQL; one prepared statement, executemany.
 _DAILY_UPSERT = text(
-    "INSERT INTO daily_usage (tenant_id, day, model, requests, prompt_tokens, "
-    "completion_tokens, cached_tokens) VALUES (:tenant_id, :day, :model, :requests, "
-    ":prompt_tokens, :completion_tokens, :cached_tokens) "
+    f"INSERT INTO daily_usage (tenant_id, day, model, {', '.join(_DAILY_COUNTS)}) "
+    f"VALUES (:tenant_id, :day, :model, {', '.join(':' + c for c in _DAILY_COUNTS)}) "
     "ON CONFLICT (tenant_id, day, model) DO UPDATE SET "
-    "requests = daily_usage.requests + excluded.requests, "
-    "prompt_tokens = daily_usage.prompt_tokens + excluded.prompt_tokens, "
-    "completion_tokens = daily_usage.completion_tokens + excluded.completion_tokens, "
-    "cached_tokens = daily_usage.cached_tokens + excluded.cached_tokens"
+    + ", ".join(f"{c} = daily_usage.{c} + excluded.{c}" for c in _DAILY_COUNTS)
 )
 _SQLITE_DAILY_UPSERT = _DAILY_UPSERT.text

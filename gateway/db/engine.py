@@ -10,7 +10,9 @@ size, the file says the log has grown past the limit since it last started again
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,12 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, event
 from sqlalchemy import create_engine as create_sync_engine
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    async_sessionmaker,
+    create_async_engine,
+)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
@@ -79,6 +86,13 @@ class Database:
             event.listen(self.sync_engine, "connect", _no_autocheckpoint)
             for engine in (self.engine.sync_engine, self.sync_engine):
                 event.listen(engine, "connect", self._limit_wal_file)
+
+    @contextlib.asynccontextmanager
+    async def autocommit(self) -> AsyncIterator[AsyncConnection]:
+        """A connection whose statements each commit alone: on PostgreSQL one round trip
+        each, where a transaction would add a BEGIN and a COMMIT or ROLLBACK."""
+        async with self.engine.connect() as conn:
+            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
     @property
     def is_postgres(self) -> bool:

@@ -33,13 +33,16 @@ class Tenant(Base):
 
 
 class Limits:
-    """The limit columns a tenant's quota and an API key both hold (NULL: no limit)."""
+    """The limit columns a tenant's quota and an API key both hold (NULL: no limit); the
+    money budgets in nanodollars (10^-9 USD, gateway.quota.prices), dollars at the API."""
 
     rpm: Mapped[int | None] = mapped_column(Integer)
     tpm: Mapped[int | None] = mapped_column(BigInteger)
     max_concurrent: Mapped[int | None] = mapped_column(Integer)
     daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
     monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    daily_spend: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_spend: Mapped[int | None] = mapped_column(BigInteger)
     models: Mapped[list[str] | None] = mapped_column(JSON)
 
 
@@ -94,6 +97,8 @@ class UsageRecord(Base):
     created_at: Mapped[float] = mapped_column(Float)
     # "engine", or "gateway" where a remote upstream sent no usage and kvgate counted
     counted_by: Mapped[str] = mapped_column(String(16), server_default="engine")
+    # what the request cost at its model's price, in nanodollars (gateway.quota.prices)
+    spend_nano_usd: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
     __table_args__ = (Index("ix_usage_records_tenant_created", "tenant_id", "created_at"),)
 
@@ -108,6 +113,7 @@ class DailyUsage(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    spend_nano_usd: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class QuotaCounter(Base):

@@ -2,6 +2,8 @@
 
 A request takes from its tenant's counters and, where its API key has limits of its
 own, from the key's as well: it is admitted only if both admit it (`QuotaLimits.scopes`).
+Money budgets count nanodollars (gateway.quota.prices) as token budgets count tokens:
+the worst case is reserved at admission and the actual spend settled.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.quota.prices import to_usd, usd_text
+
 # The counters a request moves, and the window each one counts in.
 REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT = (
     "requests",
@@ -20,6 +24,9 @@ REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT = (
     "monthly",
     "concurrent",
 )
+DAILY_SPEND, MONTHLY_SPEND = "daily_spend", "monthly_spend"  # nanodollars
+KINDS = (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT, DAILY_SPEND, MONTHLY_SPEND)
+SPEND_KINDS = (DAILY_SPEND, MONTHLY_SPEND)
 
 
 # Who a set of counters belongs to, as a refusal names it.
@@ -31,18 +38,29 @@ _LIMIT_FIELD = {
     DAILY: "daily_tokens",
     MONTHLY: "monthly_tokens",
     CONCURRENT: "max_concurrent",
+    DAILY_SPEND: "daily_spend",
+    MONTHLY_SPEND: "monthly_spend",
 }
+COUNTED_LIMITS = tuple(_LIMIT_FIELD.values())  # the limit fields that have counters
 
 
-def amounts(requests: int, tokens: int) -> dict[str, int]:
-    """What one admission takes from each counter."""
+def amounts(requests: int, tokens: int, spend: int = 0) -> dict[str, int]:
+    """What one admission takes from each counter (`spend` in nanodollars)."""
     return {
         REQUESTS: requests,
         TOKENS: tokens,
         DAILY: tokens,
         MONTHLY: tokens,
         CONCURRENT: requests,
+        DAILY_SPEND: spend,
+        MONTHLY_SPEND: spend,
     }
+
+
+def checked_limit(limits: QuotaLimits, kind: str, amount: int) -> int | None:
+    """The limit an admission is held to on one counter; None: unchecked. Nothing asked
+    is never refused: a model with no price is not held to a money budget."""
+    return None if amount == 0 else limits.limit_for(kind)
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,8 @@ class QuotaLimits:
     max_concurrent: int | None = None
     daily_tokens: int | None = None
     monthly_tokens: int | None = None
+    daily_spend: int | None = None  # nanodollars
+    monthly_spend: int | None = None
     # Set by `with_key` for a key with limits of its own: the fields above are then the
     # stricter of the tenant's and the key's (what token planning and the x-ratelimit-*
     # headers see), and admission holds each to counters of its own (`scopes`).
@@ -63,7 +83,7 @@ class QuotaLimits:
     def from_row(cls, row: Any) -> QuotaLimits:
         if row is None:
             return cls()
-        return cls(row.rpm, row.tpm, row.max_concurrent, row.daily_tokens, row.monthly_tokens)
+        return cls(**{f: getattr(row, f) for f in _LIMIT_FIELD.values()})
 
     @classmethod
     def with_key(cls, tenant: QuotaLimits, key_id: str, key: QuotaLimits) -> QuotaLimits:
@@ -126,7 +146,9 @@ class Windows:
     def of(self, kind: str) -> int:
         if kind in (REQUESTS, TOKENS):
             return self.minute
-        return {DAILY: self.day, MONTHLY: self.month}.get(kind, 0)
+        if kind in (DAILY, DAILY_SPEND):
+            return self.day
+        return self.month if kind in (MONTHLY, MONTHLY_SPEND) else 0
 
     def reset_s(self, kind: str) -> float:
         return {
@@ -134,6 +156,8 @@ class Windows:
             TOKENS: self.minute_reset_s,
             DAILY: self.day_reset_s,
             MONTHLY: self.month_reset_s,
+            DAILY_SPEND: self.day_reset_s,
+            MONTHLY_SPEND: self.month_reset_s,
         }.get(kind, 1.0)
 
 
@@ -170,11 +194,41 @@ class Reservation:
     remaining: dict[str, int | None] = field(default_factory=dict)
     limits: QuotaLimits = field(default_factory=QuotaLimits)
     requests: int = 1  # one per choice: n=4 takes four requests and four slots
+    spend: int = 0  # nanodollars: the worst case of the tokens reserved
     settled: bool = False
 
     def owners(self) -> list[str]:
         """Whose counters it took from."""
         return [scope.owner for scope in self.limits.scopes(self.tenant_id)]
+
+    def deltas(self, used_tokens: int, count_request: bool, used_spend: int) -> list[Delta]:
+        """What settling moves on each counter: the reserved tokens and spend replaced by
+        those used, the slots freed, the requests given back unless `count_request`;
+        in (owner, kind) order, the order every writer of the counters takes them in."""
+        w = self.windows
+        by_kind = {kind: used_tokens - self.tokens for kind in (TOKENS, DAILY, MONTHLY)}
+        by_kind |= {kind: used_spend - self.spend for kind in SPEND_KINDS}
+        by_kind[CONCURRENT] = -self.requests
+        by_kind[REQUESTS] = 0 if count_request else -self.requests
+        return [
+            (owner, kind, w.of(kind), delta)
+            for owner in sorted(self.owners())
+            for kind, delta in sorted(by_kind.items())
+            if delta
+        ]
+
+
+Delta = tuple[str, str, int, int]  # owner, kind, window, amount
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What settling one reservation moves in PostgreSQL, for the usage writer to apply
+    in the commit that holds the request's usage row (gateway.quota.postgres)."""
+
+    instance_id: str  # whose leases hold the slots
+    deltas: list[Delta]
+    slots: list[tuple[str, int]]  # owner, concurrency slots given back
 
 
 class QuotaExceeded(Exception):
@@ -196,16 +250,24 @@ class QuotaExceeded(Exception):
 
     def _message(self) -> str:
         what = {
-            REQUESTS: ("requests per minute (RPM)", "requests"),
-            TOKENS: ("tokens per minute (TPM)", "tokens"),
-            DAILY: ("tokens per day", "tokens"),
-            MONTHLY: ("tokens per month", "tokens"),
-            CONCURRENT: ("concurrent requests", "requests"),
+            REQUESTS: "requests per minute (RPM)",
+            TOKENS: "tokens per minute (TPM)",
+            DAILY: "tokens per day",
+            MONTHLY: "tokens per month",
+            CONCURRENT: "concurrent requests",
+            DAILY_SPEND: "spend per day (daily_spend)",
+            MONTHLY_SPEND: "spend per month (monthly_spend)",
         }[self.kind]
         whose = "this API key's" if self.who == KEY else "your tenant's"
+        if self.kind in SPEND_KINDS:  # nanodollars, said in dollars
+            limit, used, asked = (_usd(v) for v in (self.limit, self.used, self.requested))
+            amounts_ = f"limit {limit}, used {used}, requested at most {asked}"
+        else:
+            unit = "requests" if self.kind in (REQUESTS, CONCURRENT) else "tokens"
+            amounts_ = f"limit {self.limit}, used {self.used}, requested {self.requested} {unit}"
         return (
-            f"Rate limit reached for {whose} {what[0]}: limit {self.limit}, used {self.used}, "
-            f"requested {self.requested} {what[1]}. Please try again in {self.reset_s:.1f}s."
+            f"Rate limit reached for {whose} {what}: {amounts_}. "
+            f"Please try again in {self.reset_s:.1f}s."
         )
 
     @property
@@ -220,6 +282,10 @@ class QuotaExceeded(Exception):
             headers[f"x-ratelimit-remaining-{self.kind}"] = str(max(0, self.limit - self.used))
             headers[f"x-ratelimit-reset-{self.kind}"] = f"{self.reset_s:.3f}s"
         return headers
+
+
+def _usd(nanos: int) -> str:
+    return "$" + usd_text(to_usd(nanos))
 
 
 def ratelimit_headers(

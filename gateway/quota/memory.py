@@ -7,15 +7,14 @@ refusal by either takes nothing from both."""
 from __future__ import annotations
 
 from gateway.quota.limits import (
-    CONCURRENT,
-    DAILY,
-    MONTHLY,
+    KINDS,
     REQUESTS,
     TOKENS,
     QuotaExceeded,
     QuotaLimits,
     Reservation,
     amounts,
+    checked_limit,
     least_remaining,
     windows_at,
 )
@@ -39,14 +38,20 @@ class MemoryQuotaStore:
                 self.minute_of[owner] = w.minute
 
     async def admit(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        tokens: int,
+        now: float,
+        requests: int = 1,
+        spend: int = 0,
     ) -> Reservation:
         w = windows_at(now)
-        wanted = amounts(requests, tokens)
+        wanted = amounts(requests, tokens, spend)
         scopes = limits.scopes(tenant_id)
         for scope in scopes:
             for kind, amount in wanted.items():
-                limit = scope.limits.limit_for(kind)
+                limit = checked_limit(scope.limits, kind, amount)
                 if limit is None:
                     continue
                 used = self.counters.get((scope.owner, kind, w.of(kind)), 0)
@@ -63,27 +68,26 @@ class MemoryQuotaStore:
             )
             for kind in (REQUESTS, TOKENS)
         }
-        return Reservation(tenant_id, tokens, w, remaining, limits, requests)
+        return Reservation(tenant_id, tokens, w, remaining, limits, requests, spend)
 
-    async def settle(self, res: Reservation, used_tokens: int, count_request: bool = True) -> None:
+    async def settle(
+        self, res: Reservation, used_tokens: int, count_request: bool = True, used_spend: int = 0
+    ) -> None:
+        self.settlement(res, used_tokens, count_request, used_spend)
+
+    def settlement(
+        self, res: Reservation, used_tokens: int, count_request: bool = True, used_spend: int = 0
+    ) -> None:
+        """Settle now: in memory there is no commit to join (see QuotaStore)."""
         if res.settled:
             return
         res.settled = True
-        w = res.windows
-        delta = used_tokens - res.tokens
-        for owner in res.owners():
-            for kind in (TOKENS, DAILY, MONTHLY):
-                self._add((owner, kind, w.of(kind)), delta)
-            self._add((owner, CONCURRENT, 0), -res.requests)
-            if not count_request:
-                self._add((owner, REQUESTS, w.minute), -res.requests)
+        for owner, kind, window, delta in res.deltas(used_tokens, count_request, used_spend):
+            self._add((owner, kind, window), delta)
 
     async def used(self, owner: str, now: float) -> dict[str, int]:
         w = windows_at(now)
-        return {
-            kind: self.counters.get((owner, kind, w.of(kind)), 0)
-            for kind in (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT)
-        }
+        return {kind: self.counters.get((owner, kind, w.of(kind)), 0) for kind in KINDS}
 
     async def start(self) -> None:
         pass

@@ -1,10 +1,14 @@
 """Quota counters in PostgreSQL, so that N gateways enforce one limit, not N.
 
-Admission is one conditional upsert of every counter the request moves (its tenant's,
-and its key's where the key has limits), in one transaction: a row is only incremented
-`WHERE value + amount <= limit`, and the tenant's advisory lock makes concurrent gateways
-queue on the same tenant (a key's requests all take its tenant's lock too). If fewer rows
-come back than were offered, a limit was hit and the transaction rolls back whole.
+Admission is one call of the `kvgate_admit` function (migration 0007) in autocommit: one
+round trip, no transaction statements around it. It takes the tenant's advisory lock
+(gateways queue on the same tenant; a key's requests take its tenant's lock too) and
+admits each request of its batch all or nothing. Requests of one tenant that arrive
+while its previous call is out go together in the next, so under load one statement
+admits many, each exactly as if alone. Settlement is not a round trip of its own: the
+request's `Settlement` rides with its usage row and `apply_settlements` runs in that
+row's group commit, so the counters and the row are durable together. Every writer
+takes counter rows in (owner, kind, window) order, so none can deadlock another.
 The counter and lease tables' `tenant_id` column holds the owner: a tenant's id or a key's.
 """
 
@@ -13,91 +17,64 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import secrets
 import time
+from dataclasses import dataclass, field
 
-from sqlalchemy import BigInteger, TextClause, bindparam, delete, select, text, update
+from sqlalchemy import delete, select, text, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.db import Database, QuotaCounter, QuotaLease
 from gateway.quota.limits import (
     CONCURRENT,
-    DAILY,
-    MONTHLY,
+    KINDS,
     REQUESTS,
     TOKENS,
     QuotaExceeded,
     QuotaLimits,
     Reservation,
-    Windows,
+    Settlement,
     amounts,
+    checked_limit,
     least_remaining,
     windows_at,
 )
 
-KINDS = (REQUESTS, TOKENS, DAILY, MONTHLY, CONCURRENT)
 # A gateway killed with -9 holds its tenants' concurrency slots until another one sees
 # its heartbeat go stale: at most HEARTBEAT_S + STALE_AFTER_S. Shorter would let a gateway
 # whose loop stalls for longer than STALE_AFTER_S lose slots it still uses (design.md).
 HEARTBEAT_S = 5.0
 STALE_AFTER_S = 20.0
+# the most requests one admission call carries
+MAX_BATCH = 256
 
-# Admission and settlement each take the tenant's advisory lock first: one tenant's
-# counter rows (and its keys') are then always locked by one transaction at a time, in
-# no order that could deadlock, and each is one statement (one round trip) after the lock.
-_TENANT_LOCK = text("SELECT pg_advisory_xact_lock(hashtext(:t))")
-
-# one owner's five counters, and its lease when all of the request's counters were taken
-_COUNTER_ROWS = (
-    "(:t{i}, 'requests', :wm, :r, :l{i}_requests), (:t{i}, 'tokens', :wm, :n, :l{i}_tokens), "
-    "(:t{i}, 'daily', :wd, :n, :l{i}_daily), (:t{i}, 'monthly', :wmo, :n, :l{i}_monthly), "
-    "(:t{i}, 'concurrent', 0, :r, :l{i}_concurrent)"
-)
-_LEASE = """, lease{i} AS (
-  INSERT INTO quota_leases (instance_id, tenant_id, held, heartbeat)
-  SELECT :i, :t{i}, :r, :now WHERE (SELECT count(*) FROM taken) = {rows}
-  ON CONFLICT (instance_id, tenant_id) DO UPDATE
-    SET held = quota_leases.held + excluded.held, heartbeat = excluded.heartbeat
-)"""
+_ADMIT = text("SELECT kvgate_admit(:lock, CAST(:batch AS jsonb), :i, :now)")
+_SETTLE = text("SELECT kvgate_settle(CAST(:deltas AS jsonb), CAST(:slots AS jsonb), :i)")
 
 
-@functools.cache
-def _admit_sql(owners: int) -> TextClause:
-    """The admission statement for a tenant alone (1) or a tenant and its key (2)."""
-    rows = ",\n    ".join(_COUNTER_ROWS.format(i=i) for i in range(owners))
-    leases = "".join(_LEASE.format(i=i, rows=len(KINDS) * owners) for i in range(owners))
-    sql = f"""
-WITH taken AS (
-  INSERT INTO quota_counters (tenant_id, kind, "window", value, limit_value) VALUES
-    {rows}
-  ON CONFLICT (tenant_id, kind, "window") DO UPDATE
-    SET value = quota_counters.value + excluded.value, limit_value = excluded.limit_value
-    WHERE excluded.limit_value IS NULL
-       OR quota_counters.value + excluded.value <= excluded.limit_value
-  RETURNING tenant_id, kind, value
-){leases}
-SELECT tenant_id, kind, value FROM taken"""
-    limits = [bindparam(f"l{i}_{k}", type_=BigInteger) for i in range(owners) for k in KINDS]
-    amounts_ = [bindparam(p, type_=BigInteger) for p in ("wm", "wd", "wmo", "n", "r")]
-    return text(sql).bindparams(*amounts_, *limits)
+async def apply_settlements(conn: AsyncConnection, settlements: list[Settlement]) -> None:
+    """Apply settlements inside the caller's transaction (the usage writer's commit)."""
+    by_instance: dict[str, list[Settlement]] = {}
+    for s in settlements:
+        by_instance.setdefault(s.instance_id, []).append(s)
+    for instance, group in by_instance.items():
+        deltas = sorted(d for s in group for d in s.deltas)
+        slots = sorted(slot for s in group for slot in s.slots)
+        params = {"deltas": json.dumps(deltas), "slots": json.dumps(slots), "i": instance}
+        await conn.execute(_SETTLE, params)
 
 
-_SETTLE = text("""
-WITH counters AS (
-  UPDATE quota_counters SET value = quota_counters.value + d.delta
-  FROM (VALUES ('tokens', CAST(:wm AS BIGINT), CAST(:dt AS BIGINT)), ('daily', :wd, :dt),
-               ('monthly', :wmo, :dt), ('concurrent', 0, -CAST(:r AS BIGINT)),
-               ('requests', :wm, :dr))
-       AS d(kind, win, delta)
-  WHERE quota_counters.tenant_id = :t AND quota_counters.kind = d.kind
-    AND quota_counters."window" = d.win AND d.delta <> 0
-  RETURNING 1
-)
-UPDATE quota_leases SET held = held - :r WHERE instance_id = :i AND tenant_id = :t
-""").bindparams(*(bindparam(p, type_=BigInteger) for p in ("wm", "wd", "wmo", "dt", "dr", "r")))
+@dataclass
+class _Asked:
+    """One admission waiting for its tenant's next call."""
 
-
-def _window_params(w: Windows) -> dict[str, int]:
-    return {"wm": w.minute, "wd": w.day, "wmo": w.month}
+    rows: list[list]  # [owner, kind, window, amount, limit | None], in counter order
+    slots: list[list]  # [owner, slots] for the leases
+    now: float  # the lease's heartbeat
+    done: asyncio.Future[dict] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class PostgresQuotaStore:
@@ -106,6 +83,9 @@ class PostgresQuotaStore:
         self.db = db
         self.instance_id = secrets.token_hex(8)
         self._heartbeat: asyncio.Task[None] | None = None
+        self._queued: dict[str, list[_Asked]] = {}  # per tenant, for its next call
+        self._calling: set[str] = set()  # tenants with a call out
+        self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak refs
 
     async def start(self) -> None:
         await self.reclaim_stale(time.time())
@@ -153,57 +133,96 @@ class PostgresQuotaStore:
         return reclaimed
 
     async def admit(
-        self, tenant_id: str, limits: QuotaLimits, tokens: int, now: float, requests: int = 1
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        tokens: int,
+        now: float,
+        requests: int = 1,
+        spend: int = 0,
     ) -> Reservation:
         w = windows_at(now)
-        wanted = amounts(requests, tokens)
+        wanted = amounts(requests, tokens, spend)
         scopes = limits.scopes(tenant_id)
-        params = _window_params(w) | {"i": self.instance_id, "now": now, "n": tokens}
-        params["r"] = requests
-        for i, scope in enumerate(scopes):
-            params[f"t{i}"] = scope.owner
-            for kind, amount in wanted.items():
-                limit = scope.limits.limit_for(kind)
-                if limit is not None and amount > limit:  # a fresh row is inserted unchecked
-                    raise QuotaExceeded(kind, limit, 0, amount, w.reset_s(kind), scope.who)
-                params[f"l{i}_{kind}"] = limit
-        async with self.db.engine.begin() as conn:
-            await conn.execute(_TENANT_LOCK, {"t": tenant_id})
-            rows = (await conn.execute(_admit_sql(len(scopes)), params)).all()
-            taken = {(owner, kind): value for owner, kind, value in rows}
-            if len(taken) < len(wanted) * len(scopes):
-                scope, refused = next(
-                    (s, k) for s in scopes for k in KINDS if (s.owner, k) not in taken
-                )
-                used = await conn.scalar(
-                    select(QuotaCounter.value).where(
-                        QuotaCounter.tenant_id == scope.owner,
-                        QuotaCounter.kind == refused,
-                        QuotaCounter.window == w.of(refused),
-                    )
-                )
-                await conn.rollback()
-                limit = scope.limits.limit_for(refused) or 0
-                reset_s = w.reset_s(refused)
-                raise QuotaExceeded(refused, limit, used or 0, wanted[refused], reset_s, scope.who)
-        remaining = {
+        rows = sorted(
+            [s.owner, kind, w.of(kind), amount, checked_limit(s.limits, kind, amount)]
+            for s in scopes
+            for kind, amount in wanted.items()
+        )
+        asked = _Asked(rows, [[s.owner, requests] for s in scopes], now)
+        self._queued.setdefault(tenant_id, []).append(asked)
+        if tenant_id not in self._calling:
+            self._calling.add(tenant_id)
+            task = asyncio.create_task(self._call(tenant_id), name="quota-admit")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        reservation = Reservation(tenant_id, tokens, w, {}, limits, requests, spend)
+        try:
+            result = await asyncio.shield(asked.done)
+        except asyncio.CancelledError:
+            asked.done.add_done_callback(functools.partial(self._release_orphan, reservation))
+            raise
+        if "refused" in result:
+            owner, kind, used = result["refused"]
+            scope = next(s for s in scopes if s.owner == owner)
+            limit = scope.limits.limit_for(kind) or 0
+            raise QuotaExceeded(kind, limit, used, wanted[kind], w.reset_s(kind), scope.who)
+        taken = {(owner, kind): value for owner, kind, value in result["taken"]}
+        reservation.remaining = {
             kind: least_remaining(scopes, kind, {s.owner: taken[(s.owner, kind)] for s in scopes})
             for kind in (REQUESTS, TOKENS)
         }
-        return Reservation(tenant_id, tokens, w, remaining, limits, requests)
+        return reservation
 
-    async def settle(self, res: Reservation, used_tokens: int, count_request: bool = True) -> None:
-        if res.settled:
+    async def _call(self, tenant_id: str) -> None:
+        """Admit the tenant's queued requests, a call at a time, until none are left."""
+        try:
+            while queued := self._queued.pop(tenant_id, None):
+                batch, rest = queued[:MAX_BATCH], queued[MAX_BATCH:]
+                if rest:
+                    self._queued[tenant_id] = rest + self._queued.get(tenant_id, [])
+                body = [{"rows": a.rows, "leases": a.slots} for a in batch]
+                params = {"lock": tenant_id, "batch": json.dumps(body)}
+                params |= {"i": self.instance_id, "now": max(a.now for a in batch)}
+                try:
+                    async with self.db.autocommit() as conn:
+                        results = await conn.scalar(_ADMIT, params)  # jsonb, decoded
+                except Exception as e:  # every waiter of the call hears of it
+                    for a in batch:
+                        a.done.set_exception(e)
+                    continue
+                for a, result in zip(batch, results, strict=True):
+                    a.done.set_result(result)
+        finally:
+            self._calling.discard(tenant_id)
+
+    def _release_orphan(self, res: Reservation, fut: asyncio.Future[dict]) -> None:
+        """Its waiter was cancelled while the call was out: if the database admitted it
+        all the same, give everything back."""
+        if fut.cancelled() or fut.exception() is not None or "refused" in fut.result():
             return
+        task = asyncio.ensure_future(self.settle(res, 0, count_request=False))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def settlement(
+        self, res: Reservation, used_tokens: int, count_request: bool = True, used_spend: int = 0
+    ) -> Settlement | None:
+        """What settling `res` moves, to be applied in its usage row's commit."""
+        if res.settled:
+            return None
         res.settled = True
-        w = res.windows
-        params = _window_params(w) | {"i": self.instance_id, "r": res.requests}
-        params["dt"] = used_tokens - res.tokens
-        params["dr"] = 0 if count_request else -res.requests
-        async with self.db.engine.begin() as conn:
-            await conn.execute(_TENANT_LOCK, {"t": res.tenant_id})
-            for owner in res.owners():
-                await conn.execute(_SETTLE, params | {"t": owner})
+        slots = [(owner, res.requests) for owner in sorted(res.owners())]
+        deltas = res.deltas(used_tokens, count_request, used_spend)
+        return Settlement(self.instance_id, deltas, slots)
+
+    async def settle(
+        self, res: Reservation, used_tokens: int, count_request: bool = True, used_spend: int = 0
+    ) -> None:
+        settlement = self.settlement(res, used_tokens, count_request, used_spend)
+        if settlement is not None:
+            async with self.db.engine.begin() as conn:
+                await apply_settlements(conn, [settlement])
 
     async def used(self, owner: str, now: float) -> dict[str, int]:
         w = windows_at(now)

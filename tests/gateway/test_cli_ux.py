@@ -23,6 +23,7 @@ from gateway.cli import main as kvgate
 from gateway.config import _ENV_FIELDS, load_settings
 from gateway.db import Database
 from gateway.fair_queue import SPARE_SEATS
+from gateway.quota.prices import Price
 from gateway.usage import UsageRecorder, UsageRow
 from gateway.worker import cli as worker_cli
 from tests.conftest import ADMIN_KEY
@@ -109,14 +110,16 @@ def test_a_taken_port_ends_serve_in_one_line(tmp_path, db_url) -> None:
     assert "Traceback" not in out.stderr and "listening on" not in out.stdout
 
 
-async def _record_usage(db_url: str, tenant_id: str) -> None:
+async def _record_usage(db_url: str, tenant_id: str, key_id: str = "key-1", spend: int = 0) -> None:
     """One request's usage row, through the recorder the gateway uses."""
     db = Database(db_url)
     recorder = UsageRecorder(db)
     recorder.start()
     try:
-        row = UsageRow("req-1", tenant_id, "key-1", "fake-model", 7, 5, 2, 10.0, 50.0, 200, "stop")
-        await recorder.submit(dataclasses.replace(row, created_at=time.time()))
+        row = UsageRow("req-1", tenant_id, key_id, "fake-model", 7, 5, 2, 10.0, 50.0, 200, "stop")
+        await recorder.submit(
+            dataclasses.replace(row, created_at=time.time(), spend_nano_usd=spend)
+        )
     finally:
         await recorder.stop()
         await db.close()
@@ -155,8 +158,8 @@ def test_tables_by_default_and_json_with_the_flag(db_url, capsys) -> None:
     status, out, _ = run(capsys, *base, "usage")
     rows = table(out)
     assert status == 0 and rows[0][:3] == ["day", "tenant", "model"]
-    assert rows[1][1:] == ["acme", "fake-model", "1", "7", "5", "2"]  # the name, not the id
-    assert rows[2] == ["total", "1", "7", "5", "2"]
+    assert rows[1][1:] == ["acme", "fake-model", "1", "7", "5", "2", "0.00"]  # the name
+    assert rows[2] == ["total", "1", "7", "5", "2", "0.00"]
     status, out, _ = run(capsys, *base, "usage", "--json", "--tenant", tenant_id)
     usage = json.loads(out)
     assert usage["total"]["prompt_tokens"] == 7
@@ -175,12 +178,93 @@ def test_unknown_ids_are_errors_everywhere(db_url, capsys) -> None:
         (["keys", "list", "t_nonexistent"], "no tenant 't_nonexistent'"),
         (["keys", "create", "t_nonexistent"], "no tenant 't_nonexistent'"),
         (["tenants", "update", "t_nonexistent", "--rpm", "1"], "no tenant 't_nonexistent'"),
+        (["tenants", "update", "t_nonexistent", "--rpm", "none"], "no tenant 't_nonexistent'"),
+        (["keys", "list", "--tenant", "t_nonexistent"], "no tenant 't_nonexistent'"),
+        (["keys", "update", "key_nonexistent", "--rpm", "1"], "no key 'key_nonexistent'"),
         (["tenants", "delete", "t_nonexistent"], "no tenant 't_nonexistent'"),
         (["keys", "revoke", "key_nonexistent"], "no key 'key_nonexistent'"),
         (["--json", "usage", "--tenant", "t_nonexistent"], "no tenant 't_nonexistent'"),
     ):
         status, out, err = run(capsys, *base, *argv)
         assert status == 1 and err.strip() == f"kvgate: {message}" and out == "", argv
+
+
+def test_usage_shows_spend_per_tenant_and_key(db_url, capsys) -> None:
+    base = ["--database-url", db_url, "--json"]
+    tenant_id = json.loads(run(capsys, *base, "tenants", "create", "acme")[1])["id"]
+    key = json.loads(run(capsys, *base, "keys", "create", tenant_id, "--name", "batch")[1])
+    price = Price.from_usd_per_million(
+        "fake-model", {"input": 3, "cached_input": 0.3, "output": 15}
+    )
+    spend = price.spend(7, 2, 5)  # the row's prompt, cached and completion tokens
+    # $1 per million tokens is 1000 nanodollars a token
+    assert spend == 5 * 3_000 + 2 * 300 + 5 * 15_000 == 90_600
+    asyncio.run(_record_usage(db_url, tenant_id, key["id"], spend))
+
+    status, out, _ = run(capsys, "--database-url", db_url, "usage")
+    daily, per_tenant, per_key = (table(part) for part in out.split("\n\n"))
+    assert daily[0][-1] == "spend_usd" and daily[1][-1] == daily[2][-1] == "0.0000906"
+    assert per_tenant[0] == ["per tenant"] and per_tenant[1][0] == "tenant"
+    assert per_tenant[2] == ["acme", "1", "7", "5", "2", "0.0000906"]
+    assert per_key[0] == ["per key"] and per_key[1][:3] == ["key", "name", "tenant"]
+    assert per_key[2] == [key["id"], "batch", "acme", "1", "7", "5", "2", "0.0000906"]
+
+    usage = json.loads(run(capsys, *base, "usage", "--tenant", tenant_id)[1])
+    assert usage["total"]["spend"] == usage["data"][0]["spend"] == spend / 1e9
+    (per_tenant,) = usage["tenants"]
+    assert per_tenant == {"tenant_id": tenant_id, "tenant_name": "acme"} | usage["total"]
+    assert [(k["key_id"], k["name"], k["spend"]) for k in usage["keys"]] == [
+        (key["id"], "batch", spend / 1e9)
+    ]
+
+
+def test_a_limit_is_lifted_from_the_command_line(db_url, capsys) -> None:
+    base = ["--database-url", db_url, "--json"]
+    status, out, _ = run(
+        capsys, *base, "tenants", "create", "acme", "--rpm", "5", "--daily-spend", "2.5"
+    )
+    tenant = json.loads(out)
+    assert status == 0 and (tenant["rpm"], tenant["daily_spend"]) == (5, 2.5)
+    status, out, _ = run(
+        capsys, *base, "tenants", "update", tenant["id"], "--rpm", "none", "--monthly-spend", "9"
+    )
+    tenant = json.loads(out)
+    assert status == 0 and (tenant["rpm"], tenant["daily_spend"], tenant["monthly_spend"]) == (
+        None,
+        2.5,
+        9.0,
+    )
+    status, out, _ = run(capsys, *base, "tenants", "update", tenant["id"], "--daily-spend", "NONE")
+    assert json.loads(out)["daily_spend"] is None and json.loads(out)["monthly_spend"] == 9.0
+
+    status, out, _ = run(
+        capsys, *base, "keys", "create", tenant["id"], "--tpm", "100", "--models", "a,b"
+    )
+    key = json.loads(out)
+    status, out, _ = run(capsys, *base, "keys", "update", key["id"], "--models", "none")
+    assert status == 0 and (json.loads(out)["models"], json.loads(out)["tpm"]) == (None, 100)
+    status, out, _ = run(capsys, *base, "keys", "update", key["id"], "--tpm", "none")
+    assert status == 0 and json.loads(out)["tpm"] is None
+    # lifted in the database: what a gateway reads
+    status, out, _ = run(capsys, *base, "keys", "list", "--tenant", tenant["id"])
+    assert [(k["tpm"], k["models"]) for k in json.loads(out)] == [(None, None)]
+
+    status, _, err = run(capsys, *base, "keys", "update", key["id"], "--daily-spend", "-1")
+    assert status == 1 and "--daily-spend: Input should be greater than or equal to 0" in err
+    with pytest.raises(SystemExit) as exit_:
+        kvgate([*base, "tenants", "update", tenant["id"], "--rpm", "lots"])
+    assert exit_.value.code == 2 and "invalid int value: 'lots'" in capsys.readouterr().err
+
+
+async def test_prefixes_of_an_unknown_tenant_is_an_error(make_gateway, capsys) -> None:
+    gw = await make_gateway()
+    tenant, _ = await gw.tenant()
+    argv = ["prefixes", "--url", gw.url, "--key", ADMIN_KEY, "--tenant"]
+    assert await asyncio.to_thread(kvgate, [*argv, "t_unknown"]) == 1
+    out = capsys.readouterr()
+    assert out.err.strip() == "kvgate: 404: no tenant 't_unknown'" and out.out == ""
+    assert await asyncio.to_thread(kvgate, [*argv, tenant["id"]]) == 0
+    assert "per tenant" in capsys.readouterr().out
 
 
 def _settings_for(*argv: str):

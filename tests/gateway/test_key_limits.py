@@ -139,6 +139,9 @@ async def test_a_keys_committed_usage_is_reloaded_on_restart(gw):
     await complete(client(gw, unlimited["key"]))
     now = time.time()
     used = await gw.state.tenants.committed_usage(now)
-    assert used[key["id"]] == {"monthly": 5, "daily": 5, "tokens": 5, "requests": 1}
+    assert used[key["id"]] == {"monthly": 5, "daily": 5, "tokens": 5, "requests": 1} | {
+        "daily_spend": 0,  # the model has no price
+        "monthly_spend": 0,
+    }
     assert used[tenant["id"]]["daily"] == 10
     assert unlimited["id"] not in used  # it has no counters to seed

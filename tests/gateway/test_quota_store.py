@@ -1,6 +1,7 @@
 """Both quota stores, same rules: exact limits, refusals take nothing, settle corrects;
 a key's own limits hold beside its tenant's, the stricter one refusing, and a refusal by
-either takes nothing from both."""
+either takes nothing from both; money budgets count nanodollars as token budgets count
+tokens, the worst case reserved and the actual settled."""
 
 from __future__ import annotations
 
@@ -109,13 +110,16 @@ def keyed(tenant: QuotaLimits, key: QuotaLimits, key_id: str = "key_a") -> Quota
     return QuotaLimits.with_key(tenant, key_id, key)
 
 
-# (limit field, the counter it holds, whether it counts tokens rather than requests)
+# (limit field, the counter it holds, whether it counts tokens (or spend) rather than
+# requests); each admission below takes 10 tokens and 10 nanodollars
 LIMITED = [
     ("rpm", "requests", False),
     ("tpm", "tokens", True),
     ("max_concurrent", "concurrent", False),
     ("daily_tokens", "daily", True),
     ("monthly_tokens", "monthly", True),
+    ("daily_spend", "daily_spend", True),
+    ("monthly_spend", "monthly_spend", True),
 ]
 
 
@@ -128,9 +132,9 @@ async def test_the_stricter_of_key_and_tenant_refuses(store, field, kind, counts
     limits = keyed(tenant, key)
     assert limits.limit_for(kind) == 2 * unit  # what token planning and headers see
     for _ in range(2):
-        await store.admit("t", limits, 10, NOW)
+        await store.admit("t", limits, 10, NOW, spend=10)
     with pytest.raises(QuotaExceeded) as e:
-        await store.admit("t", limits, 10, NOW)
+        await store.admit("t", limits, 10, NOW, spend=10)
     assert (e.value.kind, e.value.who, e.value.limit, e.value.used) == (
         kind,
         stricter,
@@ -142,6 +146,7 @@ async def test_the_stricter_of_key_and_tenant_refuses(store, field, kind, counts
         used = await store.used(owner, NOW)
         assert (used["requests"], used["tokens"], used["concurrent"]) == (2, 20, 2), owner
         assert used["daily"] == used["monthly"] == 20
+        assert used["daily_spend"] == used["monthly_spend"] == 20
 
 
 async def test_keys_count_apart_and_share_their_tenants_limit(store):
@@ -228,3 +233,75 @@ async def test_a_dead_gateways_slots_of_a_key_are_taken_back(pg_schema):
     await alive.settle(res, 1)
     assert (await alive.used("key_a", NOW + 600))["concurrent"] == 0
     await db.close()
+
+
+async def test_spend_reserved_then_settled(store):
+    limits = QuotaLimits(daily_spend=1000)
+    res = await store.admit("t", limits, 50, NOW, spend=800)  # the worst case
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 50, NOW, spend=300)
+    assert (e.value.kind, e.value.limit, e.value.used, e.value.requested) == (
+        "daily_spend",
+        1000,
+        800,
+        300,
+    )
+    assert "your tenant's spend per day (daily_spend)" in str(e.value)
+    assert "limit $0.000001, used $0.0000008, requested at most $0.0000003" in str(e.value)
+    assert 0 < e.value.reset_s <= 86400 and e.value.headers()["Retry-After"]
+    await store.settle(res, 20, used_spend=120)  # it cost far less than the worst case
+    await store.settle(res, 20, used_spend=120)  # idempotent
+    used = await store.used("t", NOW)
+    assert (used["daily_spend"], used["monthly_spend"], used["daily"]) == (120, 120, 20)
+    await store.admit("t", limits, 50, NOW, spend=880)  # exactly to the limit
+    with pytest.raises(QuotaExceeded):
+        await store.admit("t", limits, 1, NOW, spend=1)
+
+
+async def test_monthly_spend_spans_the_days_and_a_free_model_passes(store):
+    limits = QuotaLimits(daily_spend=100, monthly_spend=150)
+    await store.admit("t", limits, 1, NOW, spend=100)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 1, NOW, spend=1)
+    assert e.value.kind == "daily_spend"
+    await store.admit("t", limits, 1, NOW + 86400, spend=50)
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", limits, 1, NOW + 86400, spend=1)
+    assert e.value.kind == "monthly_spend"
+    # a model with no price costs nothing: money budgets do not hold it, spent or not
+    res = await store.admit("t", QuotaLimits(daily_spend=0), 1, NOW + 86400)
+    await store.settle(res, 1)
+    assert (await store.used("t", NOW + 86400))["monthly_spend"] == 150
+
+
+async def test_a_spend_larger_than_the_budget(store):
+    with pytest.raises(QuotaExceeded) as e:
+        await store.admit("t", QuotaLimits(monthly_spend=99), 1, NOW, spend=100)
+    assert e.value.kind == "monthly_spend"
+    assert (await store.used("t", NOW))["requests"] == 0
+
+
+@pytest.mark.parametrize("whose", ["tenant", "key"])
+async def test_concurrent_spend_is_exact(store, whose):
+    """100 admissions at once, each reserving 70 nanodollars, against a budget of 1000:
+    exactly 14 fit, whichever scope holds the budget, and settling the actual spend
+    (30 each) lets exactly the ones that now fit in."""
+    budget, other = QuotaLimits(daily_spend=1000), QuotaLimits(daily_spend=10**9)
+    limits = keyed(other, budget) if whose == "key" else keyed(budget, other)
+    admitted = []
+
+    async def one():
+        try:
+            admitted.append(await store.admit("t", limits, 5, NOW, spend=70))
+        except QuotaExceeded as e:
+            assert (e.kind, e.who) == ("daily_spend", whose)
+
+    await asyncio.gather(*(one() for _ in range(100)))
+    assert len(admitted) == 14
+    owner = "key_a" if whose == "key" else "t"
+    assert (await store.used(owner, NOW))["daily_spend"] == 980
+    await asyncio.gather(*(store.settle(r, 5, used_spend=30) for r in admitted))
+    assert (await store.used(owner, NOW))["daily_spend"] == 420
+    await asyncio.gather(*(one() for _ in range(100)))  # (1000 - 420) // 70 more
+    assert len(admitted) == 14 + 8
+    assert (await store.used(owner, NOW))["daily_spend"] == 420 + 8 * 70
