@@ -21,7 +21,7 @@ if [ ! -d "$SRC" ]; then
   mkdir -p "$OUT/src"
   tar -xzf "$SDIST" -C "$OUT/src"
 fi
-echo "building llama-server $VERSION (vendored llama.cpp) with: ${CMAKE_ARGS:-llama.cpp's defaults}"
+echo "building llama-server $VERSION (vendored llama.cpp) with: ${CMAKE_ARGS:-the defaults of llama.cpp}"
 # shellcheck disable=SC2086  # CMAKE_ARGS is a list of flags
 cmake -S "$SRC/vendor/llama.cpp" -B "$OUT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
