@@ -2,7 +2,9 @@
 request's outputs flow back to its own asyncio queue.
 
 Only the worker thread touches the engine. The loop hands it adds and aborts through a
-command queue, applied between steps, so a long step never blocks the event loop.
+command queue, applied between steps, so a long step never blocks the event loop. An
+idle engine still checks every half second that its other tensor-parallel ranks live,
+so one that died makes the engine dead before the next request finds out.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class AsyncLLM:
         await asyncio.to_thread(self._thread.join)
         for request_id in list(self.engine.seqs):
             self._abort(request_id)
+        self.engine.runner.close()
 
     # -- engine thread side ---------------------------------------------------------
 
@@ -152,6 +155,7 @@ class AsyncLLM:
             while not self._stopping:
                 self._apply_commands(block=not self.engine.has_unfinished_requests())
                 if self._stopping or not self.engine.has_unfinished_requests():
+                    self.engine.runner.check_alive()
                     self._stats = self.engine.stats()
                     continue
                 outs = self.engine.step()

@@ -46,6 +46,9 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: dict | SpeculativeConfig | None = None  # vLLM's keys, checked
+    # ranks the model is split over (Megatron-style, tp_shards.py), one process and one
+    # device each: GPUs device, device + 1, ... on CUDA; on the CPU, processes sharing it
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZE_PER_CHANNEL:
@@ -73,6 +76,20 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        self._check_tensor_parallel_size()
+
+    def _check_tensor_parallel_size(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            needed = (device.index or 0) + size
+            if needed > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size {size} from {self.device} needs {needed} GPUs; "
+                    f"torch sees {torch.cuda.device_count()}"
+                )
 
     def _resolve_device_and_dtype(self) -> None:
         if self.device == "auto":

@@ -12,12 +12,12 @@ from backend_gpu.block_manager import BlockManager, KVCacheEvent
 from backend_gpu.config import EngineConfig
 from backend_gpu.detokenizer import IncrementalDetokenizer
 from backend_gpu.loader import open_model
-from backend_gpu.model_runner import ModelRunner
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.sampler import Sampler
 from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
 from backend_gpu.spec_decode.speculator import Speculator
+from backend_gpu.tp_ranks import start_runner
 from engine_api.errors import BadRequestError, PromptTooLongError
 from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
@@ -49,7 +49,7 @@ class LLMEngine:
         self.speculator = (
             Speculator(config, hf_config.vocab_size) if config.speculative_config else None
         )
-        self.runner = ModelRunner(config, hf_config, weights, self.tokenizer)
+        self.runner = start_runner(config, hf_config, weights, self.tokenizer)
         self.max_model_len = config.context_len(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer)

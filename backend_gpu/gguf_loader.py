@@ -1,6 +1,10 @@
 """GGUF files: read with the `gguf` package, dequantized, converted once into an HF-style
 directory (config, tokenizer, safetensors) cached on disk under the file's hash.
 
+Tensors are dequantized one at a time and written out in files of at most
+FILE_BYTES, so the conversion never holds the whole float32 model; a tensor-parallel
+rank then reads only its slices of them (loader.py).
+
 The first start shows a progress bar and takes a while (the tokenizer of a large
 vocabulary is slow to convert); later starts load the cached directory in seconds.
 """
@@ -11,12 +15,14 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+FILE_BYTES = 1 << 30  # float32 bytes per converted safetensors file
 # GGUF architecture -> (HF architecture, HF model_type)
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -61,7 +67,7 @@ def convert_gguf(path: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     target = os.path.join(cache_root(), "gguf", file_digest(path))
-    if os.path.exists(os.path.join(target, "model.safetensors")):
+    if os.path.exists(os.path.join(target, "config.json")):  # renamed into place whole
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
     work = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
@@ -69,10 +75,8 @@ def convert_gguf(path: str) -> str:
         with tqdm(total=3, desc=f"converting {os.path.basename(path)}", unit="stage") as bar:
             config = _save_config_and_tokenizer(path, work)
             bar.update(1)
-            tensors = _dequantized_tensors(path, config)
-            bar.update(1)
-            save_file(tensors, os.path.join(work, "model.safetensors"))
-            bar.update(1)
+            _save_in_files(_dequantized_tensors(path, config), work)
+            bar.update(2)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(work, target)  # atomic: a half-written cache is never found
     finally:
@@ -94,7 +98,29 @@ def _save_config_and_tokenizer(path: str, out_dir: str):
     return config
 
 
-def _dequantized_tensors(path: str, config) -> dict[str, torch.Tensor]:
+def _save_in_files(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str) -> None:
+    """Write (name, tensor) pairs as model-00001.safetensors, ... of at most FILE_BYTES
+    each (a larger tensor alone in its file)."""
+    batch: dict[str, torch.Tensor] = {}
+    size = files = 0
+
+    def flush() -> None:
+        nonlocal size, files
+        files += 1
+        save_file(batch, os.path.join(out_dir, f"model-{files:05d}.safetensors"))
+        batch.clear()
+        size = 0
+
+    for name, tensor in tensors:
+        if batch and size + tensor.nbytes > FILE_BYTES:
+            flush()
+        batch[name] = tensor
+        size += tensor.nbytes
+    if batch:
+        flush()
+
+
+def _dequantized_tensors(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import MODEL_ARCH_NAMES, GGUFReader, dequantize, get_tensor_name_map
 
     reader = GGUFReader(path)
@@ -109,7 +135,6 @@ def _dequantized_tensors(path: str, config) -> dict[str, torch.Tensor]:
         gguf_name = name_map.get_name(hf_name)
         if gguf_name is not None:
             gguf_to_hf[gguf_name] = hf_name
-    tensors = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing", leave=False):
         base, _, suffix = tensor.name.rpartition(".")
         if base not in gguf_to_hf:
@@ -126,8 +151,7 @@ def _dequantized_tensors(path: str, config) -> dict[str, torch.Tensor]:
             weights = _unpermute_rotary(weights, heads)
         if gguf_arch == "gemma3" and base.endswith("norm"):
             weights = weights - 1  # llama.cpp stores Gemma's norm weights as 1 + w
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(weights))
-    return tensors
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(weights))
 
 
 def _unpermute_rotary(weights: np.ndarray, heads: int) -> np.ndarray:

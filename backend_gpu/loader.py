@@ -4,21 +4,28 @@ A model is built on the meta device (no memory, no random init), given uninitial
 memory on its device in its dtype, then every parameter is filled from the checkpoint
 (or with random values, load_format "dummy"): no float32 copy is ever made and cast.
 Checkpoint tensors keep their HF names; the ones our models pack into one matmul
-(q/k/v, gate/up) are copied into their shard of the packed weight.
+(q/k/v, gate/up) are copied into their shard of the packed weight. Under tensor
+parallelism a rank reads only its part of each tensor (tp_shards.py): safetensors
+slices are read from the file as such, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers.linear import PackedLinear
 from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.models import model_class
+from backend_gpu.models.llama import head_dim_of
+from backend_gpu.tp_shards import SKIP, CheckpointShards, ShardRead
 
 # checkpoint module name -> (our packed module name, shard)
 PACKED_MODULES = {
@@ -30,14 +37,37 @@ PACKED_MODULES = {
 }
 
 
-def iter_safetensors(model_dir: str):
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+@dataclass(frozen=True)
+class Checkpoint:
+    """A directory of safetensors files, read one tensor (or one rank's part) at a time."""
+
+    directory: str
+
+    def tensors(self, shards: CheckpointShards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs: whole, or what `shards` says this rank holds."""
+        files = sorted(glob.glob(os.path.join(self.directory, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    read = shards(name) if shards is not None else None
+                    if read is None:
+                        yield name, f.get_tensor(name)
+                    elif read is not SKIP:
+                        yield name, _read_shard(f.get_slice(name), read)
+
+
+def _read_shard(tensor_slice, read: ShardRead) -> torch.Tensor:
+    index = (
+        (slice(read.start, read.stop),)
+        if read.dim == 0
+        else (slice(None), slice(read.start, read.stop))
+    )
+    part = tensor_slice[index]
+    if read.rows is not None and part.shape[0] < read.rows:  # the vocabulary's padding
+        part = torch.cat([part, part.new_zeros(read.rows - part.shape[0], *part.shape[1:])])
+    return part
 
 
 def load_weights(model: nn.Module, weights) -> None:
@@ -76,13 +106,19 @@ def load_weights(model: nn.Module, weights) -> None:
 
 
 def build_model(
-    hf_config, dtype: torch.dtype, device: torch.device, weights, load_format: str, seed: int
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    checkpoint: Checkpoint,
+    load_format: str,
+    seed: int,
+    tp: ParallelGroup = SINGLE,
 ) -> nn.Module:
-    """The model of `hf_config` on `device` in `dtype`, its parameters from `weights`
-    ((name, tensor) pairs), or random for load_format "dummy"."""
+    """The model of `hf_config` on `device` in `dtype` (tensor-parallel rank tp.rank's
+    part of it), its parameters from `checkpoint`, or random for load_format "dummy"."""
     architecture = (hf_config.architectures or [hf_config.model_type])[0]
     with torch.device("meta"):
-        model = model_class(architecture)(hf_config).to(dtype)
+        model = model_class(architecture)(hf_config, tp).to(dtype)
     # to_empty gives each module its own tensors: note which parameters are one
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -96,9 +132,11 @@ def build_model(
         if isinstance(module, RotaryEmbedding):
             module.compute_tables()
     if load_format == "dummy":
-        dummy_weights(model, seed)
+        dummy_weights(model, seed + tp.rank)
     else:
-        load_weights(model, weights)
+        load_weights(
+            model, checkpoint.tensors(CheckpointShards(hf_config, head_dim_of(hf_config), tp))
+        )
     return model
 
 
@@ -117,7 +155,7 @@ def dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def open_model(path: str):
-    """(hf_config, tokenizer, weight iterator) of an HF directory or a GGUF file."""
+    """(hf_config, tokenizer, Checkpoint) of an HF directory or a GGUF file."""
     from transformers import AutoConfig, AutoTokenizer
 
     if path.endswith(".gguf"):
@@ -129,4 +167,4 @@ def open_model(path: str):
     hf_config = AutoConfig.from_pretrained(path)
     hf_config = getattr(hf_config, "text_config", None) or hf_config
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return hf_config, tokenizer, iter_safetensors(path)
+    return hf_config, tokenizer, Checkpoint(path)

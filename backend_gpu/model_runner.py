@@ -8,38 +8,43 @@ less what is already used (the weights, other processes) and the activations' pe
 measured by one profiling forward of max_num_batched_tokens tokens; on the CPU a share
 of free RAM; kv_cache_memory_bytes, when set, on any device. A cache that cannot hold
 one sequence of max_model_len tokens is an error, not a silently useless engine.
+
+Under tensor parallelism every rank has a runner over its part of the model
+(tp_shards.py) and of the KV cache (its KV heads, the same block ids on every rank).
+Rank 0's runner builds each step's rows from the scheduled sequences and hands them to
+the other ranks (tp_ranks.py) before running them itself; the others run what they are
+handed (execute). The ranks agree at start on the number of blocks (the least any
+rank's memory holds) and on the FP8 cache's scales (those of the whole layer).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from backend_gpu.config import EngineConfig
 from backend_gpu.cuda_graphs import DecodeGraphs, capture_sizes
-from backend_gpu.layers.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    DecodeSpan,
-    PagedBatch,
-    PrefillSpan,
-)
-from backend_gpu.loader import build_model
+from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
+from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
+from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.quantization import KV_CACHE_DTYPES
 from backend_gpu.quantization.fp8 import FP8
 from backend_gpu.quantization.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
+from backend_gpu.span_metadata import span_metadata
 from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
+from backend_gpu.tp_shards import local_heads
+
+if TYPE_CHECKING:  # tp_ranks starts runners: it imports this module
+    from backend_gpu.tp_ranks import RankProcesses
 
 log = logging.getLogger(__name__)
 
-# a decode joins the current group while its context is at least this share of the
-# group's longest; below, padding it would cost more than one more attention call
-DECODE_GROUP_FILL = 0.7
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIB = 1 << 20
 
@@ -51,21 +56,31 @@ def _size(num_bytes: int) -> str:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, weights, tokenizer) -> None:
-        self.device = torch.device(config.device)
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        checkpoint: Checkpoint,
+        tokenizer,
+        tp: ParallelGroup = SINGLE,
+        ranks: RankProcesses | None = None,  # rank 0's handle on the others, under TP
+    ) -> None:
+        self.tp = tp
+        self.ranks = ranks
+        self.device = rank_device(config.device, tp.rank)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
         self.model = build_model(
-            hf_config, self.dtype, self.device, weights, config.load_format, config.seed
+            hf_config, self.dtype, self.device, checkpoint, config.load_format, config.seed, tp
         )
         if config.quantization is not None:
-            quantize_model(self.model, config.quantization)
+            quantize_model(self.model, config.quantization, tp)
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attention_layers = [layer.self_attn for layer in self.model.model.layers]
         self.max_model_len = config.context_len(hf_config)
         self.hidden_size = hf_config.hidden_size
-        self.kv_shape = (hf_config.num_key_value_heads, head_dim_of(hf_config))
+        self.kv_shape = (local_heads(hf_config, tp.size)[1], head_dim_of(hf_config))
         self.kv_row = self.kv_shape[0] * self.kv_shape[1]
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         if self.kv_dtype == FP8:  # before the cache exists: calibration uses scratch rows
@@ -76,6 +91,7 @@ class ModelRunner:
                 self.kv_shape,
                 self.dtype,
                 self.device,
+                tp,
             )
         # the one switch between attention paths: CUDA runs the Triton kernels, which read
         # the cache through the block tables; elsewhere the torch spans gather it
@@ -110,7 +126,8 @@ class ModelRunner:
                 budget,
                 config.max_num_seqs * self.max_model_len * bytes_per_block // self.block_size,
             )
-        self.num_blocks = max(0, budget // bytes_per_block)
+        # every rank holds the same block ids: as many as the tightest rank's budget
+        self.num_blocks = self.tp.min_over_ranks(max(0, budget // bytes_per_block))
         needed = -(-self.max_model_len // self.block_size)
         if self.num_blocks < needed:
             raise ValueError(
@@ -190,7 +207,9 @@ class ModelRunner:
         hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions, meta)
         rows = min(tokens, config.max_num_seqs + 1)
         # the sampler's float32 logits and one vocabulary-sized temporary beside them
-        self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        logits = self.model.compute_logits(hidden[:rows])
+        if logits is not None:  # rank 0's, under tensor parallelism
+            logits.float().softmax(-1)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         for attn in self.attention_layers:
@@ -216,19 +235,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Compute the batch; return logits (float32) of the sequences that reach their
-        end this step, 1 + len(spec_token_ids) rows each, and their indices in the batch."""
+        """Compute the batch (on every rank); return logits (float32) of the sequences
+        that reach their end this step, 1 + len(spec_token_ids) rows each, and their
+        indices in the batch."""
         graph_size = None
         if self.graphs is not None and max(batch.num_new_tokens) == 1:
             graph_size = self.graphs.size_for(len(batch.seqs))
-        input_ids, positions, meta, sample_rows, sampled = self.prepare(batch, graph_size)
+        try:
+            *inputs, sampled = self.prepare(batch, graph_size)
+            return self._forward(*inputs, graph_size), sampled
+        except RuntimeError as exc:
+            if self.ranks is None:
+                raise
+            raise self.ranks.failure(exc) from exc  # a collective failed: which rank is gone
+
+    @torch.inference_mode()
+    def execute(self, step: StepRows) -> None:
+        """Ranks other than 0: run the step rank 0 handed over (its logits go to rank 0)."""
+        self._forward(*self.load(step), step.padded_seqs if step.graph else None)
+
+    def _forward(self, input_ids, positions, meta, sample_rows, graph_size: int | None):
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
             self.num_graph_steps += 1
         else:
             hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_rows])
-        return logits.float(), sampled
+        return None if logits is None else logits.float()
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if another tensor-parallel rank has exited."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for a single rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers for `num_blocks` gathered blocks of K and of V, reused across steps
@@ -239,24 +282,13 @@ class ModelRunner:
             self.v_workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
         return self.k_workspace, self.v_workspace
 
-    def _group_decodes(self, decodes: list[int], ends: list[int]) -> list[list[int]]:
-        """Split decodes, longest first, into groups whose padding to their longest
-        member stays small; each group is one padded attention batch."""
-        groups: list[list[int]] = []
-        for i in sorted(decodes, key=lambda i: -ends[i]):
-            if groups and ends[i] >= DECODE_GROUP_FILL * ends[groups[-1][0]]:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return groups
-
     def prepare(self, batch: ScheduledBatch, graph_size: int | None = None):
-        """Fill the step buffers; return (input ids, positions, attention metadata,
-        sampled rows, sampled sequences' indices). With `graph_size` (a decode batch) the
-        buffers are padded to that many sequences for the graph of that size."""
+        """Build the step's rows, hand them to the other ranks, fill this rank's step
+        buffers; return (input ids, positions, attention metadata, sampled rows, sampled
+        sequences' indices). With `graph_size` (a decode batch) the buffers are padded
+        to that many sequences for the graph of that size."""
         ids: list[int] = []
         ends: list[int] = []
-        q_ends: list[int] = []
         rows: list[int] = []
         sampled: list[int] = []
         q_end = 0
@@ -266,34 +298,52 @@ class ModelRunner:
             ids.extend(seq.spec_token_ids)  # the scheduler kept only those it scheduled
             q_end += n
             ends.append(end)
-            q_ends.append(q_end)
             num_spec = len(seq.spec_token_ids)
             if end == len(seq) + num_spec:
                 sampled.append(i)
                 # a sequence verifying k proposed tokens samples at its last k + 1 positions
                 rows.extend(range(q_end - 1 - num_spec, q_end))
-        num_seqs = graph_size or len(batch.seqs)
-        num_tokens = graph_size or len(ids)
         tables = [s.block_table for s in batch.seqs]
-        self._reserve(Capacity(num_tokens, num_seqs, max(map(len, tables))))
+        step = StepRows(
+            ids,
+            list(batch.num_new_tokens),
+            ends,
+            tables,
+            rows,
+            graph_size or len(batch.seqs),
+            self.scratch_slot,
+            graph_size is not None,
+        )
+        if self.ranks is not None:
+            self.ranks.send(step)
+        return (*self.load(step), sampled)
+
+    def load(self, step: StepRows):
+        """Fill the step buffers with `step`; return (input ids, positions, attention
+        metadata, sampled rows)."""
+        num_seqs = step.padded_seqs
+        num_tokens = num_seqs if step.graph else len(step.token_ids)
+        self._reserve(Capacity(num_tokens, num_seqs, max(map(len, step.tables))))
         buffers = self.buffers
         buffers.begin()
-        step = StepRows(ids, batch.num_new_tokens, ends, tables, rows, num_seqs, self.scratch_slot)
         buffers.fill(step, self.block_size)
-        buffers.upload(num_tokens, len(rows), num_seqs)
-        if self.paged_kernels:
-            meta = buffers.paged_metadata(
-                num_tokens, num_seqs, max(batch.num_new_tokens), self.block_size
-            )
-        else:
-            meta = self._span_meta(batch, ends, q_ends, num_tokens)
+        buffers.upload(num_tokens, len(step.sample_rows), num_seqs)
         dev = buffers.dev
+        if self.paged_kernels:
+            meta = buffers.paged_metadata(num_tokens, num_seqs, max(step.num_new), self.block_size)
+        else:
+            meta = span_metadata(
+                step,
+                self.block_size,
+                dev["block_tables"],
+                dev["slot_mapping"][:num_tokens],
+                self._workspace,
+            )
         return (
             dev["input_ids"][:num_tokens],
             dev["positions"][:num_tokens],
             meta,
-            dev["sample_rows"][: len(rows)],
-            sampled,
+            dev["sample_rows"][: len(step.sample_rows)],
         )
 
     def _reserve(self, needed: Capacity) -> None:
@@ -309,49 +359,3 @@ class ModelRunner:
         self.buffers = StepBuffers(grown, self.device)
         if self.use_graphs:
             self._capture_graphs()
-
-    def _span_meta(self, batch, ends, q_ends, num_tokens) -> AttentionMetadata:
-        """The torch attention's metadata: decodes in padded groups (or one by one) and
-        prefill chunks, each with its blocks, and workspaces to gather them into."""
-        bs = self.block_size
-        decodes = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
-        prefills = [i for i, n in enumerate(batch.num_new_tokens) if n > 1]
-        # one thread on a CPU: decodes one by one, measured faster there (no padding, a
-        # cache-sized workspace); else padded groups, whose SDPA spreads over threads
-        one_by_one = self.device.type == "cpu" and torch.get_num_threads() == 1
-        groups = [] if one_by_one else self._group_decodes(decodes, ends)
-        gathered = [len(g) * -(-ends[g[0]] // bs) for g in groups]
-        gathered += [-(-end // bs) for end in ends]
-        k_ws, v_ws = self._workspace(max(gathered))
-        device_tables = self.buffers.dev["block_tables"]
-        meta = AttentionMetadata(
-            slot_mapping=self.buffers.dev["slot_mapping"][:num_tokens],
-            block_size=bs,
-            k_workspace=k_ws,
-            v_workspace=v_ws,
-        )
-        for group in groups:
-            num_blocks = -(-ends[group[0]] // bs)
-            meta.decode_groups.append(
-                DecodeGroup(
-                    rows=torch.tensor([q_ends[i] - 1 for i in group], device=self.device),
-                    block_ids=device_tables[group, :num_blocks].flatten(),
-                    lens=torch.tensor([ends[i] for i in group], device=self.device),
-                )
-            )
-        if one_by_one:
-            meta.decodes = [
-                DecodeSpan(q_ends[i] - 1, ends[i], device_tables[i, : -(-ends[i] // bs)])
-                for i in decodes
-            ]
-        for i in prefills:
-            n = batch.num_new_tokens[i]
-            meta.prefills.append(
-                PrefillSpan(
-                    q_start=q_ends[i] - n,
-                    q_end=q_ends[i],
-                    start_pos=ends[i] - n,
-                    block_ids=device_tables[i, : -(-ends[i] // bs)],
-                )
-            )
-        return meta

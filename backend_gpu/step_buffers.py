@@ -136,7 +136,8 @@ class StepBuffers:
 
 @dataclass
 class StepRows:
-    """One step's inputs as Python lists, before they go into the buffers."""
+    """One step's inputs as Python lists, before they go into the buffers: what rank 0
+    hands the other tensor-parallel ranks each step."""
 
     token_ids: list[int]
     num_new: list[int]  # per sequence, tokens computed this step
@@ -145,3 +146,4 @@ class StepRows:
     sample_rows: list[int]  # rows whose logits are sampled
     padded_seqs: int  # sequences the step runs as (>= len(num_new); CUDA graphs pad)
     scratch_slot: int  # where padding sequences write their key and value
+    graph: bool = False  # a decode run by the CUDA graph of padded_seqs sequences

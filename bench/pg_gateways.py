@@ -57,6 +57,7 @@ class Level:
     run: Run
     database: str
     cpu_per_request_ms: float  # gateway + database server
+    db_cpu_per_request_ms: float  # the database server's share (0 on SQLite)
     statements_per_request: float | None  # None on SQLite
 
 
@@ -111,13 +112,15 @@ def paced_level(
     run = measure(
         gw.url, keys, "fake-model", requests, concurrency, gw.name, {"gateway": gw.proc.pid}
     )
-    cpu = run.cpu_s["gateway"]
-    per_request, top = None, []
+    db_cpu, per_request, top = 0.0, None, []
     if cluster is not None:
-        cpu += pg_cpu(cluster) - db_before
+        db_cpu = pg_cpu(cluster) - db_before
         calls, top = statements(cluster)
         per_request = calls / run.requests
-    level = Level(run, "postgres" if cluster else "sqlite", cpu / run.requests * 1000, per_request)
+    cpu = run.cpu_s["gateway"] + db_cpu
+    ms = 1000 / run.requests
+    database = "postgres" if cluster else "sqlite"
+    level = Level(run, database, cpu * ms, db_cpu * ms, per_request)
     return level, top
 
 
@@ -228,7 +231,7 @@ def summary(lv: Level) -> str:
     spr = "" if lv.statements_per_request is None else f" {lv.statements_per_request:.2f} stmt/req"
     return (
         f"{rps:.2f} req/s, TTFT p50 {r.ttft_p50_ms:.1f} ms p99 {r.ttft_p99_ms:.1f} ms, "
-        f"{lv.cpu_per_request_ms:.2f} ms CPU/req{spr}"
+        f"{lv.cpu_per_request_ms:.2f} ms CPU/req (database {lv.db_cpu_per_request_ms:.2f}){spr}"
     )
 
 

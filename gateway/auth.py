@@ -33,6 +33,7 @@ KEY_PREFIX = "kvg-"
 VISIBLE_PREFIX_LEN = 12
 SCOPES = ("inference", "admin")
 AUTH_EPOCH = "auth_epoch"  # the server_settings row
+LISTENING_TTL_S = 300.0
 EPOCH_CHECK_S = 0.1  # one primary-key read at most this often, and only while requests come
 
 log = logging.getLogger("kvgate")
@@ -88,6 +89,13 @@ class Authenticator:
         # on PostgreSQL changes are announced (gateway.auth_notify): no epoch reads then
         self.listener = AuthListener(db, self.changed) if db.is_postgres else None
 
+    def _ttl(self) -> float:
+        """While changes are announced a cached key is dropped when it changes, so it
+        need not be read again every `ttl_s`."""
+        if self.listener is not None and self.listener.listening:
+            return max(self.ttl_s, LISTENING_TTL_S)
+        return self.ttl_s
+
     def changed(self) -> None:
         """Keys or tenants changed somewhere: every cached key is stale."""
         self._generation += 1
@@ -111,7 +119,7 @@ class Authenticator:
         cached = self._cache.get(digest)
         if cached is not None:
             principal, fetched_at, expires_at, generation = cached
-            if now - fetched_at < self.ttl_s and generation == self._generation:
+            if now - fetched_at < self._ttl() and generation == self._generation:
                 if expires_at is not None and now >= expires_at:
                     raise AuthError("API key has expired.")
                 return principal

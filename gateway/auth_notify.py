@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 
 import asyncpg
-from sqlalchemy import make_url, text
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import Database
@@ -55,8 +55,7 @@ class AuthListener:
                 await self._task
 
     async def _run(self) -> None:
-        url = make_url(self.db.url).set(drivername="postgresql")
-        dsn = url.render_as_string(hide_password=False)
+        dsn = self.db.driver_dsn
         settings = {"search_path": self.db.schema} if self.db.schema else {}
         while True:
             conn = None

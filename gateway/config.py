@@ -60,6 +60,7 @@ class Settings:
     gpu_memory_utilization: float | None = None  # gpu backend: share of GPU memory (0.9)
     device: str | None = None  # gpu backend: "auto" (default: CUDA if there), "cuda", "cpu"
     dtype: str | None = None  # gpu backend: "auto" (bfloat16 on CUDA, float32 on the CPU)
+    tensor_parallel_size: int | None = None  # gpu backend: ranks the model is split over (1)
     n_ctx: int | None = None  # local backend: KV cells shared by all sequences (16384)
     n_parallel: int | None = None  # local backend: sequences decoded together (4)
     n_threads: int | None = None  # local backend: CPU threads (default: one per core, <= 8)
@@ -134,6 +135,7 @@ ENGINE_SETTINGS = {
     "gpu_memory_utilization": "gpu",
     "device": "gpu",
     "dtype": "gpu",
+    "tensor_parallel_size": "gpu",
     "n_ctx": "local",
     "n_parallel": "local",
     "n_threads": "local",
@@ -184,6 +186,7 @@ _ENV_FIELDS = {
     "max_model_len": int,
     "max_num_seqs": int,
     "gpu_memory_utilization": float,
+    "tensor_parallel_size": int,
     "n_ctx": int,
     "n_parallel": int,
     "n_threads": int,

@@ -32,10 +32,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, fields
 
-from sqlalchemy import text
 from sqlalchemy.exc import DataError, IntegrityError
 
-from gateway.db import Database, UsageRecord
+from gateway.db import Database
 from gateway.quota.limits import Settlement
 from gateway.quota.postgres import apply_settlements
 
@@ -290,12 +289,17 @@ class UsageRecorder:
             else:
                 await asyncio.to_thread(self._commit_sync, values, daily)
             return
+        # PostgreSQL: the bare driver, as SQLite's plain cursor above, for the same reason
         settlements = [r.settlement for r in rows if r.settlement is not None]
-        async with self.db.engine.begin() as conn:
+        async with self.db.driver() as conn, conn.transaction():
             if settlements:  # first: counter rows are locked before any other row
                 await apply_settlements(conn, settlements)
-            await conn.execute(UsageRecord.__table__.insert(), values)
-            await conn.execute(_DAILY_UPSERT, daily)
+            await conn.executemany(
+                _PG_USAGE_INSERT, [[v[c] for c in _USAGE_COLUMNS] for v in values]
+            )
+            await conn.executemany(
+                _PG_DAILY_UPSERT, [[d[c] for c in _DAILY_COLUMNS] for d in daily]
+            )
 
     async def _bound_wal(self) -> None:
         """Between two commits: once the log has passed its limit, copy it beside the
@@ -368,10 +372,11 @@ class UsageRecorder:
 
 def _row_fault(e: Exception) -> bool:
     """Whether the error is about one row's values, so the other rows may still commit:
-    SQLSTATE class 22 (data) or 23 (integrity); asyncpg's come as plain DBAPIError."""
+    SQLSTATE class 22 (data) or 23 (integrity), from asyncpg itself or wrapped by
+    SQLAlchemy as a plain DBAPIError."""
     if isinstance(e, _ROW_FAULTS):
         return True
-    sqlstate = getattr(getattr(e, "orig", None), "sqlstate", None)
+    sqlstate = getattr(e, "sqlstate", None) or getattr(getattr(e, "orig", None), "sqlstate", None)
     return isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23")
 
 
@@ -383,16 +388,27 @@ _DAILY_COUNTS = (
     "cached_tokens",
     "spend_nano_usd",
 )
-_SQLITE_USAGE_INSERT = (
-    f"INSERT INTO usage_records ({', '.join(_USAGE_COLUMNS)}) "
-    f"VALUES ({', '.join(':' + c for c in _USAGE_COLUMNS)})"
-)
+_DAILY_COLUMNS = ("tenant_id", "day", "model", *_DAILY_COUNTS)
 
-# The same upsert syntax on SQLite and PostgreSQL; one prepared statement, executemany.
-_DAILY_UPSERT = text(
-    f"INSERT INTO daily_usage (tenant_id, day, model, {', '.join(_DAILY_COUNTS)}) "
-    f"VALUES (:tenant_id, :day, :model, {', '.join(':' + c for c in _DAILY_COUNTS)}) "
-    "ON CONFLICT (tenant_id, day, model) DO UPDATE SET "
-    + ", ".join(f"{c} = daily_usage.{c} + excluded.{c}" for c in _DAILY_COUNTS)
+
+def _insert(table: str, columns: tuple[str, ...] | list[str], marks: list[str]) -> str:
+    quoted = ", ".join(f'"{c}"' for c in columns)  # `user` is a keyword in PostgreSQL
+    return f"INSERT INTO {table} ({quoted}) VALUES ({', '.join(marks)})"
+
+
+def _daily_upsert(marks: list[str]) -> str:
+    """The same upsert on SQLite and PostgreSQL: one prepared statement, executemany."""
+    added = ", ".join(f"{c} = daily_usage.{c} + excluded.{c}" for c in _DAILY_COUNTS)
+    return (
+        _insert("daily_usage", _DAILY_COLUMNS, marks)
+        + f" ON CONFLICT (tenant_id, day, model) DO UPDATE SET {added}"
+    )
+
+
+# SQLite's cursor takes named parameters (from the rows' dicts), asyncpg numbered ones
+_SQLITE_USAGE_INSERT = _insert("usage_records", _USAGE_COLUMNS, [":" + c for c in _USAGE_COLUMNS])
+_SQLITE_DAILY_UPSERT = _daily_upsert([":" + c for c in _DAILY_COLUMNS])
+_PG_USAGE_INSERT = _insert(
+    "usage_records", _USAGE_COLUMNS, [f"${i + 1}" for i in range(len(_USAGE_COLUMNS))]
 )
-_SQLITE_DAILY_UPSERT = _DAILY_UPSERT.text
+_PG_DAILY_UPSERT = _daily_upsert([f"${i + 1}" for i in range(len(_DAILY_COLUMNS))])

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8, int8
 
 TABLE_GROUP = 32  # values of a token-table row that share one scale
@@ -100,11 +101,12 @@ class QuantizedLMHead(nn.Module):
 class QuantizedLinear(nn.Module):
     """A linear layer made from a loaded one, its weight in 8 bits (FP8 E4M3 or INT8)
     with one float32 scale per output row. W8A8 on FP8 GPUs (bfloat16 models), else
-    weight-only: the weight is widened to the activations' dtype in each forward."""
+    weight-only: the weight is widened to the activations' dtype in each forward. A
+    row-parallel layer's rows are split over `rows_over`, whose ranks agree on the scales."""
 
-    def __init__(self, linear: nn.Linear, method: str) -> None:
+    def __init__(self, linear: nn.Linear, method: str, rows_over: ParallelGroup = SINGLE) -> None:
         super().__init__()
-        weight, scale = QUANTIZE_PER_CHANNEL[method](linear.weight.detach())
+        weight, scale = QUANTIZE_PER_CHANNEL[method](linear.weight.detach(), rows_over)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_gpu.distributed import SINGLE, ParallelGroup
+from backend_gpu.layers import vocab_parallel
 from backend_gpu.layers.attention import AttentionMetadata
 from backend_gpu.layers.linear import LMHead, PackedLinear
 from backend_gpu.layers.norm import RMSNorm
@@ -19,15 +21,16 @@ from backend_gpu.models.llama import (
     head_dim_of,
     sliding_window_of,
 )
+from backend_gpu.tp_shards import VocabShard, local_heads
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding, tp: ParallelGroup) -> None:
         super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise NotImplementedError("attention logit soft-capping is not supported")
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = local_heads(config, tp.size)
         self.head_dim = head_dim_of(config)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -35,7 +38,8 @@ class Gemma3Attention(nn.Module):
         self.qkv_proj = PackedLinear(
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        # row-parallel: the bias is added once, on rank 0
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias and tp.rank == 0)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.qk_norm = True
@@ -50,10 +54,10 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding, tp: ParallelGroup) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer, rotary)
-        self.mlp = GatedMLP(config, partial(F.gelu, approximate="tanh"))
+        self.self_attn = Gemma3Attention(config, layer, rotary, tp)
+        self.mlp = GatedMLP(config, partial(F.gelu, approximate="tanh"), tp)
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(dim, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(dim, eps, offset=1.0)
@@ -68,9 +72,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: ParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.vocab = VocabShard.of(config.vocab_size, tp)
+        self.embed_tokens = nn.Embedding(self.vocab.rows, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         rotaries: dict[str, RotaryEmbedding] = {}
         layers = []
@@ -82,12 +88,12 @@ class Gemma3Model(nn.Module):
                     config.max_position_embeddings,
                     *rope_settings(config, kind),
                 )
-            layers.append(Gemma3DecoderLayer(config, i, rotaries[kind]))
+            layers.append(Gemma3DecoderLayer(config, i, rotaries[kind], tp))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
+        x = vocab_parallel.embed(self.embed_tokens, input_ids, self.vocab, self.tp)
         # the scale is rounded to the weights' dtype first, as in the reference
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layer in self.layers:
@@ -96,18 +102,19 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
-        self.model = Gemma3Model(config)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.model = Gemma3Model(config, tp)
+        self.lm_head = LMHead(config.hidden_size, self.model.vocab.rows)
         self.lm_head.weight = self.model.embed_tokens.weight  # always tied
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on rank 0; None on the other ranks."""
         logits = self.lm_head(hidden)
-        if self.softcap is not None:
+        if self.softcap is not None:  # elementwise: each rank caps its own shard
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return vocab_parallel.gather_logits(logits, self.model.vocab, self.model.tp)

@@ -1,5 +1,8 @@
 """The Llama family on the paged KV cache: Llama 2/3, Mistral, SmolLM, TinyLlama,
-Qwen2 (bias on q/k/v) and Qwen3 (RMS norm on q and k per head)."""
+Qwen2 (bias on q/k/v) and Qwen3 (RMS norm on q and k per head).
+
+Under tensor parallelism (tp_shards.py) each rank builds the same model with its share
+of the heads, the MLP and the vocabulary; o and down end in an all-reduce."""
 
 from __future__ import annotations
 
@@ -9,10 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_gpu.distributed import SINGLE, ParallelGroup
+from backend_gpu.layers import vocab_parallel
 from backend_gpu.layers.attention import AttentionMetadata, paged_attention
 from backend_gpu.layers.linear import LMHead, PackedLinear
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
+from backend_gpu.tp_shards import VocabShard, local_heads
 
 
 def head_dim_of(config) -> int:
@@ -29,10 +35,10 @@ def sliding_window_of(config, layer: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding, tp: ParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = local_heads(config, tp.size)
         self.head_dim = head_dim_of(config)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -40,11 +46,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = PackedLinear(
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias
         )
-        self.o_proj = nn.Linear(
-            q_size,
-            config.hidden_size,
-            bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2",
-        )
+        # row-parallel: the ranks' partial sums are added, so the bias is rank 0's alone
+        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias and tp.rank == 0)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -67,29 +71,32 @@ class LlamaAttention(nn.Module):
             q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window,
             k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
-        return self.o_proj(o.flatten(1))
+        return self.tp.all_reduce(self.o_proj(o.flatten(1)))
 
 
 class GatedMLP(nn.Module):
     """down(activation(gate(x)) * up(x)): SwiGLU with silu (Llama), GeGLU with gelu (Gemma)."""
 
-    def __init__(self, config, activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, config, activation: Callable[[torch.Tensor], torch.Tensor], tp: ParallelGroup
+    ) -> None:
         super().__init__()
-        size = config.intermediate_size
+        self.tp = tp
+        size = config.intermediate_size // tp.size
         self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(self.activation(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.activation(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer: int, rotary: RotaryEmbedding, tp: ParallelGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer, rotary)
-        self.mlp = GatedMLP(config, F.silu)
+        self.self_attn = LlamaAttention(config, layer, rotary, tp)
+        self.mlp = GatedMLP(config, F.silu, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -99,34 +106,38 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: ParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.vocab = VocabShard.of(config.vocab_size, tp)
+        self.embed_tokens = nn.Embedding(self.vocab.rows, config.hidden_size)
         rotary = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, *rope_settings(config)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
+        x = vocab_parallel.embed(self.embed_tokens, input_ids, self.vocab, self.tp)
         for layer in self.layers:
             x = layer(positions, x, meta)
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
-        self.model = LlamaModel(config)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.model = LlamaModel(config, tp)
+        self.lm_head = LMHead(config.hidden_size, self.model.vocab.rows)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on rank 0; None on the other ranks."""
+        m = self.model
+        return vocab_parallel.gather_logits(self.lm_head(hidden), m.vocab, m.tp)

@@ -7,7 +7,8 @@ import torch
 
 from backend_gpu.quantization import fp8, int8
 
-# method name -> weight [out, in] -> (8-bit weight [out, in], float32 scale [out])
+# method name -> (weight [out, in], the ranks its rows are split over) ->
+# (8-bit weight [out, in], float32 scale [out])
 QUANTIZE_PER_CHANNEL = {
     "fp8": fp8.quantize_per_channel,
     "int8": int8.quantize_per_channel,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from backend_gpu.distributed import SINGLE, ParallelGroup
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # an all-zero row or token still gets a usable scale
@@ -21,22 +23,24 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
 ROW_MAX_TARGETS = torch.linspace(0.75, 1.0, 11).tolist()
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(
+    weight: torch.Tensor, rows_over: ParallelGroup = SINGLE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight, float32 scale [out]) with weight ~= fp8 * scale[:, None], each row's
-    scale the one of ROW_MAX_TARGETS with the least squared error. Scales are rounded to
-    the weight's dtype first: the forward casts them to that dtype losslessly."""
+    scale the one of ROW_MAX_TARGETS with the least squared error (the first such).
+    Scales are rounded to the weight's dtype first: the forward casts them to that dtype
+    losslessly. A row-parallel weight's rows are split over the ranks of `rows_over`:
+    its scales are those of the whole rows, as on one device."""
     w = weight.float()
-    amax = w.abs().amax(dim=1).clamp(min=MIN_SCALE)
-    best_scale = best_error = None
-    for target in ROW_MAX_TARGETS:
-        scale = (amax / (FP8_MAX * target)).to(weight.dtype).float()
-        error = (to_fp8(w, scale[:, None]).float() * scale[:, None] - w).square().sum(dim=1)
-        if best_scale is None:
-            best_scale, best_error = scale, error
-        else:
-            better = error < best_error
-            best_scale = torch.where(better, scale, best_scale)
-            best_error = torch.where(better, error, best_error)
+    amax = rows_over.max_over_ranks(w.abs().amax(dim=1)).clamp(min=MIN_SCALE)
+    scales = torch.stack(
+        [(amax / (FP8_MAX * target)).to(weight.dtype).float() for target in ROW_MAX_TARGETS]
+    )
+    errors = torch.stack(
+        [(to_fp8(w, s[:, None]).float() * s[:, None] - w).square().sum(dim=1) for s in scales]
+    )
+    best = rows_over.sum_over_ranks(errors).argmin(dim=0)  # the first of equal errors
+    best_scale = scales.gather(0, best[None])[0]
     return to_fp8(w, best_scale[:, None]), best_scale
 
 

@@ -4,7 +4,9 @@ The model reads a built-in text (prose and a little code) with its keys and valu
 cached in the model's dtype on scratch rows; each attention layer's largest |K| and |V|
 as cached (after k-norm and rotary) set its scales, and the FP8 cache then holds
 x / scale. vLLM takes the same amax from the first request; a fixed text gives the same
-scales at every load, whichever request comes first.
+scales at every load, whichever request comes first. Under tensor parallelism each rank
+caches only its KV heads; the ranks take the maximum over all of them, so a layer's
+scales are the same as on one device.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers.attention import AttentionMetadata, PrefillSpan
 
 log = logging.getLogger(__name__)
@@ -71,8 +74,7 @@ def calibration_token_ids(tokenizer, max_len: int) -> list[int]:
     return tokenizer.encode(CALIBRATION_TEXT)[:max_len]
 
 
-def _scale(cache: torch.Tensor, headroom: float, name: str) -> float:
-    amax = cache.abs().max().item()
+def _scale(amax: float, headroom: float, name: str) -> float:
     if not math.isfinite(amax):
         raise ValueError(f"FP8 KV cache calibration: {name} has non-finite values")
     return max(amax, 1e-12) / headroom  # an all-zero layer still gets a usable scale
@@ -86,10 +88,12 @@ def calibrate_kv_scales(
     cache_row: tuple[int, int],
     dtype: torch.dtype,
     device: torch.device,
+    tp: ParallelGroup = SINGLE,
 ) -> None:
     """Set each attention layer's k_scale and v_scale from one forward of `token_ids`
     with K and V cached in `dtype` on scratch rows of shape `cache_row` (KV heads, head
-    dim). The layers' caches are left empty: run before the real cache is allocated."""
+    dim). The layers' caches are left empty: run before the real cache is allocated.
+    Every tensor-parallel rank runs it together (the forward has collectives)."""
     num_tokens = len(token_ids)
     positions = torch.arange(num_tokens, device=device)
     # one prefill from position 0: it attends to its own keys and gathers nothing
@@ -106,9 +110,13 @@ def calibrate_kv_scales(
         attn.k_cache = torch.zeros((num_tokens, *cache_row), dtype=dtype, device=device)
         attn.v_cache = torch.zeros_like(attn.k_cache)
     model(torch.tensor(token_ids, device=device), positions, meta)
-    for i, attn in enumerate(attention_layers):
-        attn.k_scale = _scale(attn.k_cache, K_HEADROOM, f"layer {i} keys")
-        attn.v_scale = _scale(attn.v_cache, V_HEADROOM, f"layer {i} values")
+    amax = torch.stack(
+        [torch.stack([a.k_cache.abs().max(), a.v_cache.abs().max()]) for a in attention_layers]
+    )
+    amax = tp.max_over_ranks(amax.float().cpu()).tolist()
+    for i, (attn, (k_amax, v_amax)) in enumerate(zip(attention_layers, amax, strict=True)):
+        attn.k_scale = _scale(k_amax, K_HEADROOM, f"layer {i} keys")
+        attn.v_scale = _scale(v_amax, V_HEADROOM, f"layer {i} values")
         attn.k_cache = attn.v_cache = empty
     k_scales = [attn.k_scale for attn in attention_layers]
     v_scales = [attn.v_scale for attn in attention_layers]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers.linear import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
+from backend_gpu.tp_shards import ROW_PARALLEL
 
 
-def quantize_model(model: nn.Module, method: str) -> None:
+def quantize_model(model: nn.Module, method: str, tp: ParallelGroup = SINGLE) -> None:
     """Swap every linear layer for its `method` version, and the token embedding and
     the LM head (one table when tied) for INT8 with a scale per 32 values of a row.
 
@@ -15,6 +17,10 @@ def quantize_model(model: nn.Module, method: str) -> None:
     bytes (Gemma 3 270M's 262k x 640 table is 63% of its weights). INT8 in groups of 32
     rather than FP8 per row: measured on Gemma 270M, an FP8 table added 1.5 points of
     perplexity (PERF.md), and a lookup table gains nothing from FP8 tensor cores.
+
+    Under tensor parallelism the ranks quantize their shards together: a row-parallel
+    layer's scales are its whole rows', so every rank's 8-bit weights are exactly the
+    single-device model's, cut.
     """
     embed = model.model.embed_tokens
     tied = model.lm_head.weight is embed.weight
@@ -25,4 +31,5 @@ def quantize_model(model: nn.Module, method: str) -> None:
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent)
-        setattr(owner, leaf, QuantizedLinear(getattr(owner, leaf), method))
+        rows_over = tp if leaf in ROW_PARALLEL else SINGLE
+        setattr(owner, leaf, QuantizedLinear(getattr(owner, leaf), method, rows_over))

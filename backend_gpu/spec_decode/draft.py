@@ -22,7 +22,8 @@ from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
 
 # on CUDA the draft is built first and sizes its KV cache from this share of the
-# engine's gpu_memory_utilization; the target takes the rest
+# engine's gpu_memory_utilization; the target takes the rest. The draft is small: under
+# tensor parallelism it runs whole on rank 0, beside the scheduler that asks for it.
 DRAFT_MEMORY_SHARE = 0.1
 
 
@@ -41,6 +42,7 @@ class DraftProposer:
             model=spec.model,
             speculative_config=None,
             enable_prefix_caching=False,
+            tensor_parallel_size=1,
             gpu_memory_utilization=config.gpu_memory_utilization * DRAFT_MEMORY_SHARE,
         )
         self.runner = ModelRunner(draft_config, hf_config, weights, tokenizer)

@@ -73,6 +73,12 @@ class GpuBackend:
         await engine.shutdown()
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why the engine died (a failed step, a lost tensor-parallel rank), if it did:
+        it serves nothing more."""
+        return None if self._engine is None else self._engine.error
+
+    @property
     def engine(self) -> AsyncLLM:
         if self._engine is None:
             raise BackendError(f"gpu backend {self.name!r} is not running")

@@ -16,9 +16,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, make_url
 from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -29,6 +30,7 @@ from sqlalchemy.ext.asyncio import (
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
+DRIVER_POOL_SIZE = 8  # asyncpg connections for admission and usage commits (PostgreSQL)
 # the SQLite log's size past which the usage writer starts it again; the environment
 # variable sets it for a whole process (a test, a benchmark)
 WAL_LIMIT_BYTES = int(os.environ.get("KVGATE_SQLITE_WAL_LIMIT_BYTES") or 16 * 2**20)
@@ -75,6 +77,7 @@ class Database:
         self.wal_limit_bytes = wal_limit_bytes
         self.engine = create_engine(url, schema)
         self.session = async_sessionmaker(self.engine, expire_on_commit=False)
+        self._driver_pool: asyncpg.Pool | None = None
         # SQLite writes from a worker thread on a plain sqlite3 connection: one thread
         # hop per group commit instead of one per statement through aiosqlite.
         self.sync_engine: Engine | None = None
@@ -88,11 +91,33 @@ class Database:
                 event.listen(engine, "connect", self._limit_wal_file)
 
     @contextlib.asynccontextmanager
+    async def driver(self) -> AsyncIterator[asyncpg.Connection]:
+        """A bare asyncpg connection (PostgreSQL) for the two statements every request
+        makes, admission and the usage commit: SQLAlchemy's layers cost more CPU per
+        request than the database spends on them. A pool of its own, made on first use."""
+        if self._driver_pool is None:
+            self._driver_pool = await asyncpg.create_pool(
+                self.driver_dsn,
+                min_size=1,
+                max_size=DRIVER_POOL_SIZE,
+                reset=_keep_session,
+                server_settings={"search_path": self.schema} if self.schema else {},
+            )
+        async with self._driver_pool.acquire() as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
     async def autocommit(self) -> AsyncIterator[AsyncConnection]:
         """A connection whose statements each commit alone: on PostgreSQL one round trip
         each, where a transaction would add a BEGIN and a COMMIT or ROLLBACK."""
         async with self.engine.connect() as conn:
             yield await conn.execution_options(isolation_level="AUTOCOMMIT")
+
+    @property
+    def driver_dsn(self) -> str:
+        """The URL as asyncpg takes it (PostgreSQL)."""
+        url = make_url(self.url).set(drivername="postgresql")
+        return url.render_as_string(hide_password=False)
 
     @property
     def is_postgres(self) -> bool:
@@ -134,9 +159,17 @@ class Database:
         return not busy and copied == log_frames
 
     async def close(self) -> None:
+        if self._driver_pool is not None:
+            await self._driver_pool.close()
         await self.engine.dispose()
         if self.sync_engine is not None:
             self.sync_engine.dispose()
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """asyncpg resets a connection it takes back (RESET ALL, UNLISTEN, advisory unlocks):
+    one more round trip per statement for ours, which leave no session state behind
+    (their advisory locks are transaction-scoped)."""
 
 
 def alembic_config(url: str) -> Config:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import asyncpg
 from sqlalchemy.exc import DBAPIError
 
 # SQLSTATE classes: 08 connection exception, 53 insufficient resources (too many
@@ -21,6 +22,10 @@ _OUTAGE_CLASSES = ("08", "53", "57")
 def is_outage(e: BaseException) -> bool:
     """True for an error that says the database cannot be reached now."""
     if isinstance(e, (ConnectionError, TimeoutError)):  # refused or timed out on connect
+        return True
+    if isinstance(e, asyncpg.PostgresError):  # the bare driver (Database.driver)
+        return (e.sqlstate or "")[:2] in _OUTAGE_CLASSES
+    if isinstance(e, asyncpg.ConnectionDoesNotExistError):
         return True
     if not isinstance(e, DBAPIError):
         return False

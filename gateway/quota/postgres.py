@@ -22,8 +22,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from sqlalchemy import delete, select, text, update
-from sqlalchemy.ext.asyncio import AsyncConnection
+import asyncpg
+from sqlalchemy import delete, select, update
 
 from gateway.db import Database, QuotaCounter, QuotaLease
 from gateway.quota.limits import (
@@ -49,20 +49,21 @@ STALE_AFTER_S = 20.0
 # the most requests one admission call carries
 MAX_BATCH = 256
 
-_ADMIT = text("SELECT kvgate_admit(:lock, CAST(:batch AS jsonb), :i, :now)")
-_SETTLE = text("SELECT kvgate_settle(CAST(:deltas AS jsonb), CAST(:slots AS jsonb), :i)")
+# on the bare asyncpg connection (Database.driver): jsonb goes and comes as text
+_ADMIT = "SELECT kvgate_admit($1, $2::jsonb, $3, $4)"
+_SETTLE = "SELECT kvgate_settle($1::jsonb, $2::jsonb, $3)"
 
 
-async def apply_settlements(conn: AsyncConnection, settlements: list[Settlement]) -> None:
-    """Apply settlements inside the caller's transaction (the usage writer's commit)."""
+async def apply_settlements(conn: asyncpg.Connection, settlements: list[Settlement]) -> None:
+    """Apply settlements inside the caller's transaction (the usage writer's commit), or
+    alone: each instance's are one statement."""
     by_instance: dict[str, list[Settlement]] = {}
     for s in settlements:
         by_instance.setdefault(s.instance_id, []).append(s)
     for instance, group in by_instance.items():
         deltas = sorted(d for s in group for d in s.deltas)
         slots = sorted(slot for s in group for slot in s.slots)
-        params = {"deltas": json.dumps(deltas), "slots": json.dumps(slots), "i": instance}
-        await conn.execute(_SETTLE, params)
+        await conn.execute(_SETTLE, json.dumps(deltas), json.dumps(slots), instance)
 
 
 @dataclass
@@ -181,12 +182,12 @@ class PostgresQuotaStore:
                 batch, rest = queued[:MAX_BATCH], queued[MAX_BATCH:]
                 if rest:
                     self._queued[tenant_id] = rest + self._queued.get(tenant_id, [])
-                body = [{"rows": a.rows, "leases": a.slots} for a in batch]
-                params = {"lock": tenant_id, "batch": json.dumps(body)}
-                params |= {"i": self.instance_id, "now": max(a.now for a in batch)}
+                body = json.dumps([{"rows": a.rows, "leases": a.slots} for a in batch])
+                now = max(a.now for a in batch)
                 try:
-                    async with self.db.autocommit() as conn:
-                        results = await conn.scalar(_ADMIT, params)  # jsonb, decoded
+                    async with self.db.driver() as conn:  # autocommit: one round trip
+                        raw = await conn.fetchval(_ADMIT, tenant_id, body, self.instance_id, now)
+                    results = json.loads(raw)
                 except Exception as e:  # every waiter of the call hears of it
                     for a in batch:
                         a.done.set_exception(e)
@@ -221,7 +222,7 @@ class PostgresQuotaStore:
     ) -> None:
         settlement = self.settlement(res, used_tokens, count_request, used_spend)
         if settlement is not None:
-            async with self.db.engine.begin() as conn:
+            async with self.db.driver() as conn:
                 await apply_settlements(conn, [settlement])
 
     async def used(self, owner: str, now: float) -> dict[str, int]:

@@ -32,6 +32,7 @@ GPU_DEFAULTS = {
     "gpu_memory_utilization": 0.9,
     "device": "auto",
     "dtype": "auto",
+    "tensor_parallel_size": 1,
 }
 
 
@@ -94,6 +95,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16", "float16", "float32"],
         help="weights and activations; auto: bfloat16 on CUDA, float32 on the CPU "
         f"(default {GPU_DEFAULTS['dtype']})",
+    )
+    gpu.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="split the model over N devices (GPUs, or processes on the CPU), one process "
+        f"each (default {GPU_DEFAULTS['tensor_parallel_size']})",
     )
     local = p.add_argument_group("local backend (llama.cpp)")
     local.add_argument(
@@ -166,15 +174,21 @@ def run(args: argparse.Namespace) -> int:
 
     state = WorkerState(settings, backends[0], spec.type, token)
     try:
-        _run_loop(_serve(state, args.parent_pid))
+        died = _run_loop(_serve(state, args.parent_pid))
     except Exception as e:  # the engine did not start: say why in one line, then exit
         logging.getLogger("kvgate.worker").debug("start-up failed", exc_info=True)
         print(f"kvgate worker: cannot start: {e}", file=sys.stderr)
         return 1
+    if died:
+        print(f"kvgate worker: the engine died ({died}); exiting", file=sys.stderr)
+        return 1
     return 0
 
 
-async def _serve(state, parent_pid: int | None) -> None:
+async def _serve(state, parent_pid: int | None) -> str:
+    """Serve until told to stop (""), or until a gpu engine dies (why it died): a dead
+    engine (a failed step, a lost tensor-parallel rank) would answer only 503s, so the
+    worker exits and its supervisor starts a fresh one."""
     from aiohttp import web
 
     from gateway.http_server import GatewayRunner
@@ -185,6 +199,8 @@ async def _serve(state, parent_pid: int | None) -> None:
     await runner.setup()  # starts the engine
     stop = asyncio.Event()
     watcher = None if parent_pid is None else asyncio.create_task(_watch_parent(parent_pid, stop))
+    died: list[str] = []
+    engine_watch = asyncio.create_task(_watch_engine(state, stop, died))
     try:
         site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
         await site.start()
@@ -199,7 +215,20 @@ async def _serve(state, parent_pid: int | None) -> None:
     finally:
         if watcher is not None:
             watcher.cancel()
+        engine_watch.cancel()
         await runner.cleanup()
+    return died[0] if died else ""
+
+
+async def _watch_engine(state, stop: asyncio.Event, died: list[str]) -> None:
+    """Set `stop` (and say why in `died`) once the gpu engine has failed for good."""
+    if state.kind != "gpu":
+        return
+    while not stop.is_set():
+        await asyncio.sleep(1)
+        if state.backend.failure is not None:
+            died.append(repr(state.backend.failure))
+            stop.set()
 
 
 async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
@@ -210,13 +239,12 @@ async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-def _run_loop(coro) -> None:
+def _run_loop(coro):
     try:
         import uvloop  # the event loop is most of the per-request cost, as in serve
     except ImportError:
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def is_loopback(host: str) -> bool:

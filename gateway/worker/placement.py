@@ -1,7 +1,9 @@
 """Where each supervised worker runs. With CUDA and several GPUs: one GPU each (a
-worker sees only its own, as `cuda`). Otherwise the cores are split between the
-workers, each pinned to its share and told to run as many threads as it has: two
-engines each assuming the whole machine would fight over every core.
+worker sees only its own, as `cuda`), or tensor_parallel_size GPUs each for an engine
+split over several. Otherwise the cores are split between the workers, each pinned to
+its share and told to run as many threads as it has, divided between its
+tensor-parallel ranks: two engines each assuming the whole machine would fight over
+every core.
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ def place_workers(spec: BackendSpec, n: int, cpus: list[int], gpus: list[str]) -
     """`cpus`: the cores this process may use; `gpus`: the CUDA devices it sees, as
     CUDA_VISIBLE_DEVICES names them (indexes or UUIDs)."""
     if uses_cuda(spec) and len(gpus) > 1:
+        tp = _tensor_parallel_size(spec)
         return [
-            Placement(env={"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}, options={"device": "cuda"})
+            Placement(
+                env={
+                    "CUDA_VISIBLE_DEVICES": ",".join(
+                        gpus[(i * tp + r) % len(gpus)] for r in range(tp)
+                    )
+                },
+                options={"device": "cuda"},
+            )
             for i in range(n)
         ]
     return [_on_cores(spec, share) for share in split_cores(cpus, n)]
@@ -50,8 +60,13 @@ def _on_cores(spec: BackendSpec, share: list[int]) -> Placement:
     if spec.type == "local" and "n_threads" not in spec.options:  # as configured, else its share
         return Placement(options={"n_threads": len(share)}, cpus=share)
     if spec.type == "gpu":  # torch sizes its CPU thread pool from OMP_NUM_THREADS
+        threads = str(max(1, len(share) // _tensor_parallel_size(spec)))  # per rank
         return Placement(env={"OMP_NUM_THREADS": threads}, cpus=share)
     return Placement(cpus=share)
+
+
+def _tensor_parallel_size(spec: BackendSpec) -> int:
+    return int(spec.options.get("tensor_parallel_size", 1))
 
 
 def uses_cuda(spec: BackendSpec) -> bool:
