@@ -8,6 +8,7 @@ Token counts come only from the server's final `usage` chunk
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -79,21 +80,29 @@ def build_payload(
     return payload
 
 
-# what aiohttp raises when a kept-alive connection the server has since closed is reused:
-# the request never reached the server, so sending it again on a fresh connection is safe
+# what aiohttp raises when it reuses a kept-alive connection the server has closed: the
+# request never reached the server, so sending it again on a new connection is safe
 _STALE_CONNECTION = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 async def _post(
-    session: aiohttp.ClientSession, url: str, payload: dict, headers: dict[str, str]
+    stack: contextlib.AsyncExitStack,
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict,
+    headers: dict[str, str],
 ) -> aiohttp.ClientResponse:
-    """POST, sending once more if the first try dies on a stale pooled connection before
-    any response came (llama-server closes idle connections after 5 s); a second failure
-    is the server's and counts."""
+    """POST; if the pooled connection turns out closed before any response came, once
+    more on a new connection of its own (llama-server closes connections after a stream
+    and after 5 s idle, and the pool's other connections may be as stale). A second
+    failure is the server's and counts."""
     try:
-        return await session.post(url, json=payload, headers=headers)
+        return await stack.enter_async_context(session.post(url, json=payload, headers=headers))
     except _STALE_CONNECTION:
-        return await session.post(url, json=payload, headers=headers)
+        connector = aiohttp.TCPConnector(force_close=True)
+        fresh = aiohttp.ClientSession(connector=connector, timeout=session.timeout)
+        await stack.enter_async_context(fresh)
+        return await stack.enter_async_context(fresh.post(url, json=payload, headers=headers))
 
 
 async def send_request(
@@ -111,7 +120,8 @@ async def send_request(
     out.start_time = start
     text_parts = []
     try:
-        async with await _post(session, base_url + path, payload, headers) as response:
+        async with contextlib.AsyncExitStack() as stack:
+            response = await _post(stack, session, base_url + path, payload, headers)
             if response.status != 200:
                 out.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return out
