@@ -173,7 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--out", default="docs/perf/pg_gateways.json")
+    ap.add_argument(
+        "--plot",
+        nargs="+",
+        metavar="JSON",
+        help="no run: plot these results (e.g. before and after a change) beside each other "
+        "into --out's .png",
+    )
     args = ap.parse_args(argv)
+    if args.plot:
+        plot({Path(p).stem: json.loads(Path(p).read_text()) for p in args.plot}, Path(args.out))
+        return 0
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-pg-bench-"))
     cluster = PgCluster().start()
     procs: list[Process] = []
@@ -217,6 +227,48 @@ def main(argv: list[str] | None = None) -> int:
         cluster.remove()
         subprocess.run(["rm", "-rf", str(workdir)], check=False)
     return 0
+
+
+def plot(results: dict[str, dict], out: Path) -> None:
+    """Requests/s, CPU per request and statements per request at 64 streams, per result
+    file and database (medians over the rounds)."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    labels, cols = [], {"rps": [], "cpu": [], "stmt": []}
+    for name, result in results.items():
+        for db in ("sqlite", "postgres"):
+            at64 = [
+                lv
+                for lv in result["paced"]
+                if lv["database"] == db and lv["run"]["concurrency"] == 64
+            ]
+            labels.append(f"{name}\n{db}")
+            cols["rps"].append(
+                statistics.median(lv["run"]["requests"] / lv["run"]["duration_s"] for lv in at64)
+            )
+            cols["cpu"].append(statistics.median(lv["cpu_per_request_ms"] for lv in at64))
+            cols["stmt"].append(statistics.median(lv["statements_per_request"] or 0 for lv in at64))
+    titles = {
+        "rps": "requests/s (64 streams)",
+        "cpu": "CPU ms per request (gateway + database)",
+        "stmt": "statements per request (PostgreSQL)",
+    }
+    for ax, (key, values) in zip(axes, cols.items(), strict=True):
+        ax.bar(
+            range(len(values)),
+            values,
+            color=["#8aa" if "sqlite" in lb else "#458" for lb in labels],
+        )
+        ax.set_xticks(range(len(values)), labels, fontsize=7)
+        ax.set_title(titles[key], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
 def _trim(run: Run) -> dict:
