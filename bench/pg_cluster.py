@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bench.gateway_overhead import free_port
 
 
 def _bin_dir() -> Path | None:
@@ -32,18 +33,12 @@ def available() -> bool:
     return _bin_dir() is not None and (os.geteuid() != 0 or shutil.which("runuser") is not None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class PgCluster:
     """`start()` makes and starts it; `stop()` removes it. Trust authentication on
     127.0.0.1 only, user `postgres`, database `postgres`."""
 
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvgate-pg-")))
 
     @property
