@@ -23,6 +23,7 @@ from backend_gpu.engine import LLMEngine
 from backend_gpu.outputs import EngineStats, RequestOutput
 from engine_api.errors import EngineDeadError
 from engine_api.sampling import SamplingParams
+from engine_api.structured import StructuredOutput
 
 
 class AsyncLLM:
@@ -84,6 +85,11 @@ class AsyncLLM:
         finally:
             if not finished and self.error is None and not self._stopping:
                 self._commands.put((lambda: self._abort(request_id), None, None))
+
+    async def check_structured(self, structured: StructuredOutput) -> None:
+        """Compile a structured output ahead of its request, in a worker thread (not the
+        engine's); BadRequestError if it cannot be. The request finds it compiled."""
+        await asyncio.to_thread(self.engine.grammars.compile, structured)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (its stream ends with finish_reason "abort"); unknown ids are

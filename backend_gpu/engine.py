@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from backend_gpu.block_manager import BlockManager, KVCacheEvent
 from backend_gpu.config import EngineConfig
 from backend_gpu.detokenizer import IncrementalDetokenizer
+from backend_gpu.guided import hf_grammar_cache
 from backend_gpu.loader import open_model
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.sampler import Sampler
@@ -61,6 +62,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
+        self.grammars = hf_grammar_cache(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats_ = EngineStats(
@@ -110,6 +112,8 @@ class LLMEngine:
         # within max_model_len fits it alone
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_ids), params.max_tokens, self.max_model_len)
+        # compiled (or found compiled) before the request takes anything
+        grammar = self.grammars.matcher(params.structured) if params.structured else None
         seq = Sequence(
             request_id,
             prompt_ids,
@@ -120,6 +124,7 @@ class LLMEngine:
             tenant_id,
             float(weight),
         )
+        seq.grammar = grammar
         self.seqs[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop
@@ -190,6 +195,10 @@ class LLMEngine:
         for token in tokens:
             seq.token_ids.append(token)
             emitted.append(token)
+            if seq.grammar is not None:
+                # the mask allowed only tokens it accepts: a refusal is a bug to see
+                accepted = seq.grammar.consume_token(token)
+                assert accepted, seq.grammar.get_error()
             reason = self._check_stop(seq, token)
             if reason is not None:
                 break

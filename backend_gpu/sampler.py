@@ -1,13 +1,16 @@
 """Turns a batch of logits into next tokens, each row with its own sampling settings.
 
 Everything that can be one tensor op over the batch is; the loops left run only over
-rows that asked for something special (penalties, a seed, min_tokens).
+rows that asked for something special (penalties, a seed, min_tokens). Rows with a
+structured output have the tokens their grammar forbids masked (backend_gpu.guided)
+last, so that whatever is sampled, greedy or not, is allowed.
 """
 
 from __future__ import annotations
 
 import torch
 
+from backend_gpu.guided import GrammarMasks
 from backend_gpu.sequence import Logprob, Sequence
 
 
@@ -17,6 +20,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = sorted(eos_token_ids)
         self.seq_generators: dict[str, torch.Generator] = {}
+        self.grammar_masks = GrammarMasks(device)
 
     def forget(self, request_id: str) -> None:
         self.seq_generators.pop(request_id, None)
@@ -28,6 +32,7 @@ class Sampler:
         logits = logits.clone()
         self._apply_penalties(logits, seqs)
         self._block_stops_before_min_tokens(logits, seqs)
+        self.grammar_masks.apply(logits, [s.grammar for s in seqs])
         tokens = logits.argmax(dim=-1)
         if not all(s.params.greedy for s in seqs):
             greedy = torch.tensor([s.params.greedy for s in seqs], device=self.device)

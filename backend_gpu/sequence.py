@@ -5,8 +5,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from engine_api.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(Enum):
@@ -65,6 +69,8 @@ class Sequence:
         # proposed next tokens, not yet checked by the target model (never in token_ids):
         # the scheduler verifies them with the next decode, or drops them
         self.spec_token_ids: list[int] = []
+        # a structured output's matcher (backend_gpu.guided): where its grammar is now
+        self.grammar: LLMatcher | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from backend_local.config import EngineConfig
+from backend_local.grammar import llama_grammar_cache
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockEvent
 from backend_local.requests import Request, RequestOutput
@@ -23,6 +24,7 @@ from backend_local.stats import EngineStats
 from backend_local.worker import Worker
 from engine_api.errors import BadRequestError, PromptTooLongError
 from engine_api.sampling import SamplingParams
+from engine_api.structured import StructuredOutput
 
 
 class LocalEngine:
@@ -35,6 +37,7 @@ class LocalEngine:
             self.model.close()
             raise
         self._active: set[str] = set()
+        self.grammars = llama_grammar_cache(self.model)
         self._worker.start()
 
     @property
@@ -71,6 +74,11 @@ class LocalEngine:
         if len(prompt_token_ids) + params.max_tokens > self.context_length:
             raise PromptTooLongError(len(prompt_token_ids), params.max_tokens, self.context_length)
 
+    async def check_structured(self, structured: StructuredOutput) -> None:
+        """Compile a structured output ahead of its request, in a worker thread;
+        BadRequestError if it cannot be. The request finds it compiled."""
+        await asyncio.to_thread(self.grammars.compile, structured)
+
     async def generate(
         self,
         request_id: str,
@@ -102,6 +110,8 @@ class LocalEngine:
         request = Request(
             request_id, list(prompt_token_ids), params, cache_salt, emit, shared_prefix_len
         )
+        if params.structured is not None:  # compiled before the worker sees it
+            request.grammar = self.grammars.matcher(params.structured)
         self._worker.submit(request)
         self._active.add(request_id)
         finished = False

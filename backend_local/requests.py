@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend_local.sampling import TokenLogprob
 from engine_api.sampling import SamplingParams
@@ -36,3 +37,5 @@ class Request:
     emit: Callable[[RequestOutput | BaseException], None]
     shared_prefix_len: int = 0  # leading prompt tokens that are a published prefix
     arrival: float = field(default_factory=time.monotonic)
+    # a structured output's llguidance matcher (backend_local.grammar), made at submission
+    grammar: Any = None

@@ -23,6 +23,7 @@ class Slot:
     last_used: float = 0.0
     request: Request | None = None
     sampler: Any = None  # llama_sampler_p of the request
+    grammar: Any = None  # the request's llguidance matcher, if it has a structured output
     stream: TextStream | None = None
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, its KV cell not computed yet

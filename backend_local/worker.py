@@ -19,6 +19,7 @@ import numpy as np
 
 from backend_local.config import EngineConfig
 from backend_local.errors import DecodeError
+from backend_local.grammar import GrammarMask
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
@@ -45,6 +46,7 @@ class Worker:
         self.prefix_query_tokens = 0
         self.prefix_reused_tokens = 0
         self.ledger = BlockLedger() if config.enable_kv_events else None
+        self.grammar_mask = GrammarMask(model.n_vocab)
         self.error: BaseException | None = None  # why the loop ended, if it crashed
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
@@ -193,6 +195,7 @@ class Worker:
             self._sync_blocks(slot)
             slot.request = request
             slot.sampler = build_sampler(request.params, self.model.n_vocab)
+            slot.grammar = request.grammar
             slot.stream = TextStream(request.params.stop)
             slot.output_ids = []
             slot.next_token = None
@@ -262,7 +265,13 @@ class Worker:
         if params.ignore_eos or len(slot.output_ids) < params.min_tokens:
             for token in self.model.eog_ids:
                 logits[token] = -math.inf
+        if slot.grammar is not None:  # the chain samples from what the grammar allows
+            row = np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
+            self.grammar_mask.apply(row, slot.grammar)
         token = llama_cpp.llama_sampler_sample(slot.sampler, self.ctx, index)
+        if slot.grammar is not None:
+            accepted = slot.grammar.consume_token(token)
+            assert accepted, slot.grammar.get_error()  # the mask allowed only such tokens
         slot.output_ids.append(token)
         logprobs = None
         if params.logprobs is not None:
@@ -318,6 +327,7 @@ class Worker:
         llama_cpp.llama_sampler_free(slot.sampler)
         slot.request = None
         slot.sampler = None
+        slot.grammar = None
         slot.stream = None
         slot.next_token = None
         slot.last_used = time.monotonic()

@@ -20,6 +20,7 @@ from engine_api.records import (
     Usage,
 )
 from engine_api.sampling import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from engine_api.structured import StructuredOutput
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -36,6 +37,7 @@ __all__ = [
     "PromptInput",
     "PromptTooLongError",
     "SamplingParams",
+    "StructuredOutput",
     "TokenLogprob",
     "Usage",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from engine_api.errors import BadRequestError
+from engine_api.structured import StructuredOutput
 from engine_api.wire import Record, check_types, show
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
@@ -21,6 +22,14 @@ INT32_MAX = 2**31 - 1
 # torch seeds a generator with 64 bits (signed or not); llama.cpp keeps the low 32
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 _PENALTY_RANGE = f"in [-{MAX_PENALTY}, {MAX_PENALTY}]"
+
+
+def check_ends(min_tokens: int, ignore_eos: bool) -> None:
+    """A structured output's grammar decides where the output ends: nothing may keep its
+    end from stopping it. BadRequestError naming the field that would."""
+    for name, value in (("min_tokens", min_tokens), ("ignore_eos", ignore_eos)):
+        if value:
+            raise BadRequestError(f"{name} cannot be combined with a structured output")
 
 
 @dataclass
@@ -39,6 +48,8 @@ class SamplingParams(Record):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: the sampled token's logprob and the top n
+    # what the output must match (JSON schema, regex, choice, grammar); None: anything
+    structured: StructuredOutput | None = None
 
     wire_error = BadRequestError
 
@@ -84,6 +95,9 @@ class SamplingParams(Record):
         for name, ok, rule in checks:
             if not ok:
                 raise BadRequestError(f"{name} must be {rule}, got {show(getattr(self, name))}")
+        if self.structured is not None:
+            self.structured.validate()
+            check_ends(self.min_tokens, self.ignore_eos)
 
     @classmethod
     def from_dict(cls, data: Any) -> Self:

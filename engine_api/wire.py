@@ -90,6 +90,9 @@ def decode(hint: Any, value: Any, name: str, error: type[ValueError]) -> Any:
             for i, (a, v) in enumerate(zip(args, value, strict=True))
         )
     if isinstance(hint, type) and issubclass(hint, Record):
+        if isinstance(value, hint):  # a nested record in Python (check_types)
+            check_types(value, error)
+            return value
         return hint.from_dict(value)
     if hint not in _NAMES:
         raise TypeError(f"{name}: no wire decoding for {hint!r}")  # a new field's type

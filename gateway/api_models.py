@@ -64,9 +64,21 @@ class CompletionLogprobs(Body):
     text_offset: list[int]
 
 
+class ReplyFunction(Body):
+    name: str
+    arguments: str = Field(description="JSON text, valid for the function's parameters")
+
+
+class ReplyToolCall(Body):
+    id: str
+    type: Literal["function"]
+    function: ReplyFunction
+
+
 class AssistantMessage(Body):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the reply is only tool calls")
+    tool_calls: list[ReplyToolCall] | None = None
 
 
 class ChatChoice(Body):
@@ -103,10 +115,26 @@ class TextCompletion(Body):
     system_fingerprint: None
 
 
+class CalledFunctionDelta(Body):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(Body):
+    """A named call's first delta has its id, type and name, later ones more of its
+    arguments; required and auto calls come whole."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: CalledFunctionDelta
+
+
 class ChatDelta(Body):
     # the first chunk of a choice names the role; later ones carry text, the last none
     role: Literal["assistant"] = Field(default="assistant")
     content: str = Field(default="")
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Body):

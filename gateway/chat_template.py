@@ -16,6 +16,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gateway.tool_prompt import plain_tool_turns, template_has_tools, with_parsed_arguments
+
 # Gemma has no system role: a system message becomes the head of the first user turn.
 _GEMMA = (
     "{{ bos_token }}"
@@ -107,8 +109,11 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> str:
-    """Render `messages` with `chat_template`, or the built-in template of `architecture`.
+    """Render `messages` (and `tools`) with `chat_template`, or the built-in template of
+    `architecture`; tools and tool turns go through the template where it has a tools
+    section, else as plain turns (gateway.tool_prompt).
 
     Raises ValueError for messages the template rejects, non-text content, or an
     architecture without a built-in template when the model has none.
@@ -122,12 +127,20 @@ def render_chat(
             f"{architecture!r} (built-in: {', '.join(sorted(BUILTIN_TEMPLATES))}); "
             "use the completions API or a model file with a chat template"
         )
+    messages = [_text_content(m) for m in messages]
+    extra = {}
+    if template_has_tools(source):
+        messages = with_parsed_arguments(messages)
+        extra = {"tools": tools} if tools else {}
+    elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = plain_tool_turns(messages, tools)
     try:
         return _compile(source).render(
-            messages=[_text_content(m) for m in messages],
+            messages=messages,
             bos_token=bos_token,
             eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
+            **extra,
         )
     except jinja2.exceptions.TemplateError as exc:
         raise ValueError(f"chat template error: {exc}") from exc

@@ -34,6 +34,7 @@ from gateway.schemas import (
 )
 from gateway.serving import Job, _card, prepare
 from gateway.state import GatewayState
+from gateway.tool_calls import ToolCallStream
 
 GW = web.AppKey("gateway", GatewayState)
 _CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
@@ -72,7 +73,9 @@ async def tokenize(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, TokenizeRequest)
     card = _card(gw, principal, body.model)
-    tokens = await _on_a_replica(gw, body.model, lambda b: b.render(body.model, body.rendered()))
+    tokens = await _on_a_replica(
+        gw, body.model, lambda b: b.render(body.model, body.rendered(), body.tool_dicts())
+    )
     return json_response(
         {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
     )
@@ -133,12 +136,11 @@ async def _whole(job: Job) -> web.Response:
     except _CLIENT_GONE:
         await job.finish(499, "abort")
         raise
-    await _finish_or_503(job, 200, finish[0])
-    make = chat_choice if job.chat else completion_choice
     choices = [
-        make(i, "".join(texts[i]), finish[i], logprobs[i] if logprobs is not None else None)
+        _choice(job, i, "".join(texts[i]), finish[i], None if logprobs is None else logprobs[i])
         for i in range(k)
     ]
+    await _finish_or_503(job, 200, choices[0]["finish_reason"])
     body = response_body(job.chat, job.request_id, job.created, job.model, choices, _usage(job))
     return json_response(body, headers=job.headers())
 
@@ -148,16 +150,31 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | job.headers()
     )
     first = [True] * job.num_choices
+    tools = [ToolCallStream(job.tools) for _ in range(job.num_choices)]
     last_finish: str | None = None
     try:
         await resp.prepare(request)
         async for i, chunk in job.events():
-            if chunk.finish_reason:
-                last_finish = chunk.finish_reason
-            await resp.write(
-                sse(chunk_body(job.chat, job.request_id, job.created, job.model, i, chunk.text,
-                               chunk.finish_reason, chunk.logprobs, first[i]))
-            )  # fmt: skip
+            text, calls, finish = chunk.text, [], chunk.finish_reason
+            if job.chat:
+                text, calls = tools[i].feed(chunk.text)
+                if finish:
+                    rest, more, finish = tools[i].finish(finish)
+                    text, calls = text + rest, calls + more
+            last_finish = finish or last_finish
+            body = chunk_body(
+                job.chat,
+                job.request_id,
+                job.created,
+                job.model,
+                i,
+                text,
+                finish,
+                chunk.logprobs,
+                first[i],
+                calls,
+            )
+            await resp.write(sse(body))
             first[i] = False
     except (BackendError, BadRequestError) as e:
         status = 400 if isinstance(e, BadRequestError) else 503
@@ -174,8 +191,8 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
         await resp.write(sse(e.body()))
         return resp  # no [DONE]: the response is not complete without its usage row
     if include_usage:
-        await resp.write(sse(usage_chunk(job.chat, job.request_id, job.created, job.model,
-                                         _usage(job))))  # fmt: skip
+        chunk = usage_chunk(job.chat, job.request_id, job.created, job.model, _usage(job))
+        await resp.write(sse(chunk))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -201,6 +218,15 @@ async def _finish_failed(job: Job, status: int, error: str) -> None:
         await job.finish(status, None, error)
     except Exception:
         log.exception("usage row of %s not committed", job.request_id)
+
+
+def _choice(job: Job, i: int, text: str, finish: str | None, lps: list[TokenLogprob] | None):
+    if not job.chat:
+        return completion_choice(i, text, finish, lps)
+    content, calls = job.tools.parse(text)
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    return chat_choice(i, content, finish, lps, calls)
 
 
 def _usage(job: Job) -> Usage:

@@ -45,10 +45,19 @@ def completion_logprobs(items: list[TokenLogprob], text_offset: int = 0) -> dict
     }
 
 
-def chat_choice(index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None):
+def chat_choice(
+    index: int,
+    text: str | None,
+    finish: str | None,
+    lps: list[TokenLogprob] | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+):
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": chat_logprobs(lps) if lps is not None else None,
         "finish_reason": finish,
     }
@@ -87,11 +96,14 @@ def chunk_body(
     finish: str | None,
     lps: list[TokenLogprob] | None,
     first: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {
             "index": index,
             "delta": delta,

@@ -12,23 +12,35 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     field_validator,
     model_validator,
 )
 
-from engine_api.sampling import MAX_LOGPROBS, MAX_PENALTY
+from engine_api.sampling import MAX_LOGPROBS, MAX_PENALTY, check_ends
+from engine_api.structured import StructuredOutput
+from gateway.request_base import NO_CONTROL
+from gateway.request_base import StrictBody as _Body
+from gateway.schemas_structured import (
+    GUIDED,
+    MAX_TOOLS,
+    JsonSchema,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolCall,
+    ToolCallId,
+    ToolSpec,
+    checked,
+)
 
 MAX_CHOICES = 128  # prompts x n, as OpenAI caps n
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_STOP_TOKEN_IDS = 64
 INT32 = 2**31 - 1
 INT53 = 2**53 - 1  # the largest integer every JSON client holds exactly
-# PostgreSQL cannot store NUL; a name prints on one line: no C0, DEL or C1 characters
-NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"
+# PostgreSQL cannot store NUL (NO_CONTROL, for names, is gateway.request_base's)
 NO_NUL = r"^[^\x00]*$"  # prompt text may hold newlines and tabs, not NUL
 MAX_PIN_CHARS = 200_000  # past this it cannot fit any context window we serve
 PIN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
@@ -44,29 +56,9 @@ def _whole_number(v: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_whole_number)]
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
 Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_CONTROL)]
 Count32 = Annotated[Int, Field(ge=0, le=INT32)]
 Count53 = Annotated[Int, Field(ge=0, le=INT53)]
-
-
-class _Body(BaseModel):
-    """Strict, and refusing unknown fields by name. A field sent as null asks for nothing,
-    so it is dropped rather than refused (some clients send every field, null or not)."""
-
-    model_config = _STRICT
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unknown(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        unknown = [k for k in data if k not in cls.model_fields and data[k] is not None]
-        if unknown:
-            names = ", ".join(repr(k) for k in unknown)
-            raise ValueError(f"Unrecognized request argument supplied: {names}")
-        return {k: v for k, v in data.items() if k in cls.model_fields}
 
 
 class TextPart(_Body):
@@ -78,6 +70,28 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: ToolCallId | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are only allowed on assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it (gateway.tool_prompt writes tool fields
+        where the template has none)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -125,6 +139,42 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=200, pattern=NO_CONTROL)] | None = None
+    # structured outputs: OpenAI's response_format, or vLLM's fields; at most one
+    response_format: ResponseFormat | None = None
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator(*GUIDED)
+    @classmethod
+    def _guided(cls, v: Any, info: Any) -> Any:
+        if v is not None:
+            checked(GUIDED[info.field_name](v))
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        given = [n for n in (*GUIDED, "structured_outputs") if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"send at most one structured output; got {', '.join(given)}")
+        if given:
+            check_ends(self.min_tokens, self.ignore_eos)
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        """What the output must match, from whichever field asked for it."""
+        if self.response_format is not None and (out := self.response_format.structured()):
+            return out
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured()
+        for name, make in GUIDED.items():
+            if (value := getattr(self, name)) is not None:
+                return make(value)
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -150,6 +200,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[Int, Field(ge=1, le=INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -159,7 +212,37 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         for m in self.messages:
             m.text()  # refuses unsupported content parts here, as a 400
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if self.forced_tools:
+            if self.structured() is not None:
+                raise ValueError(
+                    "a required or named tool_choice cannot be combined with a structured output"
+                )
+            check_ends(self.min_tokens, self.ignore_eos)
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: what tool calls the reply may or must make."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tools(self) -> bool:
+        return self.tool_mode in ("required", "named")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -269,6 +352,7 @@ class TokenizeRequest(_Body):
     model: Name
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
@@ -286,12 +370,16 @@ class TokenizeRequest(_Body):
             m.text()  # refuses unsupported content parts here, as a 400
         return self
 
-    def rendered(self) -> str | list[dict[str, str]]:
+    def rendered(self) -> str | list[dict[str, Any]]:
         """What the adapter's `render` takes, as the gateway passes it."""
         if self.messages is None:
             assert self.prompt is not None
             return self.prompt
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template, as the gateway passes them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []] or None
 
 
 class DetokenizeRequest(_Body):

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine_api.structured import StructuredOutput
 from gateway.auth import Principal
 from gateway.backends import (
     Backend,
@@ -38,6 +39,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.stats import Finished
 from gateway.token_plan import TokenPlan, plan_tokens
+from gateway.tool_calls import ToolPlan
 from gateway.usage import UsageRow
 
 log = logging.getLogger("kvgate")
@@ -68,6 +70,7 @@ class Job:
     counted: dict[int, int] = field(default_factory=dict)  # choice -> its tokens so far
     counted_by: str = "engine"  # "gateway" if any choice's upstream sent no usage
     finished: bool = False
+    tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
 
     @property
     def num_choices(self) -> int:
@@ -207,20 +210,17 @@ class Job:
                 m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
             if self.block_hashes and self.cached_by_prompt.get(0):
                 gw.catalog.drain([self.backend])  # the blocks it hit may be just stored
-                gw.catalog.record_hits(self.backend.name, self.block_hashes,
-                                       self.cached_by_prompt[0])  # fmt: skip
+                hits = self.cached_by_prompt[0]
+                gw.catalog.record_hits(self.backend.name, self.block_hashes, hits)
             if ttft is not None:
                 m.child(m.ttft, model).observe(ttft)
             if tpot is not None:
                 m.child(m.tpot, model).observe(tpot)
             m.child(m.e2e, model).observe(end - self.started)
-            gw.traffic.request_finished(
-                p.tenant_id or "",
-                tenant,
-                Finished(time.time(), prompt_tokens, self.completion_tokens, ttft, tpot,
-                         end - self.started),
-                ok=status == 200,
-            )  # fmt: skip
+            done = Finished(
+                time.time(), prompt_tokens, self.completion_tokens, ttft, tpot, end - self.started
+            )
+            gw.traffic.request_finished(p.tenant_id or "", tenant, done, ok=status == 200)
             if status >= 500:
                 gw.traffic.error(tenant, self.model, status, error)
 
@@ -239,6 +239,9 @@ async def prepare(
     salt = tenant_cache_salt(gw.secret, principal.tenant_id)
     gw.catalog.note_salt(salt, principal.tenant_id)
     candidates, renderer, prompts = await _render(gw, principal, body)
+    structured = structured_output(body)
+    if structured is not None:  # compiled before admission: a bad schema costs nothing
+        await _check_structured(gw, principal, renderer, body.model, structured)
     plan = plan_tokens(
         prompts,
         body.n,
@@ -281,6 +284,7 @@ async def prepare(
         body.user,
         block_hashes,
         [c.backend for c in candidates if c.backend is not backend],
+        tools=ToolPlan.of(body) if isinstance(body, ChatCompletionRequest) else ToolPlan(),
     )
 
 
@@ -291,18 +295,22 @@ async def _render(
     that can render them: every replica of a model has its tokenizer, and for a remote
     replica rendering is a network call: one that just died must not fail the request
     while another is healthy."""
+    tools = None
     if isinstance(body, ChatCompletionRequest):
-        inputs: list = [[{"role": m.role, "content": m.text()} for m in body.messages]]
+        inputs: list = [[m.as_dict() for m in body.messages]]
+        if body.tool_mode != "none":  # tool_choice "none": the tools are not shown
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     else:
         inputs = body.prompts()
     try:
         candidates = gw.router.candidates(body.model)  # each replica's stats, read once
         for candidate in candidates[:-1]:
             with contextlib.suppress(BackendError):
-                prompts = [await candidate.backend.render(body.model, p) for p in inputs]
+                backend = candidate.backend
+                prompts = [await backend.render(body.model, p, tools) for p in inputs]
                 return candidates, candidate.backend, prompts
         last = candidates[-1].backend  # its error, if it fails too, is the client's answer
-        return candidates, last, [await last.render(body.model, p) for p in inputs]
+        return candidates, last, [await last.render(body.model, p, tools) for p in inputs]
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
     except BackendError as e:
@@ -334,6 +342,32 @@ def _requests(
         )
         for i in range(plan.choices)
     ]
+
+
+def structured_output(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+    """What the output must match: a forced tool call's schema, or the body's own
+    structured output (the schema refuses both at once)."""
+    if isinstance(body, ChatCompletionRequest) and body.forced_tools:
+        return ToolPlan.of(body).constraint()
+    return body.structured()
+
+
+async def _check_structured(
+    gw: GatewayState,
+    principal: Principal,
+    backend: Backend,
+    model: str,
+    structured: StructuredOutput,
+) -> None:
+    """The replica that rendered compiles the constraint (its engine caches it): a 400
+    naming what its grammar engine cannot compile comes before any quota is taken."""
+    try:
+        await backend.check_structured(model, structured)
+    except BadRequestError as e:
+        raise ApiError(400, str(e)) from None
+    except BackendError as e:
+        gw.traffic.error(principal.tenant_name, model, 503, str(e))
+        raise ApiError(503, str(e), code="backend_unavailable") from None
 
 
 def _card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
@@ -389,6 +423,7 @@ def _sampling(
         repetition_penalty=body.repetition_penalty,
         logprobs=body.num_logprobs,
         ignore_eos=body.ignore_eos,
+        structured=structured_output(body),
     )
 
 

@@ -18,6 +18,7 @@ from engine_api.records import (
     ModelCard,
     PromptInput,
 )
+from engine_api.structured import StructuredOutput
 
 
 @runtime_checkable
@@ -30,13 +31,21 @@ class Backend(Protocol):
 
     def models(self) -> list[ModelCard]: ...
 
-    async def render(self, model: str, prompt: PromptInput) -> list[int]:
-        """Chat messages (through the model's chat template) or a prompt -> token ids."""
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Chat messages (with `tools`, through the model's chat template) or a prompt
+        -> token ids."""
         ...
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         """Token ids -> text, with the model's tokenizer (/detokenize); BadRequestError
         for an id outside its vocabulary."""
+        ...
+
+    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
+        """Compile `structured` (the engine caches it for the request to come), or raise
+        BadRequestError naming what cannot be compiled or is not supported here."""
         ...
 
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:

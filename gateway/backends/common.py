@@ -82,9 +82,10 @@ def render_prompt(
     architecture: str,
     bos_token: str,
     eos_token: str,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Text, token ids or chat messages -> token ids. `encode(text, add_bos)` tokenizes;
-    chat messages go through the model's template first."""
+    chat messages (with `tools`, if any) go through the model's template first."""
     if isinstance(prompt, str):
         return encode(prompt, True)
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -92,8 +93,15 @@ def render_prompt(
     if not prompt or not all(isinstance(m, dict) for m in prompt):
         raise BadRequestError("the prompt must be a string, token ids, or chat messages")
     try:
-        text = render_chat(prompt, chat_template, architecture, bos_token=bos_token,
-                           eos_token=eos_token, add_generation_prompt=True)  # fmt: skip
+        text = render_chat(
+            prompt,
+            chat_template,
+            architecture,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_generation_prompt=True,
+            tools=tools,
+        )
     except ValueError as exc:
         raise BadRequestError(str(exc)) from exc
     # templates usually write the BOS token themselves; do not add a second one

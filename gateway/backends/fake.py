@@ -31,6 +31,7 @@ from engine_api.records import (
     TokenLogprob,
     Usage,
 )
+from engine_api.structured import StructuredOutput
 from gateway.backends import BackendSpec
 from gateway.backends.common import decode_off_loop, render_off_loop
 
@@ -118,8 +119,13 @@ class FakeBackend:
     def models(self) -> list[ModelCard]:
         return [ModelCard(self.model_id, self.name, self.context_length)]
 
-    async def render(self, model: str, prompt: PromptInput) -> list[int]:
-        return await render_off_loop(self._render, prompt)
+    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
+        raise BadRequestError("the fake backend cannot constrain its output (structured outputs)")
+
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
+        return await render_off_loop(self._render, prompt)  # no template: tools go unused
 
     def _render(self, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):

@@ -24,6 +24,7 @@ from engine_api.records import (
     TokenLogprob,
     Usage,
 )
+from engine_api.structured import StructuredOutput
 from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
@@ -90,7 +91,9 @@ class GpuBackend:
         length = self._engine.max_model_len if self._engine else 0
         return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
 
-    async def render(self, model: str, prompt: PromptInput) -> list[int]:
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
         check_model(model, self.model_id)
         tokenizer = self.engine.tokenizer
         architecture = _architecture(self.engine.engine.hf_config.model_type)
@@ -102,6 +105,7 @@ class GpuBackend:
                 architecture,
                 bos_token=tokenizer.bos_token or "",
                 eos_token=tokenizer.eos_token or "",
+                tools=tools,
             ),
             prompt,
         )
@@ -110,6 +114,10 @@ class GpuBackend:
         check_model(model, self.model_id)
         tokenizer = self.engine.tokenizer
         return await decode_off_loop(tokenizer.decode, token_ids, range(len(tokenizer)))
+
+    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
+        check_model(model, self.model_id)
+        await self.engine.check_structured(structured)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """BadRequestError (400) or EngineDeadError (a BackendError, 503) come from the

@@ -24,6 +24,7 @@ from engine_api.records import (
     TokenLogprob,
     Usage,
 )
+from engine_api.structured import StructuredOutput
 from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
@@ -82,7 +83,9 @@ class LocalBackend:
         length = self._engine.context_length if self._engine else 0
         return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
 
-    async def render(self, model: str, prompt: PromptInput) -> list[int]:
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
         check_model(model, self.model_id)
         engine = self.engine
         llama = engine.model
@@ -94,6 +97,7 @@ class LocalBackend:
                 llama.architecture,
                 bos_token=llama.bos_text,
                 eos_token=llama.eos_text,
+                tools=tools,
             ),
             prompt,
         )
@@ -102,6 +106,10 @@ class LocalBackend:
         check_model(model, self.model_id)
         engine = self.engine
         return await decode_off_loop(engine.detokenize, token_ids, range(engine.model.n_vocab))
+
+    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
+        check_model(model, self.model_id)
+        await self.engine.check_structured(structured)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """BadRequestError (400) comes from the engine before the first chunk;

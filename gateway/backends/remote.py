@@ -37,6 +37,7 @@ from typing import Any
 from engine_api.block_hash import hash_blocks
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent, ModelCard, PromptInput
+from engine_api.structured import StructuredOutput
 from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
@@ -46,7 +47,11 @@ from gateway.backends.common import (
 )
 from gateway.backends.remote_health import Monitor
 from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
-from gateway.backends.remote_openai import completion_chunks, open_completion
+from gateway.backends.remote_openai import (
+    completion_chunks,
+    open_completion,
+    unconstrained_upstream,
+)
 from gateway.backends.remote_sent import SentBlocks
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
 from gateway.backends.remote_worker import worker_stream
@@ -216,28 +221,35 @@ class RemoteBackend:
     def _is_worker(self) -> bool:
         return self.monitor.info is not None and self.monitor.info.worker is not None
 
-    async def render(self, model: str, prompt: PromptInput) -> list[int]:
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
         check_model(model, self.model_id)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if not prompt or not (isinstance(prompt, str) or all(isinstance(m, dict) for m in prompt)):
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         if self.tokenizer is not None and not self._is_worker:
-            return await render_off_loop(self.tokenizer.render, prompt)
+            tokenizer = self.tokenizer
+            return await render_off_loop(lambda p: tokenizer.render(p, tools), prompt)
         # the entry's replicas serve one model: if this one fails, another tokenizes
         replicas = [self, *(r for r in self.siblings if r.stats().healthy)]
         for replica in replicas[:-1]:
             with contextlib.suppress(BackendError):
-                return await replica._tokenize(prompt)
-        return await replicas[-1]._tokenize(prompt)
+                return await replica._tokenize(prompt, tools)
+        return await replicas[-1]._tokenize(prompt, tools)
 
-    async def _tokenize(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+    async def _tokenize(
+        self, prompt: str | list[dict[str, Any]], tools: list[dict] | None
+    ) -> list[int]:
         """Through the upstream's /tokenize (vLLM's shape, which a worker serves)."""
         body: dict[str, Any] = {"model": self.upstream_model}
         if isinstance(prompt, str):
             body["prompt"] = prompt
         else:
             body |= {"messages": prompt, "add_generation_prompt": True}
+            if tools:
+                body["tools"] = tools  # vLLM's /tokenize takes them, as a worker's does
         url = self.client.endpoint.root + "/tokenize"
         try:
             data = await self.client.json("POST", url, body)
@@ -268,6 +280,13 @@ class RemoteBackend:
         if not isinstance(text, str):
             raise BackendError(f"{self.label} sent an invalid /detokenize answer")
         return text
+
+    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
+        """A worker's engine compiles the constraint when the request comes (a schema
+        it cannot compile is a 400 then); a third-party upstream gets none."""
+        check_model(model, self.model_id)
+        if not self._is_worker:
+            raise BadRequestError(unconstrained_upstream(model))
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         """Errors before the first chunk (connect, 5xx, timeout, invalid JSON) let the

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from engine_api.errors import BackendError
+from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest, TokenLogprob, Usage
 from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
 
@@ -29,6 +29,8 @@ log = logging.getLogger("kvgate.remote")
 
 def completion_body(req: GenRequest, model: str, prompt: list[int] | str) -> dict[str, Any]:
     sp = req.sampling
+    if sp.structured is not None:
+        raise BadRequestError(unconstrained_upstream(req.model))
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -59,6 +61,16 @@ def completion_body(req: GenRequest, model: str, prompt: list[int] | str) -> dic
         "cache_salt": req.cache_salt,
     }
     return body | {k: v for k, v in optional.items() if v is not None}
+
+
+def unconstrained_upstream(model: str) -> str:
+    """Why a third-party upstream gets no structured output: their fields for it differ
+    (vLLM's structured_outputs, llama.cpp's json_schema and grammar), and one that
+    ignored the field would answer unconstrained."""
+    return (
+        "structured outputs (response_format, guided_*, forced tool calls) are not "
+        f"supported on the third-party upstream of model {model!r}"
+    )
 
 
 async def open_completion(

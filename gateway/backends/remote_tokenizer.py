@@ -45,7 +45,7 @@ class RemoteTokenizer:
         self._texts: OrderedDict[bytes, str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def render(self, prompt: PromptInput) -> list[int]:
+    def render(self, prompt: PromptInput, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt or chat, as the in-process adapters render them."""
         texts: list[str] = []
 
@@ -54,7 +54,7 @@ class RemoteTokenizer:
             return self.tokenizer.encode(text, add_special_tokens=add_bos)
 
         template, eos = self.tokenizer.chat_template, self.tokenizer.eos_token or ""
-        ids = render_prompt(prompt, encode, template, self.architecture, self.bos_token, eos)
+        ids = render_prompt(prompt, encode, template, self.architecture, self.bos_token, eos, tools)
         if texts:
             with self._lock:
                 key = _key(ids)

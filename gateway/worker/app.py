@@ -74,7 +74,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await parse_body(request, TokenizeRequest)
     card = state.card(body.model)
     try:
-        tokens = await state.backend.render(body.model, body.rendered())
+        tokens = await state.backend.render(body.model, body.rendered(), body.tool_dicts())
     except (BadRequestError, BackendError) as e:
         raise api_error(e) from None
     return json_response(

@@ -46,8 +46,8 @@ async def test_bad_fields_are_refused_by_name(gw, fields, param):
 
 async def test_unknown_fields_are_refused_by_name_and_nulls_pass(gw):
     _, key = await gw.tenant()
-    error = await _error(await gw.chat(key, logit_bias={"5": 10}, tools=[]), 400)
-    assert "'logit_bias'" in error["message"] and "'tools'" in error["message"]
+    error = await _error(await gw.chat(key, logit_bias={"5": 10}, functions=[]), 400)
+    assert "'logit_bias'" in error["message"] and "'functions'" in error["message"]
     r = await gw.chat(key, max_tokens=2, logit_bias=None)
     assert r.status == 200, await r.text()
 

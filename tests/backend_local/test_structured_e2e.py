@@ -1,0 +1,149 @@
+"""Structured outputs and a named tool call on the llama.cpp backend with the default
+Gemma, through `kvgate serve` and the openai client; a constrained and a free request
+share the context's batch."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from gateway.default_model import DEFAULT_MODEL_ID
+from tests.conftest import start_gateway
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+[[backends]]
+name = "local"
+type = "local"
+options = { n_ctx = 2048, n_parallel = 2, n_batch = 256, n_threads = 2 }
+"""
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "languages": {
+            "type": "array",
+            "items": {"enum": ["English", "French", "German", "Italian"]},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "languages", "address"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, model_path):
+    gw = start_gateway(tmp_path_factory.mktemp("structured-local"), config=CONFIG, timeout=120)
+    _, key = gw.tenant_key("structured")
+    yield openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    gw.stop()
+
+
+def test_json_schema_and_choice_beside_a_free_request(client):
+    ask = [{"role": "user", "content": "Describe a famous scientist as JSON."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with ThreadPoolExecutor(2) as pool:
+        constrained = pool.submit(
+            client.chat.completions.create,
+            model=DEFAULT_MODEL_ID,
+            messages=ask,
+            max_tokens=120,
+            temperature=0,
+            response_format=schema_format,
+        )
+        free = pool.submit(
+            client.chat.completions.create,
+            model=DEFAULT_MODEL_ID,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=16,
+            temperature=0,
+        )
+        reply, plain = constrained.result(), free.result()
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    assert plain.choices[0].message.content.strip()
+    obj = client.chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=[
+            {
+                "role": "user",
+                "content": "Return a JSON object with the keys city and country for Rome.",
+            }
+        ],
+        max_tokens=100,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choices = ["positive", "negative", "neutral"]
+    picked = client.completions.create(
+        model=DEFAULT_MODEL_ID,
+        prompt="Review: I loved this film!\nSentiment:",
+        max_tokens=8,
+        extra_body={"guided_choice": choices},
+    )
+    assert picked.choices[0].text in choices
+
+
+def test_a_named_tool_call_streamed_and_not(client):
+    fields = dict(
+        model=DEFAULT_MODEL_ID,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    reply = client.chat.completions.create(**fields)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**fields, stream=True))
+    arguments = "".join(
+        tc.function.arguments or ""
+        for c in chunks
+        if c.choices
+        for tc in c.choices[0].delta.tool_calls or []
+    )
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_schema_that_cannot_compile_is_a_400(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}
+    with pytest.raises(openai.BadRequestError, match="nowhere"):
+        client.chat.completions.create(
+            model=DEFAULT_MODEL_ID,
+            messages=[{"role": "user", "content": "hi"}],
+            response_format=bad,
+        )

@@ -1,0 +1,154 @@
+"""Tools at the boundary, in the prompt and back out of the reply: the request fields'
+checks, the fallback rendering for templates without a tools section, and the calls
+parsed from a reply (whole and streamed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.chat_template import render_chat
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.tool_calls import ToolCallStream, ToolPlan
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields
+    return ChatCompletionRequest.model_validate_json(json.dumps(body))
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "not in tools",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "unique"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot be combined",
+        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "assistant"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "at most one"),
+        ({"guided_choice": []}, "choice must hold"),
+        ({"guided_json": "{not json"}, "not valid JSON"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+        ({"guided_json": {"type": "object"}, "min_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_bad_fields_are_refused_by_name(fields, error):
+    with pytest.raises(ValidationError, match=error):
+        chat(**fields)
+
+
+def test_schema_depth_and_size_are_bounded():
+    deep: dict = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValidationError, match="deeper than 32"):
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": deep}})
+    big = {"enum": ["x" * 1000] * 70}
+    with pytest.raises(ValidationError, match="at most 65536"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "p", "guided_json": big})
+
+
+def test_each_field_makes_one_structured_output():
+    assert chat(response_format={"type": "text"}).structured() is None
+    assert chat(response_format={"type": "json_object"}).structured().json_object
+    assert chat(guided_regex="a+").structured().regex == "a+"
+    assert chat(structured_outputs={"choice": ["a", "b"]}).structured().choice == ["a", "b"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert json.loads(chat(response_format=fmt).structured().json) == schema
+    assert (
+        chat(guided_json=json.dumps(schema)).structured() == chat(guided_json=schema).structured()
+    )
+
+
+def test_gemma_without_a_tools_section_gets_the_fallback_turns():
+    text = render_chat(HISTORY, None, "gemma3", bos_token="<bos>", tools=[WEATHER])
+    assert text.count("<start_of_turn>user") == 2  # the tool result is a user turn
+    first_user = text.split("<start_of_turn>user\n")[1]
+    assert first_user.startswith("You can call functions.") and '"get_weather"' in first_user
+    assert "Be brief." in first_user
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+    assert "<tool_response>\n-3 C\n</tool_response>" in text
+    assert text.endswith("<start_of_turn>model\n")
+
+
+def test_a_template_with_a_tools_section_renders_them_itself():
+    template = (
+        "{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}{% endfor %}\n"
+        "{% endfor %}"
+    )
+    text = render_chat(HISTORY, template, "llama", tools=[WEATHER])
+    assert text.startswith("TOOL get_weather\n")
+    assert "CALL Oslo" in text and "tool: -3 C" in text  # arguments given as an object
+
+
+def test_named_and_required_constraints_and_parsing():
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    named = ToolPlan.of(chat(tools=[WEATHER], tool_choice=choice))
+    assert json.loads(named.constraint().json) == WEATHER["function"]["parameters"]
+    content, calls = named.parse('{"city": "Lima"}')
+    assert content is None and calls[0]["function"]["arguments"] == '{"city": "Lima"}'
+    required = ToolPlan.of(chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
+    schema = json.loads(required.constraint().json)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    _, calls = required.parse('[{"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    assert ToolPlan.of(chat(tools=[WEATHER], tool_choice="none")).constraint() is None
+
+
+def test_auto_finds_call_blocks_and_streams_the_content_before_them():
+    plan = ToolPlan.of(chat(tools=[WEATHER]))
+    reply = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = plan.parse(reply)
+    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
+    assert plan.parse("Just text <tool") == ("Just text <tool", [])
+    assert plan.parse("<tool_call>{not json}</tool_call>")[1] == []
+    stream = ToolCallStream(plan)
+    sent = [stream.feed(piece)[0] for piece in ["Let me check.\n<to", "ol_ca", "ll>\n{", '"name"']]
+    assert "".join(sent) == "Let me check.\n"  # held back from where a call may start
+    rest, deltas, finish = stream.finish("stop")
+    assert deltas == [] and finish == "stop" and rest == '<tool_call>\n{"name"'
+    stream = ToolCallStream(plan)
+    assert stream.feed(reply)[0] == ""
+    rest, deltas, finish = stream.finish("stop")
+    assert rest == "Let me check." and finish == "tool_calls"
+    assert deltas[0]["index"] == 0 and deltas[0]["function"]["name"] == "get_weather"
