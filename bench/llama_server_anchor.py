@@ -25,16 +25,14 @@ import json
 import statistics
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
 from bench.datasets import random_requests, shared_prefix_requests
 from bench.gateway_overhead import free_port
+from bench.local_vs_llama_server import wait_http
 from bench.options import DefaultsHelpFormatter
-from bench.scale_out_procs import GATEWAY_READY, Process, Run, measure, tenant_key
+from bench.scale_out_procs import Process, Run, measure, start_gateway, tenant_key
 from gateway.default_model import default_model_path
 
 MODEL_ID = "gemma-3-270m"
@@ -46,15 +44,12 @@ SHARED_PREFIX = 900
 
 
 def start_kvgate(workdir: Path, args: argparse.Namespace) -> Process:
-    (workdir / "kvgate.toml").write_text(
+    config = (
         f'[[backends]]\nname = "local"\ntype = "local"\nserved_model_name = "{MODEL_ID}"\n'
         f"[backends.options]\nn_ctx = {SLOTS * CTX_PER_SLOT}\nn_parallel = {SLOTS}\n"
         f"n_threads = {args.threads}\nn_batch = {args.batch}\n"
     )
-    argv = ["--config", str(workdir / "kvgate.toml"), "serve", "--port", str(free_port())]
-    env = {"KVGATE_DATABASE_URL": f"sqlite+aiosqlite:///{workdir / 'kvgate.db'}"}
-    env["KVGATE_ADMIN_KEY"] = "kvg-bench-admin-" + "s" * 32
-    return Process(workdir, "kvgate", argv, GATEWAY_READY, env)
+    return start_gateway(workdir, "kvgate", config)
 
 
 class LlamaServer:
@@ -79,26 +74,11 @@ class LlamaServer:
         argv = [str(args.binary), "--no-webui", *(str(x) for kv in flags.items() for x in kv)]
         self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         self.pid = self.proc.pid
-        wait_health(self.url, self.proc, self.log)
+        wait_http(self.url, self.proc, self.log)
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
-
-
-def wait_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"llama-server did not answer /health in {timeout_s:g} s")
 
 
 def one_round(url: str, keys: list[str], pid: int, label: str, seed: int) -> dict[str, Run]:

@@ -32,17 +32,15 @@ import aiohttp
 import asyncpg
 
 from bench.datasets import random_requests
-from bench.gateway_overhead import free_port
 from bench.options import DefaultsHelpFormatter
 from bench.pg_cluster import PgCluster
 from bench.scale_out_procs import (
-    ADMIN_KEY,
-    GATEWAY_READY,
     Process,
     Run,
     admin,
     cpu_seconds,
     measure,
+    start_gateway,
     tenant_key,
 )
 
@@ -62,11 +60,8 @@ class Level:
 
 
 def start(workdir: Path, name: str, config: str, database_url: str) -> Process:
-    (workdir / f"{name}.toml").write_text(config)
-    args = ["--config", str(workdir / f"{name}.toml"), "serve", "--port", str(free_port())]
-    env = {"KVGATE_ADMIN_KEY": ADMIN_KEY, "KVGATE_DATABASE_URL": database_url}
-    env["KVGATE_INSTANCE"] = name
-    return Process(workdir, name, args, GATEWAY_READY, env)
+    env = {"KVGATE_DATABASE_URL": database_url, "KVGATE_INSTANCE": name}
+    return start_gateway(workdir, name, config, env=env)
 
 
 def pg_cpu(cluster: PgCluster) -> float:

@@ -157,15 +157,18 @@ class Process:
         self.stop()
 
 
-def start_gateway(workdir: Path, name: str, config: str, *flags: str) -> Process:
-    """`kvgate serve` on a free port with `config` as its TOML and its own SQLite file."""
+def start_gateway(
+    workdir: Path, name: str, config: str, *flags: str, env: dict[str, str] | None = None
+) -> Process:
+    """`kvgate serve` on a free port with `config` as its TOML and its own SQLite file,
+    unless `env` (over these defaults) names another database."""
     (workdir / f"{name}.toml").write_text(config)
     args = ["--config", str(workdir / f"{name}.toml"), "serve", "--port", str(free_port())]
-    env = {
+    defaults = {
         "KVGATE_ADMIN_KEY": ADMIN_KEY,
         "KVGATE_DATABASE_URL": f"sqlite+aiosqlite:///{workdir / name}.db",
     }
-    return Process(workdir, name, [*args, *flags], GATEWAY_READY, env)
+    return Process(workdir, name, [*args, *flags], GATEWAY_READY, defaults | (env or {}))
 
 
 def start_worker(workdir: Path, name: str, token: str, *flags: str) -> Process:
