@@ -279,9 +279,9 @@ class UsageRecorder:
 
     async def _commit(self, rows: list[UsageRow]) -> None:
         # Core statements on a bare connection: executemany, no ORM unit of work.
-        values = [{c: getattr(r, c) for c in _USAGE_COLUMNS} for r in rows]
         daily = self._daily_totals(rows)
         if self.db.sync_engine is not None:
+            values = [{c: getattr(r, c) for c in _USAGE_COLUMNS} for r in rows]
             # A small batch costs less than the two thread switches that would hide it;
             # a large one goes to a worker thread so the event loop keeps serving.
             if len(rows) <= INLINE_COMMIT_ROWS:
@@ -295,7 +295,7 @@ class UsageRecorder:
             if settlements:  # first: counter rows are locked before any other row
                 await apply_settlements(conn, settlements)
             await conn.executemany(
-                _PG_USAGE_INSERT, [[v[c] for c in _USAGE_COLUMNS] for v in values]
+                _PG_USAGE_INSERT, [[getattr(r, c) for c in _USAGE_COLUMNS] for r in rows]
             )
             await conn.executemany(
                 _PG_DAILY_UPSERT, [[d[c] for c in _DAILY_COLUMNS] for d in daily]
