@@ -16,7 +16,7 @@ from gateway.auth import Principal
 from gateway.errors import ApiError
 from gateway.http_util import json_response, parse_body, sse
 from gateway.openai_api import GW
-from gateway.schemas import KeyCreate, KeyUpdate, Limits, TenantCreate, TenantUpdate
+from gateway.schemas_admin import KeyCreate, KeyUpdate, Limits, TenantCreate, TenantUpdate
 from gateway.state import GatewayState, with_queue
 from gateway.tenants import Conflict, NotFound
 

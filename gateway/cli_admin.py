@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.quota.prices import usd_text
-from gateway.schemas import KeyUpdate, TenantUpdate
+from gateway.schemas_admin import KeyUpdate, TenantUpdate
 from gateway.tenants import (
     LIMIT_FIELDS,
     QUOTA_FIELDS,

@@ -16,9 +16,11 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from gateway.admission import model_card, prepare
 from gateway.backends import Backend, BackendError, BadRequestError, TokenLogprob, Usage
 from gateway.errors import ApiError, error_body
 from gateway.http_util import json_response, parse_body, sse
+from gateway.job import Job
 from gateway.openai_format import (
     chat_choice,
     chunk_body,
@@ -32,7 +34,6 @@ from gateway.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from gateway.serving import Job, _card, prepare
 from gateway.state import GatewayState
 from gateway.tool_calls import ToolCallStream
 
@@ -72,7 +73,7 @@ async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     body = await parse_body(request, TokenizeRequest)
-    card = _card(gw, principal, body.model)
+    card = model_card(gw, principal, body.model)
     tokens = await _on_a_replica(
         gw, body.model, lambda b: b.render(body.model, body.rendered(), body.tool_dicts())
     )
@@ -85,7 +86,7 @@ async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     body = await parse_body(request, DetokenizeRequest)
-    _card(gw, principal, body.model)
+    model_card(gw, principal, body.model)
     text = await _on_a_replica(gw, body.model, lambda b: b.detokenize(body.model, body.tokens))
     return json_response({"prompt": text})
 

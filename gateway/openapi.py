@@ -1,9 +1,10 @@
 """GET /openapi.json: the public API's contract as an OpenAPI 3.1 document.
 
 It is built from the pydantic models that validate the request bodies (gateway.schemas,
-gateway.prefix_api) and those that describe the responses (gateway.api_models), so it
-cannot drift from what the server accepts and sends. tests/gateway/test_openapi.py checks
-that every route is in it; test_fuzz.py runs schemathesis from it against a live gateway.
+gateway.schemas_admin, gateway.prefix_api) and those that describe the responses
+(gateway.api_models), so it cannot drift from what the server accepts and sends.
+tests/gateway/test_openapi.py checks that every route is in it; test_fuzz.py runs
+schemathesis from it against a live gateway.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ from pydantic.json_schema import models_json_schema
 
 from gateway import api_models as m
 from gateway.openai_api import GW
+from gateway.request_base import NO_CONTROL
 from gateway.schemas import (
-    NO_CONTROL,
-    AdminPinCreate,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from gateway.schemas_admin import (
+    AdminPinCreate,
     KeyCreate,
     KeyUpdate,
     PinCreate,
     TenantCreate,
     TenantUpdate,
-    TokenizeRequest,
 )
 
 REF = "#/components/schemas/{model}"

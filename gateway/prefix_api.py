@@ -35,7 +35,7 @@ from gateway.http_util import json_response, parse_body
 from gateway.openai_api import GW
 from gateway.pins import Pin, PinCapExceeded, PinCaps
 from gateway.quota import QuotaExceeded, QuotaLimits, Reservation
-from gateway.schemas import AdminPinCreate, PinCreate
+from gateway.schemas_admin import AdminPinCreate, PinCreate
 from gateway.state import GatewayState
 from gateway.tenants import Conflict, NotFound
 from gateway.usage import UsageRow, UsageUnavailable

@@ -1,27 +1,24 @@
-"""Request bodies at the HTTP boundary (pydantic), in OpenAI's shapes.
+"""Inference request bodies at the HTTP boundary (pydantic), in OpenAI's and vLLM's shapes:
+chat completions, completions and their sampling fields, /tokenize and /detokenize.
 
 Types are strict (`"stream": "yes"` is not a boolean, `Infinity` is not a number) and
-every value is bounded by what the server can hold: a string that lands in a column
-fits it and holds no control character, an integer fits its column, a list is as long
-as OpenAI allows. A field kvgate does not implement is refused with a 400 that names
-it rather than ignored. /openapi.json is generated from these same models.
+every value is bounded (gateway.schemas_fields); a list is as long as OpenAI allows. A
+field kvgate does not implement is refused with a 400 that names it rather than ignored.
+/openapi.json is generated from these same models. The management bodies (tenants, keys,
+pins) are gateway.schemas_admin's.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BeforeValidator,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from engine_api.sampling import MAX_LOGPROBS, MAX_PENALTY, check_ends
 from engine_api.structured import StructuredOutput
 from gateway.request_base import NO_CONTROL
 from gateway.request_base import StrictBody as _Body
+from gateway.schemas_fields import INT32, INT53, Count32, Int, Name
 from gateway.schemas_structured import (
     GUIDED,
     MAX_TOOLS,
@@ -38,27 +35,6 @@ from gateway.schemas_structured import (
 MAX_CHOICES = 128  # prompts x n, as OpenAI caps n
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_STOP_TOKEN_IDS = 64
-INT32 = 2**31 - 1
-INT53 = 2**53 - 1  # the largest integer every JSON client holds exactly
-# PostgreSQL cannot store NUL (NO_CONTROL, for names, is gateway.request_base's)
-NO_NUL = r"^[^\x00]*$"  # prompt text may hold newlines and tabs, not NUL
-MAX_PIN_CHARS = 200_000  # past this it cannot fit any context window we serve
-PIN_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
-
-
-def _whole_number(v: Any) -> Any:
-    """7.0 is an integer to JSON Schema (and to /openapi.json): take it as 7. Strings,
-    booleans and 7.5 still fail the strict int check."""
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    return v
-
-
-Int = Annotated[int, BeforeValidator(_whole_number)]
-
-Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_CONTROL)]
-Count32 = Annotated[Int, Field(ge=0, le=INT32)]
-Count53 = Annotated[Int, Field(ge=0, le=INT53)]
 
 
 class TextPart(_Body):
@@ -292,59 +268,6 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-Priority = Annotated[Int, Field(ge=-INT32, le=INT32)]
-Weight = Annotated[float, Field(gt=0, le=1e6)]
-Models = Annotated[list[Name], Field(max_length=1000)]
-
-
-# a money budget in USD; stored in nanodollars, so at most what 64 bits hold
-Dollars = Annotated[float, Field(ge=0, le=1e9)]
-
-
-class Limits(_Body):
-    """The limits a tenant and an API key may each have (null or left out: none); a key's
-    hold beside its tenant's, the stricter one winning, and its models narrow the tenant's."""
-
-    rpm: Count32 | None = None
-    tpm: Count53 | None = None
-    max_concurrent: Count32 | None = None
-    daily_tokens: Count53 | None = None
-    monthly_tokens: Count53 | None = None
-    daily_spend: Dollars | None = None
-    monthly_spend: Dollars | None = None
-    models: Models | None = None
-
-
-class TenantCreate(Limits):
-    name: Name
-    priority: Priority = 0
-    weight: Weight = 1.0
-
-
-class TenantUpdate(Limits):
-    name: Name | None = None
-    priority: Priority | None = None
-    weight: Weight | None = None
-
-
-KeyName = Annotated[str, Field(max_length=200, pattern=NO_CONTROL)]
-
-
-class KeyCreate(Limits):
-    name: KeyName = ""
-    scopes: Annotated[list[Literal["inference", "admin"]], Field(min_length=1, max_length=2)] = [
-        "inference"
-    ]
-    expires_at: Annotated[float, Field(ge=0, le=1e11)] | None = None
-    expires_in_s: Annotated[float, Field(gt=0, le=1e10)] | None = None
-
-
-class KeyUpdate(Limits):
-    """Fields sent replace the old ones; a limit sent as null is lifted."""
-
-    name: KeyName | None = None
-
-
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages through the model's template, made
     into the token ids a completion of it would be given."""
@@ -385,18 +308,3 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Name
     tokens: TokenIds
-
-
-class PinCreate(_Body):
-    """A tenant's own pinned system prompt (POST /v1/prefixes)."""
-
-    name: Annotated[str, Field(pattern=PIN_NAME)]
-    text: Annotated[str, Field(min_length=1, max_length=MAX_PIN_CHARS, pattern=NO_NUL)]
-    model: Name | None = None
-
-
-class AdminPinCreate(PinCreate):
-    """An admin's pin for a tenant, or a published prefix (tenant null, shared true)."""
-
-    tenant: Annotated[str, Field(min_length=1, max_length=32, pattern=NO_CONTROL)] | None
-    shared: bool | None = None  # default: shared exactly when there is no tenant

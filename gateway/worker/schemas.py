@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import RootModel, field_validator
 
-from gateway.schemas import CompletionRequest, Name, Priority
+from gateway.schemas import CompletionRequest
+from gateway.schemas_fields import Name, Priority
 
 
 class WorkerCompletionRequest(CompletionRequest):

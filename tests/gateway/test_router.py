@@ -90,7 +90,7 @@ def test_a_burst_picked_from_stale_stats_is_spread_by_the_requests_in_flight():
     ]
     assert {router.pick_from(idle, []).name for _ in range(4)} == {"fk-0"}  # unclaimed
     picked = []
-    for _ in range(8):  # as serving.prepare does: pick, then claim
+    for _ in range(8):  # as admission.prepare does: pick, then claim
         b = router.pick_from(idle, [])
         router.claim(b)
         picked.append(b.name)

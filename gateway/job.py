@@ -1,0 +1,208 @@
+"""One admitted completion request, from its backend's stream to its usage row.
+
+`Job.events` streams the backend's chunks for every choice, counting tokens as they come
+and trying another replica while nothing has reached the client; `Job.finish` commits the
+usage row, settles the quota and updates metrics. Admission (gateway.admission) builds a
+Job or refuses the request; the HTTP layer (openai_api) only formats what a Job yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.auth import Principal
+from gateway.backends import Backend, BackendError, GenChunk, GenRequest
+from gateway.choice_streams import merged, queued
+from gateway.quota import Reservation
+from gateway.quota.limits import ratelimit_headers
+from gateway.quota.prices import FREE
+from gateway.state import GatewayState
+from gateway.stats import Finished
+from gateway.tool_calls import ToolPlan
+from gateway.usage import UsageRow
+
+log = logging.getLogger("kvgate")
+
+
+@dataclass
+class Job:
+    gw: GatewayState
+    principal: Principal
+    chat: bool
+    model: str
+    backend: Backend
+    request_id: str
+    created: int
+    requests: list[GenRequest]  # one per choice, prompt-major
+    n: int
+    reservation: Reservation
+    user: str | None
+    block_hashes: list[str] = field(default_factory=list)  # the first prompt's full blocks
+    # other healthy replicas of the model: a request whose replica fails before any
+    # output reaches the client is tried again on the next one
+    fallbacks: list[Backend] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
+    counted: dict[int, int] = field(default_factory=dict)  # choice -> its tokens so far
+    counted_by: str = "engine"  # "gateway" if any choice's upstream sent no usage
+    finished: bool = False
+    tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        # A prompt counts once however many choices it has (as OpenAI counts it).
+        return sum(len(r.prompt_token_ids) for r in self.requests[:: self.n])
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_by_prompt.values())
+
+    def headers(self) -> dict[str, str]:
+        r = self.reservation
+        return ratelimit_headers(r.limits, r.remaining, r.windows) | {
+            "x-request-id": self.request_id
+        }
+
+    async def events(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        while True:
+            try:
+                async for item in self._attempt():
+                    yield item
+                return
+            except BackendError as e:
+                if self.counted or not self.fallbacks:
+                    raise  # output went out, or no replica is left: the client hears
+                failed, self.backend = self.backend, self.fallbacks.pop(0)
+                self.gw.router.release(failed)
+                self.gw.router.claim(self.backend)
+                log.warning(
+                    "request %s: %s failed before any output (%s); retrying on %s",
+                    *(self.request_id, failed.name, e, self.backend.name),
+                )
+
+    def _generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        """The backend's stream for one choice; through the gateway's fair queue when the
+        backend has one (its scheduler is not kvgate's)."""
+        queue = self.gw.queues.get(self.backend.name)
+        if queue is None:
+            return self.backend.generate(req)
+        return queued(queue, self.backend, req)
+
+    async def _attempt(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        if len(self.requests) == 1:  # the common case, one generator layer less
+            gen = self._generate(self.requests[0])
+            try:
+                async for chunk in gen:
+                    self._account(0, chunk)
+                    yield 0, chunk
+            finally:
+                await gen.aclose()
+            return
+        stream = merged([self._generate(r) for r in self.requests])
+        try:
+            async for index, chunk in stream:
+                self._account(index, chunk)
+                yield index, chunk
+        finally:
+            await stream.aclose()
+
+    def _account(self, index: int, chunk: GenChunk) -> None:
+        counted = self.counted.get(index, 0)
+        prompt = 0
+        if chunk.token_ids or chunk.text:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                prompt = self.prompt_tokens  # its prefill is done
+            self.last_token_at = now
+        tokens = counted + len(chunk.token_ids)
+        if chunk.usage is not None:
+            # the engine's own count is the record (a remote upstream may not send ids)
+            tokens = chunk.usage.completion_tokens
+            if chunk.usage.counted_by != "engine":
+                self.counted_by = chunk.usage.counted_by
+            self.cached_by_prompt.setdefault(index // self.n, chunk.usage.cached_tokens)
+        delta = tokens - counted
+        self.completion_tokens += delta
+        self.counted[index] = tokens
+        if prompt or delta:  # the dashboard's rates move while it streams
+            p = self.principal
+            self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, prompt, delta)
+
+    async def finish(self, status: int, finish_reason: str | None, error: str = "") -> None:
+        """Commit the usage row, then settle quota and count. Safe to call once."""
+        assert not self.finished
+        self.finished = True
+        gw, p = self.gw, self.principal
+        gw.router.release(self.backend)
+        end = time.perf_counter()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.started
+        tpot = None
+        if self.first_token_at is not None and self.completion_tokens > self.num_choices:
+            tpot = (self.last_token_at - self.first_token_at) / (
+                self.completion_tokens - self.num_choices
+            )
+        prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
+        price = gw.settings.prices.get(self.model, FREE)
+        spend = price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
+        # settled with the row: in memory at once, on PostgreSQL in the row's commit
+        settlement = gw.quota.settlement(
+            self.reservation,
+            prompt_tokens + self.completion_tokens,
+            count_request=status not in (503,),
+            used_spend=spend,
+        )
+        row = UsageRow(
+            request_id=self.request_id,
+            tenant_id=p.tenant_id or "",
+            key_id=p.key_id,
+            model=self.model,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            ttft_ms=None if ttft is None else ttft * 1000,
+            latency_ms=(end - self.started) * 1000,
+            status=status,
+            finish_reason=finish_reason,
+            user=self.user,
+            counted_by=self.counted_by,
+            spend_nano_usd=spend,
+            settlement=settlement,
+        )
+        try:
+            # Shielded: a client that goes away must not lose the row.
+            await asyncio.shield(gw.usage.submit(row))
+        finally:
+            m, tenant, model = gw.metrics, p.tenant_name, self.model
+            m.child(m.requests, tenant, model, str(status)).inc()
+            m.child(m.prompt_tokens, tenant, model).inc(prompt_tokens)
+            m.child(m.generation_tokens, tenant, model).inc(self.completion_tokens)
+            m.child(m.prefix_queries, tenant, model).inc(prompt_tokens)
+            if self.cached_tokens:
+                m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
+            if self.block_hashes and self.cached_by_prompt.get(0):
+                gw.catalog.drain([self.backend])  # the blocks it hit may be just stored
+                hits = self.cached_by_prompt[0]
+                gw.catalog.record_hits(self.backend.name, self.block_hashes, hits)
+            if ttft is not None:
+                m.child(m.ttft, model).observe(ttft)
+            if tpot is not None:
+                m.child(m.tpot, model).observe(tpot)
+            m.child(m.e2e, model).observe(end - self.started)
+            done = Finished(
+                time.time(), prompt_tokens, self.completion_tokens, ttft, tpot, end - self.started
+            )
+            gw.traffic.request_finished(p.tenant_id or "", tenant, done, ok=status == 200)
+            if status >= 500:
+                gw.traffic.error(tenant, self.model, status, error)
