@@ -1,6 +1,6 @@
 """Quota counters in PostgreSQL, so that N gateways enforce one limit, not N.
 
-Admission is one call of the `kvgate_admit` function (migration 0007) in autocommit: one
+Admission is one call of the `kvgate_admit` function (migration 0008) in autocommit: one
 round trip, no transaction statements around it. It takes the tenant's advisory lock
 (gateways queue on the same tenant; a key's requests take its tenant's lock too) and
 admits each request of its batch all or nothing. Requests of one tenant that arrive
@@ -8,7 +8,8 @@ while its previous call is out go together in the next, so under load one statem
 admits many, each exactly as if alone. Settlement is not a round trip of its own: the
 request's `Settlement` rides with its usage row and `apply_settlements` runs in that
 row's group commit, so the counters and the row are durable together. Every writer
-takes counter rows in (owner, kind, window) order, so none can deadlock another.
+takes counter rows in (owner, kind, window) order, and all it needs of them before any
+lease row, so none can deadlock another.
 The counter and lease tables' `tenant_id` column holds the owner: a tenant's id or a key's.
 """
 
@@ -105,32 +106,54 @@ class PostgresQuotaStore:
             await self.reclaim_stale(now)
 
     async def reclaim_stale(self, now: float) -> int:
-        """Give back the concurrency slots of gateways silent for STALE_AFTER_S."""
+        """Give back the concurrency slots of gateways silent for STALE_AFTER_S.
+
+        Counter rows first, in (owner, kind, window) order, then the leases: the order
+        admission and settlement take them in. A gateway thought dead may be only slow,
+        and its settlement holds its counters while it waits for its lease."""
         reclaimed = 0
+        stale = (
+            QuotaLease.heartbeat < now - STALE_AFTER_S,
+            QuotaLease.instance_id != self.instance_id,
+        )
         async with self.db.session() as session, session.begin():
-            stale = (
+            # read without locks: which owners' counters to lock
+            owners = set((await session.scalars(select(QuotaLease.tenant_id).where(*stale))).all())
+            if not owners:
+                return 0
+            await session.execute(
+                select(QuotaCounter.tenant_id)
+                .where(
+                    QuotaCounter.tenant_id.in_(owners),
+                    QuotaCounter.kind == CONCURRENT,
+                    QuotaCounter.window == 0,
+                )
+                .order_by(QuotaCounter.tenant_id)
+                .with_for_update()
+            )
+            leases = (
                 await session.scalars(
                     select(QuotaLease)
-                    .where(
-                        QuotaLease.heartbeat < now - STALE_AFTER_S,
-                        QuotaLease.instance_id != self.instance_id,
-                    )
+                    .where(*stale, QuotaLease.tenant_id.in_(owners))
                     .with_for_update(skip_locked=True)
                 )
             ).all()
-            for lease in stale:
-                if lease.held:
+            held: dict[str, int] = {}
+            for lease in leases:
+                held[lease.tenant_id] = held.get(lease.tenant_id, 0) + lease.held
+                await session.delete(lease)
+            for owner, slots in sorted(held.items()):
+                if slots:
                     await session.execute(
                         update(QuotaCounter)
                         .where(
-                            QuotaCounter.tenant_id == lease.tenant_id,
+                            QuotaCounter.tenant_id == owner,
                             QuotaCounter.kind == CONCURRENT,
                             QuotaCounter.window == 0,
                         )
-                        .values(value=QuotaCounter.value - lease.held)
+                        .values(value=QuotaCounter.value - slots)
                     )
-                    reclaimed += lease.held
-                await session.delete(lease)
+                    reclaimed += slots
         return reclaimed
 
     async def admit(
