@@ -1,4 +1,5 @@
-"""Engine settings: one llama.cpp context with `n_parallel` sequences sharing `n_ctx` cells."""
+"""Engine settings: one llama.cpp context of `n_parallel` sequences, each with its own KV
+stream of `n_ctx // n_parallel` cells."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def default_threads() -> int:
 @dataclass
 class EngineConfig:
     model_path: str
-    n_ctx: int = 16384  # KV cells shared by all sequences
+    n_ctx: int = 16384  # KV cells in all, split evenly between the sequences' streams
     n_parallel: int = 4  # sequences decoded together; each may hold n_ctx // n_parallel cells
     n_batch: int = 512  # tokens per llama_decode call (decode tokens first, then prompt chunks)
     n_threads: int = 0  # 0: one per core, up to 8

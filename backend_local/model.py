@@ -124,9 +124,11 @@ class LlamaModel:
         params.n_seq_max = config.n_parallel
         params.n_threads = config.n_threads
         params.n_threads_batch = config.n_threads
-        # One cell pool for all sequences, so copying a cached prefix to another sequence
-        # only tags the cells with one more sequence id instead of copying data.
-        params.kv_unified = True
+        # One KV stream per sequence, as llama-server runs: a decode attends over its own
+        # stream's cells, not over every cell other sequences hold (in one unified pool, a
+        # lone decode beside the cells finished requests left ran at about half speed).
+        # A prefix moves between sequences by copying a whole stream (Worker._admit).
+        params.kv_unified = False
         # Sliding-window layers keep every cell, so a prefix can be cut at any position.
         params.swa_full = True
         # llama.cpp's CPU flash attention miscomputes a sequence whose cells are not in

@@ -19,8 +19,12 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-def build_sampler(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sampler_p:
-    """A sampler chain for one request; the caller frees it with llama_sampler_free."""
+def build_sampler(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sampler_p | None:
+    """A sampler chain for one request, which the caller frees with llama_sampler_free; None
+    for plain greedy decoding, which needs no chain: the worker takes the row's argmax
+    (llama.cpp's sampler would first copy all n_vocab logits into a candidate array)."""
+    if params.temperature == 0 and not params.has_penalties:
+        return None
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     add = llama_cpp.llama_sampler_chain_add
     if params.has_penalties:

@@ -22,7 +22,7 @@ class Slot:
     salt: str | None = None  # cache salt of the request that computed `cached`
     last_used: float = 0.0
     request: Request | None = None
-    sampler: Any = None  # llama_sampler_p of the request
+    sampler: Any = None  # llama_sampler_p of the request; None for plain greedy
     grammar: Any = None  # the request's llguidance matcher, if it has a structured output
     stream: TextStream | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -59,10 +59,15 @@ def reusable_len(slot: Slot, prompt: list[int], salt: str | None, shared_prefix_
     return n if slot.salt == salt else min(n, slot.shared_len, shared_prefix_len)
 
 
+def runs(seq_ids: set[int]) -> int:
+    """How many runs of consecutive ids `seq_ids` makes ({0, 1, 3} makes 2)."""
+    return sum(1 for i in seq_ids if i - 1 not in seq_ids)
+
+
 def place(
     slots: list[Slot], prompt: list[int], salt: str | None, shared_prefix_len: int = 0
 ) -> Placement:
-    """Pick a free slot for `prompt`: the longest reusable cached prefix wins."""
+    """Pick a free slot for `prompt` and the slot holding its longest reusable prefix."""
     free = [s for s in slots if s.request is None]
     assert free, "place() needs a free slot"
     source, reuse = None, 0
@@ -74,9 +79,15 @@ def place(
     reuse = min(reuse, len(prompt) - 1)
     if reuse <= 0:
         source, reuse = None, 0
-    if source is not None and source.request is None and source.salt == salt:
-        return Placement(source, source, reuse)
-    # Otherwise evict an empty slot if there is one, else the least recently used cache
-    # (another tenant's source is copied from, so its own tokens stay cached for it).
-    target = min(free, key=lambda s: (len(s.cached) > 0, s.last_used))
+    in_place = source if source is not None and source.salt == salt else None
+    busy = {s.seq_id for s in slots if s.request is not None}
+    # llama.cpp decodes the sequences of one step in a single pass only while their ids
+    # run without a gap (each gap costs a pass more), so the slot that keeps the busy ids
+    # contiguous comes first. Then the one holding the prefix (no copy), then an empty
+    # one, then the least recently used (another tenant's source is copied from, so its
+    # own tokens stay cached for it).
+    target = min(
+        free,
+        key=lambda s: (runs(busy | {s.seq_id}), s is not in_place, len(s.cached) > 0, s.last_used),
+    )
     return Placement(target, source, reuse)

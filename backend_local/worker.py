@@ -182,13 +182,16 @@ class Worker:
                 if not llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1):
                     reuse = 0  # this memory cannot cut a sequence short: start over
                     llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            elif placement.source is not None:
+                # Each sequence has its own stream, and llama.cpp copies between streams
+                # only whole (the data moves at the next decode): copy, then cut the tail.
+                src = placement.source.seq_id
+                llama_cpp.llama_memory_seq_cp(self.mem, src, slot.seq_id, -1, -1)
+                llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1)
+                # a prefix others copy from (a published one) is in use: evict it last
+                placement.source.last_used = time.monotonic()
             else:
                 llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
-                if placement.source is not None:
-                    src = placement.source.seq_id
-                    llama_cpp.llama_memory_seq_cp(self.mem, src, slot.seq_id, 0, reuse)
-                    # a prefix others copy from (a published one) is in use: evict it last
-                    placement.source.last_used = time.monotonic()
             slot.cached = request.prompt[:reuse]
             slot.salt = request.cache_salt
             slot.shared_len = request.shared_prefix_len
@@ -262,20 +265,21 @@ class Worker:
         request = slot.request
         params = request.params
         logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+        row = np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
         if params.ignore_eos or len(slot.output_ids) < params.min_tokens:
-            for token in self.model.eog_ids:
-                logits[token] = -math.inf
+            row[self.model.eog_ids] = -math.inf
         if slot.grammar is not None:  # the chain samples from what the grammar allows
-            row = np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
             self.grammar_mask.apply(row, slot.grammar)
-        token = llama_cpp.llama_sampler_sample(slot.sampler, self.ctx, index)
+        if slot.sampler is None:  # plain greedy
+            token = int(row.argmax())
+        else:
+            token = llama_cpp.llama_sampler_sample(slot.sampler, self.ctx, index)
         if slot.grammar is not None:
             accepted = slot.grammar.consume_token(token)
             assert accepted, slot.grammar.get_error()  # the mask allowed only such tokens
         slot.output_ids.append(token)
         logprobs = None
         if params.logprobs is not None:
-            row = np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
             logprobs = [token_logprob(row, token, params.logprobs)]
         finish = None
         if self.model.is_eog(token) or token in params.stop_token_ids:
@@ -324,7 +328,8 @@ class Worker:
         slot.blocks = blocks
 
     def _clear(self, slot: Slot) -> None:
-        llama_cpp.llama_sampler_free(slot.sampler)
+        if slot.sampler is not None:
+            llama_cpp.llama_sampler_free(slot.sampler)
         slot.request = None
         slot.sampler = None
         slot.grammar = None

@@ -6,7 +6,12 @@ import pytest
 
 from backend_local import EngineConfig, LocalEngine, PromptTooLongError, SamplingParams
 from backend_local.slots import common_prefix_len
-from tests.backend_local.helpers import collect, wait_for
+from tests.backend_local.helpers import (
+    assert_same_up_to_near_tie,
+    collect,
+    collect_logprobs,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -33,26 +38,27 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 async def test_four_concurrent_greedy_requests_each_continue_their_own_prompt(engine, capsys):
     prompts = [engine.tokenize(p) for p in PROMPTS]
+    params = greedy(16, logprobs=2)
     # Solo and batched runs use different salts, so the batch cannot reuse the solo cells.
     solo = [
-        await collect(engine, f"solo-{i}", p, greedy(16), "solo") for i, p in enumerate(prompts)
+        await collect_logprobs(engine, f"solo-{i}", p, params, "solo")
+        for i, p in enumerate(prompts)
     ]
     batch = await asyncio.gather(
-        *(collect(engine, f"batch-{i}", p, greedy(16), "batch") for i, p in enumerate(prompts))
+        *(collect_logprobs(engine, f"batch-{i}", p, params, "batch") for i, p in enumerate(prompts))
     )
     assert len({tuple(ids) for ids, _, _ in solo}) == 4  # four different continuations
-    for (solo_ids, _, _), (ids, _, last), prompt in zip(solo, batch, prompts, strict=True):
-        # llama.cpp's CPU kernels are not batch-invariant, so only the first tokens must agree.
-        assert ids[:4] == solo_ids[:4]
+    for (solo_ids, solo_lps, _), (ids, lps, last), prompt in zip(solo, batch, prompts, strict=True):
+        assert_same_up_to_near_tie(solo_ids, solo_lps, ids, lps)
         assert last.prompt_tokens == len(prompt)
         assert last.completion_tokens == len(ids)
         # nothing from the solo cells; at most the prefix (the BOS) another batch prompt,
         # under the same salt, computed first
         shared = max(common_prefix_len(prompt, other) for other in prompts if other != prompt)
         assert last.cached_tokens <= shared < len(prompt)
-    agree = sum(s[1] == b[1] for s, b in zip(solo, batch, strict=True))
+    agree = sum(s[0] == b[0] for s, b in zip(solo, batch, strict=True))
     with capsys.disabled():
-        print(f"\nfull-text agreement, 4 concurrent vs solo: {agree}/4")
+        print(f"\nfull agreement, 4 concurrent vs solo: {agree}/4")
 
 
 async def test_prefix_is_reused_only_under_the_same_salt(engine):
@@ -158,5 +164,33 @@ async def test_reused_prefix_gives_the_logprobs_of_a_fresh_computation(model_pat
         reused, fresh = runs["y"].logprobs[0], runs["fresh"].logprobs[0]
         assert [t for t, _ in reused.top] == [t for t, _ in fresh.top]
         assert reused.logprob == pytest.approx(fresh.logprob, abs=1e-3)
+    finally:
+        engine.shutdown()
+
+
+async def test_prefix_copied_from_another_stream_gives_the_logprobs_of_a_fresh_computation(
+    model_path,
+):
+    """Each sequence has its own KV stream, so a published prefix reaches another sequence
+    as a copy of the whole stream cut after the prefix: the source's own tokens beyond it
+    (another tenant's) must be gone, not attended to."""
+    config = EngineConfig(model_path, n_ctx=1536, n_parallel=3, n_batch=64, n_threads=1)
+    engine = LocalEngine(config)
+    try:
+        head = engine.tokenize("Shared rules: be brief, be kind, cite sources. " * 4)
+        prompt = head + engine.tokenize(" Which bread is best?", add_special=False)
+        secret = engine.tokenize(" The vault code is 7391. Never reveal it.", add_special=False)
+        await collect(engine, "a", head + secret, greedy(8), "tenant-a", len(head))
+        runs = {}
+        for salt, shared in (("tenant-b", len(head)), ("fresh", 0)):
+            chunks = [
+                o async for o in engine.generate(salt, prompt, greedy(1, logprobs=4), salt, shared)
+            ]
+            runs[salt] = chunks[-1]
+        assert runs["tenant-b"].cached_tokens == len(head)  # copied from a's stream
+        assert runs["fresh"].cached_tokens == 0
+        copied, fresh = runs["tenant-b"].logprobs[0], runs["fresh"].logprobs[0]
+        assert [t for t, _ in copied.top] == [t for t, _ in fresh.top]
+        assert copied.logprob == pytest.approx(fresh.logprob, abs=1e-3)
     finally:
         engine.shutdown()

@@ -1,5 +1,5 @@
 from backend_local.requests import Request
-from backend_local.slots import Slot, common_prefix_len, place
+from backend_local.slots import Slot, common_prefix_len, place, runs
 from engine_api.sampling import SamplingParams
 
 
@@ -30,7 +30,19 @@ def test_other_salt_never_shares_cells():
 def test_prefix_of_a_busy_slot_is_copied_to_a_free_one():
     slots = [busy(Slot(0, [1, 2, 3, 4], "a")), Slot(1, [7], "a", 2.0), Slot(2, [8], "a", 1.0)]
     p = place(slots, [1, 2, 3, 9], "a")
-    assert (p.slot.seq_id, p.source.seq_id, p.reuse) == (2, 0, 3)  # LRU free slot evicted
+    assert (p.slot.seq_id, p.source.seq_id, p.reuse) == (1, 0, 3)  # busy ids stay contiguous
+    slots = [Slot(0, [7], "a", 2.0), Slot(1, [8], "a", 1.0), busy(Slot(2, [1, 2, 3, 4], "a"))]
+    p = place(slots, [1, 2, 3, 9], "a")
+    assert (p.slot.seq_id, p.source.seq_id, p.reuse) == (1, 2, 3)  # either side: the LRU
+
+
+def test_the_slot_that_keeps_busy_ids_contiguous_wins_over_an_empty_or_cached_one():
+    slots = [busy(Slot(i, [1, i])) for i in range(4)] + [Slot(4), Slot(5, [5, 6, 7], "a")]
+    slots[2] = Slot(2, [9, 9], "b", 5.0)  # a gap among the busy ones, recently used
+    p = place(slots, [5, 6, 7, 8], "a")
+    # slot 5 holds the prefix and slot 4 is empty, but either would leave the gap
+    assert (p.slot.seq_id, p.source.seq_id, p.reuse) == (2, 5, 3)
+    assert runs({0, 1, 3}) == 2 and runs({0, 1, 2, 3}) == 1 and runs(set()) == 0
 
 
 def test_last_prompt_token_is_always_recomputed():
