@@ -1,6 +1,7 @@
-"""Structured outputs and a named tool call on the llama.cpp backend with the default
-Gemma, through `kvgate serve` and the openai client; a constrained and a free request
-share the context's batch."""
+"""Structured outputs and tool calls on the llama.cpp backend with the default Gemma,
+through `kvgate serve` and the openai client, with the engine in the gateway's process and
+in a `kvgate worker` process (the constraint travels over the worker protocol); a
+constrained and a free request share the context's batch."""
 
 from __future__ import annotations
 
@@ -61,9 +62,11 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory, model_path):
-    gw = start_gateway(tmp_path_factory.mktemp("structured-local"), config=CONFIG, timeout=120)
+@pytest.fixture(scope="module", params=["in-process", "worker"])
+def client(request, tmp_path_factory, model_path):
+    flags = ["--workers", "1"] if request.param == "worker" else []
+    workdir = tmp_path_factory.mktemp(f"structured-local-{request.param}")
+    gw = start_gateway(workdir, *flags, config=CONFIG, timeout=120)
     _, key = gw.tenant_key("structured")
     yield openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
     gw.stop()
@@ -137,6 +140,28 @@ def test_a_named_tool_call_streamed_and_not(client):
     )
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_tool_choice_auto_gives_either_text_or_a_valid_call(client):
+    """The model may answer or call: either way the reply is one or the other, whole."""
+    reply = client.chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=[{"role": "user", "content": "What is the weather in Paris? Use the tool."}],
+        tools=[WEATHER],
+        tool_choice="auto",
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(
+                json.loads(call.function.arguments), WEATHER["function"]["parameters"]
+            )
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
 
 
 def test_a_schema_that_cannot_compile_is_a_400(client):
