@@ -34,7 +34,7 @@ from gateway.quota.prices import FREE
 from gateway.router import Candidate
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
-from gateway.token_plan import TokenPlan, plan_tokens
+from gateway.token_plan import TokenPlan, check_spend, plan_tokens
 from gateway.tool_calls import ToolPlan
 
 
@@ -68,6 +68,7 @@ async def prepare(
     prompt_tokens = sum(len(p) for p in prompts)
     price = gw.settings.prices.get(body.model, FREE)
     worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
+    check_spend(worst, principal.limits)
     reservation = await _admit(gw, principal, plan, worst)
     try:
         # a published prefix's length per prompt: its blocks are hashed without the salt

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gateway.errors import ApiError
 from gateway.quota import QuotaLimits
+from gateway.quota.prices import to_usd, usd_text
 
 _LIMIT_NAMES = {
     "tpm": "tokens per minute (tpm)",
@@ -81,6 +82,25 @@ def plan_tokens(
             "Lower max_tokens or n.",
         )
     return TokenPlan(choices, plan, reserve)
+
+
+def check_spend(worst: int, limits: QuotaLimits) -> None:
+    """Raises ApiError(400) when a request's worst-case cost (nanodollars) is more than a
+    money budget holds whole: like a token limit, no window could ever admit it."""
+    for field, per in (("daily_spend", "day"), ("monthly_spend", "month")):
+        limit = getattr(limits, field)
+        if worst == 0 or limit is None or worst <= limit:
+            continue
+        key_limit = None if limits.key is None else getattr(limits.key, field)
+        whose = "this API key's" if key_limit == limit else "your tenant's"
+        raise ApiError(
+            400,
+            f"This request may cost up to ${usd_text(to_usd(worst))} (its prompt and "
+            f"max_tokens for every choice at the model's prices), but {whose} limit on "
+            f"spend per {per} ({field}) is ${usd_text(to_usd(limit))}: it can never be "
+            "admitted. Lower max_tokens or n (without max_tokens, the context is reserved).",
+            code="exceeds_tenant_limit",
+        )
 
 
 def _token_ceiling(limits: QuotaLimits) -> tuple[int | None, str]:

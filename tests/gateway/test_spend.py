@@ -165,6 +165,27 @@ async def test_a_keys_money_budget_refuses_and_a_free_model_passes(priced):
     await c.completions.create(model="fake-model", prompt="one two three", max_tokens=4)
 
 
+async def test_a_request_no_money_budget_could_ever_hold_is_a_400(priced):
+    tenant, key = await priced.tenant(daily_spend=1000.0)
+    status, small = await priced.admin(
+        "POST", f"/admin/tenants/{tenant['id']}/keys", {"monthly_spend": 0.000001}
+    )
+    assert status == 201
+    c = client(priced, small["key"])
+    with pytest.raises(openai.BadRequestError) as e:
+        await c.completions.create(model="fake-model", prompt="one two three", max_tokens=4)
+    body = e.value.body
+    assert body["code"] == "exceeds_tenant_limit"
+    assert "this API key's limit on spend per month (monthly_spend) is $0.000001" in body["message"]
+    assert "never be admitted" in body["message"]
+    # refused before admission: nothing was taken from any counter, and a free model passes
+    assert (await priced.state.quota.used(small["id"], time.time()))["monthly_spend"] == 0
+    await c.completions.create(model="free-model", prompt="one two three", max_tokens=4)
+    status, _ = await priced.admin("PATCH", f"/admin/tenants/{tenant['id']}", {"daily_spend": 0})
+    with pytest.raises(openai.BadRequestError, match="your tenant's limit on spend per day"):
+        await client(priced, key).completions.create(model="fake-model", prompt="one", max_tokens=1)
+
+
 async def test_a_tenants_money_budget_is_exact_under_concurrency(priced):
     prompt = "one two three"
     tenant, key = await priced.tenant()
