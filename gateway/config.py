@@ -104,6 +104,8 @@ class Settings:
             name: value for name in ENGINE_SETTINGS if (value := getattr(self, name)) is not None
         }
         if self.backends and not self.model and self.backend in ("", "auto"):
+            if self.replicas != 1:  # it would be ignored: one count for which entry?
+                engine_options["replicas"] = self.replicas
             if engine_options:
                 raise ValueError(
                     f"{sorted(engine_options)} with [[backends]]: set them in an entry's options"

@@ -72,3 +72,13 @@ type = "fake"
     assert c.options == {}
     a, b, c = load_settings(cfg, environ={}).resolved_backends()
     assert a.options == {} and b.options == {"fairness": "vtc"}
+
+
+def test_engine_flags_beside_backend_entries_are_an_error_not_ignored(tmp_path):
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text('[[backends]]\nname = "a"\ntype = "fake"\n')
+    for overrides, named in (({"replicas": 2}, "replicas"), ({"n_ctx": 4096}, "n_ctx")):
+        settings = load_settings(cfg, overrides=overrides, environ={})
+        with pytest.raises(ValueError, match=f"'{named}'.*set them in an entry's options"):
+            settings.resolved_backends()
+    assert load_settings(cfg, overrides={"replicas": 1}, environ={}).resolved_backends()
