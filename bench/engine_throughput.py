@@ -46,8 +46,8 @@ class Run:
 
 def build_model(directory: str, seed: int) -> int:
     """Save the random model and a word-level tokenizer; return the parameter count."""
-    build_tiny_llama(directory, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                     seed=seed, vocab_size=VOCAB, max_position_embeddings=1024)  # fmt: skip
+    shape = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, vocab_size=VOCAB)
+    build_tiny_llama(directory, **shape, seed=seed, max_position_embeddings=1024)
     return parameter_count(directory)
 
 

@@ -31,13 +31,19 @@ import httpx
 
 from bench.options import DefaultsHelpFormatter
 
-BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}],
-        "max_tokens": 16}  # fmt: skip
+HELLO = {"role": "user", "content": "hello there"}
+BODY = {"model": "fake-model", "messages": [HELLO], "max_tokens": 16}
 ADMIN = "kvg-bench-admin-" + "a" * 32
 
 
 def _pinned(cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and os.cpu_count() > 1 else []
+
+
+def _start_server(module_args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m <module_args>` pinned to CPU 0 (the load comes from CPU 1), output dropped."""
+    cmd = [*_pinned(0), sys.executable, "-m", *module_args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def free_port() -> int:
@@ -58,28 +64,20 @@ def _wait_up(url: str, timeout: float = 60) -> None:
 
 
 def start_kvgate(port: int, tmp: Path) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN,
-               KVGATE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp / 'bench.db'}")  # fmt: skip
-    proc = subprocess.Popen(
-        [*_pinned(0), sys.executable, "-m", "gateway.cli", "serve", "--backend", "fake",
-         "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    database_url = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
+    env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN, KVGATE_DATABASE_URL=database_url)
+    proc = _start_server(["gateway.cli", "serve", "--backend", "fake", "--port", str(port)], env)
     url = f"http://127.0.0.1:{port}"
     _wait_up(url)
     admin = {"Authorization": f"Bearer {ADMIN}"}
-    tenant = httpx.post(url + "/admin/tenants", headers=admin,
-                        json={"name": "bench", "rpm": 10**9, "tpm": 10**12,
-                              "max_concurrent": 10**6}).json()  # fmt: skip
+    unlimited = {"name": "bench", "rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
+    tenant = httpx.post(url + "/admin/tenants", headers=admin, json=unlimited).json()
     key = httpx.post(url + f"/admin/tenants/{tenant['id']}/keys", headers=admin, json={}).json()
     return proc, key["key"]
 
 
 def start_direct(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [*_pinned(0), sys.executable, "-m", "bench.gateway_overhead", "--direct-server", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc = _start_server(["bench.gateway_overhead", "--direct-server", str(port)])
     _wait_up(f"http://127.0.0.1:{port}")
     return proc
 
@@ -96,20 +94,23 @@ def run_direct_server(port: int) -> None:
     async def chat(request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         ids = await fake.render(body["model"], body["messages"])
-        req = GenRequest(os.urandom(12).hex(), body["model"], ids,
-                         SamplingParams(max_tokens=body["max_tokens"]))  # fmt: skip
+        sampling = SamplingParams(max_tokens=body["max_tokens"])
+        req = GenRequest(os.urandom(12).hex(), body["model"], ids, sampling)
         text, n = [], 0
         async for chunk in fake.generate(req):
             text.append(chunk.text)
             n += len(chunk.token_ids)
-        return web.json_response({
-            "id": req.request_id, "object": "chat.completion", "created": int(time.time()),
+        message = {"role": "assistant", "content": "".join(text)}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+        completion = {
+            "id": req.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                         "finish_reason": "length"}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
-                      "total_tokens": len(ids) + n},
-        })  # fmt: skip
+            "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+            "usage": usage,
+        }
+        return web.json_response(completion)
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -137,11 +138,9 @@ def _wrk(url: str, key: str, duration: int, tmp: Path, conns: int, delay_ms: flo
         # each connection waits this long between requests: a paced, fixed offered rate
         + (f"function delay() return {delay_ms} end\n" if delay_ms else "")
     )
-    out = subprocess.run(
-        [*_pinned(1), "wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency", "-s",
-         str(script), url + "/v1/chat/completions"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+    flags = ["-t1", f"-c{conns}", f"-d{duration}s", "--latency", "-s", str(script)]
+    cmd = [*_pinned(1), "wrk", *flags, url + "/v1/chat/completions"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if non2xx:
         raise RuntimeError(f"wrk saw {non2xx.group(1)} failed responses:\n{out}")
@@ -177,8 +176,7 @@ async def _closed_loop(url: str, key: str, duration: float, conns: int = 64) -> 
         async def worker():
             nonlocal done
             while time.perf_counter() < end:
-                async with http.post(url + "/v1/chat/completions", json=BODY,
-                                     headers=headers) as r:  # fmt: skip
+                async with http.post(url + "/v1/chat/completions", json=BODY, headers=headers) as r:
                     await r.read()
                     assert r.status == 200, r.status
                 done += 1
@@ -200,8 +198,7 @@ async def _open_loop(url: str, key: str, rate: float, duration: float) -> list[f
             if delay > 0:
                 await asyncio.sleep(delay)
             t0 = at
-            async with http.post(url + "/v1/chat/completions", json=BODY,
-                                 headers=headers) as r:  # fmt: skip
+            async with http.post(url + "/v1/chat/completions", json=BODY, headers=headers) as r:
                 await r.read()
                 assert r.status == 200, r.status
             latencies.append(time.perf_counter() - t0)
@@ -226,9 +223,9 @@ def measure(url: str, key: str, args: argparse.Namespace, tmp: Path) -> dict:
         return {"rps": rps, "tool": "wrk -t1 (-c64 closed loop; -c32 paced)"} | paced
     rps = asyncio.run(_closed_loop(url, key, args.duration))
     lat = asyncio.run(_open_loop(url, key, args.rate, args.duration))
-    return {"rps": rps, "tool": "aiohttp (64 connections; open loop)",
-            "p50_ms": 1000 * _pct(lat, 50), "p99_ms": 1000 * _pct(lat, 99),
-            "achieved_rps": len(lat) / args.duration}  # fmt: skip
+    open_loop = {"p50_ms": 1000 * _pct(lat, 50), "p99_ms": 1000 * _pct(lat, 99)}
+    open_loop["achieved_rps"] = len(lat) / args.duration
+    return {"rps": rps, "tool": "aiohttp (64 connections; open loop)"} | open_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             gw.terminate()
             gw.wait()
-    result = {"direct": base, "kvgate": kv, "rate": args.rate, "duration_s": args.duration,
-              "added_p50_ms": kv["p50_ms"] - base["p50_ms"],
-              "added_p99_ms": kv["p99_ms"] - base["p99_ms"],
-              "rps_ratio": kv["rps"] / base["rps"]}  # fmt: skip
+    result = {"direct": base, "kvgate": kv, "rate": args.rate, "duration_s": args.duration}
+    for key in ("p50_ms", "p99_ms"):
+        result[f"added_{key}"] = kv[key] - base[key]
+    result["rps_ratio"] = kv["rps"] / base["rps"]
     print(json.dumps(result, indent=2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -286,9 +283,9 @@ def plot(result: dict, path: Path) -> None:
     left.set_title("non-streaming requests/s (wrk, 64 connections)")
     left.legend()
     x = range(2)
-    for offset, key in ((-0.2, "p50_ms"), (0.2, "p99_ms")):
-        right.bar([i + offset for i in x], [r[key] for r in runs], width=0.4,
-                  label=key.split("_")[0], alpha=0.6 if key == "p50_ms" else 1.0)  # fmt: skip
+    for offset, key, alpha in ((-0.2, "p50_ms", 0.6), (0.2, "p99_ms", 1.0)):
+        xs = [i + offset for i in x]
+        right.bar(xs, [r[key] for r in runs], width=0.4, label=key.split("_")[0], alpha=alpha)
     right.set_xticks(list(x), names)
     right.set_ylabel("ms")
     right.set_title(f"latency at a paced {result['rate']:.0f} req/s offered")

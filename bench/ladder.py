@@ -204,12 +204,11 @@ def measure_once(model, base_args, step_args, workload: Workload, warm_up: Workl
 
 def measure(model, base_args, step_args, workloads, workload_name, step, args) -> Row:
     """The step's row: the repeat with the median output throughput, all repeats kept."""
+    workload, warm_up = workloads[workload_name], workloads["warm-up"]
+    show = not args.no_progress
     runs = []
     for _ in range(args.repeats):
-        figures, reason = measure_once(
-            model, base_args, step_args, workloads[workload_name], workloads["warm-up"],
-            not args.no_progress,
-        )  # fmt: skip
+        figures, reason = measure_once(model, base_args, step_args, workload, warm_up, show)
         if figures is None:
             return Row(step, workload_name, dict(step_args), available=False, reason=reason)
         runs.append(figures)

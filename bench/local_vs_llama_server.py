@@ -57,6 +57,8 @@ PROMPTS = [
     "The planets of the solar system, in order from the sun, are",
 ]
 SINGLE_PROMPT = "Write a long story about a dragon who learns to sing. Once upon a time,"
+# the arguments that local.json records as its "settings"
+SETTINGS = ("clients", "max_tokens", "single_tokens", "threads", "batch", "ctx_per_seq", "repeats")
 
 
 @dataclass
@@ -97,8 +99,9 @@ def percentile(values: list[float], q: float) -> float:
 async def stream_completion(
     session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, key: str | None
 ) -> Response:
-    payload = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens,
-               "temperature": 0.0, "stream": True}  # fmt: skip
+    payload = dict(
+        model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+    )
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     out, parts = Response(), []
     start = time.perf_counter()
@@ -203,8 +206,8 @@ def kvgate_server(workdir: Path, args: argparse.Namespace):
         f"n_parallel = {args.clients}\nn_threads = {args.threads}\nn_batch = {args.batch}\n"
     )
     admin_key = "kvg-bench-admin-" + "x" * 32
-    env = dict(os.environ, KVGATE_ADMIN_KEY=admin_key,
-               KVGATE_DATABASE_URL=f"sqlite+aiosqlite:///{workdir / 'kvgate.db'}")  # fmt: skip
+    database_url = f"sqlite+aiosqlite:///{workdir / 'kvgate.db'}"
+    env = dict(os.environ, KVGATE_ADMIN_KEY=admin_key, KVGATE_DATABASE_URL=database_url)
     log = workdir / "kvgate.log"
     cmd = [
         sys.executable,
@@ -242,11 +245,13 @@ async def make_api_key(url: str, admin_key: str, tenant_name: str) -> str:
 def llama_cpp_server(workdir: Path, args: argparse.Namespace, model: str, interrupt: bool):
     port = free_port()
     log = workdir / f"llama_cpp_server_{port}.log"
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--model_alias", MODEL_ID,
-           "--n_ctx", str(args.ctx_per_seq), "--n_threads", str(args.threads),
-           "--n_threads_batch", str(args.threads), "--n_batch", str(args.batch),
-           "--n_ubatch", str(args.batch), "--logits_all", "False", "--flash_attn", "False",
-           "--interrupt_requests", str(interrupt), "--port", str(port)]  # fmt: skip
+    threads, batch = str(args.threads), str(args.batch)
+    cmd = (
+        [sys.executable, "-m", "llama_cpp.server", "--model", model, "--model_alias", MODEL_ID]
+        + ["--n_ctx", str(args.ctx_per_seq), "--n_threads", threads, "--n_threads_batch", threads]
+        + ["--n_batch", batch, "--n_ubatch", batch, "--logits_all", "False"]
+        + ["--flash_attn", "False", "--interrupt_requests", str(interrupt), "--port", str(port)]
+    )
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -272,13 +277,15 @@ def single_stream(args: argparse.Namespace, model: str, url: str, key: str, pid:
 
     from backend_local import EngineConfig, LocalEngine, SamplingParams
 
-    engine = LocalEngine(EngineConfig(model, n_ctx=args.clients * args.ctx_per_seq,
-                                      n_parallel=args.clients, n_batch=args.batch,
-                                      n_threads=args.threads))  # fmt: skip
+    n_ctx = args.clients * args.ctx_per_seq
+    config = EngineConfig(
+        model, n_ctx=n_ctx, n_parallel=args.clients, n_batch=args.batch, n_threads=args.threads
+    )
+    engine = LocalEngine(config)
 
-    llama = Llama(model, n_ctx=args.ctx_per_seq, n_threads=args.threads,
-                  n_threads_batch=args.threads, n_batch=args.batch, n_ubatch=args.batch,
-                  flash_attn=False, verbose=False)  # fmt: skip
+    options = dict(n_ctx=args.ctx_per_seq, n_threads=args.threads, n_threads_batch=args.threads)
+    options |= dict(n_batch=args.batch, n_ubatch=args.batch, flash_attn=False)
+    llama = Llama(model, **options, verbose=False)
     count = lambda text: len(llama.tokenize(text.encode(), add_bos=False))  # noqa: E731
     prompt = engine.tokenize(SINGLE_PROMPT)
 
@@ -364,14 +371,14 @@ def plot(reports: list[RunReport], single: dict, path: Path) -> None:
     names = [r.server.replace(" (", "\n(") for r in reports]
     axes[0].bar(names, [r.tokens_per_s for r in reports], color="tab:blue")
     axes[0].set_title(f"{reports[0].clients} concurrent streams: output tokens/s")
-    axes[1].bar(names, [r.ttft_p50_s for r in reports], label="p50")
-    axes[1].bar(names, [r.ttft_p99_s - r.ttft_p50_s for r in reports],
-                bottom=[r.ttft_p50_s for r in reports], alpha=0.5, label="p99")  # fmt: skip
+    p50 = [r.ttft_p50_s for r in reports]
+    p99_above_p50 = [r.ttft_p99_s - r.ttft_p50_s for r in reports]
+    axes[1].bar(names, p50, label="p50")
+    axes[1].bar(names, p99_above_p50, bottom=p50, alpha=0.5, label="p99")
     axes[1].set_title("TTFT (s)")
     axes[1].legend()
-    axes[2].bar(["bare Llama", "engine (no HTTP)", "kvgate (HTTP)"],
-                [single["bare_tokens_per_s"], single["engine_tokens_per_s"],
-                 single["kvgate_tokens_per_s"]], color="tab:green")  # fmt: skip
+    rates = [single[f"{arm}_tokens_per_s"] for arm in ("bare", "engine", "kvgate")]
+    axes[2].bar(["bare Llama", "engine (no HTTP)", "kvgate (HTTP)"], rates, color="tab:green")
     axes[2].set_title("single stream: tokens/s")
     for ax in axes:
         ax.tick_params(axis="x", labelsize=7)
@@ -380,8 +387,8 @@ def plot(reports: list[RunReport], single: dict, path: Path) -> None:
 
 
 def print_single(single: dict, repeats: int) -> None:
-    print(f"\nsingle stream, medians of {repeats} rounds: bare Llama "
-          f"{single['bare_tokens_per_s']:.1f} tok/s")  # fmt: skip
+    bare = single["bare_tokens_per_s"]
+    print(f"\nsingle stream, medians of {repeats} rounds: bare Llama {bare:.1f} tok/s")
     for name in ("engine", "kvgate"):
         ratios = single[f"{name}_ratios"]
         print(
@@ -407,8 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--ctx-per-seq", type=int, default=1024)
     parser.add_argument("--out", default="docs/perf")
-    parser.add_argument("--single-only", action="store_true",
-                        help="skip llama_cpp.server's runs (kvgate's concurrent run stays)")  # fmt: skip
+    parser.add_argument(
+        "--single-only",
+        action="store_true",
+        help="skip llama_cpp.server's runs (kvgate's concurrent run stays)",
+    )
     args = parser.parse_args(argv)
     assert args.clients <= len(PROMPTS), f"at most {len(PROMPTS)} clients"
 
@@ -443,10 +453,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("clients", "max_tokens", "single_tokens",
-                                              "threads", "batch", "ctx_per_seq", "repeats")}  # fmt: skip
-    result = {"settings": settings, "model": model, "cpus": os.cpu_count(),
-              "runs": [asdict(r) for r in reports], "single_stream": single}  # fmt: skip
+    settings = {k: getattr(args, k) for k in SETTINGS}
+    result = {"settings": settings, "model": model, "cpus": os.cpu_count()}
+    result |= {"runs": [asdict(r) for r in reports], "single_stream": single}
     print_single(single, args.repeats)
     if args.single_only:
         (out / "local_single.json").write_text(json.dumps(result, indent=2))
@@ -455,13 +464,17 @@ def main(argv: list[str] | None = None) -> int:
     plot(reports, single, out / "local.png")
 
     base = reports[1].tokens_per_s
-    print("\n| server | output tok/s | vs llama_cpp.server | TTFT p50 | TTFT p99 | complete "
-          "| = solo | tokens = solo |")  # fmt: skip
+    print(
+        "\n| server | output tok/s | vs llama_cpp.server | TTFT p50 | TTFT p99 | complete "
+        "| = solo | tokens = solo |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in reports:
-        print(f"| {r.server} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x | "
-              f"{r.ttft_p50_s:.2f} s | {r.ttft_p99_s:.2f} s | {r.complete}/{r.clients} | "
-              f"{r.agree_with_solo}/{r.clients} | {r.agree_prefix_tokens:.1f} |")  # fmt: skip
+        print(
+            f"| {r.server} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x | "
+            f"{r.ttft_p50_s:.2f} s | {r.ttft_p99_s:.2f} s | {r.complete}/{r.clients} | "
+            f"{r.agree_with_solo}/{r.clients} | {r.agree_prefix_tokens:.1f} |"
+        )
     for r in reports:
         for note in r.notes:
             print(f"{r.server}: {note}")

@@ -144,8 +144,7 @@ def build_requests(args: argparse.Namespace) -> list[SampleRequest]:
 def workload_info(args: argparse.Namespace) -> dict:
     info = {"dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len}
     if args.dataset == "shared-prefix":
-        info |= {"shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes,
-                 "prefix_order": args.prefix_order}  # fmt: skip
+        info |= {k: getattr(args, k) for k in ("shared_prefix_len", "num_prefixes", "prefix_order")}
     if args.dataset == "sharegpt":
         info["dataset_path"] = args.dataset_path or "bundled"
     info["range_ratio"] = args.range_ratio

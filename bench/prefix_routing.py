@@ -38,8 +38,8 @@ from bench.tiny_model import build_tiny_llama, parameter_count
 
 ADMIN_KEY = "kvg-bench-admin-" + "p" * 32
 BLOCK_SIZE = 16
-MODEL_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                   vocab_size=32000, max_position_embeddings=4096)  # fmt: skip
+MODEL_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4)
+MODEL_SHAPE |= dict(vocab_size=32000, max_position_embeddings=4096)
 
 
 def http(method: str, url: str, body: dict | None = None) -> object:
@@ -57,7 +57,8 @@ class Gateway:
     def __init__(self, workdir: Path, name: str, config: str, database_url: str, *flags: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        (workdir / f"{name}.toml").write_text(config)
+        config_path = workdir / f"{name}.toml"
+        config_path.write_text(config)
         env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN_KEY)
         if database_url.startswith("postgresql"):  # a schema of its own, dropped at the end
             self.schema = f"kvgate_bench_{name.replace('-', '_')}_{os.getpid()}"
@@ -67,11 +68,11 @@ class Gateway:
             env["KVGATE_DATABASE_URL"] = f"sqlite+aiosqlite:///{workdir / name}.db"
         self.database_url = database_url
         self.log = workdir / f"{name}.log"
+        cli = [sys.executable, "-m", "gateway.cli", "--config", str(config_path)]
+        cmd = [*cli, "serve", "--port", str(self.port), *flags]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "--config", str(workdir / f"{name}.toml"),
-             "serve", "--port", str(self.port), *flags],
-            env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT
+        )
         for _ in range(600):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited:\n{self.log.read_text()}")
@@ -82,9 +83,9 @@ class Gateway:
 
     def tenant_keys(self, n: int) -> list[str]:
         keys = []
+        unlimited = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
         for i in range(n):
-            tenant = http("POST", self.url + "/admin/tenants", {"name": f"tenant-{i}",
-                          "rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6})  # fmt: skip
+            tenant = http("POST", self.url + "/admin/tenants", {"name": f"tenant-{i}"} | unlimited)
             key = http("POST", f"{self.url}/admin/tenants/{tenant['id']}/keys", {})
             keys.append(key["key"])
         return keys
@@ -111,29 +112,38 @@ async def drop_schema(database_url: str, schema: str) -> None:
 
 
 def backend_toml(name: str, model: str, served: str, **options: object) -> str:
-    lines = ["[[backends]]", f'name = "{name}"', 'type = "gpu"', f'model = "{model}"',
-             f'served_model_name = "{served}"']  # fmt: skip
+    lines = ["[[backends]]", f'name = "{name}"', 'type = "gpu"', f'model = "{model}"']
+    lines.append(f'served_model_name = "{served}"')
     for key, value in options.items():
         lines.append(f"{key} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"
 
 
-def bench_serve(gw: Gateway, keys: list[str], model: str, out: Path, args, seed: int,
-                num_prompts: int, concurrency: int, order: str = "random") -> dict:  # fmt: skip
+def bench_serve(
+    gw: Gateway,
+    keys: list[str],
+    model: str,
+    out: Path,
+    args,
+    seed: int,
+    num_prompts: int,
+    concurrency: int,
+    order: str = "random",
+) -> dict:
     """One `kvgate bench serve` run (each tenant its own system prompt, sent in `order`);
     its JSON result."""
-    cmd = [
-        sys.executable, "-m", "bench", "serve", "--url", gw.url, "--model", model,
-        "--api-key", ",".join(keys), "--num-tenants", str(len(keys)),
-        "--dataset", "shared-prefix", "--shared-prefix-len", str(args.prefix_len),
-        "--num-prefixes", str(len(keys)), "--prefix-order", order,
-        "--input-len", str(args.question_len),
-        "--output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
-        "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-        "--seed", str(seed), "--percentile-metrics", "ttft,e2el",
-        "--metric-percentiles", "50,90,99", "--no-progress", "--save-result", str(out),
-        "--save-detailed",
-    ]  # fmt: skip
+    cmd = (
+        [sys.executable, "-m", "bench", "serve", "--url", gw.url, "--model", model]
+        + ["--api-key", ",".join(keys), "--num-tenants", str(len(keys))]
+        + ["--dataset", "shared-prefix", "--shared-prefix-len", str(args.prefix_len)]
+        + ["--num-prefixes", str(len(keys)), "--prefix-order", order]
+        + ["--input-len", str(args.question_len), "--output-len", str(args.output_len)]
+        + ["--ignore-eos", "--temperature", "0"]
+        + ["--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency)]
+        + ["--seed", str(seed), "--percentile-metrics", "ttft,e2el"]
+        + ["--metric-percentiles", "50,90,99", "--no-progress", "--save-result", str(out)]
+        + ["--save-detailed"]
+    )
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())
     if result["failed"]:
@@ -145,14 +155,14 @@ def summary(results: list[dict]) -> dict:
     ttfts = [t * 1000 for r in results for t in r["ttfts"]]
     cached = sum(r["total_cached_tokens"] for r in results)
     prompt = sum(r["total_input_tokens"] for r in results)
+    kept = ("median_ttft_ms", "total_cached_tokens", "total_input_tokens", "duration")
     return {
         "requests": len(ttfts),
         "ttft_p50_ms": statistics.median(ttfts),
         "ttft_p90_ms": statistics.quantiles(ttfts, n=10)[-1],
         "hit_rate": cached / prompt,  # cached prompt tokens / prompt tokens
-        "runs": [{k: r[k] for k in ("median_ttft_ms", "total_cached_tokens",
-                                    "total_input_tokens", "duration")} for r in results],
-    }  # fmt: skip
+        "runs": [{k: r[k] for k in kept} for r in results],
+    }
 
 
 def run_caching(args, model: str, workdir: Path, bar: tqdm) -> dict:
@@ -167,8 +177,8 @@ def run_caching(args, model: str, workdir: Path, bar: tqdm) -> dict:
         for r in range(args.rounds):
             for arm in ("cache", "nocache"):
                 out = workdir / f"caching-{arm}-{r}.json"
-                results[arm].append(bench_serve(gw, keys, f"tiny-{arm}", out, args, r,
-                                                args.caching_prompts, 1))  # fmt: skip
+                result = bench_serve(gw, keys, f"tiny-{arm}", out, args, r, args.caching_prompts, 1)
+                results[arm].append(result)
                 bar.update(1)
     finally:
         gw.stop()
@@ -177,22 +187,25 @@ def run_caching(args, model: str, workdir: Path, bar: tqdm) -> dict:
 
 def run_routing(args, model: str, workdir: Path, bar: tqdm) -> dict:
     engine = {"replicas": 2, "kv_cache_memory_bytes": args.block_bytes * args.pool_blocks}
-    gateways = {
-        policy: Gateway(workdir, f"routing-{policy}", backend_toml("tiny", model, "tiny", **engine),
-                        args.database_url, "--router-policy", policy)
-        for policy in ("prefix", "round_robin")
-    }  # fmt: skip
+    config = backend_toml("tiny", model, "tiny", **engine)
+    gateways = {}
+    for policy in ("prefix", "round_robin"):
+        flags = ("--router-policy", policy)
+        gateways[policy] = Gateway(workdir, f"routing-{policy}", config, args.database_url, *flags)
     try:
         keys = {policy: gw.tenant_keys(args.tenants) for policy, gw in gateways.items()}
         results: dict[str, list[dict]] = {policy: [] for policy in gateways}
+        prompts, concurrency = args.routing_prompts, args.concurrency
         for r in range(args.rounds):
             for policy, gw in gateways.items():
                 seed = 100 + r  # a new set of system prompts each round, the same for both arms
                 warm = workdir / f"routing-{policy}-{r}-warmup.json"
                 bench_serve(gw, keys[policy], "tiny", warm, args, seed, args.tenants, 1, "cycle")
                 out = workdir / f"routing-{policy}-{r}.json"
-                results[policy].append(bench_serve(gw, keys[policy], "tiny", out, args, seed,
-                                                   args.routing_prompts, args.concurrency))  # fmt: skip
+                result = bench_serve(
+                    gw, keys[policy], "tiny", out, args, seed, prompts, concurrency
+                )
+                results[policy].append(result)
                 bar.update(1)
         report = {policy: summary(rs) for policy, rs in results.items()}
         for policy, gw in gateways.items():
@@ -219,11 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing-prompts", type=int, default=64, help="per arm and round")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4, help="routing: requests in flight")
-    p.add_argument("--pool-prompts", type=float, default=5,
-                   help="routing: one replica's KV pool, in whole prompts")  # fmt: skip
+    p.add_argument(
+        "--pool-prompts",
+        type=float,
+        default=5,
+        help="routing: one replica's KV pool, in whole prompts",
+    )
     p.add_argument("--only", choices=["caching", "routing"])
-    p.add_argument("--database-url", default="sqlite",
-                   help="sqlite (a file per gateway) or a postgresql+asyncpg:// URL")  # fmt: skip
+    p.add_argument(
+        "--database-url",
+        default="sqlite",
+        help="sqlite (a file per gateway) or a postgresql+asyncpg:// URL",
+    )
     p.add_argument("--out", default="docs/perf/prefix_routing.json")
     args = p.parse_args(argv)
     # one block: K and V, every layer, BLOCK_SIZE tokens of every KV head, float32

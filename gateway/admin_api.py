@@ -85,8 +85,8 @@ async def update_tenant(request: web.Request) -> web.Response:
     body = await parse_body(request, TenantUpdate)
     gw = request.app[GW]
     tenant_id = request.match_info["tenant_id"]
-    tenant = await gw.tenants.update_tenant(tenant_id, body.model_dump(exclude_unset=True),
-                                            actor.key_id)  # fmt: skip
+    changes = body.model_dump(exclude_unset=True)
+    tenant = await gw.tenants.update_tenant(tenant_id, changes, actor.key_id)
     gw.auth.forget_tenant(tenant_id)
     return json_response(tenant)
 

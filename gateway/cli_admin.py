@@ -264,20 +264,49 @@ async def _prefixes(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     print("hottest prefixes")
-    _print([{"replica": p["replica"], "tenant": p["tenant_id"] or "(published)",
-             "pin": p["pin"], "tokens": p["tokens"], "hits": p["hits"],
-             "saved": p["tokens_saved"], "idle_s": round(now - p["last_used"], 1),
-             "block": p["block_hash"][:12]} for p in body["prefixes"]], False)  # fmt: skip
+    _print([_hot_prefix_row(p, now) for p in body["prefixes"]], False)
     print("\npinned prefixes")
-    _print([{"name": p["name"], "tenant": p["tenant_id"] or "(published)", "model": p["model"],
-             "tokens": p["tokens"], "replicas": p["replicas"], "hits": p["hits"],
-             "saved": p["tokens_saved"]} for p in body["pins"]], False)  # fmt: skip
+    _print([_pin_row(p) for p in body["pins"]], False)
     print("\nper tenant")
-    _print([{"tenant": t["name"] or t["tenant_id"], "requests": t["requests"],
-             "prompt_tokens": t["prompt_tokens"], "cached_tokens": t["cached_tokens"],
-             "hit_rate": f"{t['hit_rate']:.1%}", "blocks_held": t["blocks_held"],
-             "tokens_held": t["tokens_held"]} for t in body["tenants"]], False)  # fmt: skip
+    _print([_tenant_cache_row(t) for t in body["tenants"]], False)
     return 0
+
+
+def _hot_prefix_row(p: dict, now: float) -> dict:
+    return {
+        "replica": p["replica"],
+        "tenant": p["tenant_id"] or "(published)",
+        "pin": p["pin"],
+        "tokens": p["tokens"],
+        "hits": p["hits"],
+        "saved": p["tokens_saved"],
+        "idle_s": round(now - p["last_used"], 1),
+        "block": p["block_hash"][:12],
+    }
+
+
+def _pin_row(p: dict) -> dict:
+    return {
+        "name": p["name"],
+        "tenant": p["tenant_id"] or "(published)",
+        "model": p["model"],
+        "tokens": p["tokens"],
+        "replicas": p["replicas"],
+        "hits": p["hits"],
+        "saved": p["tokens_saved"],
+    }
+
+
+def _tenant_cache_row(t: dict) -> dict:
+    return {
+        "tenant": t["name"] or t["tenant_id"],
+        "requests": t["requests"],
+        "prompt_tokens": t["prompt_tokens"],
+        "cached_tokens": t["cached_tokens"],
+        "hit_rate": f"{t['hit_rate']:.1%}",
+        "blocks_held": t["blocks_held"],
+        "tokens_held": t["tokens_held"],
+    }
 
 
 def _print(data: Any, as_json: bool) -> None:

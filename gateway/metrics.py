@@ -10,16 +10,16 @@ from prometheus_client.registry import Collector
 
 from gateway.backends import BackendStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_UNDER_1S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75)
+_LATENCY_BUCKETS = (*_LATENCY_UNDER_1S, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 # speculative decoding counters a backend may report in BackendStats.extra (vLLM's names)
 SPEC_DECODE_COUNTERS = {
     "spec_decode_num_drafts": "Decode steps that verified proposed tokens",
     "spec_decode_num_draft_tokens": "Proposed tokens verified by the target model",
     "spec_decode_num_accepted_tokens": "Proposed tokens the target model accepted",
 }
-_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                 1.0, 2.5)  # fmt: skip
+_TPOT_UNDER_1S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75)
+_TPOT_BUCKETS = (*_TPOT_UNDER_1S, 1.0, 2.5)
 
 
 class Metrics:
@@ -30,17 +30,26 @@ class Metrics:
             "kvgate:requests", "Finished requests", ["tenant", "model", "status"], registry=r
         )
         self.ttft = Histogram(
-            "kvgate:time_to_first_token_seconds", "Time to first token", ["model"],
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "kvgate:time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.tpot = Histogram(
-            "kvgate:time_per_output_token_seconds", "Time per output token after the first",
-            ["model"], buckets=_TPOT_BUCKETS, registry=r,
-        )  # fmt: skip
+            "kvgate:time_per_output_token_seconds",
+            "Time per output token after the first",
+            ["model"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
-            "kvgate:e2e_request_latency_seconds", "End-to-end request latency", ["model"],
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "kvgate:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "kvgate:prompt_tokens", "Prompt tokens processed", ["tenant", "model"], registry=r
         )
@@ -49,13 +58,17 @@ class Metrics:
         )
         # vLLM's prefix_cache_queries/hits, per tenant; a hit token is a prefill token saved
         self.prefix_queries = Counter(
-            "kvgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-            ["tenant", "model"], registry=r,
-        )  # fmt: skip
+            "kvgate:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            ["tenant", "model"],
+            registry=r,
+        )
         self.cached_tokens = Counter(
-            "kvgate:prefix_cache_hits", "Prompt tokens served from the prefix cache (not computed)",
-            ["tenant", "model"], registry=r,
-        )  # fmt: skip
+            "kvgate:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache (not computed)",
+            ["tenant", "model"],
+            registry=r,
+        )
         self.quota_rejections = Counter(
             "kvgate:quota_rejections", "Requests refused with 429", ["tenant", "limit"], registry=r
         )

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
@@ -73,8 +73,7 @@ class PinService:
 
     def list(self, tenant_id: str | None, everyone: bool = False) -> list[Pin]:
         """A tenant's pins and the published ones; `everyone`: all tenants' too."""
-        pins = [p for p in self.pins.values()
-                if everyone or p.tenant_id is None or p.tenant_id == tenant_id]  # fmt: skip
+        pins = [p for p in self.pins.values() if everyone or p.tenant_id in (None, tenant_id)]
         return sorted(pins, key=lambda p: (p.tenant_id or "", p.name))
 
     async def tokens_of(self, model: str, text: str) -> list[int]:
@@ -99,8 +98,9 @@ class PinService:
     ) -> Pin:
         """Store a pin whose `tokens` the caller rendered (to validate it); a tenant's pin
         only within `caps`, else PinCapExceeded."""
-        pin = Pin(f"pfx_{secrets.token_hex(8)}", tenant_id, name, model, text,
-                  tenant_id is None, time.time(), actor)  # fmt: skip
+        pin_id = f"pfx_{secrets.token_hex(8)}"
+        shared = tenant_id is None
+        pin = Pin(pin_id, tenant_id, name, model, text, shared, time.time(), actor)
         async with self._creating:
             if tenant_id is not None and caps is not None:
                 self._check_caps(tenant_id, len(tokens), caps)
@@ -140,8 +140,8 @@ class PinService:
             )
 
     async def delete(self, tenant_id: str | None, name: str, actor: str) -> Pin:
-        pin = next((p for p in self.pins.values()
-                    if p.tenant_id == tenant_id and p.name == name), None)  # fmt: skip
+        named = (p for p in self.pins.values() if p.tenant_id == tenant_id and p.name == name)
+        pin = next(named, None)
         if pin is None:
             raise NotFound(f"no prefix named {name!r}")
         async with self.db.session() as s, s.begin():
@@ -206,9 +206,15 @@ class PinService:
                 log.exception("prefix %s could not be prefilled", pin.name)
 
     async def _prefill_one(self, backend: Backend, pin: Pin, tokens: list[int]) -> None:
-        req = GenRequest(f"prefill-{pin.id}-{backend.name}", pin.model, tokens,
-                         SamplingParams(temperature=0.0, max_tokens=1), pin.tenant_id or "",
-                         self.salt(pin), 0, len(tokens) if pin.tenant_id is None else 0)  # fmt: skip
+        req = GenRequest(
+            f"prefill-{pin.id}-{backend.name}",
+            pin.model,
+            tokens,
+            SamplingParams(temperature=0.0, max_tokens=1),
+            tenant_id=pin.tenant_id or "",
+            cache_salt=self.salt(pin),
+            shared_prefix_len=len(tokens) if pin.tenant_id is None else 0,
+        )
         gen = backend.generate(req)
         try:
             async for _ in gen:
@@ -222,5 +228,5 @@ def _system(text: str) -> dict:
 
 
 def _pin(row: PinnedPrefix) -> Pin:
-    return Pin(row.id, row.tenant_id, row.name, row.model, row.text, row.shared, row.created_at,
-               row.created_by)  # fmt: skip
+    """The inverse of `PinnedPrefix(**asdict(pin))`: the table's columns are Pin's fields."""
+    return Pin(**{f.name: getattr(row, f.name) for f in fields(Pin)})

@@ -56,9 +56,11 @@ async def create_pin(request: web.Request) -> web.Response:
     actor = await _admin(request)
     body = await parse_body(request, AdminPinCreate)
     if body.shared is not None and body.shared != (body.tenant is None):
-        raise ApiError(400, "A published (shared) prefix has no tenant; a tenant's pin is "
-                       "not shared. Send tenant null with shared true to publish.",
-                       param="shared")  # fmt: skip
+        message = (
+            "A published (shared) prefix has no tenant; a tenant's pin is not shared. "
+            "Send tenant null with shared true to publish."
+        )
+        raise ApiError(400, message, param="shared")
     gw = request.app[GW]
     if body.tenant is not None:
         try:  # before any quota counter is taken in an unknown tenant's name
@@ -80,9 +82,9 @@ async def delete_own_pin(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     if principal.tenant_id is None:
         raise ApiError(403, "Admin keys belong to no tenant; use DELETE /admin/prefixes/pins/{id}.")
+    name = request.match_info["name"]
     try:
-        pin = await gw.pins.delete(principal.tenant_id, request.match_info["name"],
-                                   principal.key_id)  # fmt: skip
+        pin = await gw.pins.delete(principal.tenant_id, name, principal.key_id)
     except NotFound as e:
         raise ApiError(404, str(e)) from None
     return json_response({"id": pin.id, "object": "prefix", "deleted": True})
@@ -132,12 +134,10 @@ async def report(request: web.Request) -> web.Response:
     prefixes = gw.catalog.hottest(visible, limit)
     for row in prefixes:
         row["pin"] = labels.get((row["replica"], row["block_hash"]))
-    return json_response({
-        "object": "prefix_report",
-        "prefixes": prefixes,
-        "pins": pin_rows,
-        "tenants": await _tenant_rows(gw, tenant_id, visible),
-    })  # fmt: skip
+    tenants = await _tenant_rows(gw, tenant_id, visible)
+    return json_response(
+        {"object": "prefix_report", "prefixes": prefixes, "pins": pin_rows, "tenants": tenants}
+    )
 
 
 async def _create(
@@ -147,16 +147,16 @@ async def _create(
     if model is None:
         usable = [m for m in gw.router.cards if actor.may_use(m)]
         if len(usable) != 1:
-            raise ApiError(400, f"model is required (served: {', '.join(usable) or 'none'}).",
-                           param="model")  # fmt: skip
+            served = ", ".join(usable) or "none"
+            raise ApiError(400, f"model is required (served: {served}).", param="model")
         model = usable[0]
     card = gw.router.card(model)
     if card is None:
-        raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found",
-                       param="model")  # fmt: skip
+        message = f"The model `{model}` does not exist."
+        raise ApiError(404, message, code="model_not_found", param="model")
     if not actor.may_use(model):
-        raise ApiError(403, f"Your tenant may not use the model `{model}`.",
-                       code="model_not_allowed")  # fmt: skip
+        message = f"Your tenant may not use the model `{model}`."
+        raise ApiError(403, message, code="model_not_allowed")
     if not body.text.strip():
         raise ApiError(400, "text is blank.", param="text")
     try:
@@ -166,9 +166,10 @@ async def _create(
     except BackendError as e:
         raise ApiError(503, str(e), code="backend_unavailable") from None
     if len(tokens) + 1 > card.context_length:
-        raise ApiError(400, f"The prefix has {len(tokens)} tokens; the model `{model}` holds "
-                       f"{card.context_length}.", code="context_length_exceeded",
-                       param="text")  # fmt: skip
+        message = (
+            f"The prefix has {len(tokens)} tokens; the model `{model}` holds {card.context_length}."
+        )
+        raise ApiError(400, message, code="context_length_exceeded", param="text")
     caps = PinCaps(gw.settings.max_pins_per_tenant, gw.settings.max_pin_tokens_per_tenant)
     reservation = await _admit(gw, actor, tenant_id, len(tokens) * len(gw.pins.replicas(model)))
     try:
@@ -281,21 +282,23 @@ async def _tenant_rows(gw: GatewayState, tenant_id: str | None, visible) -> list
     names = {t["id"]: t["name"] for t in await gw.tenants.list_tenants()}
     rows: dict[str, dict] = {}
     for d in usage["data"]:
-        row = rows.setdefault(d["tenant_id"], {"tenant_id": d["tenant_id"], "requests": 0,
-                                               "prompt_tokens": 0, "cached_tokens": 0})  # fmt: skip
+        row = rows.setdefault(d["tenant_id"], _no_usage(d["tenant_id"]))
         row["requests"] += d["requests"]
         row["prompt_tokens"] += d["prompt_tokens"]
         row["cached_tokens"] += d["cached_tokens"]
     held = gw.catalog.held_by_tenant(visible)
     for t in held:
         if t is not None:
-            rows.setdefault(t, {"tenant_id": t, "requests": 0, "prompt_tokens": 0,
-                                "cached_tokens": 0})  # fmt: skip
+            rows.setdefault(t, _no_usage(t))
     for t, row in rows.items():
         row["name"] = names.get(t)
         row["hit_rate"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0
         row["blocks_held"], row["tokens_held"] = held.get(t, (0, 0))
     return sorted(rows.values(), key=lambda r: -r["cached_tokens"])
+
+
+def _no_usage(tenant_id: str) -> dict:
+    return {"tenant_id": tenant_id, "requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
 
 
 def add_routes(app: web.Application) -> None:

@@ -88,8 +88,8 @@ class PrefixCatalog:
                     ev.block_hash, None
                 )
                 if entry is None:
-                    entry = BlockEntry(ev.parent_hash, self.tenant_of(ev.cache_salt),
-                                       ev.num_tokens, ev.at, ev.at)  # fmt: skip
+                    tenant_id = self.tenant_of(ev.cache_salt)
+                    entry = BlockEntry(ev.parent_hash, tenant_id, ev.num_tokens, ev.at, ev.at)
                 entry.last_used = max(entry.last_used, ev.at)
                 held[ev.block_hash] = entry
                 self.dirty.add(key)
@@ -146,9 +146,9 @@ class PrefixCatalog:
             e = held[h]
             blocks, tokens, saved = blocks + 1, tokens + e.num_tokens, saved + e.tokens_saved
             h = e.parent_hash
-        return {"replica": replica, "block_hash": block_hash, "tenant_id": entry.tenant_id,
-                "blocks": blocks, "tokens": tokens, "hits": entry.hits, "tokens_saved": saved,
-                "last_used": entry.last_used}  # fmt: skip
+        where = {"replica": replica, "block_hash": block_hash, "tenant_id": entry.tenant_id}
+        totals = {"blocks": blocks, "tokens": tokens, "hits": entry.hits, "tokens_saved": saved}
+        return where | totals | {"last_used": entry.last_used}
 
     def hottest(self, visible: Callable[[str | None], bool], limit: int) -> list[dict]:
         """The prefixes worth naming: a block whose hits no child block shares in full is

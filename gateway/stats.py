@@ -127,10 +127,8 @@ class TrafficStats:
         self.tenant(tenant_id, name).rejected_429 += 1
 
     def error(self, tenant: str, model: str, status: int, message: str) -> None:
-        self.recent_errors.append(
-            {"ts": time.time(), "tenant": tenant, "model": model, "status": status,
-             "message": message}
-        )  # fmt: skip
+        error = dict(ts=time.time(), tenant=tenant, model=model, status=status, message=message)
+        self.recent_errors.append(error)
 
     def _trim(self, now: float) -> None:
         while self.finished and self.finished[0].t < now - LATENCY_WINDOW_S:
