@@ -16,6 +16,8 @@ from gateway.auth import Principal
 from gateway.errors import ApiError
 from gateway.http_util import json_response, parse_body, sse
 from gateway.openai_api import GW
+from gateway.quota.limits import DAILY_SPEND, MONTHLY_SPEND
+from gateway.quota.prices import to_usd
 from gateway.schemas_admin import KeyCreate, KeyUpdate, Limits, TenantCreate, TenantUpdate
 from gateway.state import GatewayState, with_queue
 from gateway.tenants import Conflict, NotFound
@@ -268,6 +270,11 @@ async def snapshot(gw: GatewayState) -> dict:
             "daily_used": used["daily"],
             "monthly_tokens": tenant["monthly_tokens"],
             "monthly_used": used["monthly"],
+            # money: dollars, as the tenant's budgets are given (the counters hold nanodollars)
+            "daily_spend": tenant["daily_spend"],
+            "daily_spend_used": to_usd(used[DAILY_SPEND]),
+            "monthly_spend": tenant["monthly_spend"],
+            "monthly_spend_used": to_usd(used[MONTHLY_SPEND]),
         }
     fair = _fair_share(gw)
     for row in snap["tenants"]:

@@ -347,6 +347,10 @@ class TenantQuotaUse(Body):
     daily_used: int
     monthly_tokens: int | None
     monthly_used: int
+    daily_spend: float | None = Field(description="USD")
+    daily_spend_used: float = Field(description="USD, this UTC day")
+    monthly_spend: float | None = Field(description="USD")
+    monthly_spend_used: float = Field(description="USD, this UTC month")
 
 
 class TenantFairShare(Body):

@@ -28,13 +28,15 @@ HELP = """\
 
   [b]q[/b]   quit
   [b]p[/b]   pause / resume (the view freezes; a replay holds)
-  [b]s[/b]   sort tenants: tok/s, req/s, 429s, quota, name
+  [b]s[/b]   sort tenants: tok/s, req/s, 429s, quota, spend today, name
   [b]/[/b]   filter tenants by name or id (enter keeps it, escape clears it)
   [b]S[/b]   save an SVG screenshot in --screenshot-dir (default: current directory)
   [b]?[/b]   this help
 
 Rates are over the gateway's last 10 s (tokens count as they are generated),
 latency percentiles over its last 60 s.
+Quota is the fullest of a tenant's limits, money budgets included; spend today
+is in US dollars since 00:00 UTC.
 Charts show the last few minutes, newest on the right.
 
 [dim]escape or ? closes this window[/dim]"""

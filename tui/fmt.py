@@ -23,6 +23,15 @@ def pct(share: float | None) -> str:
     return "-" if share is None else f"{share * 100:.0f}%"
 
 
+def usd(dollars: float | None) -> str:
+    """0.4213 -> '$0.42', 1234.5 -> '$1.2k'; a spend under a cent is '<$0.01', not '$0.00'."""
+    if dollars is None:
+        return "-"
+    if 0 < dollars < 0.01:
+        return "<$0.01"
+    return f"${si(dollars)}" if dollars >= 1000 else f"${dollars:.2f}"
+
+
 def duration(seconds: float | None) -> str:
     """3725 -> '1h 02m'."""
     if seconds is None:

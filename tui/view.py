@@ -16,6 +16,7 @@ TENANT_SORTS: list[tuple[str, str]] = [
     ("requests_per_s", "req/s"),
     ("rejected_429", "429s"),
     ("quota_used", "quota"),
+    ("spend_today", "spend today"),
     ("name", "tenant"),
 ]
 
@@ -67,6 +68,7 @@ class TenantRow:
     quota_used: float | None  # the tightest limit's used share; None: unlimited
     budget_left: int | None  # tokens left in the tightest budget; None: unlimited
     served: float | None = None  # its share of the engines' fair-share service; None: none
+    spend_today: float | None = None  # USD; None: a gateway that does not report spend
 
 
 @dataclass
@@ -135,7 +137,8 @@ def _opt(value: Any) -> float | None:
 
 
 def quota_used(quota: dict[str, Any]) -> float | None:
-    """The largest used share over the limits that are set (rpm, tpm, daily, monthly)."""
+    """The largest used share over the limits that are set: rpm, tpm, the daily and monthly
+    token budgets and the daily and monthly money budgets."""
     shares = [
         _num(quota.get(used)) / limit
         for limit_key, used in (
@@ -143,6 +146,8 @@ def quota_used(quota: dict[str, Any]) -> float | None:
             ("tpm", "tpm_used"),
             ("daily_tokens", "daily_used"),
             ("monthly_tokens", "monthly_used"),
+            ("daily_spend", "daily_spend_used"),
+            ("monthly_spend", "monthly_spend_used"),
         )
         if (limit := _opt(quota.get(limit_key))) is not None and limit > 0
     ]
@@ -177,6 +182,7 @@ def tenant_rows(raw: Iterable[dict[str, Any]]) -> list[TenantRow]:
                 quota_used=quota_used(quota),
                 budget_left=budget_left(quota),
                 served=service[str(t.get("id", ""))] / total if total else None,
+                spend_today=_opt(quota.get("daily_spend_used")),
             )
         )
     return rows
@@ -192,7 +198,7 @@ def sort_and_filter(rows: list[TenantRow], sort_key: str, text: str) -> list[Ten
 
     def busiest_first(row: TenantRow) -> tuple[bool, float, str]:
         value = getattr(row, sort_key)
-        # An unlimited quota (None) sorts below every limited one; ties go by name.
+        # None (an unlimited quota, no spend reported) sorts below every value; ties by name.
         return (value is None, -(value or 0.0), row.name.lower())
 
     return sorted(kept, key=busiest_first)

@@ -154,6 +154,7 @@ class TenantsTable(KeyedTable):
         ("in_flight", "in flight"),
         ("quota_used", "quota"),
         ("budget_left", "budget left"),
+        ("spend_today", "spend today"),
         ("served", "served"),
     ]
 
@@ -181,6 +182,7 @@ def _tenant_cells(t: TenantRow) -> list[Text]:
         Text(str(t.in_flight), justify="right"),
         Text(fmt.pct(t.quota_used), _quota_style(t.quota_used), justify="right"),
         Text(fmt.tokens(t.budget_left), justify="right"),
+        Text(fmt.usd(t.spend_today), "" if t.spend_today is not None else "dim", justify="right"),
         Text(fmt.pct(t.served), "" if t.served is not None else "dim", justify="right"),
     ]
 

@@ -101,6 +101,14 @@ async def test_usage_and_stats(gw):
     (tenant,) = snap["tenants"]
     assert tenant["name"] == "stats" and tenant["quota"]["rpm"] == 100
     assert tenant["quota"]["rpm_used"] == 3
+    # No price for the model: no spend, and no money budget set.
+    spend = {k: v for k, v in tenant["quota"].items() if "spend" in k}
+    assert spend == {
+        "daily_spend": None,
+        "daily_spend_used": 0.0,
+        "monthly_spend": None,
+        "monthly_spend_used": 0.0,
+    }
     assert snap["backends"][0]["name"] == "fake" and snap["backends"][0]["healthy"]
     assert snap["latency"]["e2e_p50_ms"] is not None
     assert snap["rates"]["output_tokens_per_s"] > 0

@@ -1,7 +1,8 @@
 """Spend in money: prices from the config, each request's spend computed from its usage
-and stored on its usage row, spend per tenant and per key in /admin/usage, money budgets
-on tenants and keys refusing with a 429 that names them (exactly, under concurrency), a
-model with no price free of them, and the migration that adds the columns."""
+and stored on its usage row, spend per tenant and per key in /admin/usage and per tenant
+in /admin/stats, money budgets on tenants and keys refusing with a 429 that names them
+(exactly, under concurrency), a model with no price free of them, and the migration that
+adds the columns."""
 
 from __future__ import annotations
 
@@ -125,6 +126,22 @@ async def test_each_request_costs_its_usage_at_the_prices(priced):
     )
     status, _ = await priced.admin("GET", "/admin/usage?tenant_id=t_unknown")
     assert status == 404
+
+
+async def test_stats_show_a_tenants_spend_and_money_budgets(priced):
+    tenant, key = await priced.tenant(daily_spend=1.5)
+    done = await client(priced, key).completions.create(
+        model="fake-model", prompt=LONG_PROMPT, max_tokens=5
+    )
+    u = done.usage
+    cached = u.prompt_tokens_details.cached_tokens
+    spent = expected_nanos(PRICES, u.prompt_tokens, cached, u.completion_tokens)
+    status, snap = await priced.admin("GET", "/admin/stats")
+    assert status == 200
+    quota = next(t["quota"] for t in snap["tenants"] if t["id"] == tenant["id"])
+    # dollars, as the budgets are given: the same counters the budgets are held to
+    assert (quota["daily_spend"], quota["monthly_spend"]) == (1.5, None)
+    assert quota["daily_spend_used"] == quota["monthly_spend_used"] == spent / 1e9 > 0
 
 
 async def test_a_keys_money_budget_refuses_and_a_free_model_passes(priced):

@@ -150,6 +150,15 @@ async def test_changed_values_are_written_into_the_cells():
         assert t.get_cell("t01", "budget_left").plain == fmt.tokens(12000)
         # The neighbours are untouched.
         assert t.get_cell("t00", "rejected_429").plain == "0"
+        assert t.get_cell("t00", "spend_today").plain == "-"  # no spend reported
+
+        # Spend in dollars; a money budget nearly spent makes the quota nearly used.
+        quota = {"daily_spend": 0.5, "daily_spend_used": 0.42, "monthly_spend_used": 3.1}
+        await feed.send(pilot, snapshot([tenants(3)[0], tenant(1, 999.0, quota=quota)]))
+        assert t.get_cell("t01", "spend_today").plain == "$0.42"
+        used = t.get_cell("t01", "quota_used")
+        assert (used.plain, used.style) == ("84%", "yellow")
+        assert t.get_cell("t01", "budget_left").plain == "unlimited"  # tokens: none set
 
 
 async def test_columns_are_added_once_and_fit_what_they_show():

@@ -54,6 +54,10 @@ async def test_panels_show_the_numbers_in_the_file():
         row = [str(cell) for cell in table.get_row_at(0)]
         assert row[2] == fmt.si(top["tokens_per_s"])
         assert row[5] == fmt.pct(quota_used(top["quota"]))
+        assert top["name"] == "acme" and row[7] == "$3.26"  # spend today, in dollars
+        # globex's money budget is its tightest limit: $1.89 of $2.50 today.
+        globex = table.get_row(next(t["id"] for t in last["tenants"] if t["name"] == "globex"))
+        assert (str(globex[5]), str(globex[7])) == ("75%", "$1.89")
 
         backends = app.query_one("#backends")
         assert backends.row_count == len(last["backends"])
@@ -73,7 +77,15 @@ async def test_s_cycles_the_tenant_sort():
         assert tenant_names(app) == [
             t["name"] for t in sorted(last["tenants"], key=lambda t: -t["requests_per_s"])
         ]
-        await pilot.press("s", "s", "s")
+        await pilot.press("s", "s")
+        assert app.dashboard.sort_key == "quota_used"
+        await pilot.press("s")
+        assert app.dashboard.sort_key == "spend_today"
+        assert tenant_names(app) == [
+            t["name"]
+            for t in sorted(last["tenants"], key=lambda t: -t["quota"]["daily_spend_used"])
+        ]
+        await pilot.press("s")
         assert app.dashboard.sort_key == "name"
         assert tenant_names(app) == sorted(t["name"] for t in last["tenants"])
         await pilot.press("s")

@@ -9,9 +9,10 @@ import sys
 import pytest
 from top_helpers import DATA
 
+from tui import fmt
 from tui.cli import main, parse_args
 from tui.source import StatsSource, load_replay
-from tui.view import TenantRow, budget_left, quota_used, sort_and_filter
+from tui.view import TenantRow, budget_left, quota_used, sort_and_filter, tenant_rows
 
 
 def snap(ts: float, rps: float) -> dict:
@@ -88,15 +89,35 @@ def test_quota_used_is_the_tightest_limit():
     unlimited = {"rpm": None, "rpm_used": 7, "daily_tokens": None, "monthly_tokens": None}
     assert quota_used(unlimited) is None and budget_left(unlimited) is None
     assert budget_left({"daily_tokens": 10, "daily_used": 25}) == 0
+    # Money budgets count as limits too; budget_left stays in tokens.
+    money = quota | {"monthly_spend": 2.0, "monthly_spend_used": 1.9, "daily_spend": None}
+    assert quota_used(money) == pytest.approx(0.95)
+    assert budget_left(money) == 100
+    assert quota_used({"daily_spend": 0.5, "daily_spend_used": 0.1}) == pytest.approx(0.2)
+
+
+def test_spend_today_comes_from_the_quota_and_reads_in_dollars():
+    (row,) = tenant_rows([{"id": "t", "quota": {"daily_spend_used": 0.4213}}])
+    assert row.spend_today == pytest.approx(0.4213)
+    assert tenant_rows([{"id": "t", "quota": {"daily_used": 5}}])[0].spend_today is None
+    assert [fmt.usd(v) for v in (None, 0.0, 0.004, 0.4213, 12.5, 1234.5)] == [
+        "-",
+        "$0.00",
+        "<$0.01",
+        "$0.42",
+        "$12.50",
+        "$1.2k",
+    ]
 
 
 def test_sort_puts_unlimited_quotas_last_and_filter_matches_ids():
     rows = [
         TenantRow("t_1", "bee", 1.0, 5.0, 0, 0, None, None),
         TenantRow("t_2", "Ant", 2.0, 5.0, 3, 0, 0.5, 10),
-        TenantRow("t_3", "cat", 0.5, 9.0, 1, 0, 0.0, 10),
+        TenantRow("t_3", "cat", 0.5, 9.0, 1, 0, 0.0, 10, spend_today=0.01),
     ]
     assert [r.name for r in sort_and_filter(rows, "quota_used", "")] == ["Ant", "cat", "bee"]
+    assert [r.name for r in sort_and_filter(rows, "spend_today", "")] == ["cat", "Ant", "bee"]
     assert [r.name for r in sort_and_filter(rows, "tokens_per_s", "")] == ["cat", "Ant", "bee"]
     assert [r.name for r in sort_and_filter(rows, "name", "")] == ["Ant", "bee", "cat"]
     assert [r.name for r in sort_and_filter(rows, "rejected_429", "T_3")] == ["cat"]

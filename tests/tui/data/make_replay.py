@@ -1,8 +1,9 @@
 """Writes load.jsonl: two minutes of a busy gateway, one snapshot a second, seeded.
 
 The numbers follow the shape of a real run (a ramp, then steady load with noise,
-one tenant hitting its rate limit, a backend that goes down for a while), so the
-dashboard tests and the README screenshot read like a real gateway.
+one tenant hitting its rate limit, one near its money budget, a backend that goes
+down for a while), so the dashboard tests and the README screenshot read like a
+real gateway.
 Run: .venv/bin/python tests/tui/data/make_replay.py
 """
 
@@ -24,6 +25,14 @@ TENANTS = [
     ("t_hk05", "hooli", 0.08, 60, 400_000, 4_000_000),
     ("t_st06", "stark", 0.04, None, None, None),
 ]
+USD_PER_TOKEN = 2e-6  # one price for every token, so spend follows the token counters
+# money budgets in USD, daily and monthly; the other tenants have none
+SPEND_BUDGETS = {"t_gl02": (2.5, None), "t_hk05": (None, 10.0)}
+
+
+def usd(tokens: int) -> float:
+    # to the nanodollar, as the gateway reports it
+    return round(tokens * USD_PER_TOKEN, 9)
 
 
 def snapshot(i: int, rng: random.Random, totals: dict, tenant_totals: dict, errors: list) -> dict:
@@ -91,6 +100,10 @@ def snapshot(i: int, rng: random.Random, totals: dict, tenant_totals: dict, erro
                     "daily_used": tt["base_daily"] + tt["tokens"],
                     "monthly_tokens": monthly,
                     "monthly_used": tt["base_monthly"] + tt["tokens"],
+                    "daily_spend": SPEND_BUDGETS.get(tid, (None, None))[0],
+                    "daily_spend_used": usd(tt["base_daily"] + tt["tokens"]),
+                    "monthly_spend": SPEND_BUDGETS.get(tid, (None, None))[1],
+                    "monthly_spend_used": usd(tt["base_monthly"] + tt["tokens"]),
                 },
             }
         )
