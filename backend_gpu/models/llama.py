@@ -67,10 +67,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.window,
-            k_scale=self.k_scale, v_scale=self.v_scale,
-        )  # fmt: skip
+        cache = (self.k_cache, self.v_cache)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        o = paged_attention(q, k, v, *cache, meta, self.scale, self.window, **scales)
         return self.tp.all_reduce(self.o_proj(o.flatten(1)))
 
 

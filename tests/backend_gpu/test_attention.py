@@ -30,10 +30,8 @@ def reference(q, keys, values, start_pos: int, scale: float, window: int | None)
     mask = key_pos <= q_pos
     if window is not None:
         mask &= key_pos > q_pos - window
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=True,
-    )  # fmt: skip
+    heads_first = [t.transpose(0, 1) for t in (q, keys, values)]  # SDPA takes [H, L, D]
+    out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
@@ -73,9 +71,9 @@ def test_paged_attention_matches_sdpa_on_contiguous_keys(window, one_by_one):
         row += new
     groups = []
     if not one_by_one:  # the decodes as one padded group, as the runner builds it
-        width = max(d.block_ids.numel() for d in meta_decodes)
-        padded = [torch.cat([d.block_ids, d.block_ids.new_zeros(width - d.block_ids.numel())])
-                  for d in meta_decodes]  # fmt: skip
+        block_ids = [d.block_ids for d in meta_decodes]
+        width = max(ids.numel() for ids in block_ids)
+        padded = [torch.cat([ids, ids.new_zeros(width - ids.numel())]) for ids in block_ids]
         rows = torch.tensor([d.row for d in meta_decodes])
         lens = torch.tensor([d.ctx_len for d in meta_decodes])
         groups, meta_decodes = [DecodeGroup(rows, torch.cat(padded), lens)], []

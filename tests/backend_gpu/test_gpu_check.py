@@ -53,14 +53,11 @@ def test_the_script_runs_files_that_exist():
 
 
 def test_the_kvgate_runs_on_a_tiny_shape(tmp_path):
-    gpu_check.main(
-        [
-            "--out", str(tmp_path), "--shape", "tiny", "--device", "cpu",
-            "--only", "kvgate_bf16", "kvgate_fp8", "--num-requests", "5",
-            "--prompt-lens", "3,40", "--output-lens", "2,6",
-            "--batch1-prompt", "8", "--batch1-tokens", "6", "--budget-s", "120",
-        ]
-    )  # fmt: skip
+    argv = ["--out", str(tmp_path), "--shape", "tiny", "--device", "cpu"]
+    argv += ["--only", "kvgate_bf16", "kvgate_fp8", "--num-requests", "5"]
+    argv += ["--prompt-lens", "3,40", "--output-lens", "2,6"]
+    argv += ["--batch1-prompt", "8", "--batch1-tokens", "6", "--budget-s", "120"]
+    gpu_check.main(argv)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     bf16, fp8 = results["parts"]["kvgate_bf16"], results["parts"]["kvgate_fp8"]
     for part in (bf16, fp8):

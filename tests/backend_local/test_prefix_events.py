@@ -1,5 +1,7 @@
 """Prefix blocks the engine reports, and published prefixes, with the real default model."""
 
+from dataclasses import replace
+
 import pytest
 
 from backend_local import EngineConfig, LocalEngine, SamplingParams
@@ -30,8 +32,9 @@ def replay(events, held: set[str] | None = None) -> set[str]:
 
 
 def events_engine(model_path: str, n_parallel: int) -> LocalEngine:
-    return LocalEngine(EngineConfig(model_path, n_ctx=512 * n_parallel, n_parallel=n_parallel,
-                                    n_batch=128, n_threads=1, enable_kv_events=True))  # fmt: skip
+    options = {"n_batch": 128, "n_threads": 1, "enable_kv_events": True}
+    config = EngineConfig(model_path, n_ctx=512 * n_parallel, n_parallel=n_parallel, **options)
+    return LocalEngine(config)
 
 
 @pytest.fixture
@@ -131,8 +134,7 @@ async def test_adapter_reports_events_under_its_replica_name(model_path):
     events = backend.kv_events()
     assert {(e.replica, e.kind) for e in events} == {("local-1", "stored")}
     assert [e.block_hash for e in events] == backend.block_hashes(held, "salt-t")
-    bad = GenRequest("r2", DEFAULT_MODEL_ID, prompt, sampling, "t", "salt-t",
-                     shared_prefix_len=len(prompt) + 1)  # fmt: skip
+    bad = replace(request, request_id="r2", shared_prefix_len=len(prompt) + 1)  # past the prompt
     with pytest.raises(BadRequestError, match="shared_prefix_len"):
         await anext(backend.generate(bad))
     assert backend.kv_events() == []  # refused: nothing changed

@@ -23,14 +23,13 @@ def gateway(tmp_path_factory):
 def test_serve_writes_complete_result(gateway, tmp_path, capsys):
     url, keys = gateway
     out = tmp_path / "serve.json"
-    rc = main([
-        "serve", "--url", url, "--api-key", ",".join(keys), "--num-tenants", "2",
-        "--dataset", "shared-prefix", "--shared-prefix-len", "32", "--input-len", "8",
-        "--output-len", "6", "--num-prompts", "12", "--request-rate", "200",
-        "--max-concurrency", "4", "--ignore-eos", "--goodput", "e2el:60000",
-        "--metric-percentiles", "50,99", "--save-result", str(out), "--save-detailed",
-        "--no-progress",
-    ])  # fmt: skip
+    argv = ["serve", "--url", url, "--api-key", ",".join(keys), "--num-tenants", "2"]
+    argv += ["--dataset", "shared-prefix", "--shared-prefix-len", "32"]
+    argv += ["--input-len", "8", "--output-len", "6", "--num-prompts", "12"]
+    argv += ["--request-rate", "200", "--max-concurrency", "4", "--ignore-eos"]
+    argv += ["--goodput", "e2el:60000", "--metric-percentiles", "50,99"]
+    argv += ["--save-result", str(out), "--save-detailed", "--no-progress"]
+    rc = main(argv)
     assert rc == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Mean TTFT (ms):" in printed
@@ -77,8 +76,8 @@ def test_chat_sharegpt_and_bad_key(gateway, tmp_path):
     assert result["completed"] == 3 and result["total_output_tokens"] == 15
     assert "itls" not in result  # per-request timings only with --save-detailed
     # a wrong key: every request fails with the server's 401, and the run says so
-    assert main([*args, "--model", result["model"], "--api-key", "sk-wrong",
-                 "--save-result", str(out)]) == 1  # fmt: skip
+    wrong_key = ["--model", result["model"], "--api-key", "sk-wrong", "--save-result", str(out)]
+    assert main([*args, *wrong_key]) == 1
     result = json.loads(out.read_text())
     assert result["completed"] == 0 and result["failed"] == 3
     assert all(e.startswith("HTTP 401") for e in result["errors"])
@@ -87,12 +86,11 @@ def test_chat_sharegpt_and_bad_key(gateway, tmp_path):
 def test_sweep_writes_png(gateway, tmp_path):
     url, keys = gateway
     png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
-    rc = main([
-        "sweep", "--url", url, "--api-key", keys[0], "--concurrency", "1,4",
-        "--num-prompts", "8", "--input-len", "16", "--output-len", "4", "--ignore-eos",
-        "--url2", url, "--api-key2", keys[1], "--label2", "kvgate (tenant b)",
-        "--save-result", str(out), "--plot", str(png), "--no-progress",
-    ])  # fmt: skip
+    argv = ["sweep", "--url", url, "--api-key", keys[0], "--concurrency", "1,4"]
+    argv += ["--num-prompts", "8", "--input-len", "16", "--output-len", "4", "--ignore-eos"]
+    argv += ["--url2", url, "--api-key2", keys[1], "--label2", "kvgate (tenant b)"]
+    argv += ["--save-result", str(out), "--plot", str(png), "--no-progress"]
+    rc = main(argv)
     assert rc == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sweep = json.loads(out.read_text())

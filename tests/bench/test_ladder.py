@@ -7,20 +7,20 @@ import pytest
 
 from bench.cli import main
 
-TINY_WORKLOAD = [
-    "--model", "random", "--num-prompts", "4", "--input-len", "12", "--output-len", "6",
-    "--prefix-len", "48", "--suffix-len", "4", "--prefix-output-len", "3",
-    "--long-num-prompts", "2", "--long-output-len", "12", "--max-num-seqs", "2",
-    "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "512", "--no-progress",
-]  # fmt: skip
+TINY_WORKLOAD = (
+    ["--model", "random", "--num-prompts", "4", "--input-len", "12", "--output-len", "6"]
+    + ["--prefix-len", "48", "--suffix-len", "4", "--prefix-output-len", "3"]
+    + ["--long-num-prompts", "2", "--long-output-len", "12", "--max-num-seqs", "2"]
+    + ["--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "512", "--no-progress"]
+)
 
 
 @pytest.fixture(scope="module")
 def ladder(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ladder")
     paths = {k: tmp / f"ladder.{k}" for k in ("json", "png", "md")}
-    rc = main(["ladder", *TINY_WORKLOAD, "--save-result", str(paths["json"]),
-               "--plot", str(paths["png"]), "--markdown", str(paths["md"])])  # fmt: skip
+    outputs = ["--save-result", paths["json"], "--plot", paths["png"], "--markdown", paths["md"]]
+    rc = main(["ladder", *TINY_WORKLOAD, *map(str, outputs)])
     return rc, json.loads(paths["json"].read_text()), paths
 
 
@@ -69,6 +69,6 @@ def test_ladder_outputs(ladder):
 
 
 def test_ladder_bad_model(tmp_path, capsys):
-    assert main(["ladder", "--model", str(tmp_path / "nope.gguf"), "--no-progress",
-                 "--save-result", str(tmp_path / "x.json")]) == 2  # fmt: skip
+    missing, result = str(tmp_path / "nope.gguf"), str(tmp_path / "x.json")
+    assert main(["ladder", "--model", missing, "--no-progress", "--save-result", result]) == 2
     assert "cannot load" in capsys.readouterr().err

@@ -28,11 +28,11 @@ def has_colour(pixels: np.ndarray, rgb: tuple[float, float, float]) -> bool:
 def test_serve_plot(gateway, tmp_path, capsys, good_key):
     url, key = gateway
     png = tmp_path / "serve.png"
-    rc = main([
-        "serve", "--url", url, "--api-key", key if good_key else "sk-wrong", "--model", "fake-model",
-        "--num-prompts", "10", "--input-len", "8", "--output-len", "4", "--ignore-eos",
-        "--request-rate", "100", "--plot", str(png), "--no-progress",
-    ])  # fmt: skip
+    api_key = key if good_key else "sk-wrong"
+    argv = ["serve", "--url", url, "--api-key", api_key, "--model", "fake-model"]
+    argv += ["--num-prompts", "10", "--input-len", "8", "--output-len", "4", "--ignore-eos"]
+    argv += ["--request-rate", "100", "--plot", str(png), "--no-progress"]
+    rc = main(argv)
     assert rc == (0 if good_key else 1)
     assert f"saved {png}" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,8 +6,8 @@ from tests.conftest import ADMIN_KEY
 
 
 async def test_tenant_crud(gw):
-    status, t = await gw.admin("POST", "/admin/tenants",
-                               {"name": "acme", "rpm": 10, "models": ["fake-model"]})  # fmt: skip
+    acme = {"name": "acme", "rpm": 10, "models": ["fake-model"]}
+    status, t = await gw.admin("POST", "/admin/tenants", acme)
     assert status == 201 and t["id"].startswith("t_")
     assert t["rpm"] == 10 and t["tpm"] is None and t["models"] == ["fake-model"]
     status, _ = await gw.admin("POST", "/admin/tenants", {"name": "acme"})
@@ -77,8 +77,8 @@ async def test_tenant_key_never_reads_another_tenant(gw):
     status, usage = await get("/admin/usage")
     assert status == 200 and {d["tenant_id"] for d in usage["data"]} == {a["id"]}
     assert (await get(f"/admin/usage?tenant_id={b['id']}"))[0] == 404
-    async with gw.http.post(gw.url + f"/admin/tenants/{b['id']}/keys", json={},
-                            headers=auth) as r:  # fmt: skip
+    b_keys = gw.url + f"/admin/tenants/{b['id']}/keys"
+    async with gw.http.post(b_keys, json={}, headers=auth) as r:
         assert r.status == 403
 
 
@@ -115,8 +115,8 @@ async def test_usage_and_stats(gw):
 
 
 async def test_stats_stream(gw):
-    async with gw.http.get(gw.url + "/admin/stats/stream?interval=0.1",
-                           headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:  # fmt: skip
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with gw.http.get(gw.url + "/admin/stats/stream?interval=0.1", headers=admin) as r:
         assert r.status == 200
         lines = []
         async for line in r.content:

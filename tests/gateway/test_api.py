@@ -21,6 +21,16 @@ async def _sse(resp) -> list:
     return events
 
 
+async def _complete(gw, key: str, prompt, max_tokens: int, **fields):
+    """POST /v1/completions for the fake model; `fields` add to the body after max_tokens."""
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": max_tokens, **fields}
+    return await gw.post("/v1/completions", key, body)
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 async def test_chat_completion_shape_and_usage(gw):
     _, key = await gw.tenant()
     r = await gw.chat(key, "one two three four", max_tokens=5)
@@ -51,9 +61,7 @@ async def test_content_parts_and_unsupported_parts(gw):
 
 async def test_completions_prompt_forms_and_n(gw):
     _, key = await gw.tenant()
-    r = await gw.post("/v1/completions", key,
-                      {"model": "fake-model", "prompt": "a b c", "max_tokens": 3, "n": 2, "seed": 1,
-                       "temperature": 1.0})  # fmt: skip
+    r = await _complete(gw, key, "a b c", 3, n=2, seed=1, temperature=1.0)
     body = await r.json()
     assert r.status == 200, body
     assert body["object"] == "text_completion"
@@ -61,8 +69,7 @@ async def test_completions_prompt_forms_and_n(gw):
     assert body["choices"][0]["text"] != body["choices"][1]["text"]  # seeds differ per choice
     assert body["usage"]["prompt_tokens"] == 3  # counted once for both choices
     assert body["usage"]["completion_tokens"] == 6
-    r = await gw.post("/v1/completions", key,
-                      {"model": "fake-model", "prompt": [1001, 1002], "max_tokens": 2})  # fmt: skip
+    r = await _complete(gw, key, [1001, 1002], 2)
     assert (await r.json())["usage"]["prompt_tokens"] == 2
 
 
@@ -93,16 +100,15 @@ async def test_logprobs(gw):
     content = (await r.json())["choices"][0]["logprobs"]["content"]
     assert len(content) == 3
     assert all(len(item["top_logprobs"]) == 2 for item in content)
-    r = await gw.post("/v1/completions", key,
-                      {"model": "fake-model", "prompt": "x", "max_tokens": 3, "logprobs": 1})  # fmt: skip
+    r = await _complete(gw, key, "x", 3, logprobs=1)
     lp = (await r.json())["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 3 and len(lp["text_offset"]) == 3
 
 
 async def test_streaming_with_usage(gw):
     _, key = await gw.tenant()
-    r = await gw.chat(key, "stream this", max_tokens=6, stream=True,
-                      stream_options={"include_usage": True})  # fmt: skip
+    with_usage = {"include_usage": True}
+    r = await gw.chat(key, "stream this", max_tokens=6, stream=True, stream_options=with_usage)
     assert r.headers["Content-Type"].startswith("text/event-stream")
     events = await _sse(r)
     assert events[-1] == "[DONE]"
@@ -117,8 +123,7 @@ async def test_streaming_with_usage(gw):
 
 async def test_streaming_without_usage_has_no_usage_chunk(gw):
     _, key = await gw.tenant()
-    r = await gw.post("/v1/completions", key,
-                      {"model": "fake-model", "prompt": "x", "max_tokens": 3, "stream": True})  # fmt: skip
+    r = await _complete(gw, key, "x", 3, stream=True)
     events = await _sse(r)
     assert events[-1] == "[DONE]"
     assert all("usage" not in e for e in events[:-1])
@@ -153,11 +158,9 @@ async def test_models_lists_only_allowed(make_gateway):
     gw = await make_gateway(fake_backends() + [BackendSpec("other", "fake", "", "other-model")])
     _, key_all = await gw.tenant("all")
     _, key_one = await gw.tenant("one", models=["other-model"])
-    async with gw.http.get(gw.url + "/v1/models",
-                           headers={"Authorization": f"Bearer {key_all}"}) as r:  # fmt: skip
+    async with gw.http.get(gw.url + "/v1/models", headers=_bearer(key_all)) as r:
         assert sorted(m["id"] for m in (await r.json())["data"]) == ["fake-model", "other-model"]
-    async with gw.http.get(gw.url + "/v1/models",
-                           headers={"Authorization": f"Bearer {key_one}"}) as r:  # fmt: skip
+    async with gw.http.get(gw.url + "/v1/models", headers=_bearer(key_one)) as r:
         assert [m["id"] for m in (await r.json())["data"]] == ["other-model"]
 
 

@@ -115,8 +115,8 @@ def chat(gateway):
 
 
 def usage(gateway: LiveGateway, tenant_id: str) -> dict[str, int]:
-    r = httpx.get(f"{gateway.url}/admin/usage", params={"tenant_id": tenant_id},
-                  headers=gateway.admin_headers)  # fmt: skip
+    params = {"tenant_id": tenant_id}
+    r = httpx.get(f"{gateway.url}/admin/usage", params=params, headers=gateway.admin_headers)
     assert r.status_code == 200, r.text
     return r.json()["total"]
 

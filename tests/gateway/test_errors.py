@@ -85,8 +85,8 @@ async def test_body_over_4_mib(gw):
 async def test_prompt_longer_than_context_names_both_lengths(make_gateway):
     gw = await make_gateway(fake_backends(context_length=64))
     _, key = await gw.tenant(max_concurrent=1)
-    r = await gw.post("/v1/completions", key,
-                      {"model": "fake-model", "prompt": "w " * 100, "max_tokens": 10})  # fmt: skip
+    body = {"model": "fake-model", "prompt": "w " * 100, "max_tokens": 10}
+    r = await gw.post("/v1/completions", key, body)
     err = await _error(r, 400)
     assert err["code"] == "context_length_exceeded"
     assert "64" in err["message"] and "100" in err["message"]
@@ -94,10 +94,8 @@ async def test_prompt_longer_than_context_names_both_lengths(make_gateway):
 
 
 async def test_backend_down_is_503_and_others_keep_serving(make_gateway):
-    gw = await make_gateway([
-        BackendSpec("broken", "fake", "", "broken-model", {"down": True}),
-        BackendSpec("fake", "fake", "", "fake-model"),
-    ])  # fmt: skip
+    broken = BackendSpec("broken", "fake", "", "broken-model", {"down": True})
+    gw = await make_gateway([broken, BackendSpec("fake", "fake", "", "fake-model")])
     _, key = await gw.tenant(max_concurrent=1)
     r = await gw.chat(key, "x", model="broken-model")
     await _error(r, 503)

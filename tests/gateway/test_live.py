@@ -54,18 +54,17 @@ def test_openai_client_chat_completions_and_streaming(live_gateway):
 
 def test_openai_client_errors(live_gateway):
     _, key = live_gateway.tenant_key("acme", rpm=1)
+    messages = [{"role": "user", "content": "x"}]
     bad = openai.OpenAI(base_url=live_gateway.url + "/v1", api_key="kvg-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        bad.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}])
+        bad.chat.completions.create(model="fake-model", messages=messages)
     client = openai.OpenAI(base_url=live_gateway.url + "/v1", api_key=key, max_retries=0)
-    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
-                                   max_tokens=1)  # fmt: skip
+    client.chat.completions.create(model="fake-model", messages=messages, max_tokens=1)
     with pytest.raises(openai.RateLimitError) as e:
-        client.chat.completions.create(model="fake-model",
-                                       messages=[{"role": "user", "content": "x"}], max_tokens=1)  # fmt: skip
+        client.chat.completions.create(model="fake-model", messages=messages, max_tokens=1)
     assert e.value.response.headers["retry-after"]
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(model="nope", messages=messages)
 
 
 def test_restart_keeps_tenants_keys_and_usage(tmp_path):
@@ -97,10 +96,10 @@ def test_kill_9_under_load_loses_no_usage_row(tmp_path):
 
     async def client_loop(http: aiohttp.ClientSession, i: int) -> None:
         body = {"model": "fake-model", "prompt": f"load {i}", "max_tokens": 8}
+        headers = {"Authorization": f"Bearer {key}"}
         while True:
             try:
-                async with http.post(gw.url + "/v1/completions", json=body,
-                                     headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+                async with http.post(gw.url + "/v1/completions", json=body, headers=headers) as r:
                     data = await r.json()
                 if r.status == 200:
                     completed.append(data["id"])
@@ -127,16 +126,16 @@ def test_kill_9_under_load_loses_no_usage_row(tmp_path):
 
 def test_cli_tenants_and_keys(tmp_path):
     url = f"sqlite+aiosqlite:///{tmp_path / 'cli.db'}"
+    cli = [sys.executable, "-m", "gateway.cli", "--database-url", url]
 
     def kvgate(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "gateway.cli", "--database-url", url, *args],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
     assert "up to date" in kvgate("db", "upgrade")
-    tenant = json.loads(kvgate("--json", "tenants", "create", "cli-co", "--rpm", "5",
-                               "--models", "fake-model"))  # fmt: skip
+    create = ["tenants", "create", "cli-co", "--rpm", "5", "--models", "fake-model"]
+    tenant = json.loads(kvgate("--json", *create))
     assert tenant["rpm"] == 5 and tenant["models"] == ["fake-model"]
     updated = json.loads(kvgate("--json", "tenants", "update", tenant["id"], "--tpm", "900"))
     assert updated["tpm"] == 900 and updated["rpm"] == 5
@@ -150,8 +149,7 @@ def test_cli_tenants_and_keys(tmp_path):
     assert json.loads(kvgate("--json", "usage"))["total"]["requests"] == 0
     kvgate("tenants", "delete", tenant["id"])
     assert "cli-co" not in kvgate("tenants", "list")
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "--database-url", url, "tenants",
-                          "delete", "t_missing"], capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run([*cli, "tenants", "delete", "t_missing"], capture_output=True, text=True)
     assert out.returncode == 1 and "no tenant" in out.stderr
 
 

@@ -27,11 +27,15 @@ def removed(replica: str, h: str):
     return KVEvent("removed", replica, h, None, None, 16, 2.0)
 
 
+def chain(replica: str, salt: str | None, *hashes: str) -> list[KVEvent]:
+    """Stored events for blocks that each follow the one before, as one prompt's blocks do."""
+    return [stored(replica, h, hashes[i - 1] if i else None, salt) for i, h in enumerate(hashes)]
+
+
 def test_catalog_match_counts_leading_blocks_per_replica() -> None:
     cat = PrefixCatalog()
     cat.note_salt("salt-a", "tenant-a")
-    cat.apply([stored("r0", "h1", None, "salt-a"), stored("r0", "h2", "h1", "salt-a"),
-               stored("r0", "h3", "h2", "salt-a"), stored("r1", "h1", None, "salt-a")])  # fmt: skip
+    cat.apply(chain("r0", "salt-a", "h1", "h2", "h3") + chain("r1", "salt-a", "h1"))
     assert cat.match("r0", ["h1", "h2", "h3", "h4"]) == 3
     assert cat.match("r1", ["h1", "h2", "h3"]) == 1
     assert cat.match("r2", ["h1"]) == 0
@@ -52,8 +56,7 @@ def test_catalog_tenants_of_salts() -> None:
 
 def test_catalog_record_hits_credits_the_cached_blocks() -> None:
     cat = PrefixCatalog()
-    cat.apply([stored("r0", "h1", None, None), stored("r0", "h2", "h1", None),
-               stored("r0", "h3", "h2", None)])  # fmt: skip
+    cat.apply(chain("r0", None, "h1", "h2", "h3"))
     cat.record_hits("r0", ["h1", "h2", "h3"], 20)
     entries = cat.replicas["r0"]
     assert [entries[h].hits for h in ("h1", "h2", "h3")] == [1, 1, 0]
@@ -85,8 +88,8 @@ async def test_catalog_survives_a_restart_and_keeps_the_blocks_stored_again(tmp_
     try:
         cat = PrefixCatalog(db)
         cat.note_salt("salt-a", "tenant-a")
-        cat.apply([stored("r0", "h1", None, "salt-a"), stored("r0", "h2", "h1", "salt-a"),
-                   stored("r1", "h1", None, "salt-a"), removed("r1", "h1")])  # fmt: skip
+        stored_again = chain("r0", "salt-a", "h1", "h2") + chain("r1", "salt-a", "h1")
+        cat.apply(stored_again + [removed("r1", "h1")])
         cat.record_hits("r0", ["h1", "h2"], 20)
         await cat.flush()
         assert await rows(db) == {
@@ -173,10 +176,10 @@ def client(gw, key: str) -> AsyncOpenAI:
 
 
 async def cached(gw, key: str, question: str, system: str = SYSTEM, model: str = "tiny") -> int:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     chat = await client(gw, key).chat.completions.create(
-        model=model, max_tokens=1, temperature=0,
-        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-    )  # fmt: skip
+        model=model, messages=messages, max_tokens=1, temperature=0
+    )
     return chat.usage.prompt_tokens_details.cached_tokens
 
 
@@ -236,8 +239,8 @@ async def test_tenants_never_hit_each_others_cache(make_gateway, tiny_llama) -> 
     async with gw.http.get(gw.url + "/metrics", headers=admin) as r:
         text = await r.text()
     assert 'kvgate:prefix_cache_queries_total{model="tiny",tenant="a"}' in text
-    hits = [line for line in text.splitlines()
-            if line.startswith('kvgate:prefix_cache_hits_total{model="tiny",tenant="a"}')]  # fmt: skip
+    hits_line = 'kvgate:prefix_cache_hits_total{model="tiny",tenant="a"}'
+    hits = [line for line in text.splitlines() if line.startswith(hits_line)]
     assert hits and float(hits[0].split()[-1]) > 0
 
 
@@ -246,9 +249,8 @@ async def test_a_published_prefix_is_reused_by_every_tenant(make_gateway, tiny_l
     gw = await make_gateway(gpu_backends(tiny_llama))
     _, key_a = await gw.tenant("a")
     _, key_b = await gw.tenant("b")
-    status, pin = await gw.admin("POST", "/admin/prefixes/pins",
-                                 {"tenant": None, "name": "house-style", "text": SYSTEM,
-                                  "model": "tiny"})  # fmt: skip
+    published = {"tenant": None, "name": "house-style", "text": SYSTEM, "model": "tiny"}
+    status, pin = await gw.admin("POST", "/admin/prefixes/pins", published)
     assert status == 201, pin
     assert pin["shared"] is True and pin["tenant_id"] is None and pin["replicas_warmed"] == 1
     # both tenants' first requests reuse the blocks the publication prefilled
@@ -314,6 +316,8 @@ async def test_bad_pins_get_openai_errors_and_change_nothing(make_gateway, tiny_
     status, _ = await call(gw, "POST", "/v1/prefixes", key_a, {"name": "p", "text": SYSTEM})
     assert status == 201
     too_long = "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2026. " * 40
+    pin = {"name": "q", "text": "x", "model": "tiny"}
+    shared_by_a_tenant = {"tenant": tenant_a["id"], **pin, "shared": True}
     cases = [
         (key_a, "/v1/prefixes", {"name": "p", "text": "other"}, 409),  # duplicate name
         (key_a, "/v1/prefixes", {"name": "q", "text": ""}, 400),
@@ -321,14 +325,11 @@ async def test_bad_pins_get_openai_errors_and_change_nothing(make_gateway, tiny_
         (key_a, "/v1/prefixes", {"name": "q", "text": too_long}, 400),
         (key_a, "/v1/prefixes", {"name": "no spaces", "text": "x"}, 400),
         (key_a, "/v1/prefixes", {"name": "q", "text": "x", "model": "nope"}, 404),
-        (ADMIN_KEY, "/admin/prefixes/pins",
-         {"tenant": "t_nope", "name": "q", "text": "x", "model": "tiny"}, 404),
-        (ADMIN_KEY, "/admin/prefixes/pins",
-         {"tenant": tenant_a["id"], "name": "q", "text": "x", "model": "tiny", "shared": True},
-         400),
+        (ADMIN_KEY, "/admin/prefixes/pins", {"tenant": "t_nope", **pin}, 404),
+        (ADMIN_KEY, "/admin/prefixes/pins", shared_by_a_tenant, 400),
         (key_a, "/admin/prefixes/pins", {"tenant": None, "name": "q", "text": "x"}, 403),
         (ADMIN_KEY, "/v1/prefixes", {"name": "q", "text": "x"}, 403),
-    ]  # fmt: skip
+    ]
     for key, path, body, want in cases:
         status, error = await call(gw, "POST", path, key, body)
         assert status == want, (body, error)

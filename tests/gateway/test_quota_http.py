@@ -11,13 +11,13 @@ from tests.conftest import PG_URL, away_from_minute_boundary, start_gateway
 
 
 async def _fire(url: str, key: str, n: int, max_tokens: int = 2) -> list[tuple[int, dict, dict]]:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": max_tokens}  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "fake-model", "messages": messages, "max_tokens": max_tokens}
+    headers = {"Authorization": f"Bearer {key}"}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
 
         async def one():
-            async with http.post(url + "/v1/chat/completions", json=body,
-                                 headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+            async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                 return r.status, dict(r.headers), await r.json()
 
         return await asyncio.gather(*(one() for _ in range(n)))
@@ -58,14 +58,15 @@ def test_two_gateways_on_postgres_enforce_one_limit(tmp_path, pg_schema):
     b = start_gateway(tmp_path, "--backend", "fake", database_url=PG_URL, extra_env=env)
     try:
         headers = a.admin_headers
+        tenants_url = a.url + "/admin/tenants"
 
         async def run():
             async with aiohttp.ClientSession() as http:
-                async with http.post(a.url + "/admin/tenants", json={"name": "pg", "rpm": 50},
-                                     headers=headers) as r:  # fmt: skip
+                tenant_body = {"name": "pg", "rpm": 50}
+                async with http.post(tenants_url, json=tenant_body, headers=headers) as r:
                     tenant = await r.json()
-                async with http.post(a.url + f"/admin/tenants/{tenant['id']}/keys", json={},
-                                     headers=headers) as r:  # fmt: skip
+                keys_url = f"{tenants_url}/{tenant['id']}/keys"
+                async with http.post(keys_url, json={}, headers=headers) as r:
                     key = (await r.json())["key"]
             await away_from_minute_boundary()
             ra, rb = await asyncio.gather(_fire(a.url, key, 100), _fire(b.url, key, 100))

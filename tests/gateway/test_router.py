@@ -33,8 +33,8 @@ def catalog_holding(holdings: dict[str, int]) -> PrefixCatalog:
 
 
 def stats(name: str, load: int = 0, kv_usage: float = 0.0) -> BackendStats:
-    return BackendStats(name=name, running=min(load, 2), waiting=max(load - 2, 0),
-                        kv_usage=kv_usage)  # fmt: skip
+    running, waiting = min(load, 2), max(load - 2, 0)  # two run at once, the rest queue
+    return BackendStats(name=name, running=running, waiting=waiting, kv_usage=kv_usage)
 
 
 def test_prefix_policy_prefers_the_replica_holding_the_prefix():
@@ -166,10 +166,11 @@ async def two_replicas(make_gateway, model_dir: str, **engine):
 
 
 async def complete(client, suffix: str, max_tokens: int = 2):
+    ignore_eos = {"ignore_eos": True}  # every request generates all max_tokens
+    prompt = PROMPT + suffix
     return await client.completions.create(
-        model="tiny", prompt=PROMPT + suffix, max_tokens=max_tokens, temperature=0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=ignore_eos
+    )
 
 
 async def prompt_hashes(gw, tenant: dict, text: str) -> list[str]:
@@ -236,8 +237,12 @@ async def test_requests_spread_when_the_holder_is_saturated(make_gateway, tiny_l
 
 
 def test_replicas_and_router_policy_settings():
-    settings = load_settings(environ={"KVGATE_BACKEND": "fake", "KVGATE_REPLICAS": "2",
-                                      "KVGATE_ROUTER_POLICY": "round_robin"})  # fmt: skip
+    environ = {
+        "KVGATE_BACKEND": "fake",
+        "KVGATE_REPLICAS": "2",
+        "KVGATE_ROUTER_POLICY": "round_robin",
+    }
+    settings = load_settings(environ=environ)
     assert settings.router_policy == "round_robin"
     (spec,) = settings.resolved_backends()
     assert [b.name for b in build_backends(spec)] == ["fake-0", "fake-1"]
