@@ -356,7 +356,12 @@ async def test_kv_events_of_a_gpu_worker(tmp_path):
                 r = await c.post("/kvgate/v1/generate", json=body)
                 assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["usage"]
                 expected = [h.hex() for h in hash_blocks(ids["tokens"], block, salt)]
-                return (await poll).json(), expected
+                got = (await poll).json()  # woke by the first events: a chunk's, maybe
+                while True:  # the rest, now that the request is done
+                    more = (await poll_events(c, epoch=epoch, after=got["seq"], wait=0)).json()
+                    if not more["events"]:
+                        return got, expected
+                    got = more | {"events": got["events"] + more["events"]}
 
             first, blocks_a = await generate_and_poll(PROMPT, "salt-a", 0)
             assert len(blocks_a) >= 2 and not first["resync"] and first["epoch"] == epoch
