@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 from engine_api.structured import StructuredOutput
 from gateway.auth import Principal
@@ -54,7 +55,9 @@ async def prepare(
     candidates, renderer, prompts = await _render(gw, principal, body)
     structured = structured_output(body)
     if structured is not None:  # compiled before admission: a bad schema costs nothing
-        await _check_structured(gw, principal, renderer, body.model, structured)
+        # the replica that rendered compiles it (its engine caches it)
+        with _backend_errors(gw, principal, body.model):
+            await renderer.check_structured(body.model, structured)
     plan = plan_tokens(
         prompts,
         body.n,
@@ -82,7 +85,7 @@ async def prepare(
         await gw.quota.settle(reservation, 0, count_request=False)
         raise
     request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
-    requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens)
+    requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens, structured)
     gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
     return Job(
         gw,
@@ -116,19 +119,27 @@ async def _render(
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     else:
         inputs = body.prompts()
-    try:
+    with _backend_errors(gw, principal, body.model):
         candidates = gw.router.candidates(body.model)  # each replica's stats, read once
         for candidate in candidates[:-1]:
             with contextlib.suppress(BackendError):
                 backend = candidate.backend
                 prompts = [await backend.render(body.model, p, tools) for p in inputs]
-                return candidates, candidate.backend, prompts
+                return candidates, backend, prompts
         last = candidates[-1].backend  # its error, if it fails too, is the client's answer
         return candidates, last, [await last.render(body.model, p, tools) for p in inputs]
+
+
+@contextlib.contextmanager
+def _backend_errors(gw: GatewayState, principal: Principal, model: str) -> Iterator[None]:
+    """A backend's refusal of the request is the client's 400; a backend that failed is
+    a 503, noted in the dashboard's error log."""
+    try:
+        yield
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
     except BackendError as e:
-        gw.traffic.error(principal.tenant_name, body.model, 503, str(e))
+        gw.traffic.error(principal.tenant_name, model, 503, str(e))
         raise ApiError(503, str(e), code="backend_unavailable") from None
 
 
@@ -140,6 +151,7 @@ def _requests(
     prompts: list[list[int]],
     salt: str,
     shared_lens: list[int],
+    structured: StructuredOutput | None,
 ) -> list[GenRequest]:
     """One GenRequest per choice, prompt-major; seeds differ by choice."""
     return [
@@ -147,7 +159,7 @@ def _requests(
             request_id if plan.choices == 1 else f"{request_id}-{i}",
             body.model,
             prompts[i // body.n],
-            sampling(body, plan.max_tokens[i // body.n], i % body.n),
+            sampling(body, plan.max_tokens[i // body.n], i % body.n, structured),
             principal.tenant_id or "",
             salt,
             principal.priority,
@@ -164,24 +176,6 @@ def structured_output(body: ChatCompletionRequest | CompletionRequest) -> Struct
     if isinstance(body, ChatCompletionRequest) and body.forced_tools:
         return ToolPlan.of(body).constraint()
     return body.structured()
-
-
-async def _check_structured(
-    gw: GatewayState,
-    principal: Principal,
-    backend: Backend,
-    model: str,
-    structured: StructuredOutput,
-) -> None:
-    """The replica that rendered compiles the constraint (its engine caches it): a 400
-    naming what its grammar engine cannot compile comes before any quota is taken."""
-    try:
-        await backend.check_structured(model, structured)
-    except BadRequestError as e:
-        raise ApiError(400, str(e)) from None
-    except BackendError as e:
-        gw.traffic.error(principal.tenant_name, model, 503, str(e))
-        raise ApiError(503, str(e), code="backend_unavailable") from None
 
 
 def model_card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
@@ -222,9 +216,13 @@ async def _admit(
 
 
 def sampling(
-    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, choice: int
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    choice: int,
+    structured: StructuredOutput | None,
 ) -> SamplingParams:
-    """The body's sampling options for one choice (its seed offset by the choice's index)."""
+    """The body's sampling options for one choice (its seed offset by the choice's index);
+    `structured` is structured_output(body), made once for all the choices."""
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -240,5 +238,5 @@ def sampling(
         repetition_penalty=body.repetition_penalty,
         logprobs=body.num_logprobs,
         ignore_eos=body.ignore_eos,
-        structured=structured_output(body),
+        structured=structured,
     )

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest, TokenLogprob, Usage
-from gateway.admission import sampling
+from gateway.admission import sampling, structured_output
 from gateway.http_util import json_response, parse_body, sse
 from gateway.openai_format import chunk_body, completion_choice, response_body, usage_chunk
 from gateway.quota import QuotaLimits
@@ -42,7 +42,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         "cmpl-" + os.urandom(12).hex(),
         body.model,
         prompt,
-        sampling(body, plan.max_tokens[0], 0),
+        sampling(body, plan.max_tokens[0], 0, structured_output(body)),
         cache_salt=body.cache_salt,
         priority=body.priority,
     )

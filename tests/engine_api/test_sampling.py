@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from engine_api.errors import BadRequestError
 from engine_api.sampling import MAX_LOGPROBS, SamplingParams
-from gateway.admission import sampling
+from gateway.admission import sampling, structured_output
 from gateway.schemas import CompletionRequest
 
 BAD = [
@@ -181,4 +181,4 @@ def test_what_the_http_schema_accepts_every_engine_accepts(body, choice):
     max_tokens = request.max_tokens or 16  # the gateway fills it in from the context
     # the schema does not compare min_tokens with max_tokens: the engine refuses that (400)
     assume(request.min_tokens <= max_tokens)
-    sampling(request, max_tokens, choice).validate()
+    sampling(request, max_tokens, choice, structured_output(request)).validate()
