@@ -141,8 +141,6 @@ class ToolCallStream:
         if self.plan.mode == "named":
             return "", [], "tool_calls" if reason == "stop" else reason
         content, calls = self.plan.parse(self.held) if self.held else ("", [])
-        if self.plan.mode == "auto" and OPEN not in self.held:
-            content, calls = self.held, []
         deltas = [{"index": i, **c} for i, c in enumerate(calls)]
         return content or "", deltas, "tool_calls" if calls and reason == "stop" else reason
 
