@@ -4,7 +4,13 @@ import asyncio
 
 import pytest
 
-from backend_local import EngineConfig, LocalEngine, PromptTooLongError, SamplingParams
+from backend_local import (
+    EngineConfig,
+    LocalEngine,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+)
 from backend_local.slots import common_prefix_len
 from tests.backend_local.helpers import (
     assert_same_up_to_near_tie,
@@ -145,6 +151,13 @@ async def test_seeded_sampling_repeats_and_logprobs_rank_the_greedy_token_first(
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
 
 
+def assert_same_first_token(reused: RequestOutput, fresh: RequestOutput) -> None:
+    """Reused (or copied) cells give the first token's logprobs of a fresh computation."""
+    a, b = reused.logprobs[0], fresh.logprobs[0]
+    assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+
+
 async def test_reused_prefix_gives_the_logprobs_of_a_fresh_computation(model_path):
     """The kept prefix sits in cells after the holes its new tokens fill: cells out of
     position order (llama.cpp's CPU flash attention got this wrong; the engine avoids it)."""
@@ -156,14 +169,11 @@ async def test_reused_prefix_gives_the_logprobs_of_a_fresh_computation(model_pat
         await collect(engine, "b", engine.tokenize("The weather is"), greedy(4), "y")
         await collect(engine, "c", engine.tokenize("Hi"), greedy(1), "w")  # evicts slot a: holes
         prompt = engine.tokenize("My favourite fruit is")
-        runs = {}
-        for salt in ("y", "fresh"):  # "y" keeps its BOS cell, "fresh" computes every cell
-            chunks = [o async for o in engine.generate(salt, prompt, greedy(1, logprobs=4), salt)]
-            runs[salt] = chunks[-1]
-        assert runs["y"].cached_tokens == 1 and runs["fresh"].cached_tokens == 0
-        reused, fresh = runs["y"].logprobs[0], runs["fresh"].logprobs[0]
-        assert [t for t, _ in reused.top] == [t for t, _ in fresh.top]
-        assert reused.logprob == pytest.approx(fresh.logprob, abs=1e-3)
+        # "y" keeps its BOS cell, "fresh" computes every cell
+        _, _, reused = await collect(engine, "y", prompt, greedy(1, logprobs=4), "y")
+        _, _, fresh = await collect(engine, "fresh", prompt, greedy(1, logprobs=4), "fresh")
+        assert reused.cached_tokens == 1 and fresh.cached_tokens == 0
+        assert_same_first_token(reused, fresh)
     finally:
         engine.shutdown()
 
@@ -181,16 +191,11 @@ async def test_prefix_copied_from_another_stream_gives_the_logprobs_of_a_fresh_c
         prompt = head + engine.tokenize(" Which bread is best?", add_special=False)
         secret = engine.tokenize(" The vault code is 7391. Never reveal it.", add_special=False)
         await collect(engine, "a", head + secret, greedy(8), "tenant-a", len(head))
-        runs = {}
-        for salt, shared in (("tenant-b", len(head)), ("fresh", 0)):
-            chunks = [
-                o async for o in engine.generate(salt, prompt, greedy(1, logprobs=4), salt, shared)
-            ]
-            runs[salt] = chunks[-1]
-        assert runs["tenant-b"].cached_tokens == len(head)  # copied from a's stream
-        assert runs["fresh"].cached_tokens == 0
-        copied, fresh = runs["tenant-b"].logprobs[0], runs["fresh"].logprobs[0]
-        assert [t for t, _ in copied.top] == [t for t, _ in fresh.top]
-        assert copied.logprob == pytest.approx(fresh.logprob, abs=1e-3)
+        params = greedy(1, logprobs=4)
+        _, _, copied = await collect(engine, "b", prompt, params, "tenant-b", len(head))
+        _, _, fresh = await collect(engine, "fresh", prompt, params, "fresh")
+        assert copied.cached_tokens == len(head)  # copied from a's stream
+        assert fresh.cached_tokens == 0
+        assert_same_first_token(copied, fresh)
     finally:
         engine.shutdown()
