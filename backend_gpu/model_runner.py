@@ -32,7 +32,7 @@ from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.quantization import KV_CACHE_DTYPES
-from backend_gpu.quantization.fp8 import FP8
+from backend_gpu.quantization.fp8 import FP8, check_fp8_kv_cache
 from backend_gpu.quantization.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
@@ -68,6 +68,9 @@ class ModelRunner:
         self.tp = tp
         self.ranks = ranks
         self.device = rank_device(config.device, tp.rank)
+        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or DTYPES[config.dtype]
+        if self.kv_dtype == FP8:  # before the weights load
+            check_fp8_kv_cache(self.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
         self.model = build_model(
@@ -82,7 +85,6 @@ class ModelRunner:
         self.hidden_size = hf_config.hidden_size
         self.kv_shape = (local_heads(hf_config, tp.size)[1], head_dim_of(hf_config))
         self.kv_row = self.kv_shape[0] * self.kv_shape[1]
-        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         if self.kv_dtype == FP8:  # before the cache exists: calibration uses scratch rows
             calibrate_kv_scales(
                 self.model,

@@ -33,6 +33,15 @@ MIN_DOT = 16  # tl.dot needs each dimension at least this on a GPU
 
 
 @triton.jit
+def _widen(x, dtype: tl.constexpr):
+    """x in `dtype`; FP8 by way of float32: Triton 3.6 turns FP8 into bfloat16 with a
+    conversion only sm_90 has, which fails to build for Ada."""
+    if x.dtype.is_fp8():
+        x = x.to(tl.float32)
+    return x.to(dtype)
+
+
+@triton.jit
 def _attend(
     q,
     q_pos,
@@ -68,7 +77,7 @@ def _attend(
         k_mask = key_ok[None, :] & d_ok[:, None]
         # masked lanes read as 0: garbage there could be NaN, and 0 * NaN spoils the dots
         k = tl.load(k_cache + rows[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
-        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * score_scale
+        s = tl.dot(q, _widen(k, q.dtype), input_precision=PRECISION) * score_scale
         ok = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             ok &= key_pos[None, :] > q_pos[:, None] - window
@@ -80,7 +89,7 @@ def _attend(
         alpha = tl.exp2(m_i - m_safe)
         v_mask = key_ok[:, None] & d_ok[None, :]
         v = tl.load(v_cache + rows[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        pv = tl.dot(p.to(q.dtype), _widen(v, q.dtype), input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new

@@ -48,6 +48,18 @@ def supports_w8a8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def check_fp8_kv_cache(device: torch.device) -> None:
+    """A clear error, not a kernel build failure at the first step: on CUDA the attention
+    kernels read E4M3 with the conversions of Ada, Hopper and later (Triton has none for
+    it on older GPUs); the CPU's torch path reads it anywhere."""
+    if device.type == "cuda" and not supports_w8a8(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            "kv_cache_dtype 'fp8' needs a GPU of compute capability 8.9 or later "
+            f"(Ada, Hopper); this one is {major}.{minor}"
+        )
+
+
 def w8a8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -1,9 +1,19 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 import backend_gpu.config
 from tests.backend_gpu.tiny_models import save_tiny_model
+
+if not torch.cuda.is_available():
+    # the Triton kernels run on CPU tensors in Triton's interpreter, which must be on
+    # before anything imports triton: triton.language's own helpers are made at import.
+    # Here, before any test module of this directory is collected, so no order of
+    # collection can import triton first.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -177,6 +177,22 @@ def test_fp8_kv_cache_holds_twice_the_blocks_for_the_same_bytes(tiny_llama):
 
 
 @pytest.mark.parametrize(
+    ("capability", "allowed"), [((8, 0), False), ((8, 9), True), ((9, 0), True)]
+)
+def test_an_fp8_cache_needs_a_gpu_whose_kernels_read_e4m3(monkeypatch, capability, allowed):
+    """The kernels read E4M3 only from Ada on (for sm_80 Triton says "type fp8e4nv not
+    supported in this architecture"): an A100 gets an error at start, not at the first
+    step's kernel build."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    fp8.check_fp8_kv_cache(torch.device("cpu"))  # the torch path reads it anywhere
+    if allowed:
+        fp8.check_fp8_kv_cache(torch.device("cuda"))
+    else:
+        with pytest.raises(ValueError, match=r"compute capability 8\.9 or later.*is 8\.0"):
+            fp8.check_fp8_kv_cache(torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
     ("options", "error"),
     [
         ({"quantization": "int4"}, "quantization must be None or one of"),

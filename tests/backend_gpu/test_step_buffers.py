@@ -5,8 +5,6 @@ memory profile and W8A8 run in test_cuda.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,9 +18,8 @@ from backend_gpu.loader import build_model, open_model
 from backend_gpu.sampler import read_back
 from tests.backend_gpu.test_correctness import check, mixed_prompts
 
+# without it the padded steps below run the Triton kernels in the interpreter (conftest)
 CUDA = torch.cuda.is_available()
-if not CUDA:  # the padded steps below run the Triton kernels, in the interpreter here
-    os.environ["TRITON_INTERPRET"] = "1"
 BUFFERS = (
     "input_ids",
     "positions",

@@ -4,7 +4,7 @@ on both sides of block boundaries, GQA ratios 1 to 8, sliding windows, an FP8 ca
 its scales, decodes, fresh prompts, chunked prefill and speculative verification in one
 batch; then the engine on the kernels against transformers.
 
-Without CUDA they run in Triton's interpreter, which must be on before the kernels are
+Without CUDA they run in Triton's interpreter, which conftest.py turns on before the kernels are
 defined. Its tl.dot is wrong on bfloat16 (triton-lang/triton#11584), so float32 and
 float16 here; bfloat16 and real sizes are in the CUDA test."""
 
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else interpreted (conftest)
 pytest.importorskip("triton")
 
 from backend_gpu import LLM  # noqa: E402

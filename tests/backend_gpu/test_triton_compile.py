@@ -1,0 +1,65 @@
+"""The paged attention kernels compile for the GPUs the engine targets, here on a machine
+without one: every launch the wrappers make for a set of real model shapes (bfloat16,
+float16, float32, an FP8 cache, GQA groups 2, 4 and 7, head dims 16 to 256, a sliding
+window, 1 and 16 decode splits, a prefill chunk and a verification) becomes a cubin for
+sm_90, sm_89 and sm_80 (an FP8 cache from sm_89 on) that fits the shared memory a block
+may have there. The interpreter tests check what the kernels compute; this checks that
+the compiler takes them (Triton as installed here; the H200 machine's 3.6 was checked by
+hand when this was written).
+
+In a subprocess: the interpreter tests turn TRITON_INTERPRET on for this process before
+the kernels are defined, and interpreted kernels cannot be compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.backend_gpu.kernel_compile"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def test_every_launch_compiles_for_each_target(compiled):
+    failed = [
+        f"{r['target']} {r['shape']} {r['kernel']} {r['variant']}: {r['error']}"
+        for r in compiled
+        if "error" in r
+    ]
+    assert not failed, "\n".join(failed)
+
+
+def test_every_kernel_fits_the_targets_shared_memory(compiled):
+    over = [r for r in compiled if r.get("shared", 0) > r["shared_limit"]]
+    assert not over, over
+
+
+def test_each_kernel_was_launched_for_each_shape_and_target(compiled):
+    """The recorders saw the wrappers' launches: an empty run would pass the tests above."""
+    from tests.backend_gpu.kernel_compile import KERNELS, SHAPES, TARGETS
+
+    seen = {(r["shape"], r["kernel"], r["target"]) for r in compiled}
+    wanted = {
+        (s.name, kernel, target)
+        for s in SHAPES
+        for kernel in KERNELS
+        for target, (capability, _) in TARGETS.items()
+        if s.runs_on(capability)
+    }
+    assert seen == wanted
