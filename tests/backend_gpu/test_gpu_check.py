@@ -52,9 +52,11 @@ def test_the_script_runs_files_that_exist():
     assert "-m bench.gpu_check" in script and "-m cuda" in script
 
 
-def test_the_kvgate_runs_on_a_tiny_shape(tmp_path):
-    argv = ["--out", str(tmp_path), "--shape", "tiny", "--device", "cpu"]
-    argv += ["--only", "kvgate_bf16", "kvgate_fp8", "--num-requests", "5"]
+def test_every_part_runs_on_a_tiny_shape(tmp_path):
+    """kvgate in both precisions and transformers' continuous batching on the same
+    requests (transformers' API checked here, 5.24, and by hand with 5.17, the H200's)."""
+    argv = ["--out", str(tmp_path), "--shape", "tiny", "--device", "cpu", "--num-requests", "5"]
+    argv += ["--only", "kvgate_bf16", "kvgate_fp8", "transformers_cb"]
     argv += ["--prompt-lens", "3,40", "--output-lens", "2,6"]
     argv += ["--batch1-prompt", "8", "--batch1-tokens", "6", "--budget-s", "120"]
     gpu_check.main(argv)
@@ -71,5 +73,8 @@ def test_the_kvgate_runs_on_a_tiny_shape(tmp_path):
     # 8-bit weights: fewer bytes per decoded token
     assert fp8["weight_bytes"] < 0.5 * bf16["weight_bytes"]
     assert fp8["batch1"]["bytes_per_token"] < bf16["batch1"]["bytes_per_token"]
-    assert set(results["ratios"]) == {"kvgate_fp8_over_bf16"}
+    peer = results["parts"]["transformers_cb"]
+    assert "error" not in peer and not peer["cut"] and peer["requests"] == 5
+    assert peer["output_tokens"] == bf16["output_tokens"] == fp8["output_tokens"]
+    assert set(results["ratios"]) == {"kvgate_fp8_over_bf16", "kvgate_bf16_over_transformers_cb"}
     assert results["env"]["device"] == "cpu"
