@@ -156,6 +156,36 @@ def test_quantized_model_computes_what_its_dequantized_weights_say(tiny_llama, m
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref.generate(PROMPTS, GREEDY)]
 
 
+def test_w8a8_matmul_is_the_product_of_its_quantized_operands():
+    """The FP8 tensor-core matmul (torch's _scaled_mm, which the CPU also implements):
+    exactly the product of the per-token FP8 activations and per-channel FP8 weights with
+    their scales, up to bfloat16's rounding of the output; 3-d input and a bias."""
+    torch.manual_seed(1)
+    x = (torch.randn(2, 5, 64) * torch.logspace(-2, 1, 5)[:, None]).to(torch.bfloat16)
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    q, scale = fp8.quantize_per_channel(w)
+    out = fp8.w8a8_linear(x, q, scale, bias)
+    assert out.shape == (2, 5, 48) and out.dtype == torch.bfloat16
+    rows = x.float().reshape(-1, 64)
+    x_scale = rows.abs().amax(dim=-1, keepdim=True) / fp8.FP8_MAX
+    x_deq = fp8.to_fp8(rows, x_scale).float() * x_scale
+    want = x_deq @ (q.float() * scale[:, None]).T + bias.float()
+    torch.testing.assert_close(out.float().reshape(-1, 48), want, rtol=2**-7, atol=1e-2)
+
+
+def test_w8a8_engine_agrees_with_bfloat16(tiny_llama, monkeypatch):
+    """The engine on the W8A8 path, as on an FP8 GPU, here with torch's CPU _scaled_mm:
+    the layers take it and greedy next tokens agree with bfloat16's (test_cuda.py runs
+    the same on the GPU)."""
+    refs = LLM(tiny_llama, dtype="bfloat16").generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(fp8, "supports_w8a8", lambda device: True)
+    llm = LLM(tiny_llama, dtype="bfloat16", quantization="fp8")
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.w8a8 for m in linears)
+    assert forced_agreement(llm, PROMPTS, refs) >= 0.75
+
+
 def test_fp8_kv_cache_holds_twice_the_blocks_for_the_same_bytes(tiny_llama):
     budget = 1 << 20
     runners = {
