@@ -137,6 +137,10 @@ class QuotaLease(Base):
     tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     held: Mapped[int] = mapped_column(Integer)
     heartbeat: Mapped[float] = mapped_column(Float, index=True)
+    # on the tenant's own row (PostgreSQL): the gateway's last admission call for the
+    # tenant that admitted something, and the batch indices it admitted (a JSON array)
+    last_call: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    last_admitted: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class AuditLog(Base):

@@ -1,6 +1,6 @@
 """Quota counters in PostgreSQL, so that N gateways enforce one limit, not N.
 
-Admission is one call of the `kvgate_admit` function (migration 0008) in autocommit: one
+Admission is one call of the `kvgate_admit` function (migration 0009) in autocommit: one
 round trip, no transaction statements around it. It takes the tenant's advisory lock
 (gateways queue on the same tenant; a key's requests take its tenant's lock too) and
 admits each request of its batch all or nothing. Requests of one tenant that arrive
@@ -10,6 +10,9 @@ request's `Settlement` rides with its usage row and `apply_settlements` runs in 
 row's group commit, so the counters and the row are durable together. Every writer
 takes counter rows in (owner, kind, window) order, and all it needs of them before any
 lease row, so none can deadlock another.
+A call whose reply is lost (the connection fails after it went out) may have committed:
+its requests were answered with an error, so whatever it admitted is given back before
+the tenant's next call (`_recover`, migration 0009), not left held until a restart.
 The counter and lease tables' `tenant_id` column holds the owner: a tenant's id or a key's.
 """
 
@@ -18,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -42,6 +47,8 @@ from gateway.quota.limits import (
     windows_at,
 )
 
+log = logging.getLogger(__name__)
+
 # A gateway killed with -9 holds its tenants' concurrency slots until another one sees
 # its heartbeat go stale: at most HEARTBEAT_S + STALE_AFTER_S. Shorter would let a gateway
 # whose loop stalls for longer than STALE_AFTER_S lose slots it still uses (design.md).
@@ -51,7 +58,12 @@ STALE_AFTER_S = 20.0
 MAX_BATCH = 256
 
 # on the bare asyncpg connection (Database.driver): jsonb goes and comes as text
-_ADMIT = "SELECT kvgate_admit($1, $2::jsonb, $3, $4)"
+_ADMIT = "SELECT kvgate_admit($1, $2::jsonb, $3, $4, $5)"
+# under the tenant's advisory lock: no call of this gateway's can be half done meanwhile
+_LOCK_TENANT = "SELECT pg_advisory_xact_lock(hashtext($1))"
+_LAST_CALL = (
+    "SELECT last_call, last_admitted FROM quota_leases WHERE instance_id = $1 AND tenant_id = $2"
+)
 _SETTLE = "SELECT kvgate_settle($1::jsonb, $2::jsonb, $3)"
 
 
@@ -74,6 +86,7 @@ class _Asked:
     rows: list[list]  # [owner, kind, window, amount, limit | None], in counter order
     slots: list[list]  # [owner, slots] for the leases
     now: float  # the lease's heartbeat
+    reservation: Reservation  # what it takes, should the reply be lost
     done: asyncio.Future[dict] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -87,6 +100,9 @@ class PostgresQuotaStore:
         self._heartbeat: asyncio.Task[None] | None = None
         self._queued: dict[str, list[_Asked]] = {}  # per tenant, for its next call
         self._calling: set[str] = set()  # tenants with a call out
+        self._call_ids = itertools.count(1)
+        # per tenant: a call whose reply was lost (its id, its batch), to look up
+        self._unsure: dict[str, tuple[int, list[_Asked]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak refs
 
     async def start(self) -> None:
@@ -173,14 +189,14 @@ class PostgresQuotaStore:
             for s in scopes
             for kind, amount in wanted.items()
         )
-        asked = _Asked(rows, [[s.owner, requests] for s in scopes], now)
+        reservation = Reservation(tenant_id, tokens, w, {}, limits, requests, spend)
+        asked = _Asked(rows, [[s.owner, requests] for s in scopes], now, reservation)
         self._queued.setdefault(tenant_id, []).append(asked)
         if tenant_id not in self._calling:
             self._calling.add(tenant_id)
             task = asyncio.create_task(self._call(tenant_id), name="quota-admit")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        reservation = Reservation(tenant_id, tokens, w, {}, limits, requests, spend)
         try:
             result = await asyncio.shield(asked.done)
         except asyncio.CancelledError:
@@ -205,12 +221,11 @@ class PostgresQuotaStore:
                 batch, rest = queued[:MAX_BATCH], queued[MAX_BATCH:]
                 if rest:
                     self._queued[tenant_id] = rest + self._queued.get(tenant_id, [])
-                body = json.dumps([{"rows": a.rows, "leases": a.slots} for a in batch])
-                now = max(a.now for a in batch)
+                call_id = next(self._call_ids)
                 try:
-                    async with self.db.driver() as conn:  # autocommit: one round trip
-                        raw = await conn.fetchval(_ADMIT, tenant_id, body, self.instance_id, now)
-                    results = json.loads(raw)
+                    if tenant_id in self._unsure:
+                        await self._recover(tenant_id)
+                    results = await self._admit_batch(tenant_id, batch, call_id)
                 except Exception as e:  # every waiter of the call hears of it
                     for a in batch:
                         a.done.set_exception(e)
@@ -219,6 +234,38 @@ class PostgresQuotaStore:
                     a.done.set_result(result)
         finally:
             self._calling.discard(tenant_id)
+
+    async def _admit_batch(self, tenant_id: str, batch: list[_Asked], call_id: int) -> list:
+        body = json.dumps([{"rows": a.rows, "leases": a.slots} for a in batch])
+        now = max(a.now for a in batch)
+        try:
+            async with self.db.driver() as conn:  # autocommit: one round trip
+                raw = await conn.fetchval(_ADMIT, tenant_id, body, self.instance_id, now, call_id)
+        except BaseException:
+            # perhaps sent and committed, the reply lost (asyncpg reports a dropped
+            # connection as a PostgresError too): find out before the next call
+            self._unsure[tenant_id] = (call_id, batch)
+            raise
+        return json.loads(raw)
+
+    async def _recover(self, tenant_id: str) -> None:
+        """Whether the tenant's call whose reply was lost committed; if it did, settle
+        each request it admitted as unused (their callers were answered with an error).
+        Under the tenant's advisory lock, so the lost call cannot still be running."""
+        call_id, batch = self._unsure[tenant_id]
+        async with self.db.driver() as conn, conn.transaction():
+            await conn.execute(_LOCK_TENANT, tenant_id)
+            row = await conn.fetchrow(_LAST_CALL, self.instance_id, tenant_id)
+            if row is not None and row["last_call"] == call_id:
+                admitted = [batch[i].reservation for i in json.loads(row["last_admitted"])]
+                settlements = [self.settlement(r, 0, count_request=False) for r in admitted]
+                await apply_settlements(conn, [s for s in settlements if s is not None])
+                log.warning(
+                    "quota: gave back %d admission(s) of tenant %s whose reply was lost",
+                    len(admitted),
+                    tenant_id,
+                )
+        del self._unsure[tenant_id]
 
     def _release_orphan(self, res: Reservation, fut: asyncio.Future[dict]) -> None:
         """Its waiter was cancelled while the call was out: if the database admitted it
