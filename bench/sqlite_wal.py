@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.gateway_overhead import free_port, start_kvgate, wrk_throughput
-from gateway.db.engine import WAL_LIMIT_BYTES
+from gateway.config import SQLITE_WAL_LIMIT_BYTES
 
 SAMPLE_S = 0.1
 MB = 1e6
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--wal-limit-bytes",
         type=lambda v: int(float(v)),  # 1e12 reads as bytes too
-        default=WAL_LIMIT_BYTES,
+        default=SQLITE_WAL_LIMIT_BYTES,
         help="the gateway's WAL limit (default: the gateway's)",
     )
     p.add_argument("--name", default="sqlite_wal", help="the output files' name")

@@ -58,32 +58,11 @@ async def prepare(
         # the replica that rendered compiles it (its engine caches it)
         with _backend_errors(gw, principal, body.model):
             await renderer.check_structured(body.model, structured)
-    plan = plan_tokens(
-        prompts,
-        body.n,
-        body.max_tokens,
-        card.context_length,
-        principal.limits,
-        "messages" if chat else "prompt",
-        body.min_tokens,
-    )
-    # the worst case: no prompt token cached, every choice generating all its max_tokens
-    prompt_tokens = sum(len(p) for p in prompts)
-    price = gw.settings.prices.get(body.model, FREE)
-    worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
-    check_spend(worst, principal.limits)
+    plan, worst = _plan(gw, principal, body, card, prompts, chat)
     reservation = await _admit(gw, principal, plan, worst)
-    try:
-        # a published prefix's length per prompt: its blocks are hashed without the salt
-        shared_lens = [gw.pins.shared_prefix_len(body.model, p) for p in prompts]
-        block_hashes = []
-        if isinstance(renderer, PrefixCachingBackend):
-            block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
-        backend = gw.router.pick_from(candidates, block_hashes)
-        gw.router.claim(backend)  # released when the Job finishes
-    except BaseException:
-        await gw.quota.settle(reservation, 0, count_request=False)
-        raise
+    backend, block_hashes, shared_lens = await _place(
+        gw, body.model, candidates, renderer, prompts, salt, reservation
+    )
     request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
     requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens, structured)
     gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
@@ -103,6 +82,59 @@ async def prepare(
         [c.backend for c in candidates if c.backend is not backend],
         tools=ToolPlan.of(body) if isinstance(body, ChatCompletionRequest) else ToolPlan(),
     )
+
+
+def _plan(
+    gw: GatewayState,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    card: ModelCard,
+    prompts: list[list[int]],
+    chat: bool,
+) -> tuple[TokenPlan, int]:
+    """The tokens to reserve and the worst-case spend (nanodollars), or a 400 for a
+    request that no window of the principal's limits could ever admit."""
+    plan = plan_tokens(
+        prompts,
+        body.n,
+        body.max_tokens,
+        card.context_length,
+        principal.limits,
+        "messages" if chat else "prompt",
+        body.min_tokens,
+    )
+    # the worst case: no prompt token cached, every choice generating all its max_tokens
+    prompt_tokens = sum(len(p) for p in prompts)
+    price = gw.settings.prices.get(body.model, FREE)
+    worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
+    check_spend(worst, principal.limits)
+    return plan, worst
+
+
+async def _place(
+    gw: GatewayState,
+    model: str,
+    candidates: list[Candidate],
+    renderer: Backend,
+    prompts: list[list[int]],
+    salt: str,
+    reservation: Reservation,
+) -> tuple[Backend, list[str], list[int]]:
+    """The replica to serve it, claimed until the Job finishes, with the first prompt's
+    block hashes it was picked by and each prompt's published prefix length. If picking
+    fails, the admitted quota is given back."""
+    try:
+        # a published prefix's length per prompt: its blocks are hashed without the salt
+        shared_lens = [gw.pins.shared_prefix_len(model, p) for p in prompts]
+        block_hashes = []
+        if isinstance(renderer, PrefixCachingBackend):
+            block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
+        backend = gw.router.pick_from(candidates, block_hashes)
+        gw.router.claim(backend)  # released when the Job finishes
+    except BaseException:
+        await gw.quota.settle(reservation, 0, count_request=False)
+        raise
+    return backend, block_hashes, shared_lens
 
 
 async def _render(

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
-    db = Database(settings.database_url, settings.database_schema)
+    db = Database(settings.database_url, settings.database_schema, settings.sqlite_wal_limit_bytes)
     try:
         await migrate(db)
         service = TenantService(db)

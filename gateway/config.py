@@ -15,6 +15,7 @@ from gateway.quota.prices import Price, parse_prices
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
+SQLITE_WAL_LIMIT_BYTES = 16 * 2**20
 MIN_ADMIN_KEY_CHARS = 32  # a configured admin key must be as hard to guess as a generated one
 MAX_INSTANCE_CHARS = 100  # catalog rows are keyed "<instance>/<replica>", 200 characters in all
 
@@ -25,6 +26,8 @@ class Settings:
     port: int = 8000
     database_url: str = DEFAULT_DATABASE_URL
     database_schema: str | None = None
+    # SQLite: the write-ahead log's size past which the usage writer starts it again
+    sqlite_wal_limit_bytes: int = SQLITE_WAL_LIMIT_BYTES
     # names this gateway's prefix-catalog rows, so gateways sharing one database keep
     # theirs apart; it must stay the same across restarts. "": "<hostname>:<port>"
     instance: str = ""
@@ -164,6 +167,7 @@ _ENV_FIELDS = {
     "port": int,
     "database_url": str,
     "database_schema": str,
+    "sqlite_wal_limit_bytes": int,
     "instance": str,
     "admin_key": str,
     "secret": str,

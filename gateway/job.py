@@ -140,20 +140,39 @@ class Job:
             p = self.principal
             self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, prompt, delta)
 
+    @property
+    def ttft(self) -> float | None:
+        """Seconds to the first token; None if none came."""
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after each choice's first; None without two tokens."""
+        if self.first_token_at is None or self.completion_tokens <= self.num_choices:
+            return None
+        return (self.last_token_at - self.first_token_at) / (
+            self.completion_tokens - self.num_choices
+        )
+
     async def finish(self, status: int, finish_reason: str | None, error: str = "") -> None:
         """Commit the usage row, then settle quota and count. Safe to call once."""
         assert not self.finished
         self.finished = True
-        gw, p = self.gw, self.principal
-        gw.router.release(self.backend)
+        self.gw.router.release(self.backend)
         end = time.perf_counter()
-        ttft = None if self.first_token_at is None else self.first_token_at - self.started
-        tpot = None
-        if self.first_token_at is not None and self.completion_tokens > self.num_choices:
-            tpot = (self.last_token_at - self.first_token_at) / (
-                self.completion_tokens - self.num_choices
-            )
         prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
+        row = self._usage_row(status, finish_reason, prompt_tokens, end)
+        try:
+            # Shielded: a client that goes away must not lose the row.
+            await asyncio.shield(self.gw.usage.submit(row))
+        finally:
+            self._count(status, prompt_tokens, end, error)
+
+    def _usage_row(
+        self, status: int, finish_reason: str | None, prompt_tokens: int, end: float
+    ) -> UsageRow:
+        """The request's row, with its spend and the quota settlement that commits with it."""
+        gw, p, ttft = self.gw, self.principal, self.ttft
         price = gw.settings.prices.get(self.model, FREE)
         spend = price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
         # settled with the row: in memory at once, on PostgreSQL in the row's commit
@@ -163,7 +182,7 @@ class Job:
             count_request=status not in (503,),
             used_spend=spend,
         )
-        row = UsageRow(
+        return UsageRow(
             request_id=self.request_id,
             tenant_id=p.tenant_id or "",
             key_id=p.key_id,
@@ -180,29 +199,29 @@ class Job:
             spend_nano_usd=spend,
             settlement=settlement,
         )
-        try:
-            # Shielded: a client that goes away must not lose the row.
-            await asyncio.shield(gw.usage.submit(row))
-        finally:
-            m, tenant, model = gw.metrics, p.tenant_name, self.model
-            m.child(m.requests, tenant, model, str(status)).inc()
-            m.child(m.prompt_tokens, tenant, model).inc(prompt_tokens)
-            m.child(m.generation_tokens, tenant, model).inc(self.completion_tokens)
-            m.child(m.prefix_queries, tenant, model).inc(prompt_tokens)
-            if self.cached_tokens:
-                m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
-            if self.block_hashes and self.cached_by_prompt.get(0):
-                gw.catalog.drain([self.backend])  # the blocks it hit may be just stored
-                hits = self.cached_by_prompt[0]
-                gw.catalog.record_hits(self.backend.name, self.block_hashes, hits)
-            if ttft is not None:
-                m.child(m.ttft, model).observe(ttft)
-            if tpot is not None:
-                m.child(m.tpot, model).observe(tpot)
-            m.child(m.e2e, model).observe(end - self.started)
-            done = Finished(
-                time.time(), prompt_tokens, self.completion_tokens, ttft, tpot, end - self.started
-            )
-            gw.traffic.request_finished(p.tenant_id or "", tenant, done, ok=status == 200)
-            if status >= 500:
-                gw.traffic.error(tenant, self.model, status, error)
+
+    def _count(self, status: int, prompt_tokens: int, end: float, error: str) -> None:
+        """The finished request in the metrics, the prefix catalog and the dashboard."""
+        gw, p, ttft, tpot = self.gw, self.principal, self.ttft, self.tpot
+        m, tenant, model = gw.metrics, p.tenant_name, self.model
+        m.child(m.requests, tenant, model, str(status)).inc()
+        m.child(m.prompt_tokens, tenant, model).inc(prompt_tokens)
+        m.child(m.generation_tokens, tenant, model).inc(self.completion_tokens)
+        m.child(m.prefix_queries, tenant, model).inc(prompt_tokens)
+        if self.cached_tokens:
+            m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
+        if self.block_hashes and self.cached_by_prompt.get(0):
+            gw.catalog.drain([self.backend])  # the blocks it hit may be just stored
+            hits = self.cached_by_prompt[0]
+            gw.catalog.record_hits(self.backend.name, self.block_hashes, hits)
+        if ttft is not None:
+            m.child(m.ttft, model).observe(ttft)
+        if tpot is not None:
+            m.child(m.tpot, model).observe(tpot)
+        m.child(m.e2e, model).observe(end - self.started)
+        done = Finished(
+            time.time(), prompt_tokens, self.completion_tokens, ttft, tpot, end - self.started
+        )
+        gw.traffic.request_finished(p.tenant_id or "", tenant, done, ok=status == 200)
+        if status >= 500:
+            gw.traffic.error(tenant, self.model, status, error)

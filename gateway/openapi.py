@@ -2,7 +2,8 @@
 
 It is built from the pydantic models that validate the request bodies (gateway.schemas,
 gateway.schemas_admin, gateway.prefix_api) and those that describe the responses
-(gateway.api_models), so it cannot drift from what the server accepts and sends.
+(gateway.api_models, gateway.api_models_admin), so it cannot drift from what the server
+accepts and sends.
 tests/gateway/test_openapi.py checks that every route is in it; test_fuzz.py runs
 schemathesis from it against a live gateway.
 """
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway import api_models as m
+from gateway import api_models_admin as a
 from gateway.openai_api import GW
 from gateway.request_base import NO_CONTROL
 from gateway.schemas import (
@@ -175,11 +177,11 @@ def _routes() -> list[Route]:
         Route("get /v1/models", _json(m.ModelList)),
         Route("post /tokenize", _json(m.Tokens), TokenizeRequest, errors=TOKENS),
         Route("post /detokenize", _json(m.Detokenized), DetokenizeRequest, errors=TOKENS),
-        Route("post /v1/prefixes", _json(m.PrefixCreated), PinCreate, 201, PIN),
-        Route("get /v1/prefixes", _json(m.PrefixList)),
-        Route("delete /v1/prefixes/{name}", _json(m.PrefixDeleted), errors=LOOKUP),
-        Route("get /health", _json(m.Health), errors=PUBLIC),
-        Route("get /ready", _json(m.Readiness), errors=PUBLIC),
+        Route("post /v1/prefixes", _json(a.PrefixCreated), PinCreate, 201, PIN),
+        Route("get /v1/prefixes", _json(a.PrefixList)),
+        Route("delete /v1/prefixes/{name}", _json(a.PrefixDeleted), errors=LOOKUP),
+        Route("get /health", _json(a.Health), errors=PUBLIC),
+        Route("get /ready", _json(a.Readiness), errors=PUBLIC),
         Route("get /metrics", {"text/plain": {"schema": {"type": "string"}}}),
         Route("get /openapi.json", whole, errors=PUBLIC),
         *_admin_routes(),
@@ -195,32 +197,37 @@ def _admin_routes() -> list[Route]:
     interval = {"type": "number", "default": 1}
     every = (("interval", interval, "Seconds between snapshots; less than 0.1 is 0.1."),)
     return [
-        Route("post /admin/tenants", _json(m.Tenant), TenantCreate, 201, CREATE),
-        Route("get /admin/tenants", _json(m.TenantList)),
-        Route("get /admin/tenants/{tenant_id}", _json(m.Tenant), errors=LOOKUP),
-        Route("patch /admin/tenants/{tenant_id}", _json(m.Tenant), TenantUpdate, errors=UPDATE),
-        Route("delete /admin/tenants/{tenant_id}", _json(m.TenantDeleted), errors=LOOKUP),
-        Route("post /admin/tenants/{tenant_id}/keys", _json(m.ApiKeyCreated), KeyCreate, 201, KEY),
-        Route("get /admin/tenants/{tenant_id}/keys", _json(m.ApiKeyList), errors=LOOKUP),
-        Route("get /admin/keys/{key_id}", _json(m.ApiKey), errors=LOOKUP),
-        Route("patch /admin/keys/{key_id}", _json(m.ApiKey), KeyUpdate, errors=KEY),
-        Route("delete /admin/keys/{key_id}", _json(m.ApiKey), errors=LOOKUP),
-        Route("get /admin/usage", _json(m.UsageReport), errors=LOOKUP, query=usage),
-        Route("get /admin/backends", _json(m.BackendList)),
-        Route("get /admin/stats", _json(m.StatsSnapshot)),
-        Route("get /admin/stats/stream", _events(m.StatsSnapshot), query=every),
-        Route("get /admin/prefixes", _json(m.PrefixReport), errors=LOOKUP, query=report),
-        Route("post /admin/prefixes/pins", _json(m.PrefixCreated), AdminPinCreate, 201, PIN),
-        Route("delete /admin/prefixes/pins/{pin_id}", _json(m.PrefixDeleted), errors=LOOKUP),
+        Route("post /admin/tenants", _json(a.Tenant), TenantCreate, 201, CREATE),
+        Route("get /admin/tenants", _json(a.TenantList)),
+        Route("get /admin/tenants/{tenant_id}", _json(a.Tenant), errors=LOOKUP),
+        Route("patch /admin/tenants/{tenant_id}", _json(a.Tenant), TenantUpdate, errors=UPDATE),
+        Route("delete /admin/tenants/{tenant_id}", _json(a.TenantDeleted), errors=LOOKUP),
+        Route("post /admin/tenants/{tenant_id}/keys", _json(a.ApiKeyCreated), KeyCreate, 201, KEY),
+        Route("get /admin/tenants/{tenant_id}/keys", _json(a.ApiKeyList), errors=LOOKUP),
+        Route("get /admin/keys/{key_id}", _json(a.ApiKey), errors=LOOKUP),
+        Route("patch /admin/keys/{key_id}", _json(a.ApiKey), KeyUpdate, errors=KEY),
+        Route("delete /admin/keys/{key_id}", _json(a.ApiKey), errors=LOOKUP),
+        Route("get /admin/usage", _json(a.UsageReport), errors=LOOKUP, query=usage),
+        Route("get /admin/backends", _json(a.BackendList)),
+        Route("get /admin/stats", _json(a.StatsSnapshot)),
+        Route("get /admin/stats/stream", _events(a.StatsSnapshot), query=every),
+        Route("get /admin/prefixes", _json(a.PrefixReport), errors=LOOKUP, query=report),
+        Route("post /admin/prefixes/pins", _json(a.PrefixCreated), AdminPinCreate, 201, PIN),
+        Route("delete /admin/prefixes/pins/{pin_id}", _json(a.PrefixDeleted), errors=LOOKUP),
     ]
 
 
 def _response_models() -> list[type[BaseModel]]:
-    """Every response model in api_models (nested ones come along by $ref anyway)."""
+    """Every response model defined in api_models and api_models_admin (nested ones come
+    along by $ref anyway); one module's imports from the other are not counted twice."""
     return [
         v
-        for v in vars(m).values()
-        if isinstance(v, type) and issubclass(v, m.Body) and v is not m.Body
+        for module in (m, a)
+        for v in vars(module).values()
+        if isinstance(v, type)
+        and issubclass(v, m.Body)
+        and v is not m.Body
+        and v.__module__ == module.__name__
     ]
 
 

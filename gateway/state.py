@@ -74,26 +74,15 @@ def with_queue(stats: BackendStats, queues: dict[str, FairQueue]) -> BackendStat
 
 
 async def start_gateway(settings: Settings) -> GatewayState:
-    db = Database(settings.database_url, settings.database_schema)
+    db = Database(settings.database_url, settings.database_schema, settings.sqlite_wal_limit_bytes)
     await migrate(db)
     tenants = TenantService(db)
     generated = await tenants.ensure_admin_key(settings.admin_key)
     secret = await tenants.server_secret(settings.secret)
-    quota: QuotaStore
-    if db.is_postgres:
-        quota = PostgresQuotaStore(db)
-    else:
-        quota = MemoryQuotaStore()
-        now = time.time()
-        for tenant_id, used in (await tenants.committed_usage(now)).items():
-            quota.preload(tenant_id, used, now)
-    await quota.start()
+    quota = await _start_quota(db, tenants)
     usage = UsageRecorder(db)
     usage.start()
-    catalog = PrefixCatalog(db, settings.instance)
-    await catalog.load()
-    for tenant in await tenants.list_tenants():
-        catalog.note_salt(tenant_cache_salt(secret, tenant["id"]), tenant["id"])
+    catalog = await _load_catalog(db, tenants, settings.instance, secret)
     router = Router([], settings.router_policy, catalog)
     queues: dict[str, FairQueue] = {}
     state = GatewayState(
@@ -112,6 +101,46 @@ async def start_gateway(settings: Settings) -> GatewayState:
         pins=PinService(db, router, catalog, secret),
         generated_admin_key=generated,
     )
+    await _start_backends(state)
+    # the engines start empty: prefill the pinned prefixes, so the first request hits
+    await state.pins.load()
+    await state.pins.prefill_all()
+    catalog.start(lambda: router.backends)
+    if state.auth.listener is not None:
+        state.auth.listener.start()
+    return state
+
+
+async def _start_quota(db: Database, tenants: TenantService) -> QuotaStore:
+    """The quota counters: in PostgreSQL, shared by every gateway on it; else in memory,
+    preloaded with the usage already committed in the open windows."""
+    quota: QuotaStore
+    if db.is_postgres:
+        quota = PostgresQuotaStore(db)
+    else:
+        quota = MemoryQuotaStore()
+        now = time.time()
+        for tenant_id, used in (await tenants.committed_usage(now)).items():
+            quota.preload(tenant_id, used, now)
+    await quota.start()
+    return quota
+
+
+async def _load_catalog(
+    db: Database, tenants: TenantService, instance: str, secret: str
+) -> PrefixCatalog:
+    """The prefix catalog as stored, knowing every tenant's cache salt."""
+    catalog = PrefixCatalog(db, instance)
+    await catalog.load()
+    for tenant in await tenants.list_tenants():
+        catalog.note_salt(tenant_cache_salt(secret, tenant["id"]), tenant["id"])
+    return catalog
+
+
+async def _start_backends(state: GatewayState) -> None:
+    """Start the workers and every replica of every backend, and a fair queue in front
+    of each whose scheduler is not kvgate's (an adapter with `max_in_flight`)."""
+    settings, router = state.settings, state.router
 
     async def on_restart(url: str) -> None:
         log.info("worker %s restarted with an empty cache: prefilling the pins again", url)
@@ -135,13 +164,6 @@ async def start_gateway(settings: Settings) -> GatewayState:
         slots = getattr(backend, "max_in_flight", None)
         if slots is not None:
             state.queues[backend.name] = FairQueue(slots, settings.fairness or "vtc")
-    # the engines start empty: prefill the pinned prefixes, so the first request hits
-    await state.pins.load()
-    await state.pins.prefill_all()
-    catalog.start(lambda: router.backends)
-    if state.auth.listener is not None:
-        state.auth.listener.start()
-    return state
 
 
 async def stop_gateway(state: GatewayState) -> None:

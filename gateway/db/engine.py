@@ -11,7 +11,6 @@ size, the file says the log has grown past the limit since it last started again
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,11 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from gateway.config import SQLITE_WAL_LIMIT_BYTES
+
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
 DRIVER_POOL_SIZE = 8  # asyncpg connections for admission and usage commits (PostgreSQL)
-# the SQLite log's size past which the usage writer starts it again; the environment
-# variable sets it for a whole process (a test, a benchmark)
-WAL_LIMIT_BYTES = int(os.environ.get("KVGATE_SQLITE_WAL_LIMIT_BYTES") or 16 * 2**20)
 
 
 def is_postgres(url: str) -> bool:
@@ -70,7 +68,7 @@ def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
 
 class Database:
     def __init__(
-        self, url: str, schema: str | None = None, wal_limit_bytes: int = WAL_LIMIT_BYTES
+        self, url: str, schema: str | None = None, wal_limit_bytes: int = SQLITE_WAL_LIMIT_BYTES
     ) -> None:
         self.url = url
         self.schema = schema

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import load_settings
+from gateway.config import SQLITE_WAL_LIMIT_BYTES, load_settings
 
 
 def test_toml_env_and_flags_layer(tmp_path):
@@ -82,3 +82,12 @@ def test_engine_flags_beside_backend_entries_are_an_error_not_ignored(tmp_path):
         with pytest.raises(ValueError, match=f"'{named}'.*set them in an entry's options"):
             settings.resolved_backends()
     assert load_settings(cfg, overrides={"replicas": 1}, environ={}).resolved_backends()
+
+
+def test_sqlite_wal_limit_is_a_setting(tmp_path):
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text("[server]\nsqlite_wal_limit_bytes = 1048576\n")
+    assert load_settings(environ={}).sqlite_wal_limit_bytes == SQLITE_WAL_LIMIT_BYTES == 2**24
+    assert load_settings(cfg, environ={}).sqlite_wal_limit_bytes == 2**20
+    env = {"KVGATE_SQLITE_WAL_LIMIT_BYTES": "262144"}
+    assert load_settings(cfg, environ=env).sqlite_wal_limit_bytes == 2**18
