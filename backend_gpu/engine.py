@@ -100,6 +100,7 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise BadRequestError("prompt is empty")
+        params.check_vocab(self.vocab_size)
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise BadRequestError(
                 f"prompt has token ids outside the vocabulary [0, {self.vocab_size})"

@@ -3,7 +3,8 @@
 Everything that can be one tensor op over the batch is; the loops left run only over
 rows that asked for something special (penalties, a seed, min_tokens). Rows with a
 structured output have the tokens their grammar forbids masked (backend_gpu.guided)
-last, so that whatever is sampled, greedy or not, is allowed.
+last, so that whatever is sampled, greedy or not, is allowed. A logit bias comes first,
+as OpenAI's is added to the model's logits; logprobs stay the model's own.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Sampler:
         The tokens and the logprobs come back to the host together, in one read back."""
         raw = logits
         logits = logits.clone()
+        self._apply_logit_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         self._block_stops_before_min_tokens(logits, seqs)
         self.grammar_masks.apply(logits, [s.grammar for s in seqs])
@@ -48,6 +50,13 @@ class Sampler:
         token_list = host[0].tolist()
         self._record_logprobs(wanted, token_list, seqs, *(t.tolist() for t in host[1:]))
         return token_list
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for row, seq in enumerate(seqs):
+            if seq.params.logit_bias:  # ids checked against the vocabulary on admission
+                ids, bias = zip(*seq.params.logit_bias, strict=True)
+                index = torch.tensor(ids, device=self.device)
+                logits[row, index] += torch.tensor(bias, device=self.device)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         vocab = logits.shape[1]

@@ -66,6 +66,7 @@ class LocalEngine:
                 f"shared_prefix_len must be in [0, {len(prompt_token_ids)}], "
                 f"got {shared_prefix_len}"
             )
+        params.check_vocab(self.model.n_vocab)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model.n_vocab]
         if bad:
             raise BadRequestError(

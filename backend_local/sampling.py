@@ -55,6 +55,16 @@ def build_sampler(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sampl
     return chain
 
 
+def logit_bias_arrays(params: SamplingParams) -> tuple[np.ndarray, np.ndarray] | None:
+    """(token ids, biases) for the worker to add to each logits row in place, where both
+    the argmax of plain greedy and llama.cpp's chain read it; None without a bias. The
+    ids are distinct (SamplingParams.validate), so one fancy-indexed add is right."""
+    if not params.logit_bias:
+        return None
+    ids, biases = zip(*params.logit_bias, strict=True)
+    return np.array(ids, dtype=np.intp), np.array(biases, dtype=np.float32)
+
+
 def token_logprob(logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
     """Log-softmax of the model's raw logits (before sampling transforms), as vLLM reports."""
     peak = float(logits.max())

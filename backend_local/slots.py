@@ -24,6 +24,7 @@ class Slot:
     request: Request | None = None
     sampler: Any = None  # llama_sampler_p of the request; None for plain greedy
     grammar: Any = None  # the request's llguidance matcher, if it has a structured output
+    logit_bias: tuple[Any, Any] | None = None  # (token ids, biases) arrays of the request
     stream: TextStream | None = None
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, its KV cell not computed yet

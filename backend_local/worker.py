@@ -23,7 +23,7 @@ from backend_local.grammar import GrammarMask
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
-from backend_local.sampling import build_sampler, token_logprob
+from backend_local.sampling import build_sampler, logit_bias_arrays, token_logprob
 from backend_local.slots import Slot, place
 from backend_local.stats import EngineStats
 from backend_local.text_stream import TextStream
@@ -198,6 +198,7 @@ class Worker:
             self._sync_blocks(slot)
             slot.request = request
             slot.sampler = build_sampler(request.params, self.model.n_vocab)
+            slot.logit_bias = logit_bias_arrays(request.params)
             slot.grammar = request.grammar
             slot.stream = TextStream(request.params.stop)
             slot.output_ids = []
@@ -266,6 +267,10 @@ class Worker:
         params = request.params
         logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
         row = np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
+        # the model's own distribution, before what follows changes the row in place
+        raw = row.copy() if params.logprobs is not None else row
+        if slot.logit_bias is not None:  # the chain and the argmax both read the row
+            row[slot.logit_bias[0]] += slot.logit_bias[1]
         if params.ignore_eos or len(slot.output_ids) < params.min_tokens:
             row[self.model.eog_ids] = -math.inf
         if slot.grammar is not None:  # the chain samples from what the grammar allows
@@ -280,7 +285,7 @@ class Worker:
         slot.output_ids.append(token)
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [token_logprob(row, token, params.logprobs)]
+            logprobs = [token_logprob(raw, token, params.logprobs)]
         finish = None
         if self.model.is_eog(token) or token in params.stop_token_ids:
             finish, text = "stop", slot.stream.flush()
@@ -332,6 +337,7 @@ class Worker:
             llama_cpp.llama_sampler_free(slot.sampler)
         slot.request = None
         slot.sampler = None
+        slot.logit_bias = None
         slot.grammar = None
         slot.stream = None
         slot.next_token = None

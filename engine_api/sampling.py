@@ -22,6 +22,8 @@ INT32_MAX = 2**31 - 1
 # torch seeds a generator with 64 bits (signed or not); llama.cpp keeps the low 32
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 _PENALTY_RANGE = f"in [-{MAX_PENALTY}, {MAX_PENALTY}]"
+MAX_LOGIT_BIAS = 100  # a bias lies in [-100, 100], as OpenAI's
+MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias: each costs every step
 
 
 def check_ends(min_tokens: int, ignore_eos: bool) -> None:
@@ -48,6 +50,9 @@ class SamplingParams(Record):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: the sampled token's logprob and the top n
+    # (token id, bias) added to the token's logit before anything else; OpenAI's and
+    # vLLM's dict {token id: bias} is taken too. Logprobs stay the model's own.
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
     # what the output must match (JSON schema, regex, choice, grammar); None: anything
     structured: StructuredOutput | None = None
 
@@ -61,6 +66,12 @@ class SamplingParams(Record):
             self.stop = [s for s in self.stop if s != ""]
         if isinstance(self.stop_token_ids, list | tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = list(self.logit_bias.items())
+        if isinstance(self.logit_bias, list | tuple):  # JSON's lists as pairs; validate()
+            self.logit_bias = [  # refuses anything else by name
+                tuple(p) if isinstance(p, list | tuple) else p for p in self.logit_bias
+            ]
 
     def validate(self) -> None:
         """Raise BadRequestError (a ValueError) naming the first field no engine can
@@ -91,6 +102,16 @@ class SamplingParams(Record):
                 all(0 <= t <= INT32_MAX for t in self.stop_token_ids),
                 f"token ids in [0, {INT32_MAX}]",
             ),
+            (
+                "logit_bias",
+                len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS
+                and len({t for t, _ in self.logit_bias}) == len(self.logit_bias)
+                and all(
+                    0 <= t <= INT32_MAX and abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias
+                ),
+                f"at most {MAX_LOGIT_BIAS_TOKENS} distinct token ids in [0, {INT32_MAX}], "
+                f"each with a bias in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -105,6 +126,15 @@ class SamplingParams(Record):
         params = super().from_dict(data)
         params.validate()
         return params
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """BadRequestError if a biased token is not in a vocabulary of this size (the
+        engine's check: only it knows the size)."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise BadRequestError(
+                f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            )
 
     @property
     def greedy(self) -> bool:

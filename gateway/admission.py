@@ -269,6 +269,7 @@ def sampling(
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logprobs=body.num_logprobs,
+        logit_bias=body.token_bias(),
         ignore_eos=body.ignore_eos,
         structured=structured,
     )

@@ -10,11 +10,18 @@ pins) are gateway.schemas_admin's.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from engine_api.sampling import MAX_LOGPROBS, MAX_PENALTY, check_ends
+from engine_api.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    check_ends,
+)
 from engine_api.structured import StructuredOutput
 from gateway.request_base import NO_CONTROL
 from gateway.request_base import StrictBody as _Body
@@ -86,6 +93,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
 class SamplingFields(_Body):
     """Fields shared by chat and completions, with vLLM's extras."""
 
@@ -112,6 +122,14 @@ class SamplingFields(_Body):
     min_tokens: Count32 = 0
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Count32], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    # OpenAI's: {"token id": bias}, the bias in [-100, 100] added to the token's logit
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+            Field(max_length=MAX_LOGIT_BIAS_TOKENS),
+        ]
+        | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=200, pattern=NO_CONTROL)] | None = None
@@ -158,6 +176,19 @@ class SamplingFields(_Body):
         if v is None:
             return None
         return [v] if isinstance(v, str) else v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        # one spelling per id ("05" would bias 5 twice): no leading zeros, at most 10 digits
+        bad = [k for k in (v or {}) if not (_TOKEN_ID.fullmatch(k) and int(k) <= INT32)]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {INT32}], got {bad[0]!r}")
+        return v
+
+    def token_bias(self) -> list[tuple[int, float]]:
+        """logit_bias as the engines take it: (token id, bias) pairs."""
+        return [(int(k), v) for k, v in (self.logit_bias or {}).items()]
 
     @field_validator("top_k")
     @classmethod

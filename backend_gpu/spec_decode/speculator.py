@@ -16,12 +16,13 @@ from backend_gpu.spec_decode.rejection_sampler import rejection_sample
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Penalties, logprobs, min_tokens and a grammar (structured output) change the
-    target's distribution per position in ways the verifier does not replay yet: such
-    requests decode one token a step."""
+    """Penalties, a logit bias, logprobs, min_tokens and a grammar (structured output)
+    change the target's distribution per position in ways the verifier does not replay
+    yet: such requests decode one token a step."""
     p = seq.params
     return (
         not p.has_penalties
+        and not p.logit_bias
         and p.logprobs is None
         and seq.num_output_tokens >= p.min_tokens
         and seq.grammar is None

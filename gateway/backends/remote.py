@@ -320,6 +320,8 @@ class RemoteBackend:
 
     async def _completions(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         tok = self.tokenizer
+        if tok is not None:  # else the upstream's own tokenizer judges (vLLM: a 400)
+            req.sampling.check_vocab(len(tok.tokenizer))
         resp, self._takes_ids = await open_completion(
             self.client, req, self.upstream_model, self._takes_ids, tok and tok.prompt_text
         )

@@ -57,6 +57,7 @@ def completion_body(req: GenRequest, model: str, prompt: list[int] | str) -> dic
         "min_tokens": sp.min_tokens or None,
         "ignore_eos": sp.ignore_eos or None,
         "logprobs": sp.logprobs,
+        "logit_bias": {str(t): b for t, b in sp.logit_bias} or None,
         # vLLM's: keeps the tenant's cached prefix apart from others' there too
         "cache_salt": req.cache_salt,
     }

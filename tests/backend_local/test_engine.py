@@ -12,6 +12,7 @@ from backend_local import (
     SamplingParams,
 )
 from backend_local.slots import common_prefix_len
+from engine_api.errors import BadRequestError
 from tests.backend_local.helpers import (
     assert_same_up_to_near_tie,
     collect,
@@ -149,6 +150,74 @@ async def test_seeded_sampling_repeats_and_logprobs_rank_the_greedy_token_first(
         assert lp.logprob <= 0 and len(lp.top) == 3
         assert lp.top[0][0] == lp.token_id  # greedy picks the most likely token
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+async def test_logit_bias_forces_a_token_through_the_argmax_and_the_sampler_chain(engine):
+    prompt = engine.tokenize(PROMPTS[0])
+    (banana,) = engine.tokenize(" banana", add_special=False)
+    forced = {banana: 100}
+    for i, params in enumerate(
+        [
+            greedy(5, logit_bias=forced),  # plain greedy: the row's argmax
+            greedy(5, repetition_penalty=1.3, logit_bias=forced),  # a chain ending greedy
+            SamplingParams(
+                temperature=0.9, top_k=40, top_p=0.95, seed=5, max_tokens=5, logit_bias=forced
+            ),
+        ]
+    ):
+        ids, text, _ = await collect(engine, f"forced-{i}", prompt, params, f"forced-{i}")
+        assert ids == [banana] * 5 and text == " banana" * 5, params
+    # -100 on the model's choice: the runner-up comes instead, in either path
+    _, lps, _ = await collect_logprobs(engine, "unbiased", prompt, greedy(1, logprobs=2), "u")
+    (best, _), (runner_up, _) = lps[0].top
+    assert best != banana  # and the bias did not outlive its requests
+    for i, params in enumerate(
+        [
+            greedy(3, logit_bias={best: -100}),
+            greedy(3, repetition_penalty=1.1, logit_bias={best: -100}),
+        ]
+    ):
+        ids, _, _ = await collect(engine, f"banned-{i}", prompt, params, f"banned-{i}")
+        assert ids[0] == runner_up and best not in ids
+
+
+async def test_logit_bias_leaves_the_logprobs_the_models_own(engine):
+    """A bias just big enough to make the runner-up win: the first token's logprobs are
+    the unbiased run's, computed alike (fresh cells, a batch of one), to the last bit
+    but for rounding."""
+    prompt = engine.tokenize(PROMPTS[3])
+    _, plain, _ = await collect_logprobs(engine, "lb-plain", prompt, greedy(1, logprobs=3), "p")
+    (_, best_lp), (runner_up, runner_up_lp) = plain[0].top[:2]
+    params = greedy(1, logprobs=3, logit_bias={runner_up: best_lp - runner_up_lp + 1})
+    ids, biased, _ = await collect_logprobs(engine, "lb-biased", prompt, params, "b")
+    assert ids == [runner_up] and biased[0].token_id == runner_up
+    assert biased[0].logprob == pytest.approx(runner_up_lp, abs=1e-4)
+    assert [t for t, _ in biased[0].top] == [t for t, _ in plain[0].top]
+    assert [v for _, v in biased[0].top] == pytest.approx([v for _, v in plain[0].top], abs=1e-4)
+    # and forced through the sampler chain (a seed) the logprobs are still the model's
+    (banana,) = engine.tokenize(" banana", add_special=False)
+    params = SamplingParams(
+        temperature=0.7, seed=1, max_tokens=2, logprobs=1, logit_bias={banana: 100}
+    )
+    ids, lps, _ = await collect_logprobs(engine, "lb-chain", prompt, params, "c")
+    assert ids == [banana] * 2
+    assert all(lp.token_id == banana and lp.logprob < -1 for lp in lps)
+
+
+async def test_logit_bias_past_the_vocabulary_is_refused(engine):
+    prompt = engine.tokenize("Hello")
+    n_vocab = engine.model.n_vocab
+    engine.check_request(prompt, greedy(4, logit_bias={0: 1, n_vocab - 1: -1}))  # the edges
+    bad = greedy(4, logit_bias={5: 1, n_vocab: 1})
+    with pytest.raises(BadRequestError, match=rf"^logit_bias .*\[0, {n_vocab}\).*\[{n_vocab}\]"):
+        engine.check_request(prompt, bad)
+    with pytest.raises(BadRequestError, match="logit_bias"):
+        await anext(engine.generate("oov-bias", prompt, bad))
+    with pytest.raises(BadRequestError, match="logit_bias"):  # validate(), before the vocabulary
+        engine.check_request(prompt, greedy(4, logit_bias={5: 101}))
+    assert engine.stats().busy == 0
+    ids, _, _ = await collect(engine, "oov-after", prompt, greedy(2))
+    assert len(ids) == 2
 
 
 def assert_same_first_token(reused: RequestOutput, fresh: RequestOutput) -> None:

@@ -1,5 +1,6 @@
 """`kvgate serve` with the local backend and the default model, driven by the openai client."""
 
+import httpx
 import openai
 import pytest
 
@@ -7,6 +8,8 @@ from gateway.default_model import DEFAULT_MODEL_ID
 from tests.conftest import start_gateway
 
 pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
 
 CONFIG = """
 [[backends]]
@@ -92,3 +95,73 @@ def test_another_tenant_gets_no_cached_tokens_from_this_ones_prompt(gateway, cli
     reply = other.completions.create(**ask)
     assert reply.usage.prompt_tokens_details.cached_tokens == 0  # B never hits A's cells
     assert reply.usage.prompt_tokens == again.usage.prompt_tokens
+
+
+def token_ids(gateway, client, text: str) -> list[int]:
+    """The ids /tokenize gives `text`, without the BOS it puts first."""
+    r = httpx.post(
+        gateway.url + "/tokenize",
+        json={"model": DEFAULT_MODEL_ID, "prompt": text},
+        headers={"Authorization": f"Bearer {client.api_key}"},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"][1:]
+
+
+def detokenize(gateway, client, ids: list[int]) -> str:
+    r = httpx.post(
+        gateway.url + "/detokenize",
+        json={"model": DEFAULT_MODEL_ID, "tokens": ids},
+        headers={"Authorization": f"Bearer {client.api_key}"},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def test_logit_bias_forces_a_token_and_logprobs_stay_the_models(gateway, client):
+    (banana,) = token_ids(gateway, client, " banana")
+    forced = {str(banana): 100}
+    comp = client.completions.create(
+        model=DEFAULT_MODEL_ID,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=1,
+        logit_bias=forced,
+    ).choices[0]
+    assert comp.text == detokenize(gateway, client, [banana] * 4)
+    assert len(set(comp.logprobs.tokens)) == 1 and "".join(comp.logprobs.tokens) == comp.text
+    # the model's own logprob, not the biased one (near 0): banana is no capital
+    assert comp.logprobs.token_logprobs[0] < -1
+    chat = client.chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=3,
+        temperature=0.8,
+        seed=3,
+        logit_bias=forced,
+    )
+    assert chat.choices[0].message.content == detokenize(gateway, client, [banana] * 3)
+    assert chat.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "logit_bias",
+    [
+        {"abc": 1},
+        {"-1": 1},
+        {"5": 101},
+        {str(i): 1 for i in range(1025)},
+        {"5": 1, "05": -1},  # one token twice
+        {str(2**31 - 1): 1},  # past the vocabulary
+        {"5": 1, "10000000": -1},
+    ],
+)
+def test_bad_logit_bias_is_a_400_naming_it(client, logit_bias):
+    ask = dict(model=DEFAULT_MODEL_ID, max_tokens=2, logit_bias=logit_bias)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(prompt=PROMPT, **ask)
+    assert "logit_bias" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **ask)
+    assert "logit_bias" in info.value.message

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from engine_api.errors import BadRequestError
-from engine_api.sampling import MAX_LOGPROBS, SamplingParams
+from engine_api.sampling import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
 from gateway.admission import sampling, structured_output
 from gateway.schemas import CompletionRequest
 
@@ -46,6 +46,19 @@ BAD = [
     ("logprobs", -1),
     ("logprobs", MAX_LOGPROBS + 1),
     ("logprobs", False),
+    ("logit_bias", [(5, 100.5)]),
+    ("logit_bias", [(5, -100.5)]),
+    ("logit_bias", [(5, float("nan"))]),
+    ("logit_bias", [(5, True)]),
+    ("logit_bias", [(5, 1.0), (5, -1.0)]),  # one token biased twice
+    ("logit_bias", [(-1, 1.0)]),
+    ("logit_bias", [(2**31, 1.0)]),
+    ("logit_bias", [(i, 1.0) for i in range(MAX_LOGIT_BIAS_TOKENS + 1)]),
+    ("logit_bias", [("7", 1.0)]),  # a JSON object's key: the gateway turns it to an int
+    ("logit_bias", [(7.0, 1.0)]),
+    ("logit_bias", [(7, 1.0, 2.0)]),
+    ("logit_bias", [7]),  # not a pair
+    ("logit_bias", "7"),
 ]
 
 
@@ -73,8 +86,11 @@ def test_the_limits_are_inclusive():
         "logprobs": MAX_LOGPROBS,
         "seed": 2**64 - 1,
         "stop_token_ids": [0, 2**31 - 1],
+        "logit_bias": [[0, -100], [2**31 - 1, 100]],
     }
     assert SamplingParams.from_dict(edges) == SamplingParams(**edges)
+    most = [[i, 100.0] for i in range(MAX_LOGIT_BIAS_TOKENS)]
+    assert len(SamplingParams.from_dict({"logit_bias": most}).logit_bias) == len(most)
     SamplingParams(top_k=0, min_p=0, seed=-(2**63), logprobs=0).validate()
 
 
@@ -87,6 +103,26 @@ def test_from_dict_refuses_unknown_and_non_object_input():
     assert SamplingParams.from_dict({"stop": ["\n"]}) == SamplingParams(stop="\n")
     with pytest.raises(BadRequestError, match="stop must be a list"):
         SamplingParams.from_dict({"stop": "\n"})
+
+
+def test_logit_bias_is_pairs_from_a_dict_too_and_crosses_json_unchanged():
+    params = SamplingParams(logit_bias={5: 1.5, 2**31 - 1: -100, 0: 100})
+    assert params.logit_bias == [(5, 1.5), (2**31 - 1, -100), (0, 100)]
+    assert SamplingParams(logit_bias=[[5, 1.5], (0, 100)]).logit_bias == [(5, 1.5), (0, 100)]
+    params.validate()
+    wire = json.loads(json.dumps(params.to_dict(), allow_nan=False))
+    assert wire["logit_bias"] == [[5, 1.5], [2**31 - 1, -100], [0, 100]]
+    assert SamplingParams.from_dict(wire) == params
+    with pytest.raises(BadRequestError, match="logit_bias must be a list"):
+        SamplingParams.from_dict({"logit_bias": {"5": 1.5}})  # pairs on the wire, not a map
+
+
+def test_check_vocab_refuses_a_biased_token_past_the_vocabulary():
+    SamplingParams(logit_bias={0: 1, 383: -1}).check_vocab(384)
+    SamplingParams().check_vocab(1)
+    with pytest.raises(BadRequestError, match=r"^logit_bias .*\[0, 384\).*\[384\]") as info:
+        SamplingParams(logit_bias={5: 1, 384: -1}).check_vocab(384)
+    assert isinstance(info.value, ValueError)
 
 
 def test_engine_properties():
@@ -111,6 +147,7 @@ SCHEMA_EDGES = {
     "seed": 2**53 - 1,
     "stop_token_ids": [2**31 - 1],
     "logprobs": 20,
+    "logit_bias": {str(i): (-100, 100)[i % 2] for i in range(2**31 - 1024, 2**31)},
 }
 
 
@@ -134,6 +171,8 @@ any_params = st.builds(
     stop_token_ids=st.lists(st.integers(-2, 2**32), max_size=4),
     ignore_eos=st.booleans(),
     logprobs=st.none() | st.integers(-2, 30),
+    logit_bias=st.lists(st.tuples(st.integers(-2, 2**32), numbers(-150, 150)), max_size=4)
+    | st.dictionaries(st.integers(-2, 2**32), numbers(-150, 150), max_size=4),
 )
 
 
@@ -167,12 +206,18 @@ def test_what_validate_accepts_crosses_json_unchanged_and_the_rest_is_refused(pa
             "stop_token_ids": st.lists(st.integers(-2, 2**32), max_size=4),
             "ignore_eos": st.booleans(),
             "logprobs": st.integers(-2, 30),
+            "logit_bias": st.dictionaries(
+                st.integers(-2, 2**32).map(str) | st.text("0123456789+- x", max_size=4),
+                numbers(-150, 150),
+                max_size=4,
+            ),
         },
     ),
     st.integers(0, 127),
 )
 @example(SCHEMA_EDGES | {"presence_penalty": 2, "frequency_penalty": -2, "top_k": 1}, 0)
 @example(SCHEMA_EDGES | {"top_p": 1e-9, "min_p": 1, "seed": -(2**53) + 1, "logprobs": 0}, 127)
+@example(SCHEMA_EDGES | {"logit_bias": {"5": 1, "05": -1}}, 0)  # one token, two spellings
 def test_what_the_http_schema_accepts_every_engine_accepts(body, choice):
     try:
         request = CompletionRequest.model_validate(body)

@@ -46,10 +46,52 @@ async def test_bad_fields_are_refused_by_name(gw, fields, param):
 
 async def test_unknown_fields_are_refused_by_name_and_nulls_pass(gw):
     _, key = await gw.tenant()
-    error = await _error(await gw.chat(key, logit_bias={"5": 10}, functions=[]), 400)
-    assert "'logit_bias'" in error["message"] and "'functions'" in error["message"]
-    r = await gw.chat(key, max_tokens=2, logit_bias=None)
+    error = await _error(await gw.chat(key, prediction={"type": "content"}, functions=[]), 400)
+    assert "'prediction'" in error["message"] and "'functions'" in error["message"]
+    r = await gw.chat(key, max_tokens=2, prediction=None)
     assert r.status == 200, await r.text()
+
+
+@pytest.mark.parametrize(
+    "logit_bias",
+    [
+        {"abc": 1},
+        {"-1": 1},
+        {"+5": 1},
+        {" 5": 1},
+        {"": 1},
+        {"\u0665": 1},  # a digit, not an ASCII one
+        {str(2**31): 1},
+        {"9" * 5000: 1},  # past what int() converts
+        {"5": 101},
+        {"5": -100.5},
+        {"5": "1"},
+        {"5": None},
+        {str(i): 1 for i in range(1025)},
+        [[5, 1]],  # engine_api's pairs are not the HTTP form
+    ],
+)
+async def test_bad_logit_bias_is_refused_by_name(gw, logit_bias):
+    _, key = await gw.tenant()
+    for r in (
+        await gw.chat(key, max_tokens=1, logit_bias=logit_bias),
+        await gw.post(
+            "/v1/completions",
+            key,
+            {"model": "fake-model", "prompt": "hi", "max_tokens": 1, "logit_bias": logit_bias},
+        ),
+    ):
+        error = await _error(r, 400)
+        assert error["param"].startswith("logit_bias"), error
+        assert "logit_bias" in error["message"], error
+
+
+async def test_logit_bias_at_its_limits_is_accepted(gw):
+    _, key = await gw.tenant()
+    edges = {str(i): (-100, 100)[i % 2] for i in range(2**31 - 1024, 2**31)}
+    for logit_bias in ({}, {"0": 0.5}, edges):
+        r = await gw.chat(key, max_tokens=1, logit_bias=logit_bias)
+        assert r.status == 200, await r.text()
 
 
 async def test_infinity_is_not_a_number(gw):

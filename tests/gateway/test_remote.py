@@ -252,6 +252,23 @@ def test_llama_cpp_server_upstream_keeps_quotas_and_usage(llama_server, llama_ga
     assert total["completion_tokens"] == sum(row[1] for row in expected)
 
 
+def test_logit_bias_reaches_a_llama_cpp_server_upstream(llama_server, llama_gateway):
+    gw, _ = llama_gateway
+    _, key = gw.tenant_key("llama-bias")
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    _, banana = httpx.post(llama_server + "/extras/tokenize", json={"input": " banana"}).json()[
+        "tokens"
+    ]
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert "banana" not in client.completions.create(**ask).choices[0].text
+    text = client.completions.create(**ask, logit_bias={str(banana): 100}).choices[0].text
+    want = httpx.post(llama_server + "/extras/detokenize", json={"tokens": [banana] * 3}).json()
+    assert text == want["text"]
+    # the gateway holds the model's tokenizer: it judges ids before the upstream sees them
+    with pytest.raises(openai.BadRequestError, match="logit_bias has token ids outside"):
+        client.completions.create(**ask, logit_bias={"9999999": 1})
+
+
 # -- kvgate workers --------------------------------------------------------------------
 
 
