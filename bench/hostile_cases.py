@@ -138,6 +138,14 @@ def _cases_auth_and_types() -> list[Case]:
         body("stream_options_string", (400,), post(CHAT, chat(stream=True, stream_options="yes"))),
         body("stop_empty_string", (400,), post(CHAT, chat(stop=""))),
         body("seed_2pow70", (200, 400), post(CHAT, chat(seed=2**70))),
+        body("logit_bias_nan", (400,), post(CHAT, data=chat_text('"logit_bias": {"5": NaN}'))),
+        body("logit_bias_key_1000_digits", (400,), post(CHAT, chat(logit_bias={"9" * 1000: 1}))),
+        body(
+            "logit_bias_10k_keys",
+            (400,),
+            post(CHAT, chat(logit_bias=dict.fromkeys(map(str, range(10_000)), 1))),
+        ),
+        body("logit_bias_list", (400,), post(CHAT, chat(logit_bias=[[5, 1.0]]))),
         body(
             "deep_nesting",
             (400,),
