@@ -14,8 +14,10 @@ OpenAI has no such routes, so they stay small (kvgate's own, documented in the R
 A pin's prefill is work done for its tenant: a tenant's own pin is admitted through its
 quota like a request (its tokens times the replicas it is prefilled on), and every
 tenant's pin, an admin's too, is billed to the tenant as a usage row ("pin-<id>", the
-tokens prefilled as prompt tokens). An admin's pin is not refused by the tenant's rate
-limits, but counts in its windows and budgets. Published pins belong to no tenant and
+tokens prefilled as prompt tokens, priced as input tokens of the pin's model). A tenant's
+own pin whose worst case no money budget could hold is a 400, as a request's is. An
+admin's pin is not refused by the tenant's rate limits, but counts in its windows and
+budgets. Published pins belong to no tenant and
 are not billed; neither is the prefill again at start-up (the gateway's choice).
 """
 
@@ -35,9 +37,11 @@ from gateway.http_util import json_response, parse_body
 from gateway.openai_api import GW
 from gateway.pins import Pin, PinCapExceeded, PinCaps
 from gateway.quota import QuotaExceeded, QuotaLimits, Reservation
+from gateway.quota.prices import FREE, Price
 from gateway.schemas_admin import AdminPinCreate, PinCreate
 from gateway.state import GatewayState
 from gateway.tenants import Conflict, NotFound
+from gateway.token_plan import PIN_COST, check_spend
 from gateway.usage import UsageRow, UsageUnavailable
 
 log = logging.getLogger("kvgate.prefix")
@@ -171,7 +175,10 @@ async def _create(
         )
         raise ApiError(400, message, code="context_length_exceeded", param="text")
     caps = PinCaps(gw.settings.max_pins_per_tenant, gw.settings.max_pin_tokens_per_tenant)
-    reservation = await _admit(gw, actor, tenant_id, len(tokens) * len(gw.pins.replicas(model)))
+    prefilled = len(tokens) * len(gw.pins.replicas(model))
+    reservation = await _admit(
+        gw, actor, tenant_id, prefilled, _price(gw, model).input_cost(prefilled)
+    )
     try:
         pin = await _store(gw, tenant_id, body, model, actor.key_id, tokens, caps)
     except BaseException:
@@ -202,16 +209,26 @@ async def _store(
         raise ApiError(400, str(e), code="pin_limit_exceeded") from None
 
 
+def _price(gw: GatewayState, model: str) -> Price:
+    return gw.settings.prices.get(model, FREE)
+
+
 async def _admit(
-    gw: GatewayState, actor: Principal, tenant_id: str | None, tokens: int
+    gw: GatewayState,
+    actor: Principal,
+    tenant_id: str | None,
+    tokens: int,
+    spend: int,
 ) -> Reservation | None:
-    """Take the prefill from the tenant's quota: refused (429) past a tenant key's limits;
-    an admin's pin is not refused but counted. A published pin has no tenant to count."""
+    """Take the prefill and its spend (nanodollars) from the tenant's quota: refused (429)
+    past a tenant key's limits, or (400) past what a money budget holds whole; an admin's
+    pin is not refused but counted. A published pin has no tenant to count."""
     if tenant_id is None:
         return None
     limits = actor.limits if actor.tenant_id == tenant_id else QuotaLimits()
+    check_spend(spend, limits, PIN_COST)
     try:
-        return await gw.quota.admit(tenant_id, limits, tokens, time.time())
+        return await gw.quota.admit(tenant_id, limits, tokens, time.time(), spend=spend)
     except QuotaExceeded as e:
         m = gw.metrics
         m.child(m.quota_rejections, actor.tenant_name, e.kind).inc()
@@ -233,8 +250,9 @@ async def _warm_and_bill(
         warmed = await gw.pins.prefill(pin, tokens)
     finally:
         used = len(tokens) * warmed
+        spend = _price(gw, pin.model).input_cost(used)
         if reservation is not None:
-            await gw.quota.settle(reservation, used)
+            await gw.quota.settle(reservation, used, used_spend=spend)
     if pin.tenant_id is None:
         return warmed
     row = UsageRow(
@@ -249,6 +267,7 @@ async def _warm_and_bill(
         latency_ms=(time.perf_counter() - started) * 1000,
         status=200,
         finish_reason="pin",
+        spend_nano_usd=spend,
     )
     try:
         await gw.usage.submit(row)

@@ -84,9 +84,20 @@ def plan_tokens(
     return TokenPlan(choices, plan, reserve)
 
 
-def check_spend(worst: int, limits: QuotaLimits) -> None:
+REQUEST_COST = (
+    "its prompt and max_tokens for every choice at the model's prices",
+    "Lower max_tokens or n (without max_tokens, the context is reserved).",
+)
+PIN_COST = (
+    "its tokens prefilled on every replica at the model's input price",
+    "Shorten the prefix.",
+)
+
+
+def check_spend(worst: int, limits: QuotaLimits, cost: tuple[str, str] = REQUEST_COST) -> None:
     """Raises ApiError(400) when a request's worst-case cost (nanodollars) is more than a
-    money budget holds whole: like a token limit, no window could ever admit it."""
+    money budget holds whole: like a token limit, no window could ever admit it. `cost`:
+    what the cost is made of, and what would make it fit."""
     for field, per in (("daily_spend", "day"), ("monthly_spend", "month")):
         limit = getattr(limits, field)
         if worst == 0 or limit is None or worst <= limit:
@@ -95,10 +106,9 @@ def check_spend(worst: int, limits: QuotaLimits) -> None:
         whose = "this API key's" if key_limit == limit else "your tenant's"
         raise ApiError(
             400,
-            f"This request may cost up to ${usd_text(to_usd(worst))} (its prompt and "
-            f"max_tokens for every choice at the model's prices), but {whose} limit on "
-            f"spend per {per} ({field}) is ${usd_text(to_usd(limit))}: it can never be "
-            "admitted. Lower max_tokens or n (without max_tokens, the context is reserved).",
+            f"This request may cost up to ${usd_text(to_usd(worst))} ({cost[0]}), but "
+            f"{whose} limit on spend per {per} ({field}) is ${usd_text(to_usd(limit))}: it "
+            f"can never be admitted. {cost[1]}",
             code="exceeds_tenant_limit",
         )
 

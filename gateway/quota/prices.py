@@ -66,6 +66,10 @@ class Price:
         )
         return _nanos_up(picos)
 
+    def input_cost(self, tokens: int) -> int:
+        """Nanodollars for prefilling `tokens` uncached (a pin's prefill)."""
+        return self.spend(tokens, 0, 0)
+
     def worst_case(self, prompt_tokens: int, completion_tokens: int) -> int:
         """The most `spend` can come to with at most these tokens: what admission reserves."""
         dearest_prompt = max(self.input, self.cached_input)

@@ -5,6 +5,7 @@ Each test runs on SQLite (memory quota store) and PostgreSQL (the shared quota s
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from sqlalchemy import func, select
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.db import PinnedPrefix
+from gateway.quota.limits import DAILY_SPEND
 from tests.conftest import ADMIN_KEY, PG_URL, away_from_minute_boundary
 from tests.gateway.conftest import Gateway, fake_backends
 
@@ -122,6 +124,31 @@ async def test_pins_are_billed_to_their_tenant(make) -> None:
     assert again.backend("fake-0").prefix_queries > 0  # the three pins were prefilled
     status, everyone = await again.admin("GET", "/admin/usage")
     assert everyone["total"] == total
+
+
+async def test_pins_are_priced_as_input_tokens_of_their_model(make) -> None:
+    """A pin's prefill is spend: its tokens on every replica at the model's input price,
+    on its usage row and in the tenant's money budget. A pin no budget could hold whole
+    is a 400 naming the budget, and nothing is stored or prefilled."""
+    gw = await make(replicas=2, prices={"fake-model": {"input": 2.5, "output": 10}})
+    tenant, key = await gw.tenant("acme", daily_spend=0.001)  # a million nanodollars
+    status, own, _ = await pin(gw, key, "support", words(30))
+    assert status == 201 and own["replicas_warmed"] == 2, own
+    spent = 2 * own["tokens"] * 2500  # $2.5 a million tokens: 2,500 nanodollars a token
+    assert (await usage_total(gw, tenant["id"]))["spend"] == spent / 1e9
+    assert (await gw.state.quota.used(tenant["id"], time.time()))[DAILY_SPEND] == spent
+    before = gw.backend("fake-0").prefix_queries
+    status, body, _ = await pin(gw, key, "huge", words(250))  # 1.25 million nanodollars
+    assert_openai_error(body, 400, status)
+    assert body["error"]["code"] == "exceeds_tenant_limit"
+    assert "(daily_spend)" in body["error"]["message"]
+    assert "Shorten the prefix" in body["error"]["message"]
+    assert await stored_pins(gw) == 1 and gw.backend("fake-0").prefix_queries == before
+    # an admin's pin for the tenant is not refused by the budget, but billed to it
+    status, by_admin = await admin_pin(gw, tenant["id"], "legal", words(250, "x"))
+    assert status == 201, by_admin
+    spent += 2 * by_admin["tokens"] * 2500
+    assert (await usage_total(gw, tenant["id"]))["spend"] == spent / 1e9
 
 
 async def test_the_per_tenant_caps_refuse_the_next_pin(make) -> None:
