@@ -70,6 +70,9 @@ class GenChunk(Record):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    # the first chunk of a request with SamplingParams.prompt_logprobs: one per prompt
+    # token, None for the first (nothing comes before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -50,6 +50,9 @@ class SamplingParams(Record):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: the sampled token's logprob and the top n
+    # None: off; n: each prompt token's logprob given the tokens before it (the first has
+    # none) and the top n there. Every prompt position is computed: no prefix cache hit.
+    prompt_logprobs: int | None = None
     # (token id, bias) added to the token's logit before anything else; OpenAI's and
     # vLLM's dict {token id: bias} is taken too. Logprobs stay the model's own.
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
@@ -90,6 +93,11 @@ class SamplingParams(Record):
             (
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"in [0, {MAX_LOGPROBS}]",
             ),
             (
