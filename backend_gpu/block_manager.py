@@ -128,9 +128,11 @@ class BlockManager:
         """The longest run of the prompt's full blocks already in the cache.
 
         At least one prompt token is always left to compute, so that the step that
-        finishes the prefill has logits to sample from.
+        finishes the prefill has logits to sample from. None for a sequence that still
+        wants prompt logprobs: it must compute its prompt's positions (its blocks are
+        cached for others all the same).
         """
-        if not self.enable_prefix_caching:
+        if not self._reads_cache(seq):
             return []
         max_blocks = (len(seq) - 1) // self.block_size
         hits: list[Block] = []
@@ -147,6 +149,10 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def _reads_cache(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` looks its prompt up (and counts the query)."""
+        return self.enable_prefix_caching and not seq.prompt_logprobs_pending
+
     def can_allocate(self, seq: Sequence, cached: list[Block], num_new_tokens: int) -> bool:
         # cached blocks with no owner sit in the free queue: taking them uses it up too
         num_revived = sum(1 for b in cached if b.ref_count == 0)
@@ -158,7 +164,7 @@ class BlockManager:
         """Give a waiting sequence its prefix-cache hits; its other blocks come from
         `append_slots`."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if self.enable_prefix_caching:
+        if self._reads_cache(seq):
             self.prefix_queries += len(seq)
             self.prefix_hits += len(cached) * self.block_size
         for block in cached:

@@ -14,9 +14,10 @@ from backend_gpu.detokenizer import IncrementalDetokenizer
 from backend_gpu.guided import hf_grammar_cache
 from backend_gpu.loader import open_model
 from backend_gpu.outputs import EngineStats, RequestOutput
+from backend_gpu.prompt_logprobs import record_prompt_logprobs
 from backend_gpu.sampler import Sampler
 from backend_gpu.scheduler import Scheduler
-from backend_gpu.sequence import Sequence
+from backend_gpu.sequence import Logprob, Sequence
 from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
 from engine_api.errors import BadRequestError, PromptTooLongError
@@ -155,7 +156,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        logits, sampled = self.runner.run(batch)
+        step = self.runner.run(batch)
+        logits, sampled = step.logits, step.sampled
+        if step.prompt_logprobs is not None:
+            record_prompt_logprobs(batch.seqs, step.prompt_logprobs)
         prompt_tokens = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             # proposed tokens count as computed only once accepted, below
@@ -238,6 +242,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs),
+            prompt_logprobs=self._prompt_logprobs(seq, new_tokens),
         )
         if finished:
             del self.seqs[seq.request_id]
@@ -246,6 +251,15 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.forget(seq.request_id)
         return out
+
+    def _prompt_logprobs(self, seq: Sequence, new_tokens: list[int]) -> list[Logprob | None] | None:
+        """The prompt logprobs asked for, on the request's first output with tokens
+        (the step that ends the prefill has recorded them all), None first; else None."""
+        first = bool(new_tokens) and len(new_tokens) == seq.num_output_tokens
+        if seq.params.prompt_logprobs is None or not first:  # an abort before it: none
+            return None
+        assert not seq.prompt_logprobs_pending
+        return [None, *seq.prompt_logprobs]
 
     def _record_step(self, num_tokens: int) -> None:
         s = self.stats_
@@ -309,10 +323,14 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         finished: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list[Logprob | None]] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if out.prompt_logprobs is not None:  # the first output's: kept for the last
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished:
+                        out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[i] for i in ids]

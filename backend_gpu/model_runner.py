@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,10 +32,12 @@ from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.models.llama import head_dim_of
+from backend_gpu.prompt_logprobs import PromptLogprobs, prompt_targets, row_slices
 from backend_gpu.quantization import KV_CACHE_DTYPES
 from backend_gpu.quantization.fp8 import FP8, check_fp8_kv_cache
 from backend_gpu.quantization.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from backend_gpu.quantization.model import quantize_model
+from backend_gpu.sampler import token_logprobs
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.span_metadata import span_metadata
 from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
@@ -53,6 +56,15 @@ def _size(num_bytes: int) -> str:
     if num_bytes < MIB:
         return f"{max(num_bytes, 0) / 1024:.1f} KiB"
     return f"{num_bytes / MIB:.1f} MiB"
+
+
+@dataclass
+class StepOutput:
+    """What a step computed, on rank 0 (None elsewhere)."""
+
+    logits: torch.Tensor | None  # [rows, vocab] float32, the sampled sequences' rows
+    sampled: list[int]  # the sampled sequences' indices in the batch
+    prompt_logprobs: PromptLogprobs | None  # what the batch's prompt spans score
 
 
 class ModelRunner:
@@ -98,6 +110,9 @@ class ModelRunner:
         # the one switch between attention paths: CUDA runs the Triton kernels, which read
         # the cache through the block tables; elsewhere the torch spans gather it
         self.paged_kernels = self.device.type == "cuda"
+        # rows of vocabulary-wide logits a step holds at once: what it samples (a row per
+        # seat), or a slice of prompt logprobs; the memory profile measures this many
+        self.logit_rows = min(config.max_num_seqs + 1, config.max_num_batched_tokens)
         capacity = Capacity(
             tokens=config.max_num_batched_tokens,
             # under VTC one seat beyond max_num_seqs (scheduler.py); each has a token
@@ -182,7 +197,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_activations(self, config: EngineConfig) -> int:
         """Peak bytes a step adds over the weights: one prefill of max_num_batched_tokens
-        tokens through the kernels, then logits of as many rows as a step samples."""
+        tokens through the kernels, then logits of logit_rows rows (as many as a step
+        samples, or a slice of prompt logprobs)."""
         device, bs = self.device, self.block_size
         tokens = config.max_num_batched_tokens
         num_blocks = -(-tokens // bs)
@@ -207,9 +223,8 @@ class ModelRunner:
         )
         positions = torch.arange(tokens, device=device) % self.max_model_len
         hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions, meta)
-        rows = min(tokens, config.max_num_seqs + 1)
         # the sampler's float32 logits and one vocabulary-sized temporary beside them
-        logits = self.model.compute_logits(hidden[:rows])
+        logits = self.model.compute_logits(hidden[: self.logit_rows])
         if logits is not None:  # rank 0's, under tensor parallelism
             logits.float().softmax(-1)
         torch.cuda.synchronize(device)
@@ -236,34 +251,69 @@ class ModelRunner:
         log.info("captured %d CUDA graphs of decode steps (batches %s)", len(sizes), sizes)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Compute the batch (on every rank); return logits (float32) of the sequences
-        that reach their end this step, 1 + len(spec_token_ids) rows each, and their
-        indices in the batch."""
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Compute the batch (on every rank); rank 0 gets the logits (float32) of the
+        sequences that reach their end this step, 1 + len(spec_token_ids) rows each, their
+        indices in the batch, and the logprobs its prompt spans score (None without)."""
         graph_size = None
         if self.graphs is not None and max(batch.num_new_tokens) == 1:
             graph_size = self.graphs.size_for(len(batch.seqs))
+        spans = batch.prompt_spans
+        prompt_rows = row_slices(spans, self.logit_rows)  # as prepare hands the other ranks
+        targets = None
+        if spans:
+            ids, top_n = prompt_targets(batch.seqs, spans)
+            targets = (torch.tensor(ids, device=self.device), top_n)
         try:
             *inputs, sampled = self.prepare(batch, graph_size)
-            return self._forward(*inputs, graph_size), sampled
+            logits, scored = self._forward(*inputs, graph_size, prompt_rows, targets)
         except RuntimeError as exc:
             if self.ranks is None:
                 raise
             raise self.ranks.failure(exc) from exc  # a collective failed: which rank is gone
+        prompt = PromptLogprobs(spans, *scored) if scored is not None else None
+        return StepOutput(logits, sampled, prompt)
 
     @torch.inference_mode()
     def execute(self, step: StepRows) -> None:
         """Ranks other than 0: run the step rank 0 handed over (its logits go to rank 0)."""
-        self._forward(*self.load(step), step.padded_seqs if step.graph else None)
+        graph_size = step.padded_seqs if step.graph else None
+        self._forward(*self.load(step), graph_size, step.prompt_rows, None)
 
-    def _forward(self, input_ids, positions, meta, sample_rows, graph_size: int | None):
+    def _forward(
+        self,
+        input_ids,
+        positions,
+        meta,
+        sample_rows,
+        graph_size: int | None,
+        prompt_rows: list[tuple[int, int]],
+        targets: tuple[torch.Tensor, int] | None,
+    ):
+        """The model over the step, then the LM head: over the prompt rows a slice at a
+        time, each reduced to logprobs before the next is computed (so the profiled peak
+        holds), then over the sampled rows. Every rank runs all of it (the logits' gather
+        is collective); rank 0, which has the scored tokens in `targets`, returns the
+        sampled rows' float32 logits and the prompt rows' (chosen, top values, top ids),
+        the others (None, None)."""
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
             self.num_graph_steps += 1
         else:
             hidden = self.model(input_ids, positions, meta)
+        parts = []
+        done = 0
+        for start, end in prompt_rows:
+            rows = self.model.compute_logits(hidden[start:end])
+            if rows is not None:  # rank 0
+                assert targets is not None
+                ids, top_n = targets
+                parts.append(token_logprobs(rows.float(), ids[done : done + end - start], top_n))
+            del rows  # before the next slice's: one slice of logits at a time
+            done += end - start
+        scored = tuple(torch.cat(column) for column in zip(*parts, strict=True)) if parts else None
         logits = self.model.compute_logits(hidden[sample_rows])
-        return None if logits is None else logits.float()
+        return (None if logits is None else logits.float()), scored
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if another tensor-parallel rank has exited."""
@@ -288,7 +338,8 @@ class ModelRunner:
         """Build the step's rows, hand them to the other ranks, fill this rank's step
         buffers; return (input ids, positions, attention metadata, sampled rows, sampled
         sequences' indices). With `graph_size` (a decode batch) the buffers are padded
-        to that many sequences for the graph of that size."""
+        to that many sequences for the graph of that size. The rows of the batch's
+        prompt spans go to the other ranks too: they run the LM head on them as well."""
         ids: list[int] = []
         ends: list[int] = []
         rows: list[int] = []
@@ -315,6 +366,7 @@ class ModelRunner:
             graph_size or len(batch.seqs),
             self.scratch_slot,
             graph_size is not None,
+            row_slices(batch.prompt_spans, self.logit_rows),
         )
         if self.ranks is not None:
             self.ranks.send(step)

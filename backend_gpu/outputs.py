@@ -20,6 +20,9 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token or string that ended it
     num_cached_tokens: int = 0
     logprobs: list[Logprob] = field(default_factory=list)  # one per token in token_ids
+    # SamplingParams.prompt_logprobs, on the request's first output only (and on the
+    # results of LLM.generate): one per prompt token, None for the first
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def finished(self) -> bool:

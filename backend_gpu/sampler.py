@@ -43,10 +43,8 @@ class Sampler:
         if not wanted:
             return read_back(tokens)[0].tolist()
         rows = torch.tensor(wanted, device=self.device)
-        logprobs = raw[rows].log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens[rows, None])[:, 0]
-        top = logprobs.topk(max(1, max(seqs[i].params.logprobs for i in wanted)), dim=-1)
-        host = read_back(tokens, chosen, top.values, top.indices)
+        n = max(seqs[i].params.logprobs for i in wanted)
+        host = read_back(tokens, *token_logprobs(raw[rows], tokens[rows], n))
         token_list = host[0].tolist()
         self._record_logprobs(wanted, token_list, seqs, *(t.tolist() for t in host[1:]))
         return token_list
@@ -156,6 +154,17 @@ class Sampler:
                     top=list(zip(top_ids[j][:n], top_values[j][:n], strict=True)),
                 )
             )
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 logits [R, V]: the log-softmax at tokens[r], and the values and
+    ids of its max(1, n) best (callers cut each row to what its request asked)."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top = logprobs.topk(max(1, n), dim=-1)
+    return chosen, top.values, top.indices
 
 
 def read_back(*tensors: torch.Tensor) -> list[torch.Tensor]:

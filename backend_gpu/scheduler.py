@@ -15,11 +15,12 @@ is kept for a tenant becoming active, so a newcomer does not wait for a seat.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend_gpu.block_manager import BlockManager
 from backend_gpu.config import EngineConfig
 from backend_gpu.fairness import FcfsQueue, Ledger, TenantStats, VtcQueue
+from backend_gpu.prompt_logprobs import PromptSpan, prompt_spans
 from backend_gpu.sequence import Sequence, SequenceStatus
 
 
@@ -27,6 +28,8 @@ from backend_gpu.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, tokens computed this step
+    # rows whose logits score prompt tokens for prompt logprobs (backend_gpu.prompt_logprobs)
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +71,7 @@ class Scheduler:
         if self.static and not self.running:
             self._form_static_batch()
         self._schedule_waiting(batch, budget)
+        batch.prompt_spans = prompt_spans(batch.seqs, batch.num_new_tokens)
         return batch
 
     def _form_static_batch(self) -> None:

@@ -65,6 +65,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[Logprob] = []
+        # params.prompt_logprobs: prompt tokens 1.. scored by the positions before them,
+        # in order, each once (backend_gpu.prompt_logprobs records them)
+        self.prompt_logprobs: list[Logprob] = []
         self.num_preemptions = 0
         # proposed next tokens, not yet checked by the target model (never in token_ids):
         # the scheduler verifies them with the next decode, or drops them
@@ -82,6 +85,15 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """It asked for prompt logprobs and some are not recorded yet: its prompt
+        positions from there on must be computed, not taken from the prefix cache."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

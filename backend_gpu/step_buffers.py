@@ -14,7 +14,7 @@ normally passed it long before).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -147,3 +147,6 @@ class StepRows:
     padded_seqs: int  # sequences the step runs as (>= len(num_new); CUDA graphs pad)
     scratch_slot: int  # where padding sequences write their key and value
     graph: bool = False  # a decode run by the CUDA graph of padded_seqs sequences
+    # row ranges whose logits score prompt logprobs (backend_gpu.prompt_logprobs): every
+    # rank runs the LM head on them too, as the logits' gather is collective
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)

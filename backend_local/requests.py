@@ -24,6 +24,9 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # the first output of a request with SamplingParams.prompt_logprobs: one per prompt
+    # token, None for the first (nothing comes before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

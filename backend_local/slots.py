@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend_local.requests import Request
+from backend_local.sampling import TokenLogprob
 from backend_local.text_stream import TextStream
 
 
@@ -31,6 +32,9 @@ class Slot:
     reused: int = 0  # prompt tokens found cached when the request started
     shared_len: int = 0  # leading tokens of `cached` that are a published prefix
     blocks: list[str] = field(default_factory=list)  # hashes of `cached`'s full blocks
+    # the request's prompt logprobs computed so far, until its first output carries them;
+    # None when it did not ask for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -66,13 +70,19 @@ def runs(seq_ids: set[int]) -> int:
 
 
 def place(
-    slots: list[Slot], prompt: list[int], salt: str | None, shared_prefix_len: int = 0
+    slots: list[Slot],
+    prompt: list[int],
+    salt: str | None,
+    shared_prefix_len: int = 0,
+    reuse_cache: bool = True,
 ) -> Placement:
-    """Pick a free slot for `prompt` and the slot holding its longest reusable prefix."""
+    """Pick a free slot for `prompt` and the slot holding its longest reusable prefix;
+    without `reuse_cache` (a request that needs every prompt position computed, as for
+    prompt logprobs) no prefix is taken."""
     free = [s for s in slots if s.request is None]
     assert free, "place() needs a free slot"
     source, reuse = None, 0
-    for s in slots:
+    for s in slots if reuse_cache else []:
         n = reusable_len(s, prompt, salt, shared_prefix_len)
         if n > reuse:
             source, reuse = s, n

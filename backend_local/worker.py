@@ -4,6 +4,7 @@ Each step: take new requests and aborts from the inbox, give free sequences to w
 requests (reusing cached prefixes), then build one llama_batch holding the next token of
 every generating sequence followed by prompt chunks of the prefilling ones (up to n_batch
 tokens), decode it, and sample each sequence that produced logits with its own sampler.
+A request with prompt logprobs gets logits for every prompt token instead of the last.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
 from backend_local.sampling import build_sampler, logit_bias_arrays, token_logprob
-from backend_local.slots import Slot, place
+from backend_local.slots import Placement, Slot, place
 from backend_local.stats import EngineStats
 from backend_local.text_stream import TextStream
 from engine_api.errors import EngineDeadError
 from engine_api.throughput import Throughput
 
 log = logging.getLogger(__name__)
+
+# Prompt tokens with logits (prompt logprobs) per decode step. llama.cpp computes the
+# n_vocab-wide output layer for each and keeps a logits buffer as large as the largest
+# step's (1 MiB a row for Gemma 3's 262k vocabulary), and each row's log-softmax holds
+# up the other sequences: 64 rows cost less than a full prompt batch does.
+PROMPT_LOGPROBS_ROWS = 64
 
 
 class Worker:
@@ -174,24 +181,17 @@ class Worker:
     def _admit(self) -> None:
         while self.waiting and any(s.request is None for s in self.slots):
             request = self.waiting.popleft()
+            # prompt logprobs need the logits of every prompt position: no cached cells
+            scored = request.params.prompt_logprobs is not None
             placement = place(
-                self.slots, request.prompt, request.cache_salt, request.shared_prefix_len
+                self.slots,
+                request.prompt,
+                request.cache_salt,
+                request.shared_prefix_len,
+                reuse_cache=not scored,
             )
-            slot, reuse = placement.slot, placement.reuse
-            if placement.source is slot:
-                if not llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1):
-                    reuse = 0  # this memory cannot cut a sequence short: start over
-                    llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
-            elif placement.source is not None:
-                # Each sequence has its own stream, and llama.cpp copies between streams
-                # only whole (the data moves at the next decode): copy, then cut the tail.
-                src = placement.source.seq_id
-                llama_cpp.llama_memory_seq_cp(self.mem, src, slot.seq_id, -1, -1)
-                llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1)
-                # a prefix others copy from (a published one) is in use: evict it last
-                placement.source.last_used = time.monotonic()
-            else:
-                llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            slot = placement.slot
+            reuse = self._load_prefix(placement)
             slot.cached = request.prompt[:reuse]
             slot.salt = request.cache_salt
             slot.shared_len = request.shared_prefix_len
@@ -204,8 +204,29 @@ class Worker:
             slot.output_ids = []
             slot.next_token = None
             slot.reused = reuse
-            self.prefix_query_tokens += len(request.prompt)
+            slot.prompt_logprobs = [None] if scored else None
+            if not scored:  # as in vLLM, a request that skips the cache does not query it
+                self.prefix_query_tokens += len(request.prompt)
             self.prefix_reused_tokens += reuse
+
+    def _load_prefix(self, placement: Placement) -> int:
+        """Leave the placement's slot holding just the reused prefix; its length."""
+        slot, reuse = placement.slot, placement.reuse
+        if placement.source is slot:
+            if not llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1):
+                reuse = 0  # this memory cannot cut a sequence short: start over
+                llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        elif placement.source is not None:
+            # Each sequence has its own stream, and llama.cpp copies between streams
+            # only whole (the data moves at the next decode): copy, then cut the tail.
+            src = placement.source.seq_id
+            llama_cpp.llama_memory_seq_cp(self.mem, src, slot.seq_id, -1, -1)
+            llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1)
+            # a prefix others copy from (a published one) is in use: evict it last
+            placement.source.last_used = time.monotonic()
+        else:
+            llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        return reuse
 
     def _add(self, n: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
         b = self.batch
@@ -214,6 +235,19 @@ class Worker:
         b.n_seq_id[n] = 1
         b.seq_id[n][0] = seq_id
         b.logits[n] = logits
+
+    def _add_prompt_chunk(self, slot: Slot, n: int) -> list[int]:
+        """Add the slot's next prompt tokens to the batch from entry `n` on, as many as fit;
+        those tokens. Only the prompt's last token needs logits (they give the first output
+        token), but every one does for prompt logprobs, in fewer rows at a time."""
+        prompt, start = slot.request.prompt, len(slot.cached)
+        every_row = slot.prompt_logprobs is not None
+        room = self.config.n_batch - n
+        chunk = prompt[start : start + (min(room, PROMPT_LOGPROBS_ROWS) if every_row else room)]
+        for i, token in enumerate(chunk):
+            pos = start + i
+            self._add(n + i, token, pos, slot.seq_id, every_row or pos == len(prompt) - 1)
+        return chunk
 
     def _decode_step(self) -> None:
         busy = [s for s in self.slots if s.request is not None]
@@ -229,19 +263,18 @@ class Worker:
                 outputs.append((slot, n))
                 n += 1
         n_gen = n
+        scored: list[tuple[Slot, int, int, int]] = []  # slot, batch index, position, rows
         # Oldest prompts first, so a long prompt cannot starve the ones behind it forever.
         for slot in sorted((s for s in busy if s.prefilling), key=lambda s: s.request.arrival):
             if n == self.config.n_batch:
                 break
-            prompt = slot.request.prompt
             start = len(slot.cached)
-            chunk = prompt[start : start + self.config.n_batch - n]
-            last = start + len(chunk) == len(prompt)
-            for i, token in enumerate(chunk):
-                self._add(n, token, start + i, slot.seq_id, last and i == len(chunk) - 1)
-                n += 1
+            chunk = self._add_prompt_chunk(slot, n)
             added.append((slot, chunk))
-            if last:
+            if slot.prompt_logprobs is not None:
+                scored.append((slot, n, start, len(chunk)))
+            n += len(chunk)
+            if start + len(chunk) == len(slot.request.prompt):
                 outputs.append((slot, n - 1))
         if n == 0:
             return
@@ -259,14 +292,30 @@ class Worker:
             if len(slot.cached) == len(slot.request.prompt):  # its prompt is all in cells
                 self._sync_blocks(slot)
         self.throughput.record(n - n_gen, len(outputs))
+        for slot, index, start, count in scored:
+            self._score_prompt(slot, index, start, count)
         for slot, index in outputs:
             self._sample(slot, index)
+
+    def _logits(self, index: int) -> np.ndarray:
+        """The logits row of batch entry `index`: a view of llama.cpp's buffer, valid until
+        the next decode."""
+        logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+        return np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
+
+    def _score_prompt(self, slot: Slot, index: int, start: int, count: int) -> None:
+        """Add the prompt logprobs of the slot's chunk just decoded: `count` rows from batch
+        entry `index`, for prompt positions from `start`. The row of position p scores token
+        p + 1; the last position's row scores nothing: it gives the first output token."""
+        prompt, top_n = slot.request.prompt, slot.request.params.prompt_logprobs
+        for i in range(min(count, len(prompt) - 1 - start)):
+            row = self._logits(index + i)  # read only: no copy
+            slot.prompt_logprobs.append(token_logprob(row, prompt[start + i + 1], top_n))
 
     def _sample(self, slot: Slot, index: int) -> None:
         request = slot.request
         params = request.params
-        logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
-        row = np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
+        row = self._logits(index)
         # the model's own distribution, before what follows changes the row in place
         raw = row.copy() if params.logprobs is not None else row
         if slot.logit_bias is not None:  # the chain and the argmax both read the row
@@ -295,7 +344,15 @@ class Worker:
                 finish = "stop"
             elif len(slot.output_ids) >= params.max_tokens:
                 finish, text = "length", text + slot.stream.flush()
-        output = RequestOutput(request.request_id, [token], text, finish, logprobs=logprobs)
+        output = RequestOutput(
+            request.request_id,
+            [token],
+            text,
+            finish,
+            logprobs=logprobs,
+            prompt_logprobs=slot.prompt_logprobs,
+        )
+        slot.prompt_logprobs = None  # the first output carries them
         if finish is None:
             slot.next_token = token
             request.emit(output)
@@ -341,4 +398,5 @@ class Worker:
         slot.grammar = None
         slot.stream = None
         slot.next_token = None
+        slot.prompt_logprobs = None
         slot.last_used = time.monotonic()

@@ -27,6 +27,7 @@ from gateway.backends import (
     PrefixCachingBackend,
     SamplingParams,
 )
+from gateway.echo import echoes
 from gateway.errors import ApiError
 from gateway.job import Job
 from gateway.prefix import tenant_cache_salt
@@ -53,6 +54,11 @@ async def prepare(
     salt = tenant_cache_salt(gw.secret, principal.tenant_id)
     gw.catalog.note_salt(salt, principal.tenant_id)
     candidates, renderer, prompts = await _render(gw, principal, body)
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        with _backend_errors(gw, principal, body.model):
+            sent, with_logprobs = body.prompts(), body.logprobs is not None
+            echo = await echoes(renderer, body.model, sent, prompts, with_logprobs)
     structured = structured_output(body)
     if structured is not None:  # compiled before admission: a bad schema costs nothing
         # the replica that rendered compiles it (its engine caches it)
@@ -81,6 +87,7 @@ async def prepare(
         block_hashes,
         [c.backend for c in candidates if c.backend is not backend],
         tools=ToolPlan.of(body) if isinstance(body, ChatCompletionRequest) else ToolPlan(),
+        echoes=echo,
     )
 
 
@@ -269,6 +276,7 @@ def sampling(
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logprobs=body.num_logprobs,
+        prompt_logprobs=body.num_prompt_logprobs,
         logit_bias=body.token_bias(),
         ignore_eos=body.ignore_eos,
         structured=structured,

@@ -61,8 +61,9 @@ class ChatLogprobs(Body):
 
 class CompletionLogprobs(Body):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token: nothing comes before it
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from gateway.auth import Principal
 from gateway.backends import Backend, BackendError, GenChunk, GenRequest
 from gateway.choice_streams import merged, queued
+from gateway.echo import Echo
 from gateway.quota import Reservation
 from gateway.quota.limits import ratelimit_headers
 from gateway.quota.prices import FREE
@@ -54,6 +55,10 @@ class Job:
     counted_by: str = "engine"  # "gateway" if any choice's upstream sent no usage
     finished: bool = False
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
+    echoes: list[Echo] | None = None  # completions with echo: one per prompt
+
+    def echo_of(self, choice: int) -> Echo | None:
+        return None if self.echoes is None else self.echoes[choice // self.n]
 
     @property
     def num_choices(self) -> int:

@@ -17,7 +17,15 @@ from typing import TypeVar
 from aiohttp import web
 
 from gateway.admission import model_card, prepare
-from gateway.backends import Backend, BackendError, BadRequestError, TokenLogprob, Usage
+from gateway.backends import (
+    Backend,
+    BackendError,
+    BadRequestError,
+    GenChunk,
+    TokenLogprob,
+    Usage,
+)
+from gateway.echo import Echo
 from gateway.errors import ApiError, error_body
 from gateway.http_util import json_response, parse_body, sse
 from gateway.job import Job
@@ -120,11 +128,15 @@ async def _whole(job: Job) -> web.Response:
     k = job.num_choices
     texts: list[list[str]] = [[] for _ in range(k)]
     finish: list[str | None] = [None] * k
-    logprobs: list[list[TokenLogprob]] | None = None
+    logprobs: list[list[TokenLogprob | str]] | None = None
     if job.requests[0].sampling.logprobs is not None:
         logprobs = [[] for _ in range(k)]
     try:
         async for i, chunk in job.events():
+            if (echo := job.echo_of(i)) is not None and not texts[i]:
+                texts[i].append(echo.text)
+                if logprobs is not None:
+                    logprobs[i].extend(echo.logprobs(chunk.prompt_logprobs))
             texts[i].append(chunk.text)
             if chunk.finish_reason:
                 finish[i] = chunk.finish_reason
@@ -156,6 +168,8 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
     try:
         await resp.prepare(request)
         async for i, chunk in job.events():
+            if first[i] and (echo := job.echo_of(i)) is not None:
+                await resp.write(sse(_echo_chunk(job, i, echo, chunk)))
             text, calls, finish = chunk.text, [], chunk.finish_reason
             if job.chat:
                 text, calls = tools[i].feed(chunk.text)
@@ -221,7 +235,15 @@ async def _finish_failed(job: Job, status: int, error: str) -> None:
         log.exception("usage row of %s not committed", job.request_id)
 
 
-def _choice(job: Job, i: int, text: str, finish: str | None, lps: list[TokenLogprob] | None):
+def _echo_chunk(job: Job, i: int, echo: Echo, chunk: GenChunk) -> dict:
+    """The stream's first chunk of a choice with echo: the prompt, and its logprobs."""
+    lps = None
+    if job.requests[i].sampling.logprobs is not None:
+        lps = echo.logprobs(chunk.prompt_logprobs)
+    return chunk_body(False, job.request_id, job.created, job.model, i, echo.text, None, lps)
+
+
+def _choice(job: Job, i: int, text: str, finish: str | None, lps: list[TokenLogprob | str] | None):
     if not job.chat:
         return completion_choice(i, text, finish, lps)
     content, calls = job.tools.parse(text)

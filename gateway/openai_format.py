@@ -32,15 +32,17 @@ def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(items: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(items: list[TokenLogprob | str], text_offset: int = 0) -> dict[str, Any]:
+    """A str is a token with no logprob (an echoed prompt's first): null in its place."""
+    tokens = [lp if isinstance(lp, str) else lp.token for lp in items]
     offsets, pos = [], text_offset
-    for lp in items:
+    for token in tokens:
         offsets.append(pos)
-        pos += len(lp.token)
+        pos += len(token)
     return {
-        "tokens": [lp.token for lp in items],
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [dict(lp.top) for lp in items],
+        "tokens": tokens,
+        "token_logprobs": [None if isinstance(lp, str) else lp.logprob for lp in items],
+        "top_logprobs": [None if isinstance(lp, str) else dict(lp.top) for lp in items],
         "text_offset": offsets,
     }
 
@@ -63,7 +65,9 @@ def chat_choice(
     }
 
 
-def completion_choice(index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None):
+def completion_choice(
+    index: int, text: str, finish: str | None, lps: list[TokenLogprob | str] | None
+):
     return {
         "index": index,
         "text": text,
@@ -94,7 +98,7 @@ def chunk_body(
     index: int,
     text: str | None,
     finish: str | None,
-    lps: list[TokenLogprob] | None,
+    lps: list[TokenLogprob | str] | None,
     first: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:

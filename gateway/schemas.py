@@ -255,6 +255,10 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None  # chat has no echo
+
 
 TokenIds = list[Annotated[Int, Field(ge=0, le=INT32)]]
 
@@ -272,8 +276,6 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         prompts = self.prompts()
@@ -297,6 +299,11 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs come back with its echo (gateway.echo)."""
+        return self.logprobs if self.echo else None
 
 
 class TokenizeRequest(_Body):

@@ -105,7 +105,8 @@ class DraftProposer:
         while active:
             shadows = [self.shadows[seqs[i].request_id] for i in active]
             batch = ScheduledBatch(shadows, [len(s) - s.num_computed_tokens for s in shadows])
-            logits, sampled = self.runner.run(batch)
+            step = self.runner.run(batch)  # a draft's batches have no prompt spans
+            logits, sampled = step.logits, step.sampled
             assert len(sampled) == len(shadows)
             for shadow, n in zip(shadows, batch.num_new_tokens, strict=True):
                 shadow.num_computed_tokens += n

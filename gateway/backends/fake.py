@@ -153,6 +153,8 @@ class FakeBackend:
         if self.fail_rate and self.rng.random() < self.fail_rate:
             raise BackendError(f"backend {self.name} failed the request")
         sp = req.sampling
+        if sp.prompt_logprobs is not None:  # its prompt ids are hashes of words: no model
+            raise BadRequestError("the fake backend has no prompt logprobs (echo with logprobs)")
         cached = self._match_prefix(req.prompt_token_ids, req.cache_salt)
         self.running += 1
         finished = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 
 from backend_gpu import AsyncLLM, RequestOutput
@@ -135,7 +136,10 @@ class GpuBackend:
         )
         async with contextlib.aclosing(stream):
             async for out in stream:
-                yield self._chunk(out, len(req.prompt_token_ids))
+                if out.prompt_logprobs is None:
+                    yield self._chunk(out, len(req.prompt_token_ids))
+                else:  # a prompt's worth of token texts: off the event loop
+                    yield await asyncio.to_thread(self._chunk, out, len(req.prompt_token_ids))
 
     def block_hashes(
         self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
@@ -165,16 +169,27 @@ class GpuBackend:
         usage = None
         if out.finished:
             usage = Usage(num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
-        logprobs = None
+
+        @functools.cache  # a prompt's logprobs name the same few tokens many times
+        def text(token: int) -> str:
+            return self.engine.tokenizer.decode([token])
+
+        def as_text(lp):  # the engine's token ids as the strings engine_api reports
+            return TokenLogprob(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
+
+        logprobs = prompt_logprobs = None
         if out.logprobs and out.new_token_ids:
-            decode = self.engine.tokenizer.decode
-            logprobs = [
-                TokenLogprob(
-                    decode([lp.token_id]), lp.logprob, [(decode([t]), v) for t, v in lp.top]
-                )
-                for lp in out.logprobs[-len(out.new_token_ids) :]
-            ]
-        return GenChunk(out.new_token_ids, out.text_delta, out.finish_reason, usage, logprobs)
+            logprobs = [as_text(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]
+        if out.prompt_logprobs is not None:  # the first output only; None for the first token
+            prompt_logprobs = [None if lp is None else as_text(lp) for lp in out.prompt_logprobs]
+        return GenChunk(
+            out.new_token_ids,
+            out.text_delta,
+            out.finish_reason,
+            usage,
+            logprobs,
+            prompt_logprobs,
+        )
 
     def stats(self) -> BackendStats:
         if self._engine is None:

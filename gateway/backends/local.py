@@ -124,20 +124,28 @@ class LocalBackend:
         )
         async with contextlib.aclosing(stream):
             async for out in stream:
-                yield self._chunk(out)
+                if out.prompt_logprobs is None:
+                    yield self._chunk(out)
+                else:  # a prompt's worth of token texts: off the event loop
+                    yield await asyncio.to_thread(self._chunk, out)
 
     def _chunk(self, out: RequestOutput) -> GenChunk:
         usage = None
         if out.finish_reason is not None:
             usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        logprobs = None
+        text = self.engine.model.token_text
+
+        def as_text(lp):  # the engine's token ids as the strings engine_api reports
+            return TokenLogprob(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
+
+        logprobs = prompt_logprobs = None
         if out.logprobs is not None:
-            text = self.engine.model.token_text
-            logprobs = [
-                TokenLogprob(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
-                for lp in out.logprobs
-            ]
-        return GenChunk(out.token_ids, out.text, out.finish_reason, usage, logprobs)
+            logprobs = [as_text(lp) for lp in out.logprobs]
+        if out.prompt_logprobs is not None:  # the first output only; None for the first token
+            prompt_logprobs = [None if lp is None else as_text(lp) for lp in out.prompt_logprobs]
+        return GenChunk(
+            out.token_ids, out.text, out.finish_reason, usage, logprobs, prompt_logprobs
+        )
 
     def block_hashes(
         self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0

@@ -31,6 +31,11 @@ def completion_body(req: GenRequest, model: str, prompt: list[int] | str) -> dic
     sp = req.sampling
     if sp.structured is not None:
         raise BadRequestError(unconstrained_upstream(req.model))
+    if sp.prompt_logprobs is not None:  # their echo formats differ; vLLM's field is its own
+        raise BadRequestError(
+            "prompt logprobs (echo with logprobs) are not supported on the third-party "
+            f"upstream of model {req.model!r}"
+        )
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,

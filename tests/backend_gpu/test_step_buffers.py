@@ -130,12 +130,12 @@ def test_decodes_padded_to_a_graph_size_keep_their_outputs(tiny_model_dir):
         engine.step()
     batch = engine.scheduler.schedule()
     assert batch.num_new_tokens == [1, 1, 1]
-    want, _ = runner.run(batch)  # 3 sequences run as 4
+    want = runner.run(batch).logits  # 3 sequences run as 4
     host = runner.buffers.np
     assert host["slot_mapping"][3] == runner.scratch_slot and host["context_lens"][3] == 0
     live = [attn.k_cache[: runner.scratch_slot].clone() for attn in runner.attention_layers]
     runner.graphs = None
-    got, _ = runner.run(batch)  # the same step unpadded, eager
+    got = runner.run(batch).logits  # the same step unpadded, eager
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the live slots hold what they held (rewritten by a GEMM of 3 rows, not 4: equal up
     # to rounding); a padding row written into one would differ by far more

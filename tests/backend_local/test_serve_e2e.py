@@ -165,3 +165,48 @@ def test_bad_logit_bias_is_a_400_naming_it(client, logit_bias):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **ask)
     assert "logit_bias" in info.value.message
+
+
+def test_echo_with_logprobs_scores_a_continuation_as_lm_eval_does(gateway, client):
+    """lm-eval's loglikelihood request: echo, logprobs and max_tokens 1 over context +
+    continuation; the continuation token's logprob among the prompt's equals the logprob
+    the engine reports for that token generated after the context alone (forced by a
+    bias, which leaves logprobs the model's own), up to llama.cpp's batch drift."""
+    (paris,) = token_ids(gateway, client, " Paris")
+    scored = client.completions.create(
+        model=DEFAULT_MODEL_ID,
+        prompt=PROMPT + " Paris",
+        max_tokens=1,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+    )
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    prompt_tokens = scored.usage.prompt_tokens
+    assert choice.text.startswith(PROMPT + " Paris")
+    assert len(lp.tokens) == len(lp.token_logprobs) == prompt_tokens + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens[1:prompt_tokens]) == PROMPT + " Paris"  # after BOS
+    assert lp.text_offset == sorted(lp.text_offset)
+    generated = client.completions.create(
+        model=DEFAULT_MODEL_ID,
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=0,
+        logprobs=1,
+        logit_bias={str(paris): 100},
+    ).choices[0]
+    assert generated.logprobs.tokens == [" Paris"]
+    paris_in_prompt = lp.token_logprobs[prompt_tokens - 1]
+    assert abs(paris_in_prompt - generated.logprobs.token_logprobs[0]) < 0.25
+    # streamed: the echo first, with the prompt's logprobs
+    stream = client.completions.create(
+        model=DEFAULT_MODEL_ID, prompt=PROMPT, max_tokens=2, logprobs=0, echo=True, stream=True
+    )
+    chunks = [c.choices[0] for c in stream]
+    assert chunks[0].text == PROMPT and chunks[0].logprobs.token_logprobs[0] is None
+    assert len(chunks[0].logprobs.tokens) == len(token_ids(gateway, client, PROMPT)) + 1
+    assert "".join(c.text for c in chunks).startswith(PROMPT) and len(chunks) >= 3

@@ -105,6 +105,30 @@ async def test_logprobs(gw):
     assert len(lp["tokens"]) == 3 and len(lp["text_offset"]) == 3
 
 
+async def test_echo_repeats_each_prompt_before_its_completion(gw):
+    """Completions' echo (no logprobs: the gateway's alone, so the fake serves it): each
+    choice's text starts with its own prompt, whole or streamed as a first chunk; usage
+    counts the prompt once, as without echo. With logprobs the engine must compute the
+    prompt's: the fake has no model (its prompt ids are hashes of words) and that is a
+    400."""
+    _, key = await gw.tenant()
+    prompts = ["first prompt here", "and a second one"]
+    plain = await (await _complete(gw, key, prompts, 3, n=2, seed=5)).json()
+    echoed = await (await _complete(gw, key, prompts, 3, n=2, seed=5, echo=True)).json()
+    assert [c["text"] for c in echoed["choices"]] == [
+        prompts[c["index"] // 2] + p["text"]
+        for c, p in zip(echoed["choices"], plain["choices"], strict=True)
+    ]
+    assert echoed["usage"] == plain["usage"]
+    r = await _complete(gw, key, prompts[0], 3, echo=True, stream=True)
+    chunks = [e for e in await _sse(r) if e != "[DONE]"]
+    assert chunks[0]["choices"][0]["text"] == prompts[0]
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    assert streamed.startswith(prompts[0]) and len(streamed) > len(prompts[0])
+    r = await _complete(gw, key, prompts[0], 3, echo=True, logprobs=1)
+    assert r.status == 400
+
+
 async def test_streaming_with_usage(gw):
     _, key = await gw.tenant()
     with_usage = {"include_usage": True}
