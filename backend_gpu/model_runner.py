@@ -32,12 +32,16 @@ from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.models.llama import head_dim_of
-from backend_gpu.prompt_logprobs import PromptLogprobs, prompt_targets, row_slices
+from backend_gpu.prompt_logprobs import (
+    PromptLogprobs,
+    prompt_targets,
+    row_slices,
+    score_prompt_rows,
+)
 from backend_gpu.quantization import KV_CACHE_DTYPES
 from backend_gpu.quantization.fp8 import FP8, check_fp8_kv_cache
 from backend_gpu.quantization.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from backend_gpu.quantization.model import quantize_model
-from backend_gpu.sampler import token_logprobs
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.span_metadata import span_metadata
 from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
@@ -290,28 +294,16 @@ class ModelRunner:
         prompt_rows: list[tuple[int, int]],
         targets: tuple[torch.Tensor, int] | None,
     ):
-        """The model over the step, then the LM head: over the prompt rows a slice at a
-        time, each reduced to logprobs before the next is computed (so the profiled peak
-        holds), then over the sampled rows. Every rank runs all of it (the logits' gather
-        is collective); rank 0, which has the scored tokens in `targets`, returns the
-        sampled rows' float32 logits and the prompt rows' (chosen, top values, top ids),
-        the others (None, None)."""
+        """The model over the step, then the LM head: over the prompt rows (a slice at a
+        time, score_prompt_rows), then over the sampled rows. Every rank runs all of it
+        (the logits' gather is collective); rank 0 returns the sampled rows' float32
+        logits and the prompt rows' (chosen, top values, top ids), the others (None, None)."""
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
             self.num_graph_steps += 1
         else:
             hidden = self.model(input_ids, positions, meta)
-        parts = []
-        done = 0
-        for start, end in prompt_rows:
-            rows = self.model.compute_logits(hidden[start:end])
-            if rows is not None:  # rank 0
-                assert targets is not None
-                ids, top_n = targets
-                parts.append(token_logprobs(rows.float(), ids[done : done + end - start], top_n))
-            del rows  # before the next slice's: one slice of logits at a time
-            done += end - start
-        scored = tuple(torch.cat(column) for column in zip(*parts, strict=True)) if parts else None
+        scored = score_prompt_rows(self.model.compute_logits, hidden, prompt_rows, targets)
         logits = self.model.compute_logits(hidden[sample_rows])
         return (None if logits is None else logits.float()), scored
 

@@ -15,11 +15,12 @@ hit (BlockManager.find_cached_blocks), as every position left must be computed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from backend_gpu.sampler import read_back
+from backend_gpu.sampler import read_back, token_logprobs
 from backend_gpu.sequence import Logprob, Sequence
 
 
@@ -84,6 +85,33 @@ def prompt_targets(seqs: list[Sequence], spans: list[PromptSpan]) -> tuple[list[
         targets.extend(seq.token_ids[start : start + span.num_rows])
         top_n = max(top_n, seq.params.prompt_logprobs or 0)
     return targets, top_n
+
+
+def score_prompt_rows(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+    hidden: torch.Tensor,
+    prompt_rows: list[tuple[int, int]],
+    targets: tuple[torch.Tensor, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The LM head over the hidden states' prompt rows, a slice at a time, each reduced
+    to (chosen, top values, top ids) before the next is computed, so a step holds one
+    slice of vocabulary-wide logits (the profiled peak). Every rank calls it (the logits'
+    gather is collective); rank 0, which has the scored tokens in `targets`, gets the
+    rows' logprobs, the others None (so does a step without prompt rows)."""
+    parts = []
+    done = 0
+    for start, end in prompt_rows:
+        rows = compute_logits(hidden[start:end])
+        if rows is not None:  # rank 0
+            assert targets is not None
+            ids, top_n = targets
+            parts.append(token_logprobs(rows.float(), ids[done : done + end - start], top_n))
+        del rows  # before the next slice's
+        done += end - start
+    if not parts:
+        return None
+    chosen, values, ids = (torch.cat(column) for column in zip(*parts, strict=True))
+    return chosen, values, ids
 
 
 def record_prompt_logprobs(seqs: list[Sequence], result: PromptLogprobs) -> None:
