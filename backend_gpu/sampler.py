@@ -1,7 +1,8 @@
 """Turns a batch of logits into next tokens, each row with its own sampling settings.
 
-Everything that can be one tensor op over the batch is; the loops left run only over
-rows that asked for something special (penalties, a seed, min_tokens). Rows with a
+Everything that can be one tensor op over the batch is: a logit bias, penalties and
+min_tokens each gather their rows' (row, token) pairs on the host and apply them with one
+indexed op, touching only those pairs. The loop left runs only over rows with a seed of their own. Rows with a
 structured output have the tokens their grammar forbids masked (backend_gpu.guided)
 last, so that whatever is sampled, greedy or not, is allowed. A logit bias comes first,
 as OpenAI's is added to the model's logits; logprobs stay the model's own.
@@ -49,41 +50,77 @@ class Sampler:
         self._record_logprobs(wanted, token_list, seqs, *(t.tolist() for t in host[1:]))
         return token_list
 
+    def _index(self, rows: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, token ids) as index tensors on the device, in one host-to-device copy:
+        each processor below touches the whole batch with one indexed op, not one per
+        row (a row's few small copies and kernels add up on a GPU at 64 rows a step)."""
+        index = torch.tensor([rows, ids], dtype=torch.long, device=self.device)
+        return index[0], index[1]
+
     def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows, ids, bias = [], [], []
         for row, seq in enumerate(seqs):
-            if seq.params.logit_bias:  # ids checked against the vocabulary on admission
-                ids, bias = zip(*seq.params.logit_bias, strict=True)
-                index = torch.tensor(ids, device=self.device)
-                logits[row, index] += torch.tensor(bias, device=self.device)
+            for token, value in seq.params.logit_bias:  # ids checked on admission
+                rows.append(row)
+                ids.append(token)
+                bias.append(value)
+        if rows:
+            values = torch.tensor(bias, dtype=logits.dtype, device=self.device)
+            logits.index_put_(self._index(rows, ids), values, accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        vocab = logits.shape[1]
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if not p.has_penalties:
-                continue
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(seq.token_ids, device=self.device).clamp_(max=vocab - 1)
-                values = logits[row, seen]
-                logits[row, seen] = torch.where(
-                    values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-                )
-            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-                out = torch.tensor(seq.output_token_ids, device=self.device).clamp_(max=vocab - 1)
-                counts = torch.bincount(out, minlength=vocab)[:vocab].float()
-                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        """Repetition over every token so far (prompt and output), as vLLM; presence and
+        frequency over the output, as OpenAI. Only the (row, token) pairs that occur are
+        touched (a dense [S, V] pass costs more than they do on a CPU)."""
+        rep = [(r, s.token_ids) for r, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        if rep:
+            rows, ids, _ = self._pairs(rep, logits.shape[1])
+            penalty = self._per_row(seqs, "repetition_penalty")[rows]
+            values = logits[rows, ids]
+            logits[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
+        counted = [
+            (r, s.output_token_ids)
+            for r, s in enumerate(seqs)
+            if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_output_tokens
+        ]
+        if counted:
+            rows, ids, counts = self._pairs(counted, logits.shape[1])
+            frequency = self._per_row(seqs, "frequency_penalty")[rows]
+            presence = self._per_row(seqs, "presence_penalty")[rows]
+            logits[rows, ids] -= frequency * counts.float() + presence * (counts > 0)
+
+    def _pairs(
+        self, tokens_by_row: list[tuple[int, list[int]]], vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The distinct (row, token) pairs of these rows' tokens and how often each
+        occurs, found on the host in one torch.unique and copied to the device once."""
+        keys = torch.cat(
+            [
+                torch.tensor(t, dtype=torch.long).clamp_(max=vocab - 1) + r * vocab
+                for r, t in tokens_by_row
+            ]
+        )
+        keys, counts = (t.to(self.device) for t in torch.unique(keys, return_counts=True))
+        return keys // vocab, keys % vocab, counts
+
+    def _per_row(self, seqs: list[Sequence], name: str) -> torch.Tensor:
+        """[S]: each row's value of a sampling parameter."""
+        return torch.tensor([getattr(s.params, name) for s in seqs], device=self.device)
 
     def _block_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         vocab = logits.shape[1]
+        rows, ids = [], []
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens >= seq.params.min_tokens:
                 continue
             stops = set(seq.params.stop_token_ids)
             if not seq.params.ignore_eos:
                 stops.update(self.eos_token_ids)
-            stops = [t for t in stops if t < vocab]
-            if stops:
-                logits[row, stops] = float("-inf")
+            for token in sorted(t for t in stops if t < vocab):
+                rows.append(row)
+                ids.append(token)
+        if rows:
+            logits[self._index(rows, ids)] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         probs = self.probs(logits, seqs)
