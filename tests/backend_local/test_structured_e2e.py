@@ -1,7 +1,8 @@
 """Structured outputs and tool calls on the llama.cpp backend with the default Gemma,
 through `kvgate serve` and the openai client, with the engine in the gateway's process and
 in a `kvgate worker` process (the constraint travels over the worker protocol); a
-constrained and a free request share the context's batch."""
+constrained and a free request share the context's batch. Echo with logprobs too: the
+prompt's logprobs travel the same protocol."""
 
 from __future__ import annotations
 
@@ -172,3 +173,17 @@ def test_a_schema_that_cannot_compile_is_a_400(client):
             messages=[{"role": "user", "content": "hi"}],
             response_format=bad,
         )
+
+
+def test_echo_with_logprobs_comes_through_as_in_process(client):
+    """Prompt logprobs cross the worker's wire (GenChunk.prompt_logprobs) as they come
+    out of the engine in the gateway's own process."""
+    prompt = "The capital of France is Paris"
+    done = client.completions.create(
+        model=DEFAULT_MODEL_ID, prompt=prompt, max_tokens=1, logprobs=1, echo=True
+    )
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == done.usage.prompt_tokens + 1
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[1 : done.usage.prompt_tokens]) == prompt
