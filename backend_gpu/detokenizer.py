@@ -3,22 +3,27 @@ sentencepiece's word-start spaces.
 
 Decoding one token alone loses the leading space sentencepiece folds into it, and a
 character split over several byte tokens decodes to U+FFFD until its last byte comes.
-So each step decodes a short window of recent tokens twice (with and without the new
-ones) and emits the difference, holding it back while it ends in an incomplete char.
+So each token is decoded in a short window of the tokens before it, and the difference
+is emitted once it no longer ends in an incomplete character. The tokenizers library
+does exactly that in Rust (`DecodeStream`), primed with the prompt's last tokens: a
+step costs about a microsecond a token, where two decodes through transformers' Python
+cost about 20 (at 64 sequences, 1.3 ms of host time a step, as long as a GPU's step).
 """
 
 from __future__ import annotations
 
-# how many already-emitted tokens give the decoder its context
+from tokenizers.decoders import DecodeStream
+
+# how many prompt tokens give the decoder its context
 _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
+        self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer under transformers'
+        self.stream = DecodeStream(skip_special_tokens=True)
+        for token in prompt_token_ids[-_CONTEXT_TOKENS:]:
+            self.stream.step(self.backend, token)  # context only: its text is the prompt's
         self.output_text = ""
         self.stop = stop
         # text that might be the start of a stop string is not streamed yet
@@ -27,19 +32,24 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str | None:
         """Append new tokens; return the stop string they complete, if any."""
-        self.token_ids.extend(token_ids)
-        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new_text = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
-            self.output_text += new_text
-            return self._find_stop(len(new_text))
-        return None
+        pieces = (self._step(token) for token in token_ids)
+        new_text = "".join(piece for piece in pieces if piece is not None)
+        if not new_text:
+            return None
+        self.output_text += new_text
+        return self._find_stop(len(new_text))
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _step(self, token: int) -> str | None:
+        try:
+            return self.stream.step(self.backend, token)
+        except Exception as e:
+            # bytes that decode differently once more follow (broken UTF-8 from a byte
+            # fallback) change text already emitted, which the stream refuses: start a
+            # stream afresh from this token, as vLLM does
+            if "Invalid prefix" not in str(e):
+                raise
+            self.stream = DecodeStream(skip_special_tokens=True)
+            return self.stream.step(self.backend, token)
 
     def _find_stop(self, num_new_chars: int) -> str | None:
         if not self.stop:
