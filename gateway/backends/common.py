@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import pathlib
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from engine_api.errors import BadRequestError
-from engine_api.records import PromptInput
+from engine_api.records import PromptInput, TokenLogprob
 from gateway.backends import BackendSpec
 from gateway.chat_template import render_chat
 from gateway.default_model import DEFAULT_MODEL_ID
@@ -50,6 +51,12 @@ async def decode_off_loop(
     if len(token_ids) < LARGE_DECODE_IDS:
         return decode(token_ids)
     return await asyncio.to_thread(decode, token_ids)
+
+
+def named_logprob(text: Callable[[int], str], lp: Any) -> TokenLogprob:
+    """An engine's logprob of token ids (backend_gpu's Logprob, backend_local's
+    TokenLogprob: token_id, logprob, top) as engine_api's, each id as its text."""
+    return TokenLogprob(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
 
 
 def check_options(spec: BackendSpec, allowed: Iterable[str]) -> None:

@@ -22,7 +22,6 @@ from engine_api.records import (
     KVEvent,
     ModelCard,
     PromptInput,
-    TokenLogprob,
     Usage,
 )
 from engine_api.structured import StructuredOutput
@@ -31,6 +30,7 @@ from gateway.backends.common import (
     check_model,
     check_options,
     decode_off_loop,
+    named_logprob,
     render_off_loop,
     render_prompt,
     served_model_id,
@@ -174,9 +174,7 @@ class GpuBackend:
         def text(token: int) -> str:
             return self.engine.tokenizer.decode([token])
 
-        def as_text(lp):  # the engine's token ids as the strings engine_api reports
-            return TokenLogprob(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
-
+        as_text = functools.partial(named_logprob, text)
         logprobs = prompt_logprobs = None
         if out.logprobs and out.new_token_ids:
             logprobs = [as_text(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]

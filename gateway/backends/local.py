@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 
 from backend_local import EngineConfig, LocalEngine, ModelLoadError, RequestOutput
@@ -21,7 +22,6 @@ from engine_api.records import (
     KVEvent,
     ModelCard,
     PromptInput,
-    TokenLogprob,
     Usage,
 )
 from engine_api.structured import StructuredOutput
@@ -30,6 +30,7 @@ from gateway.backends.common import (
     check_model,
     check_options,
     decode_off_loop,
+    named_logprob,
     render_off_loop,
     render_prompt,
     served_model_id,
@@ -133,11 +134,7 @@ class LocalBackend:
         usage = None
         if out.finish_reason is not None:
             usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        text = self.engine.model.token_text
-
-        def as_text(lp):  # the engine's token ids as the strings engine_api reports
-            return TokenLogprob(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
-
+        as_text = functools.partial(named_logprob, self.engine.model.token_text)
         logprobs = prompt_logprobs = None
         if out.logprobs is not None:
             logprobs = [as_text(lp) for lp in out.logprobs]
