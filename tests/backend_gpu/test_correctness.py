@@ -73,18 +73,23 @@ def test_qwen2_with_qkv_bias_matches_transformers(tiny_model_dir):
     check(llm, model_dir)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_greedy_matches_under_preemption(tiny_model_dir, arch):
-    model_dir = tiny_model_dir(arch)
+def preempting_llm(model_dir: str) -> LLM:
+    """An engine whose pool holds 8 blocks of 16 tokens: the longest request of
+    mixed_prompts (70 + 12 tokens) fits, the whole batch does not, so some are preempted."""
     probe = LLM(model_dir, kv_cache_memory_bytes=1 << 20)
     block_bytes = probe.stats().kv_cache_bytes // probe.stats().num_blocks
-    # 8 blocks of 16 tokens: the longest request (70 + 12 tokens) fits, the batch does not
-    llm = LLM(
+    return LLM(
         model_dir,
         kv_cache_memory_bytes=8 * block_bytes,
         max_num_batched_tokens=32,
         max_model_len=8 * 16,  # what the pool holds: a smaller pool is refused
     )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_matches_under_preemption(tiny_model_dir, arch):
+    model_dir = tiny_model_dir(arch)
+    llm = preempting_llm(model_dir)
     assert llm.stats().num_blocks == 8
     check(llm, model_dir)
     stats = llm.stats()

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from backend_gpu import LLM, SamplingParams
 from gateway.backends import BackendSpec, GenRequest, build_backend
 from tests.backend_gpu.reference import NEAR_TIE
+from tests.backend_gpu.test_correctness import preempting_llm
 from tests.backend_gpu.tiny_models import VOCAB
 
 TOL = 1e-4
@@ -139,14 +140,7 @@ def test_each_position_once_under_preemption(tiny_model_dir):
     """A pool too small for the batch: preempted requests are computed again, and each
     prompt position is still recorded once."""
     model_dir = tiny_model_dir("llama")
-    probe = LLM(model_dir, kv_cache_memory_bytes=1 << 20)
-    block_bytes = probe.stats().kv_cache_bytes // probe.stats().num_blocks
-    llm = LLM(
-        model_dir,
-        kv_cache_memory_bytes=8 * block_bytes,
-        max_num_batched_tokens=32,
-        max_model_len=8 * 16,
-    )
+    llm = preempting_llm(model_dir)
     prompts = prompt_ids()[2:]
     outs = llm.generate(prompts, params(max_tokens=40))
     assert llm.stats().preemptions > 0
