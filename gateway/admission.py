@@ -32,7 +32,6 @@ from gateway.errors import ApiError
 from gateway.job import Job
 from gateway.prefix import tenant_cache_salt
 from gateway.quota import QuotaExceeded, Reservation
-from gateway.quota.prices import FREE
 from gateway.router import Candidate
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
@@ -112,7 +111,7 @@ def _plan(
     )
     # the worst case: no prompt token cached, every choice generating all its max_tokens
     prompt_tokens = sum(len(p) for p in prompts)
-    price = gw.settings.prices.get(body.model, FREE)
+    price = gw.settings.price_of(body.model)
     worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
     check_spend(worst, principal.limits)
     return plan, worst

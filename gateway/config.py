@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.backends import BackendSpec, replica_count
-from gateway.quota.prices import Price, parse_prices
+from gateway.quota.prices import FREE, Price, parse_prices
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -101,6 +101,10 @@ class Settings:
 
         if self.router_policy not in POLICIES:
             raise ValueError(f"router_policy must be one of {POLICIES}, got {self.router_policy!r}")
+
+    def price_of(self, model: str) -> Price:
+        """The model's prices; one with none is free (FREE)."""
+        return self.prices.get(model, FREE)
 
     def resolved_backends(self) -> list[BackendSpec]:
         engine_options = {

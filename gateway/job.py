@@ -20,7 +20,6 @@ from gateway.choice_streams import merged, queued
 from gateway.echo import Echo
 from gateway.quota import Reservation
 from gateway.quota.limits import ratelimit_headers
-from gateway.quota.prices import FREE
 from gateway.state import GatewayState
 from gateway.stats import Finished
 from gateway.tool_calls import ToolPlan
@@ -178,7 +177,7 @@ class Job:
     ) -> UsageRow:
         """The request's row, with its spend and the quota settlement that commits with it."""
         gw, p, ttft = self.gw, self.principal, self.ttft
-        price = gw.settings.prices.get(self.model, FREE)
+        price = gw.settings.price_of(self.model)
         spend = price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
         # settled with the row: in memory at once, on PostgreSQL in the row's commit
         settlement = gw.quota.settlement(

@@ -37,7 +37,6 @@ from gateway.http_util import json_response, parse_body
 from gateway.openai_api import GW
 from gateway.pins import Pin, PinCapExceeded, PinCaps
 from gateway.quota import QuotaExceeded, QuotaLimits, Reservation
-from gateway.quota.prices import FREE, Price
 from gateway.schemas_admin import AdminPinCreate, PinCreate
 from gateway.state import GatewayState
 from gateway.tenants import Conflict, NotFound
@@ -177,7 +176,7 @@ async def _create(
     caps = PinCaps(gw.settings.max_pins_per_tenant, gw.settings.max_pin_tokens_per_tenant)
     prefilled = len(tokens) * len(gw.pins.replicas(model))
     reservation = await _admit(
-        gw, actor, tenant_id, prefilled, _price(gw, model).input_cost(prefilled)
+        gw, actor, tenant_id, prefilled, gw.settings.price_of(model).input_cost(prefilled)
     )
     try:
         pin = await _store(gw, tenant_id, body, model, actor.key_id, tokens, caps)
@@ -207,10 +206,6 @@ async def _store(
         raise ApiError(409, str(e), param="name") from None
     except PinCapExceeded as e:
         raise ApiError(400, str(e), code="pin_limit_exceeded") from None
-
-
-def _price(gw: GatewayState, model: str) -> Price:
-    return gw.settings.prices.get(model, FREE)
 
 
 async def _admit(
@@ -250,7 +245,7 @@ async def _warm_and_bill(
         warmed = await gw.pins.prefill(pin, tokens)
     finally:
         used = len(tokens) * warmed
-        spend = _price(gw, pin.model).input_cost(used)
+        spend = gw.settings.price_of(pin.model).input_cost(used)
         if reservation is not None:
             await gw.quota.settle(reservation, used, used_spend=spend)
     if pin.tenant_id is None:
