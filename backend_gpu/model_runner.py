@@ -263,13 +263,13 @@ class ModelRunner:
         if self.graphs is not None and max(batch.num_new_tokens) == 1:
             graph_size = self.graphs.size_for(len(batch.seqs))
         spans = batch.prompt_spans
-        prompt_rows = row_slices(spans, self.logit_rows)  # as prepare hands the other ranks
+        prompt_rows = row_slices(spans, self.logit_rows)  # prepare hands them to the ranks
         targets = None
         if spans:
             ids, top_n = prompt_targets(batch.seqs, spans)
             targets = (torch.tensor(ids, device=self.device), top_n)
         try:
-            *inputs, sampled = self.prepare(batch, graph_size)
+            *inputs, sampled = self.prepare(batch, graph_size, prompt_rows)
             logits, scored = self._forward(*inputs, graph_size, prompt_rows, targets)
         except RuntimeError as exc:
             if self.ranks is None:
@@ -326,12 +326,18 @@ class ModelRunner:
             self.v_workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
         return self.k_workspace, self.v_workspace
 
-    def prepare(self, batch: ScheduledBatch, graph_size: int | None = None):
+    def prepare(
+        self,
+        batch: ScheduledBatch,
+        graph_size: int | None,
+        prompt_rows: list[tuple[int, int]],
+    ):
         """Build the step's rows, hand them to the other ranks, fill this rank's step
         buffers; return (input ids, positions, attention metadata, sampled rows, sampled
         sequences' indices). With `graph_size` (a decode batch) the buffers are padded
-        to that many sequences for the graph of that size. The rows of the batch's
-        prompt spans go to the other ranks too: they run the LM head on them as well."""
+        to that many sequences for the graph of that size. `prompt_rows`, the slices of
+        the batch's prompt spans, go to the other ranks too: they run the LM head on them
+        as well."""
         ids: list[int] = []
         ends: list[int] = []
         rows: list[int] = []
@@ -358,7 +364,7 @@ class ModelRunner:
             graph_size or len(batch.seqs),
             self.scratch_slot,
             graph_size is not None,
-            row_slices(batch.prompt_spans, self.logit_rows),
+            prompt_rows,
         )
         if self.ranks is not None:
             self.ranks.send(step)

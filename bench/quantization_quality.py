@@ -88,7 +88,7 @@ def next_token_logits(llm: LLM, token_ids: list[int], first_chunk: int = PPL_CHU
     for start, end in zip(starts, [*starts[1:], len(token_ids) - 1], strict=True):
         n = end - start  # the last token is only a target
         seq.num_computed_tokens = start
-        input_ids, positions, meta, _, _ = runner.prepare(ScheduledBatch([seq], [n]))
+        input_ids, positions, meta, _, _ = runner.prepare(ScheduledBatch([seq], [n]), None, [])
         chunks.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
     return torch.cat(chunks).float()
 

@@ -94,7 +94,7 @@ def run_chunks(llm: LLM, token_ids: list[int], steps: list[tuple[int, int]]) -> 
     logits = []
     for start, n in steps:
         seq.num_computed_tokens = start
-        input_ids, positions, meta, _, _ = runner.prepare(ScheduledBatch([seq], [n]))
+        input_ids, positions, meta, _, _ = runner.prepare(ScheduledBatch([seq], [n]), None, [])
         logits.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
     return torch.cat(logits).float()
 

@@ -52,8 +52,8 @@ def test_the_same_buffers_serve_every_step(tiny_model_dir):
     kinds: set[str] = set()
     prepare = runner.prepare
 
-    def prepare_and_record(batch, graph_size=None):
-        prepared = prepare(batch, graph_size)
+    def prepare_and_record(batch, graph_size, prompt_rows):
+        prepared = prepare(batch, graph_size, prompt_rows)
         input_ids, positions, meta, sample_rows, _ = prepared
         seen.append(
             {
