@@ -254,8 +254,8 @@ def test_engine_on_the_kernels_matches_transformers(tiny_model_dir):
     steps = []
     prepare = runner.prepare
 
-    def prepare_and_count(batch, graph_size=None):
-        prepared = prepare(batch, graph_size)
+    def prepare_and_count(batch, graph_size, prompt_rows):
+        prepared = prepare(batch, graph_size, prompt_rows)
         meta = prepared[2]
         assert meta.paged is not None and not meta.prefills and not meta.decode_groups
         steps.append(meta.paged.max_query_len)
