@@ -7,7 +7,6 @@ thread while the worker decodes is safe; contexts (the mutable part) belong to t
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from functools import cached_property
 
@@ -15,6 +14,7 @@ import llama_cpp
 
 from backend_local.config import EngineConfig
 from backend_local.errors import ModelLoadError
+from backend_local.llama_log import route_llama_log
 
 _GGUF_MAGIC = b"GGUF"
 _backend_ready = False
@@ -22,9 +22,8 @@ _backend_ready = False
 
 def _init_backend(verbose: bool) -> None:
     global _backend_ready
-    # llama-cpp-python routes llama.cpp's log through this logger; it prints everything
-    # unless told otherwise, which would bury the gateway's own log.
-    logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
+    # llama.cpp's log goes to the `llama.cpp` logger at its own levels (llama_log.py)
+    route_llama_log(verbose)
     if not _backend_ready:
         llama_cpp.llama_backend_init()
         _backend_ready = True

@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POLICY",
         help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
     )
+    serve.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show other libraries' logs (database migrations, llama.cpp's load "
+        "messages, the workers' output) and the traceback of a backend that fails to start",
+    )
     worker_cli.add_engine_args(serve)
 
     worker_cli.add_parser(sub)
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from gateway.serve import run
 
-        return run(settings)
+        return run(settings, verbose=args.verbose)
     if args.command == "models":
         return _models(args.json)
     return cli_admin.run(args, settings)

@@ -16,10 +16,16 @@ from gateway.app import create_app
 from gateway.config import Settings
 from gateway.http_server import GatewayRunner
 from gateway.openai_api import GW
+from gateway.state import GatewayState
+from gateway.worker.supervisor import WorkerStartError
 
 
-class CannotListen(Exception):
-    """The port is taken or the address is not ours: a one-line message, not a traceback."""
+class CannotServe(Exception):
+    """Why the gateway cannot run, as one line for the user: no traceback."""
+
+
+class CannotListen(CannotServe):
+    """The port is taken or the address is not ours."""
 
 
 def _listen_error(settings: Settings, e: OSError) -> str:
@@ -52,8 +58,16 @@ async def serve(settings: Settings) -> None:
     app = create_app(settings)
     # the gateway's transport: limits on slow and idle clients (gateway/http_server.py)
     runner = GatewayRunner(app, settings, access_log=None)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except WorkerStartError as e:  # --workers: no worker came up, nothing to serve
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        last = f" {lines[-1].strip()}" if len(lines) > 1 else ""
+        raise CannotServe(f"{lines[0]}{last}; nothing to serve") from None
     gw = app[GW]
+    if why := _nothing_to_serve(gw):
+        await runner.cleanup()
+        raise CannotServe(why)
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
     try:
         await site.start()
@@ -76,7 +90,17 @@ async def serve(settings: Settings) -> None:
     await runner.cleanup()
 
 
-def _announce(settings: Settings, gw) -> None:
+def _nothing_to_serve(gw: GatewayState) -> str | None:
+    """Why no backend can serve (every one failed to start), or None. A gateway with
+    nothing to serve would only answer "Available: none": better to exit and say why."""
+    if not gw.backends or any(b.name not in gw.router.broken for b in gw.backends):
+        return None
+    reasons = list(dict.fromkeys(gw.router.broken.values()))
+    more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+    return f"{reasons[0]}{more}; nothing to serve"
+
+
+def _announce(settings: Settings, gw: GatewayState) -> None:
     for backend in gw.backends:
         kind = gw.backend_types[backend.name]
         models = ", ".join(m for m, bs in gw.router.serving.items() if backend in bs) or "-"
@@ -98,9 +122,21 @@ def _announce(settings: Settings, gw) -> None:
     print(f"kvgate: listening on http://{settings.host}:{settings.port}", flush=True)
 
 
-def run(settings: Settings) -> int:
-    """The exit status: 0 after a clean shutdown, 1 when the address cannot be bound."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def configure_logging(verbose: bool) -> None:
+    """kvgate's own log at INFO; other libraries' (Alembic's migration steps, llama.cpp's
+    load messages, a worker's output) only with --verbose, with kvgate's DEBUG lines
+    (a failed backend's traceback). A new user's first screen is the admin key."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("kvgate").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def run(settings: Settings, verbose: bool = False) -> int:
+    """The exit status: 0 after a clean shutdown, 1 when the address cannot be bound or
+    no backend could start."""
+    configure_logging(verbose)
     try:
         import uvloop  # the event loop is most of the gateway's per-request cost
 
@@ -109,7 +145,7 @@ def run(settings: Settings) -> int:
         loop_run = asyncio.run
     try:
         loop_run(serve(settings))
-    except CannotListen as e:
+    except CannotServe as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 1
     return 0

@@ -158,7 +158,8 @@ async def _start_backends(state: GatewayState) -> None:
                 await backend.start()
                 router.add_models(backend)
             except Exception as e:  # one broken backend must not take the gateway down
-                log.exception("backend %s failed to start", backend.name)
+                # the reason is one line (kvgate serve prints it); the traceback is for --verbose
+                log.debug("backend %s failed to start", backend.name, exc_info=True)
                 router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
     for backend in state.backends:
         slots = getattr(backend, "max_in_flight", None)

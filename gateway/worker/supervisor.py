@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 import time
@@ -161,7 +162,7 @@ class WorkerSupervisor:
         async for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             w.output.append(line)
-            log.info("worker %d: %s", w.index, line)
+            log.log(_relay_level(line), "worker %d: %s", w.index, line)
             if line.startswith(READY_LINE) and not ready.done():
                 ready.set_result(int(line.rsplit(":", 1)[1]))
         if not ready.done():
@@ -234,3 +235,12 @@ class WorkerSupervisor:
                 await proc.wait()
         if w.relay is not None:
             await w.relay  # the output's end: the pipe closed with the process
+
+
+def _relay_level(line: str) -> int:
+    """A worker's warnings and errors reach the gateway's log; the rest of its output (its
+    start-up, llama.cpp's load messages) only with `kvgate serve --verbose`."""
+    return logging.WARNING if _ALARMING.search(line) else logging.DEBUG
+
+
+_ALARMING = re.compile(r"\b(WARNING|ERROR|CRITICAL|Traceback)\b")
