@@ -31,6 +31,7 @@ from gateway.tenants import (
     TenantService,
 )
 
+TENANT_HELP = "the tenant's id or its name"
 LIFT = "none"  # a limit flag's value that lifts the limit: `kvgate keys update K --rpm none`
 
 
@@ -46,23 +47,25 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _quota_args(create)
     t_sub.add_parser("list", help="list tenants")
     update = t_sub.add_parser("update", help="change a tenant's name or quotas")
-    update.add_argument("tenant_id")
+    update.add_argument("tenant_id", metavar="TENANT", help=TENANT_HELP)
     update.add_argument("--name")
     _quota_args(update)
     delete = t_sub.add_parser("delete", help="delete a tenant and its keys")
-    delete.add_argument("tenant_id")
+    delete.add_argument("tenant_id", metavar="TENANT", help=TENANT_HELP)
 
     keys = sub.add_parser("keys", help="create, list, update and revoke API keys")
     k_sub = keys.add_subparsers(dest="keys_command", required=True)
     kc = k_sub.add_parser("create", help="create a key (shown once)")
-    kc.add_argument("tenant_id", help="the tenant; 'admin' for an admin key of no tenant")
+    kc.add_argument(
+        "tenant_id", metavar="TENANT", help=TENANT_HELP + "; 'admin': an admin key of no tenant"
+    )
     kc.add_argument("--name", default="")
     kc.add_argument("--scopes", default="inference", help="comma-separated: inference,admin")
     kc.add_argument("--expires-in", type=float, help="seconds until the key expires")
     _limit_args(kc, "key")
     kl = k_sub.add_parser("list", help="list keys")
-    kl.add_argument("tenant_id", nargs="?")
-    kl.add_argument("--tenant", dest="tenant_flag", metavar="TENANT_ID", help="as TENANT_ID")
+    kl.add_argument("tenant_id", nargs="?", metavar="TENANT", help=TENANT_HELP)
+    kl.add_argument("--tenant", dest="tenant_flag", metavar="TENANT", help="as TENANT")
     ku = k_sub.add_parser("update", help="change a key's name or limits")
     ku.add_argument("key_id")
     ku.add_argument("--name")
@@ -71,7 +74,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     kr.add_argument("key_id")
 
     usage = sub.add_parser("usage", help="daily usage per tenant and model")
-    usage.add_argument("--tenant")
+    usage.add_argument("--tenant", help=TENANT_HELP)
     usage.add_argument("--since", help="YYYY-MM-DD")
     usage.add_argument("--until", help="YYYY-MM-DD")
 
@@ -84,7 +87,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("KVGATE_ADMIN_KEY"),
         help="admin key (all tenants) or a tenant's key (its own); default $KVGATE_ADMIN_KEY",
     )
-    prefixes.add_argument("--tenant", help="only this tenant's view (admin key)")
+    prefixes.add_argument("--tenant", help="only this tenant's view (admin key): its id or name")
     prefixes.add_argument("--limit", type=int, default=20)
 
 
@@ -172,19 +175,21 @@ async def _tenants(args: argparse.Namespace, service: TenantService) -> None:
         _print(await service.list_tenants(), args.json)
     elif cmd == "update":
         changes = _quota_values(args, "tenant") | ({"name": args.name} if args.name else {})
-        _print(await service.update_tenant(args.tenant_id, changes), args.json)
+        tenant_id = await service.tenant_id_of(args.tenant_id)
+        _print(await service.update_tenant(tenant_id, changes), args.json)
     elif cmd == "delete":
-        await service.delete_tenant(args.tenant_id)
+        tenant_id = await service.tenant_id_of(args.tenant_id)
+        await service.delete_tenant(tenant_id)
         if args.json:
-            _print({"id": args.tenant_id, "object": "tenant", "deleted": True}, True)
+            _print({"id": tenant_id, "object": "tenant", "deleted": True}, True)
         else:
-            print(f"deleted tenant {args.tenant_id}")
+            print(f"deleted tenant {args.tenant_id} ({tenant_id})")
 
 
 async def _keys(args: argparse.Namespace, service: TenantService) -> None:
     cmd = args.keys_command
     if cmd == "create":
-        tenant = None if args.tenant_id == "admin" else args.tenant_id
+        tenant = None if args.tenant_id == "admin" else await service.tenant_id_of(args.tenant_id)
         expires = time.time() + args.expires_in if args.expires_in else None
         scopes = [s for s in args.scopes.split(",") if s]
         bad = set(scopes) - {"inference", "admin"}
@@ -195,13 +200,12 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         if args.json:
             _print(record | {"key": key}, True)
         else:
-            print(f"key id {record['id']} for tenant {record['tenant_id'] or '(admin)'}")
-            print(f"    {key}")
-            print("This key is shown only once; store it now.")
+            name = (await service.get_tenant(tenant))["name"] if tenant else None
+            _print_new_key(record, key, name)
     elif cmd == "list":
         tenant = args.tenant_id or args.tenant_flag
-        if tenant is not None:
-            await service.get_tenant(tenant)  # an unknown tenant is an error
+        if tenant is not None:  # an unknown tenant is an error
+            tenant = await service.tenant_id_of(tenant)
         _print(await service.list_keys(tenant), args.json)
     elif cmd == "update":
         changes = _quota_values(args, "key")
@@ -211,10 +215,23 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         _print(await service.revoke_key(args.key_id), args.json)
 
 
+def _print_new_key(record: dict[str, Any], key: str, tenant_name: str | None) -> None:
+    """A new key for people: whose it is, the limits it was given, and the key (once)."""
+    owner = f"{tenant_name} ({record['tenant_id']})" if record["tenant_id"] else "(admin)"
+    name = f" {record['name']!r}" if record["name"] else ""
+    print(f"key{name} id {record['id']} for tenant {owner}")
+    limits = {f: record[f] for f in LIMIT_FIELDS if record[f] is not None}
+    if limits:
+        print("limits: " + ", ".join(f"{f} {_cell(v)}" for f, v in limits.items()))
+    print(f"    {key}")
+    print("This key is shown only once; store it now.")
+
+
 async def _usage(args: argparse.Namespace, service: TenantService) -> None:
-    if args.tenant is not None:
-        await service.get_tenant(args.tenant)  # an unknown tenant is an error, not no usage
-    usage = await service.usage(args.tenant, args.since, args.until, summaries=True)
+    tenant = args.tenant
+    if tenant is not None:  # an unknown tenant is an error, not no usage
+        tenant = await service.tenant_id_of(tenant)
+    usage = await service.usage(tenant, args.since, args.until, summaries=True)
     names = {t["id"]: t["name"] for t in await service.list_tenants()}
     for row in (*usage["data"], *usage["tenants"], *usage["keys"]):
         row["tenant_name"] = names.get(row["tenant_id"])  # None: the tenant was deleted
@@ -246,36 +263,60 @@ def _usage_row(r: dict[str, Any]) -> dict[str, Any]:
 
 async def _prefixes(args: argparse.Namespace) -> int:
     """GET /admin/prefixes: the catalog lives in the running gateway's memory."""
-    query = {"limit": str(args.limit)} | ({"tenant_id": args.tenant} if args.tenant else {})
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     url = args.url.rstrip("/")
     async with aiohttp.ClientSession(headers=headers) as http:
+        status, body = 200, {}
         if args.tenant:  # an unknown tenant is an error, not an empty report
-            async with http.get(f"{url}/admin/tenants/{args.tenant}") as r:
-                body = await r.json()
-        if not args.tenant or r.status == 200:
+            status, body = await _tenant_by_ref(http, url, args.tenant)
+        if status == 200:
+            tenant = {"tenant_id": body["id"]} if args.tenant else {}
+            query = {"limit": str(args.limit)} | tenant
             async with http.get(url + "/admin/prefixes", params=query) as r:
-                body = await r.json()
-    if r.status != 200:
-        print(f"kvgate: {r.status}: {body['error']['message']}", file=sys.stderr)
+                status, body = r.status, await r.json()
+    if status != 200:
+        print(f"kvgate: {status}: {body['error']['message']}", file=sys.stderr)
         return 1
     if args.json:
         _print(body, True)
         return 0
     now = time.time()
+    names = {t["tenant_id"]: t["name"] for t in body["tenants"]}
     print("hottest prefixes")
-    _print([_hot_prefix_row(p, now) for p in body["prefixes"]], False)
+    _print([_hot_prefix_row(p, now, names) for p in body["prefixes"]], False)
     print("\npinned prefixes")
-    _print([_pin_row(p) for p in body["pins"]], False)
+    _print([_pin_row(p, names) for p in body["pins"]], False)
     print("\nper tenant")
     _print([_tenant_cache_row(t) for t in body["tenants"]], False)
     return 0
 
 
-def _hot_prefix_row(p: dict, now: float) -> dict:
+async def _tenant_by_ref(
+    http: aiohttp.ClientSession, url: str, ref: str
+) -> tuple[int, dict[str, Any]]:
+    """GET the tenant `ref` names, by id or else by name (the admin key lists tenants)."""
+    async with http.get(f"{url}/admin/tenants/{ref}") as r:
+        status, body = r.status, await r.json()
+    if status != 404:
+        return status, body
+    async with http.get(f"{url}/admin/tenants") as r:
+        if r.status != 200:
+            return status, body
+        named = [t for t in (await r.json())["data"] if t["name"] == ref]
+    return (200, named[0]) if named else (status, body)
+
+
+def _tenant_label(tenant_id: str | None, names: dict[str | None, str | None]) -> str:
+    """A tenant as people know it: its name (its id when the report has no name for it)."""
+    if tenant_id is None:
+        return "(published)"
+    return names.get(tenant_id) or tenant_id
+
+
+def _hot_prefix_row(p: dict, now: float, names: dict) -> dict:
     return {
         "replica": p["replica"],
-        "tenant": p["tenant_id"] or "(published)",
+        "tenant": _tenant_label(p["tenant_id"], names),
         "pin": p["pin"],
         "tokens": p["tokens"],
         "hits": p["hits"],
@@ -285,10 +326,10 @@ def _hot_prefix_row(p: dict, now: float) -> dict:
     }
 
 
-def _pin_row(p: dict) -> dict:
+def _pin_row(p: dict, names: dict) -> dict:
     return {
         "name": p["name"],
-        "tenant": p["tenant_id"] or "(published)",
+        "tenant": _tenant_label(p["tenant_id"], names),
         "model": p["model"],
         "tokens": p["tokens"],
         "replicas": p["replicas"],

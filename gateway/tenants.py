@@ -116,6 +116,17 @@ class TenantService(UsageQueries):
                 raise NotFound(f"no tenant {tenant_id!r}")
             return tenant_dict(tenant)
 
+    async def tenant_id_of(self, ref: str) -> str:
+        """The id of the tenant `ref` names: its id, or its name (names are unique). People
+        create tenants by name, so the command line takes either."""
+        async with self.db.session() as s:
+            if await s.get(Tenant, ref) is not None:
+                return ref
+            found = await s.scalar(select(Tenant.id).where(Tenant.name == ref))
+        if found is None:
+            raise NotFound(f"no tenant {ref!r}")
+        return found
+
     async def list_tenants(self) -> list[dict]:
         async with self.db.session() as s:
             rows = (await s.scalars(select(Tenant).order_by(Tenant.created_at))).unique().all()
