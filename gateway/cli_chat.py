@@ -94,7 +94,8 @@ class RemoteChat:
             raise ChatError(f"{self.url}: {body.get('message') or e.message}{hint}") from None
         except openai.APIConnectionError:
             raise ChatError(
-                f"cannot reach a gateway at {self.url} (is `kvgate serve` running?)"
+                f"cannot reach a gateway at {self.url}: is `kvgate serve` running there? "
+                "A gateway elsewhere: --url URL or $KVGATE_URL"
             ) from None
         except openai.APIError as e:  # an error event in the middle of a stream
             raise ChatError(f"{self.url}: {e.message}") from None

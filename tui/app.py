@@ -116,7 +116,7 @@ class DashboardScreen(Screen[None]):
     def redraw(self) -> None:
         board: Dashboard = self.source.dashboard(self.sort_key, self.tenant_filter)
         # Stale numbers get red frames, so nobody mistakes them for live ones.
-        self.set_class(board.connection.state == "disconnected", "-disconnected")
+        self.set_class(board.connection.state in ("disconnected", "refused"), "-disconnected")
         self.query_one(StatusBar).show(board, self.paused)
         for panel, series in zip(self.query(ChartPanel), board.throughput, strict=True):
             panel.show(series, board.window_s)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # Imported here so that `kvgate --help` does not pay for Textual.
     from tui.app import TopApp
-    from tui.source import StatsSource, load_replay
+    from tui.source import StatsSource, key_refused, load_replay
 
     if args.replay is not None:
         try:
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             interval=args.interval,
         )
     else:
+        if why := asyncio.run(key_refused(args.url, args.admin_key)):
+            print(f"kvgate top: {args.url}: {why}", file=sys.stderr)
+            return 1
         source = StatsSource(args.url, args.admin_key, interval=args.interval)
     if args.screenshot is not None:
         source.speed = 0

@@ -2,7 +2,8 @@
 
 Live: follows `GET /admin/stats/stream` (SSE) and falls back to polling
 `GET /admin/stats` when the stream route is missing; on any failure it reports
-the error, waits (exponential backoff) and connects again. Replay: plays a JSON
+the error, waits (exponential backoff) and connects again, except when the gateway
+refuses the key (401, 403): the same key would be refused again, so it stops. Replay: plays a JSON
 Lines file of snapshots with their recorded spacing, scaled by `speed`.
 Either way it keeps the last minutes of rates for the charts and hands the
 widgets a plain `Dashboard` record.
@@ -24,7 +25,17 @@ from tui.view import TENANT_SORTS, Connection, Dashboard, build_dashboard
 
 
 class GatewayError(Exception):
-    """The gateway answered, but not with stats (wrong key, unknown route, server error)."""
+    """The gateway answered, but not with stats (wrong key, unknown route, server error);
+    `status` is its HTTP status."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def refused_key(self) -> bool:
+        """The key is wrong or not an admin key: trying again cannot help."""
+        return self.status in (401, 403)
 
 
 def load_replay(path: str | Path) -> list[dict[str, Any]]:
@@ -70,8 +81,30 @@ async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
     except (ValueError, KeyError, TypeError, aiohttp.ClientError):
         pass
     if resp.status in (401, 403):
-        message = f"admin key rejected: {message} (--admin-key or KVGATE_ADMIN_KEY)"
-    raise GatewayError(f"HTTP {resp.status}: {message}")
+        message = (
+            f"admin key rejected: {message}; kvgate top needs the gateway's admin key "
+            "(--admin-key or KVGATE_ADMIN_KEY)"
+        )
+    raise GatewayError(f"HTTP {resp.status}: {message}", resp.status)
+
+
+async def key_refused(url: str, admin_key: str | None) -> str | None:
+    """Why the gateway refuses `admin_key` for its stats (one line), or None: checked
+    before the dashboard starts, as a refused key is not worth retrying. A gateway that
+    cannot be reached is None here: the dashboard shows that and keeps trying."""
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    timeout = aiohttp.ClientTimeout(total=10)
+    try:
+        async with (
+            aiohttp.ClientSession(headers=headers, timeout=timeout) as http,
+            http.get(url.rstrip("/") + "/admin/stats") as resp,
+        ):
+            await _raise_for_status(resp)
+    except GatewayError as e:
+        return str(e) if e.refused_key else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    return None
 
 
 class StatsSource:
@@ -192,6 +225,9 @@ class StatsSource:
                     raise
                 except Exception as e:  # whatever goes wrong, the dashboard stays up
                     error = describe(e)
+                    if isinstance(e, GatewayError) and e.refused_key:
+                        self._set_connection(Connection("refused", error, None, attempt))
+                        return  # the same key would be refused again: no retries
                 if self.received > received_before:
                     delay, attempt = first_delay, 1  # it worked for a while: start backoff over
                 self._set_connection(Connection("disconnected", error, delay, attempt))

@@ -23,7 +23,8 @@ TENANT_SORTS: list[tuple[str, str]] = [
 
 @dataclass
 class Connection:
-    # connecting | connected | polling | disconnected | reconnecting | replaying | replay finished
+    # connecting | connected | polling | disconnected | reconnecting | refused (the key;
+    # no retries) | replaying | replay finished
     state: str
     error: str = ""
     retry_in_s: float | None = None

@@ -36,6 +36,7 @@ STATE_STYLE = {
     "connecting": "bold yellow",
     "reconnecting": "bold yellow",
     "disconnected": "bold red",
+    "refused": "bold red",
 }
 
 
@@ -64,6 +65,8 @@ class StatusBar(Static):
         line2 = Text.assemble(("● " + c.state, STATE_STYLE.get(c.state, "bold")))
         if c.state == "disconnected":
             line2.append(f"  {c.error}, retry in {c.retry_in_s:g}s (attempt {c.attempt})")
+        elif c.state == "refused":
+            line2.append(f"  not retrying (q quits): {c.error}")
         elif c.state == "reconnecting":
             line2.append(f"  (last error: {c.error})")
         if paused:

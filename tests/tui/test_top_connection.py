@@ -73,17 +73,22 @@ async def test_falls_back_to_polling_without_the_stream_route():
         await server.stop()
 
 
-async def test_a_wrong_admin_key_is_reported():
+async def test_a_wrong_admin_key_is_reported_and_not_retried():
     port = free_port()
     server = StatsServer(load_replay(DATA), port)
     await server.start()
     app = live_app(port, admin_key="wrong")
     try:
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: app.source.connection.state == "disconnected")
+            await wait_for(pilot, lambda: app.source.connection.state == "refused")
             assert "HTTP 401" in app.source.connection.error
-            assert "admin key rejected: invalid admin key" in status_text(app)
-            assert app.source.received == 0
+            text = status_text(app)
+            assert "not retrying" in text and "admin key rejected: invalid admin key" in text
+            assert app.dashboard.has_class("-disconnected")
+            # far longer than the 0.05 s backoff: a retry would have come and gone
+            await pilot.pause(0.5)
+            assert app.source.connection.state == "refused"
+            assert app.source.connection.attempt == 1 and app.source.received == 0
     finally:
         await server.stop()
 
