@@ -116,8 +116,11 @@ def test_every_readme_example_runs_in_order(served: Served) -> None:
     assert session.variables["TENANT"].startswith("t_")
     assert session.variables["KEY"].startswith("kvg-")
     assert "limits: rpm 60, daily_tokens 200000" in ran  # keys create says what it set
-    hot = _section(next(out for b, out in outputs if "kvgate prefixes" in b.code), "hottest")
-    assert "acme" in hot and session.variables["TENANT"] not in hot, hot
+    report = next(out for b, out in outputs if "kvgate prefixes" in b.code)
+    hot = _section(report, "hottest")
+    assert "acme" in hot and session.variables["TENANT"] not in hot, hot  # names, not ids
+    pinned = _section(report, "pinned")  # the README's pin spans whole blocks: a replica
+    assert re.search(r"support\s+acme\s+gemma-3-270m\s+\d+\s+[a-z]", pinned), pinned
 
 
 def _wait_for_cached_prefixes(served: Served, timeout: float = 60) -> None:
