@@ -10,30 +10,30 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from gateway.backends import Backend, GenChunk, GenRequest
+from gateway.backends import GenChunk, GenRequest
 from gateway.fair_queue import CACHED_TOKEN_COST, FairQueue
+from gateway.metering import ChoiceMeter
 
 
-async def queued(queue: FairQueue, backend: Backend, req: GenRequest) -> AsyncIterator[GenChunk]:
+async def queued(
+    queue: FairQueue, req: GenRequest, stream: AsyncIterator[GenChunk], meter: ChoiceMeter
+) -> AsyncIterator[GenChunk]:
     """Wait for a slot in line with the tenant's other requests, then stream, charging
-    the tenant for the service as it is given."""
+    the tenant for the service as it is given: the meter's count (the backend's usage
+    only where the meter took it)."""
     tenant = req.tenant_id
     async with queue.slot(tenant, req.weight):
         queue.charge(tenant, len(req.prompt_token_ids))
         charged = 0
-        gen = backend.generate(req)
         try:
-            async for chunk in gen:
-                out = len(chunk.token_ids)
-                if chunk.usage is not None:  # the backend's own count (an upstream's)
-                    out = chunk.usage.completion_tokens - charged
-                    discount = (1 - CACHED_TOKEN_COST) * chunk.usage.cached_tokens
-                    queue.charge(tenant, -discount)
-                queue.charge(tenant, out)
-                charged += out
+            async for chunk in stream:
+                if chunk.finish_reason is not None and meter.cached:  # the last chunk's usage
+                    queue.charge(tenant, -(1 - CACHED_TOKEN_COST) * meter.cached)
+                queue.charge(tenant, meter.count - charged)
+                charged = meter.count
                 yield chunk
         finally:
-            await gen.aclose()
+            await stream.aclose()
 
 
 _DONE = object()

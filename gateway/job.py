@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.auth import Principal
-from gateway.backends import Backend, BackendError, GenChunk, GenRequest
+from gateway.backends import Backend, BackendError, GenChunk, GenRequest, OutputCountingBackend
 from gateway.choice_streams import merged, queued
 from gateway.echo import Echo
+from gateway.metering import ChoiceMeter, metered
 from gateway.quota import Reservation
 from gateway.quota.limits import ratelimit_headers
 from gateway.state import GatewayState
@@ -51,10 +52,11 @@ class Job:
     completion_tokens: int = 0
     cached_by_prompt: dict[int, int] = field(default_factory=dict)
     counted: dict[int, int] = field(default_factory=dict)  # choice -> its tokens so far
-    counted_by: str = "engine"  # "gateway" if any choice's upstream sent no usage
+    counted_by: str = "engine"  # "gateway" if the gateway counted any choice's output
     finished: bool = False
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
     echoes: list[Echo] | None = None  # completions with echo: one per prompt
+    meters: list[ChoiceMeter] = field(default_factory=list)  # one per choice, per attempt
 
     def echo_of(self, choice: int) -> Echo | None:
         return None if self.echoes is None else self.echoes[choice // self.n]
@@ -95,17 +97,17 @@ class Job:
                     *(self.request_id, failed.name, e, self.backend.name),
                 )
 
-    def _generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
-        """The backend's stream for one choice; through the gateway's fair queue when the
-        backend has one (its scheduler is not kvgate's)."""
+    def _generate(self, req: GenRequest, meter: ChoiceMeter) -> AsyncIterator[GenChunk]:
+        """The backend's stream for one choice, through its meter; through the gateway's
+        fair queue when the backend has one (its scheduler is not kvgate's)."""
+        stream = metered(self.backend.generate(req), meter)
         queue = self.gw.queues.get(self.backend.name)
-        if queue is None:
-            return self.backend.generate(req)
-        return queued(queue, self.backend, req)
+        return stream if queue is None else queued(queue, req, stream, meter)
 
     async def _attempt(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        self.meters = [ChoiceMeter.of(r) for r in self.requests]
         if len(self.requests) == 1:  # the common case, one generator layer less
-            gen = self._generate(self.requests[0])
+            gen = self._generate(self.requests[0], self.meters[0])
             try:
                 async for chunk in gen:
                     self._account(0, chunk)
@@ -113,7 +115,9 @@ class Job:
             finally:
                 await gen.aclose()
             return
-        stream = merged([self._generate(r) for r in self.requests])
+        stream = merged(
+            [self._generate(r, m) for r, m in zip(self.requests, self.meters, strict=True)]
+        )
         try:
             async for index, chunk in stream:
                 self._account(index, chunk)
@@ -122,6 +126,7 @@ class Job:
             await stream.aclose()
 
     def _account(self, index: int, chunk: GenChunk) -> None:
+        """The chunk is on its way to the client: the running counts move."""
         counted = self.counted.get(index, 0)
         prompt = 0
         if chunk.token_ids or chunk.text:
@@ -130,19 +135,43 @@ class Job:
                 self.first_token_at = now
                 prompt = self.prompt_tokens  # its prefill is done
             self.last_token_at = now
-        tokens = counted + len(chunk.token_ids)
-        if chunk.usage is not None:
-            # the engine's own count is the record (a remote upstream may not send ids)
-            tokens = chunk.usage.completion_tokens
-            if chunk.usage.counted_by != "engine":
-                self.counted_by = chunk.usage.counted_by
-            self.cached_by_prompt.setdefault(index // self.n, chunk.usage.cached_tokens)
+        tokens = self.meters[index].count
         delta = tokens - counted
         self.completion_tokens += delta
         self.counted[index] = tokens
         if prompt or delta:  # the dashboard's rates move while it streams
             p = self.principal
             self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, prompt, delta)
+
+    async def _settle_meters(self) -> None:
+        """Each choice's completion tokens and each prompt's cached tokens, as billed:
+        the backend's usage where its meter took it, else the gateway's own count (with
+        the model's tokenizer for text that came without token ids)."""
+        total, cached, counters = 0, {}, set()
+        for index, meter in enumerate(self.meters):
+            tokens, counter = meter.billed(await self._count_text(meter))
+            total += tokens
+            counters.add(counter)
+            cached.setdefault(index // self.n, meter.cached)
+        p = self.principal
+        delta = total - self.completion_tokens
+        if delta:
+            self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, 0, delta)
+        self.completion_tokens, self.cached_by_prompt = total, cached
+        self.counted_by = "gateway" if "gateway" in counters else "engine"
+
+    async def _count_text(self, meter: ChoiceMeter) -> int | None:
+        """The tokenizer's count of the text the choice delivered without token ids; the
+        upstream's /tokenize against its own usage only where that usage looks off."""
+        if not meter.text or not isinstance(self.backend, OutputCountingBackend):
+            return None
+        try:
+            return await self.backend.count_output(
+                self.model, "".join(meter.text), local_only=meter.plausible()
+            )
+        except Exception:  # the meter's own count stands; the row must still be written
+            log.exception("request %s: counting its output failed", self.request_id)
+            return None
 
     @property
     def ttft(self) -> float | None:
@@ -158,17 +187,29 @@ class Job:
             self.completion_tokens - self.num_choices
         )
 
-    async def finish(self, status: int, finish_reason: str | None, error: str = "") -> None:
-        """Commit the usage row, then settle quota and count. Safe to call once."""
+    async def finish(
+        self, status: int, finish_reason: str | None, error: str = "", delivered: bool = True
+    ) -> None:
+        """Commit the usage row, then settle quota and count. Safe to call once.
+        `delivered` False: the client received none of the output (a whole response
+        that failed), so none of it is billed."""
         assert not self.finished
         self.finished = True
         self.gw.router.release(self.backend)
+        # Shielded: a client that goes away must not lose the row.
+        await asyncio.shield(self._record(status, finish_reason, error, delivered))
+
+    async def _record(self, status: int, finish_reason: str | None, error: str, delivered: bool):
         end = time.perf_counter()
-        prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
-        row = self._usage_row(status, finish_reason, prompt_tokens, end)
+        prompt_tokens = 0
         try:
-            # Shielded: a client that goes away must not lose the row.
-            await asyncio.shield(self.gw.usage.submit(row))
+            if delivered:
+                await self._settle_meters()
+                prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
+            else:
+                self.completion_tokens, self.cached_by_prompt = 0, {}
+            row = self._usage_row(status, finish_reason, prompt_tokens, end)
+            await self.gw.usage.submit(row)
         finally:
             self._count(status, prompt_tokens, end, error)
 

@@ -142,13 +142,13 @@ async def _whole(job: Job) -> web.Response:
                 finish[i] = chunk.finish_reason
             if logprobs is not None and chunk.logprobs:
                 logprobs[i].extend(chunk.logprobs)
-    except (BackendError, BadRequestError) as e:
-        status = 400 if isinstance(e, BadRequestError) else 503
-        await _finish_failed(job, status, str(e))
-        raise ApiError(status, str(e)) from None
     except _CLIENT_GONE:
         await job.finish(499, "abort")
         raise
+    except Exception as e:  # the client receives none of the output: none is billed
+        status, message = _failure(job, e)
+        await _finish_failed(job, status, message, delivered=False)
+        raise ApiError(status, message) from None
     choices = [
         _choice(job, i, "".join(texts[i]), finish[i], None if logprobs is None else logprobs[i])
         for i in range(k)
@@ -191,15 +191,17 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
             )
             await resp.write(sse(body))
             first[i] = False
-    except (BackendError, BadRequestError) as e:
-        status = 400 if isinstance(e, BadRequestError) else 503
-        await _finish_failed(job, status, str(e))
-        await resp.write(sse(error_body(status, str(e))))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
     except _CLIENT_GONE:
         await job.finish(499, "abort")
         raise
+    except Exception as e:  # billed for what was streamed before it
+        status, message = _failure(job, e)
+        await _finish_failed(job, status, message)
+        if not resp.prepared:
+            raise ApiError(status, message) from None
+        await resp.write(sse(error_body(status, message)))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
     try:
         await _finish_or_503(job, 200, last_finish)
     except ApiError as e:
@@ -227,10 +229,22 @@ async def _finish_or_503(job: Job, status: int, finish_reason: str | None) -> No
         ) from None
 
 
-async def _finish_failed(job: Job, status: int, error: str) -> None:
+def _failure(job: Job, e: Exception) -> tuple[int, str]:
+    """The status and message a client gets for a request that failed mid-way: a
+    backend's own errors as they are (they name the backend, never an upstream's words);
+    anything else is logged and told without its text."""
+    if isinstance(e, BadRequestError):
+        return 400, str(e)
+    if isinstance(e, BackendError):
+        return 503, str(e)
+    log.exception("request %s failed", job.request_id)
+    return 503, f"the backend of model {job.model!r} failed (request {job.request_id})"
+
+
+async def _finish_failed(job: Job, status: int, error: str, delivered: bool = True) -> None:
     """Record a request the backend failed; the client hears of the backend's error."""
     try:
-        await job.finish(status, None, error)
+        await job.finish(status, None, error, delivered)
     except Exception:
         log.exception("usage row of %s not committed", job.request_id)
 

@@ -112,7 +112,10 @@ class ToolCallStream:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.held = ""  # text not sent yet: a call, or what may be the start of one
+        # text not sent yet: a call, or what may be the start of one; kept in parts and
+        # joined once at the end, so that holding a long call costs linear time
+        self.held: list[str] = []
+        self.calling = False  # auto: a call has begun, the rest is held
         self.call_id: str | None = None
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -124,23 +127,26 @@ class ToolCallStream:
                 self.call_id = call["id"]
                 return "", [{"index": 0, **call}]
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
-        if plan.mode == "required":
-            self.held += text
+        if plan.mode == "required" or self.calling:
+            self.held.append(text)
             return "", []
         if plan.mode != "auto":
             return text, []
-        self.held += text
-        if OPEN in self.held:
+        # before a call, at most a partial OPEN is held: this scan stays short
+        pending = "".join(self.held) + text
+        if OPEN in pending:
+            self.calling, self.held = True, [pending]
             return "", []
-        keep = _partial_open(self.held)  # may be the first characters of OPEN
-        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        return out, []
+        keep = _partial_open(pending)  # may be the first characters of OPEN
+        self.held = [pending[len(pending) - keep :]] if keep else []
+        return pending[: len(pending) - keep], []
 
     def finish(self, reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
         """The rest to send with the last chunk, and its finish_reason."""
         if self.plan.mode == "named":
             return "", [], "tool_calls" if reason == "stop" else reason
-        content, calls = self.plan.parse(self.held) if self.held else ("", [])
+        held = "".join(self.held)
+        content, calls = self.plan.parse(held) if held else ("", [])
         deltas = [{"index": i, **c} for i, c in enumerate(calls)]
         return content or "", deltas, "tool_calls" if calls and reason == "stop" else reason
 

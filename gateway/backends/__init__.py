@@ -21,7 +21,7 @@ from engine_api.records import (
     Usage,
 )
 from engine_api.sampling import SamplingParams
-from gateway.backends.base import Backend, PrefixCachingBackend
+from gateway.backends.base import Backend, OutputCountingBackend, PrefixCachingBackend
 
 __all__ = [
     "Backend",
@@ -33,6 +33,7 @@ __all__ = [
     "GenRequest",
     "KVEvent",
     "ModelCard",
+    "OutputCountingBackend",
     "PrefixCachingBackend",
     "PromptTooLongError",
     "SamplingParams",

@@ -69,3 +69,14 @@ class PrefixCachingBackend(Backend, Protocol):
     def kv_events(self) -> list[KVEvent]:
         """Drain the events since the last call (never blocks)."""
         ...
+
+
+@runtime_checkable
+class OutputCountingBackend(Backend, Protocol):
+    """A backend whose chunks may carry text without token ids (a third-party upstream):
+    the gateway counts that text's tokens with this when the request ends."""
+
+    async def count_output(self, model: str, text: str, local_only: bool) -> int | None:
+        """Tokens in generated `text` by the model's tokenizer; None where none can count
+        it (or, with `local_only`, where only the upstream itself could)."""
+        ...

@@ -11,7 +11,9 @@ server, llama.cpp's llama-server, vLLM, SGLang).
 Options: api_key (a worker's token, or a third-party server's key), upstream_model
 (default: model), context_length (else the upstream's max_model_len), tokenizer (an HF
 tokenizer directory or a GGUF file, for upstreams that cannot tokenize for the gateway),
-connect_timeout_s (5), read_timeout_s (60, between bytes), health_interval_s (2),
+connect_timeout_s (5), read_timeout_s (60, between bytes), first_token_timeout_s (120:
+from sending a request to its first output), request_timeout_s (1800: a whole request),
+max_response_bytes (64 MiB: a stream or an answer), health_interval_s (2),
 start_timeout_s (30: how long `start` waits for an upstream that must tell the context
 length), max_in_flight (requests let through at once, plus under VTC one spare for a
 tenant with nothing in flight; the rest wait in the gateway's fair queue: for an
@@ -31,7 +33,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from engine_api.block_hash import hash_blocks
@@ -41,7 +42,6 @@ from engine_api.structured import StructuredOutput
 from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
-    check_options,
     decode_off_loop,
     render_off_loop,
 )
@@ -52,74 +52,13 @@ from gateway.backends.remote_openai import (
     open_completion,
     unconstrained_upstream,
 )
+from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.backends.remote_sent import SentBlocks
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
 from gateway.backends.remote_worker import worker_stream
 
 log = logging.getLogger("kvgate.remote")
-
-
-@dataclass(frozen=True)
-class RemoteOptions:
-    """One replica's options (`urls` already split into one `url` each)."""
-
-    url: str
-    api_key: str | None = None
-    upstream_model: str | None = None
-    context_length: int | None = None
-    tokenizer: str | None = None
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0
-    health_interval_s: float = 2.0
-    start_timeout_s: float = 30.0
-    # requests this gateway lets in flight at once; past it they wait in the gateway's
-    # fair queue (for an upstream that serves in arrival order)
-    max_in_flight: int | None = None
-
-    @classmethod
-    def parse(cls, spec: BackendSpec) -> RemoteOptions:
-        """The entry's options, or ValueError naming the first bad one."""
-        check_options(spec, [f.name for f in dataclasses.fields(cls)])
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in spec.options:
-                continue
-            v = spec.options[f.name]
-            if f.name.endswith("_s"):
-                ok = isinstance(v, int | float) and not isinstance(v, bool) and v > 0
-                rule = "a number of seconds > 0"
-            elif f.name in ("context_length", "max_in_flight"):
-                ok, rule = (
-                    isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                    "an integer > 0",
-                )
-            else:
-                ok, rule = isinstance(v, str) and v != "", "a non-empty string"
-            if not ok:
-                raise ValueError(
-                    f"remote backend {spec.name!r}: {f.name} must be {rule}, got {v!r}"
-                )
-            values[f.name] = v
-        if "url" not in values:
-            raise ValueError(f"remote backend {spec.name!r} needs options.url or options.urls")
-        return cls(**values)
-
-
-def replica_specs(spec: BackendSpec) -> list[BackendSpec]:
-    """One spec per upstream: `options.urls` gives a replica per URL, like `replicas`
-    in-process; `options.url` gives one."""
-    options = dict(spec.options)
-    if "replicas" in options:
-        raise ValueError(f"remote backend {spec.name!r}: list options.urls, not replicas")
-    if ("url" in options) == ("urls" in options):
-        raise ValueError(f"remote backend {spec.name!r} needs one of options.url, options.urls")
-    urls = [options.pop("url")] if "url" in options else options.pop("urls")
-    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
-        raise ValueError(f"remote backend {spec.name!r}: urls must be a list of URLs")
-    addresses = [(e.host, e.port) for e in map(Endpoint.parse, urls)]
-    if len(set(addresses)) != len(addresses):
-        raise ValueError(f"remote backend {spec.name!r}: urls name one host:port twice")
-    return [dataclasses.replace(spec, options=options | {"url": u}) for u in urls]
+COUNT_READ_S = 5.0  # at most this (or read_timeout_s) for /tokenize to count output
 
 
 def build_replicas(spec: BackendSpec) -> list[RemoteBackend]:
@@ -147,6 +86,7 @@ class RemoteBackend:
             self.opts.api_key,
             self.opts.connect_timeout_s,
             self.opts.read_timeout_s,
+            self.opts.max_response_bytes,
         )
         self.monitor = Monitor(
             self.client,
@@ -303,8 +243,9 @@ class RemoteBackend:
                 stream = worker_stream(self.client, upstream_req)
             else:
                 stream = self._completions(upstream_req)
-            async with contextlib.aclosing(stream):
-                async for chunk in stream:
+            timed = self._in_time(stream)
+            async with contextlib.aclosing(timed):
+                async for chunk in timed:
                     self.monitor.progress()
                     yield chunk
         except BackendError as e:
@@ -312,6 +253,51 @@ class RemoteBackend:
             raise
         finally:
             self._inflight -= 1
+
+    async def _in_time(self, stream: AsyncIterator[GenChunk]) -> AsyncIterator[GenChunk]:
+        """`stream` within first_token_timeout_s to its first chunk and request_timeout_s
+        in all (the read timeout alone is defeated by a byte now and then)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        end = start + self.opts.request_timeout_s
+        deadline = min(end, start + self.opts.first_token_timeout_s)
+        async with contextlib.aclosing(stream):
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    what, limit = ("in all", self.opts.request_timeout_s)
+                    if deadline < end:
+                        what, limit = ("to its first output", self.opts.first_token_timeout_s)
+                    raise BackendError(f"{self.label} timed out ({limit:g} s {what})") from None
+                deadline = end
+                yield chunk
+
+    async def count_output(self, model: str, text: str, local_only: bool) -> int | None:
+        """Tokens in generated text: with options.tokenizer (off the loop), else, unless
+        `local_only`, through the upstream's /tokenize; None where neither counts."""
+        check_model(model, self.model_id)
+        if self.tokenizer is not None:
+            return await asyncio.to_thread(self.tokenizer.count, text)
+        if local_only:
+            return None
+        body = {"model": self.upstream_model, "prompt": text, "add_special_tokens": False}
+        timeout_s = self.opts.connect_timeout_s + min(self.opts.read_timeout_s, COUNT_READ_S)
+        try:
+            data = await self.client.json(
+                "POST", self.client.endpoint.root + "/tokenize", body, timeout_s=timeout_s
+            )
+        except (BackendError, BadRequestError) as e:
+            log.info("%s: cannot count output tokens: %s", self.name, e)
+            return None
+        count = data.get("count") if isinstance(data, dict) else None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if isinstance(tokens, list):
+            count = len(tokens)
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
 
     def _failed(self, e: BackendError) -> None:
         """A call failed: unreachable leaves the rotation now; anything else (dead, or
@@ -328,7 +314,7 @@ class RemoteBackend:
         # the upstream took the prompt: its blocks are likely in its cache now
         hashes = self.sent.hashes(req.prompt_token_ids, req.cache_salt, req.shared_prefix_len)
         self.sent.record(hashes, req.cache_salt, req.shared_prefix_len)
-        chunks = completion_chunks(self.client, resp, len(req.prompt_token_ids), tok and tok.count)
+        chunks = completion_chunks(self.client, resp)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

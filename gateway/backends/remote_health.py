@@ -19,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import BackendStats
 from gateway.backends.remote_http import UpstreamClient
@@ -29,6 +27,7 @@ from gateway.backends.remote_worker import WorkerEvents, WorkerInfo, parse_stats
 log = logging.getLogger("kvgate.remote")
 
 HEALTH_READ_S = 5.0  # at most this (or read_timeout_s) for a health or stats answer
+HEALTH_MAX_BYTES = 64 * 1024  # a health answer is an epoch at most
 EVENTS_WAIT_S = 1  # the KV-events long poll (the worker answers at once when it has some)
 
 
@@ -167,10 +166,7 @@ class Monitor:
                 return None
             if resp.status != 200:
                 await self.client.raise_for(resp)
-            try:
-                body = await resp.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise self.client.failure(url, e) from e
+            body = await self.client.read(resp, HEALTH_MAX_BYTES)
         with contextlib.suppress(ValueError):
             data = json.loads(body)
             if isinstance(data, dict) and isinstance(data.get("epoch"), str):

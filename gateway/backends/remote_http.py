@@ -4,8 +4,14 @@ engine error.
 However an upstream fails (a refused connection, a timeout, a 5xx, a body that is not
 JSON, a stream cut short), the adapter raises BackendError, and BadRequestError for the
 upstream's 400s, so the gateway's retry-before-output and error events work the same
-for every server. Messages that reach clients name the backend, never the upstream's
-address or its own error text for 5xx (which may carry tracebacks); the log has those.
+for every server. Messages that reach clients name the backend and how it failed
+(status, timeout), never the upstream's address or its own words, which may carry
+tracebacks or what it was sent by others; the log has those.
+
+An upstream is not trusted with the gateway's resources either: no redirect is followed
+(a 3xx is a failure: it could point anywhere on the gateway's network), nothing is
+decompressed (compression is not advertised, and a compressed body is refused: no
+bombs), and what is read is bounded: a line, an error body, a JSON answer, a stream.
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
 log = logging.getLogger("kvgate.remote")
 
 POOL_LIMIT = 1024  # connections to one upstream; each stream in flight holds one
-READ_BUFSIZE = 1 << 20  # a stream line (a chunk with top logprobs) may be long
+MAX_LINE_BYTES = 1 << 20  # a stream line (a chunk with 20 top logprobs is a few KiB)
 MAX_ERROR_BODY = 64 * 1024  # read at most this much of an error response
-MAX_MESSAGE_CHARS = 500  # an upstream's 400 message, passed on to the client
+MAX_RESPONSE_BYTES = 64 << 20  # a JSON answer or a whole stream (options.max_response_bytes)
 # bodies of these statuses are the client's fault (vLLM and FastAPI send 422 for schema)
 BAD_REQUEST_STATUSES = (400, 413, 422)
 
@@ -66,12 +72,16 @@ class UpstreamClient:
         api_key: str | None,
         connect_timeout_s: float,
         read_timeout_s: float,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.endpoint = endpoint
         self.label = label
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.max_response_bytes = max_response_bytes
+        self._headers = {"Accept-Encoding": "identity"}  # aiohttp would offer gzip
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -79,7 +89,7 @@ class UpstreamClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=POOL_LIMIT),
                 headers=self._headers,
-                read_bufsize=READ_BUFSIZE,
+                auto_decompress=False,
                 # sock_read bounds the wait between bytes, so a long stream may run on;
                 # waiting for a pooled connection is not bounded (it is a queue)
                 timeout=aiohttp.ClientTimeout(
@@ -106,19 +116,28 @@ class UpstreamClient:
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> aiohttp.ClientResponse:
-        """The response, whatever its status (the caller reads or closes it)."""
+        """The response, whatever its status (the caller reads or closes it); never a
+        redirect followed, never a compressed body."""
         extra = {}
         if timeout_s is not None:  # a short call (health) or a long poll, not a stream
             extra["timeout"] = aiohttp.ClientTimeout(
                 total=timeout_s, sock_connect=self.connect_timeout_s
             )
         try:
-            return await self.session.request(method, url, json=body, params=params, **extra)
+            resp = await self.session.request(
+                method, url, json=body, params=params, allow_redirects=False, **extra
+            )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             log.debug("%s: cannot connect to %s: %s", self.label, url, e)  # the watch says
             raise UpstreamUnreachable(f"{self.label} is unreachable") from e
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except Exception as e:  # aiohttp's errors are not all ClientError (LineTooLong)
             raise self.failure(url, e) from e
+        encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            resp.close()
+            log.warning("%s: %s answered with Content-Encoding %r", self.label, url, encoding)
+            raise BackendError(f"{self.label} sent a compressed body, which was not asked for")
+        return resp
 
     async def json(
         self,
@@ -133,13 +152,26 @@ class UpstreamClient:
         async with resp:
             if resp.status >= 300:
                 await self.raise_for(resp)
-            try:
-                return json.loads(await resp.read())
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise self.failure(url, e) from e
-            except ValueError as e:
-                log.warning("%s: %s answered invalid JSON: %s", self.label, url, e)
-                raise BackendError(f"{self.label} answered invalid JSON") from e
+            raw = await self.read(resp, self.max_response_bytes)
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            log.warning("%s: %s answered invalid JSON: %s", self.label, url, e)
+            raise BackendError(f"{self.label} answered invalid JSON") from e
+
+    async def read(self, resp: aiohttp.ClientResponse, limit: int) -> bytes:
+        """The body, or BackendError past `limit` bytes (nothing longer is held)."""
+        raw = bytearray()
+        try:
+            while part := await resp.content.read(min(1 << 16, limit + 1 - len(raw))):
+                raw += part
+                if len(raw) > limit:
+                    raise BackendError(f"{self.label} sent an answer over {limit} bytes")
+        except BackendError:
+            raise
+        except Exception as e:
+            raise self.failure(str(resp.url), e) from e
+        return bytes(raw)
 
     def failure(self, url: str, e: BaseException) -> BackendError:
         """A failure while talking to the upstream (timeout, reset, cut stream)."""
@@ -148,38 +180,52 @@ class UpstreamClient:
         return BackendError(f"{self.label} {what} ({type(e).__name__})")
 
     async def raise_for(self, resp: aiohttp.ClientResponse) -> NoReturn:
-        """The engine error for a non-2xx answer: 400s are the client's (the upstream's
-        message passes on; a worker's context error is rebuilt with its numbers)."""
+        """The engine error for a non-2xx answer: 400s are the client's, told by status
+        alone (a worker's context error is rebuilt with its numbers); a 3xx is a failure
+        like a 5xx (a redirect is never followed)."""
         raw = b""
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            while len(raw) < MAX_ERROR_BODY:
-                part = await resp.content.read(MAX_ERROR_BODY - len(raw))
-                if not part:
-                    break
-                raw += part
+        with contextlib.suppress(Exception):  # the status is the answer; the body is a hint
+            raw = await self.read(resp, MAX_ERROR_BODY)
         error = _error_object(raw)
+        log.warning("%s: %s answered HTTP %d: %r", self.label, resp.url, resp.status, raw[:2000])
         if resp.status in BAD_REQUEST_STATUSES:
             sizes = [error.get(k) for k in ("prompt_tokens", "max_tokens", "context_length")]
             if error.get("code") == "context_length_exceeded" and all(
-                isinstance(n, int) and not isinstance(n, bool) for n in sizes
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 for n in sizes
             ):
                 raise PromptTooLongError(*sizes)
-            message = error.get("message")
-            if not isinstance(message, str) or not message:
-                message = f"{self.label} refused the request (HTTP {resp.status})"
-            raise BadRequestError(message[:MAX_MESSAGE_CHARS])
-        log.warning("%s: %s answered HTTP %d: %r", self.label, resp.url, resp.status, raw[:2000])
+            raise BadRequestError(f"{self.label} refused the request (HTTP {resp.status})")
         if resp.status in (401, 403):
             raise BackendError(f"{self.label} refused the gateway's api_key (HTTP {resp.status})")
         raise BackendError(f"{self.label} answered HTTP {resp.status}")
 
     async def lines(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The body's lines as they come; a cut or stalled stream is a BackendError."""
+        """The body's lines as they come, each with its newline; a cut or stalled stream,
+        a line over MAX_LINE_BYTES or a body over max_response_bytes is a BackendError.
+        Each byte is scanned once, however the upstream splits its writes."""
+        buf, total, scanned = bytearray(), 0, 0
         try:
-            async for line in resp.content:
-                yield line
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            while part := await resp.content.readany():
+                total += len(part)
+                if total > self.max_response_bytes:
+                    raise BackendError(
+                        f"{self.label} sent a stream over {self.max_response_bytes} bytes"
+                    )
+                buf += part
+                start = 0
+                while (end := buf.find(b"\n", max(start, scanned))) != -1:
+                    yield bytes(buf[start : end + 1])
+                    start = end + 1
+                del buf[:start]
+                scanned = len(buf)
+                if len(buf) > MAX_LINE_BYTES:
+                    raise BackendError(f"{self.label} sent a line over {MAX_LINE_BYTES} bytes")
+        except BackendError:
+            raise
+        except Exception as e:  # aiohttp's errors are not all ClientError
             raise self.failure(str(resp.url), e) from e
+        if buf:
+            yield bytes(buf)
 
 
 def _error_object(raw: bytes) -> dict[str, Any]:
@@ -212,11 +258,10 @@ def parse_json_line(data: str | bytes, label: str) -> dict[str, Any]:
 
 
 def stream_error(obj: dict[str, Any], label: str) -> BackendError | None:
-    """The error an upstream reported inside a stream (`{"error": {...}}`), if any."""
+    """The error an upstream reported inside a stream (`{"error": {...}}`), if any; its
+    words go to the log, not to the client."""
     error = obj.get("error")
     if error is None:
         return None
-    message = error.get("message") if isinstance(error, dict) else error
-    log.warning("%s: error in a stream: %r", label, error)
-    text = message[:MAX_MESSAGE_CHARS] if isinstance(message, str) else "an error"
-    return BackendError(f"{label} failed mid-stream: {text}")
+    log.warning("%s: error in a stream: %r", label, str(error)[:2000])
+    return BackendError(f"{label} failed mid-stream")

@@ -7,14 +7,16 @@ sampling fields by vLLM's names plus llama.cpp's `repeat_penalty` where it matte
 (each ignores the other's), every sampler set explicitly (llama.cpp's servers default
 to top_k 40 and min_p 0.05, not OpenAI's plain sampling), the prompt as token ids, and
 as text where the upstream refuses ids (llama-cpp-python), learned from its first
-refusal. Usage comes from the upstream's usage chunk (`stream_options.include_usage`);
-an upstream that sends none (llama-cpp-python again) has its completion counted by the
-gateway, and the usage says so (`counted_by = "gateway"`).
+refusal. Usage comes from the upstream's usage chunk (`stream_options.include_usage`)
+as a claim: the gateway's meter (gateway.metering) counts the text delivered and takes
+the claim only where it agrees; an upstream that sends none (llama-cpp-python again) has
+its completion counted by the gateway, and the usage row says so.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,7 +24,12 @@ import aiohttp
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest, TokenLogprob, Usage
-from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
+from gateway.backends.remote_http import (
+    MAX_LINE_BYTES,
+    UpstreamClient,
+    parse_json_line,
+    stream_error,
+)
 
 log = logging.getLogger("kvgate.remote")
 
@@ -109,27 +116,17 @@ async def open_completion(
 
 
 async def completion_chunks(
-    client: UpstreamClient,
-    resp: aiohttp.ClientResponse,
-    prompt_tokens: int,
-    count: Callable[[str], int] | None,
+    client: UpstreamClient, resp: aiohttp.ClientResponse
 ) -> AsyncIterator[GenChunk]:
-    """GenChunks of a completions SSE stream; the last has finish_reason and usage.
-    `count` tokenizes generated text when the upstream sends no usage (else each piece
-    of text counts one token). The chunks carry text, not token ids, so a stream that
-    breaks after output first yields the usage of what was delivered, then raises."""
+    """GenChunks of a completions SSE stream: text (no token ids) as it comes, then a
+    last chunk with finish_reason and the upstream's usage, if it sent one. A stream
+    that breaks raises BackendError; what it delivered before is counted by the meter."""
     finish: str | None = None
     usage: Usage | None = None
-    texts: list[str] = []
     done = False
-
-    def counted() -> Usage:
-        completion = count("".join(texts)) if count else len(texts)
-        return Usage(prompt_tokens, completion, 0, counted_by="gateway")
-
     try:
-        async for data in _sse_data(client.lines(resp)):  # to the end: the connection is reused
-            if done or data == "[DONE]":
+        async for data in _sse_data(client.lines(resp), client.label):
+            if done or data == "[DONE]":  # read on to the end: the connection is reused
                 done = True
                 continue
             obj = parse_json_line(data, client.label)
@@ -139,34 +136,33 @@ async def completion_chunks(
             for choice in obj.get("choices") or []:  # n = 1: at most one
                 text, logprobs, reason = _choice(choice, client.label)
                 if text or logprobs:
-                    texts.append(text)
                     yield GenChunk([], text, None, None, logprobs)
                 finish = reason or finish
         if finish is None:
             raise BackendError(f"{client.label} ended the stream before the request finished")
-    except BackendError:
-        if texts:  # the client has these: the quota settles to them
-            yield GenChunk([], "", None, counted())
-        raise
     finally:
         if done:
             resp.release()
         else:
             resp.close()  # the upstream sees the connection close and stops generating
-    yield GenChunk([], "", finish, usage or counted())
+    yield GenChunk([], "", finish, usage)
 
 
-async def _sse_data(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The data of each server-sent event (its data lines joined); comments, other
-    fields and keep-alive pings are skipped."""
+async def _sse_data(lines: AsyncIterator[bytes], label: str) -> AsyncIterator[str]:
+    """The data of each server-sent event (its data lines joined, at most a line's
+    bound in all); comments, other fields and keep-alive pings are skipped."""
     data: list[str] = []
+    size = 0
     async for raw in lines:
         line = raw.decode("utf-8", "replace").rstrip("\r\n")
         if line.startswith("data:"):
             data.append(line[5:].removeprefix(" "))
+            size += len(line)
+            if size > MAX_LINE_BYTES:
+                raise BackendError(f"{label} sent an event over {MAX_LINE_BYTES} bytes")
         elif not line and data:
             yield "\n".join(data).strip()
-            data = []
+            data, size = [], 0
     if data:
         yield "\n".join(data).strip()
 
@@ -186,9 +182,15 @@ def _usage(data: Any) -> Usage | None:
     prompt, completion = data.get("prompt_tokens"), data.get("completion_tokens")
     details = data.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (prompt, completion)):
+    if not all(_count(n) for n in (prompt, completion)):
         return None
-    return Usage(prompt, completion, cached if isinstance(cached, int) else 0)
+    return Usage(prompt, completion, cached if _count(cached) else 0)
+
+
+def _count(n: Any) -> bool:
+    """A token count as JSON may give it: an integer, not a bool; its range is the
+    meter's to judge (gateway.metering), within a bound that keeps it a machine word."""
+    return isinstance(n, int) and not isinstance(n, bool) and -(2**62) < n < 2**62
 
 
 def _logprobs(data: Any) -> list[TokenLogprob] | None:
@@ -201,9 +203,14 @@ def _logprobs(data: Any) -> list[TokenLogprob] | None:
         return None
     out = []
     for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
-        if not isinstance(token, str) or not isinstance(value, int | float):
+        if not isinstance(token, str) or not _logprob(value):
             continue
         top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-        pairs = [(t, float(v)) for t, v in top.items() if isinstance(v, int | float)]
+        pairs = [(t, float(v)) for t, v in top.items() if _logprob(v)]
         out.append(TokenLogprob(token, float(value), pairs))
     return out or None
+
+
+def _logprob(v: Any) -> bool:
+    """A number a logprob can be (JSON's NaN and Infinity, as Python reads them, are not)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

@@ -321,18 +321,21 @@ def test_client_hanging_up_aborts_the_request_in_the_worker(two_workers):
 
 
 def test_wrong_worker_token_fails_the_entry_plainly(tmp_path):
-    options = {"api_key": "kvg-wrong-token", "context_length": None, "start_timeout_s": 1}
-    with gateway_over_workers(tmp_path, 1, healthy=False, **options) as (gw, _, _):
-        _, key = gw.tenant_key("acme")
-        resp = httpx.post(
-            gw.url + "/v1/completions",
-            headers={"Authorization": f"Bearer {key}"},
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-        )
-        # the entry failed to start (the worker refused the token): its model is not served
-        assert resp.status_code == 404, resp.text
-        assert resp.json()["error"]["code"] == "model_not_found"
-        assert "refused the gateway's api_key (HTTP 401)" in gw.log.read_text()
+    port = free_port()
+    worker = start_worker(tmp_path, port)
+    try:
+        options = {"api_key": "kvg-wrong-token", "context_length": None, "start_timeout_s": 1}
+        config = remote_config([f"http://127.0.0.1:{port}/v1"], **options)
+        # the entry fails to start (the worker refuses the token): with nothing else to
+        # serve, the gateway stops at once and says why
+        with pytest.raises(RuntimeError, match="exited early") as failed:
+            start_gateway(tmp_path, config=config)
+        message = str(failed.value)
+        assert "refused the gateway's api_key (HTTP 401)" in message
+        assert "nothing to serve" in message and "Traceback" not in message
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_worker_refusal_reaches_the_client_as_its_400(tmp_path):

@@ -1,0 +1,81 @@
+"""A remote entry's options: one replica's settings, checked with a message naming the
+first bad one, and `options.urls` split into one spec per replica. Kept apart from the
+adapter (remote.py) so the settings and their defaults read in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.backends import BackendSpec
+from gateway.backends.common import check_options
+from gateway.backends.remote_http import MAX_RESPONSE_BYTES, Endpoint
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """One replica's options (`urls` already split into one `url` each)."""
+
+    url: str
+    api_key: str | None = None
+    upstream_model: str | None = None
+    context_length: int | None = None
+    tokenizer: str | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    # a trickle of bytes keeps the read timeout from firing: these bound the waits whole
+    first_token_timeout_s: float = 120.0
+    request_timeout_s: float = 1800.0
+    max_response_bytes: int = MAX_RESPONSE_BYTES
+    health_interval_s: float = 2.0
+    start_timeout_s: float = 30.0
+    # requests this gateway lets in flight at once; past it they wait in the gateway's
+    # fair queue (for an upstream that serves in arrival order)
+    max_in_flight: int | None = None
+
+    @classmethod
+    def parse(cls, spec: BackendSpec) -> RemoteOptions:
+        """The entry's options, or ValueError naming the first bad one."""
+        check_options(spec, [f.name for f in dataclasses.fields(cls)])
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in spec.options:
+                continue
+            v = spec.options[f.name]
+            if f.name.endswith("_s"):
+                ok = isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+                rule = "a number of seconds > 0"
+            elif f.name in ("context_length", "max_in_flight", "max_response_bytes"):
+                ok, rule = (
+                    isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                    "an integer > 0",
+                )
+            else:
+                ok, rule = isinstance(v, str) and v != "", "a non-empty string"
+            if not ok:
+                raise ValueError(
+                    f"remote backend {spec.name!r}: {f.name} must be {rule}, got {v!r}"
+                )
+            values[f.name] = v
+        if "url" not in values:
+            raise ValueError(f"remote backend {spec.name!r} needs options.url or options.urls")
+        return cls(**values)
+
+
+def replica_specs(spec: BackendSpec) -> list[BackendSpec]:
+    """One spec per upstream: `options.urls` gives a replica per URL, like `replicas`
+    in-process; `options.url` gives one."""
+    options = dict(spec.options)
+    if "replicas" in options:
+        raise ValueError(f"remote backend {spec.name!r}: list options.urls, not replicas")
+    if ("url" in options) == ("urls" in options):
+        raise ValueError(f"remote backend {spec.name!r} needs one of options.url, options.urls")
+    urls = [options.pop("url")] if "url" in options else options.pop("urls")
+    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
+        raise ValueError(f"remote backend {spec.name!r}: urls must be a list of URLs")
+    addresses = [(e.host, e.port) for e in map(Endpoint.parse, urls)]
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"remote backend {spec.name!r}: urls name one host:port twice")
+    return [dataclasses.replace(spec, options=options | {"url": u}) for u in urls]

@@ -1,0 +1,179 @@
+"""What the gateway itself counts of each choice's output as it goes to the client, and
+the limits it holds every backend to, whatever the backend claims.
+
+Billing must not rest on a backend's word: a remote upstream's usage is a claim (it may
+be buggy or hostile), its chunks carry text but no token ids, and a client that leaves
+mid-stream ends the request before any usage arrives. So every chunk on its way to the
+client passes one ChoiceMeter, which
+
+- counts it: the token ids where the backend sends them, else at least one token per
+  piece of text (every streamed event carries a token) or per logprob entry, and keeps
+  that text for a tokenizer count when the request ends;
+- holds it to what the client was promised: output stops at max_tokens (and at a bound
+  on its text, so memory per request is bounded too), logprobs are cut to the number
+  asked for, prompt logprobs to the prompt;
+- takes the backend's usage on the last chunk only where it is consistent with what was
+  delivered (what was counted <= completion <= max_tokens, 0 <= cached <= prompt); the
+  prompt is always the gateway's own count.
+
+`Job.finish` settles each choice to `ChoiceMeter.billed`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.backends import GenChunk, GenRequest, TokenLogprob, Usage
+
+log = logging.getLogger("kvgate")
+
+# Text a choice may carry per token of max_tokens: far above any vocabulary's longest
+# token (most are under 16 characters), so it only ever stops a misbehaving upstream.
+MAX_CHARS_PER_TOKEN = 256
+# A claim of fewer tokens than this many characters each (text averages about 4) is
+# checked against a tokenizer count even where only the upstream itself can count.
+PLAUSIBLE_CHARS_PER_TOKEN = 16
+COUNTERS = ("engine", "gateway")  # who counted a usage
+
+
+@dataclass
+class ChoiceMeter:
+    """One choice's output as the gateway delivered it."""
+
+    request_id: str
+    max_tokens: int
+    top_logprobs: int | None  # None: no logprobs were asked for
+    prompt_tokens: int
+    ids: int = 0  # token ids delivered
+    pieces: int = 0  # tokens counted from chunks without ids (at least one a piece)
+    chars: int = 0  # text and logprob tokens delivered
+    text: list[str] = field(default_factory=list)  # the text of chunks without ids
+    claim: Usage | None = None  # the backend's usage, once taken
+    refused: str | None = None  # why the backend's usage was not taken
+    finished: bool = False  # the last chunk went out (a finish reason, or a cut)
+
+    @classmethod
+    def of(cls, req: GenRequest) -> ChoiceMeter:
+        sp = req.sampling
+        return cls(req.request_id, sp.max_tokens, sp.logprobs, len(req.prompt_token_ids))
+
+    @property
+    def delivered(self) -> int:
+        """Tokens delivered, as far as the gateway can count them while streaming."""
+        return self.ids + self.pieces
+
+    @property
+    def count(self) -> int:
+        """The running count: the backend's claim once taken, else what was delivered."""
+        return self.claim.completion_tokens if self.claim is not None else self.delivered
+
+    @property
+    def cached(self) -> int:
+        return self.claim.cached_tokens if self.claim is not None else 0
+
+    def plausible(self) -> bool:
+        """The taken claim leaves no more text per token than real text has."""
+        c = self.claim
+        return c is not None and self.chars <= PLAUSIBLE_CHARS_PER_TOKEN * c.completion_tokens
+
+    def take(self, chunk: GenChunk) -> GenChunk | None:
+        """The chunk as it may go to the client; None for nothing more. A chunk that
+        would pass max_tokens or the text bound ends the choice with "length" instead."""
+        if self.finished:
+            return None
+        logprobs = self._logprobs(chunk.logprobs, len(chunk.token_ids))
+        tokens = len(chunk.token_ids) or max(len(logprobs or ()), 1 if chunk.text else 0)
+        chars = len(chunk.text) + sum(_chars(lp) for lp in logprobs or ())
+        if (
+            self.delivered + tokens > self.max_tokens
+            or self.chars + chars > self.max_tokens * MAX_CHARS_PER_TOKEN
+        ):
+            log.warning("request %s: output past max_tokens cut", self.request_id)
+            self.finished = True
+            return GenChunk([], "", "length")
+        self.chars += chars
+        if chunk.token_ids:
+            self.ids += tokens
+        elif tokens:
+            self.pieces += tokens
+            self.text.append(chunk.text)
+        prompt_logprobs = chunk.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = [
+                None if lp is None else self._cut(lp)
+                for lp in prompt_logprobs[: self.prompt_tokens]
+            ]
+        usage = None
+        if chunk.finish_reason is not None:
+            self.finished = True
+            if chunk.usage is not None:
+                self._claim(chunk.usage)
+            usage = self.claim
+        return GenChunk(
+            [*chunk.token_ids], chunk.text, chunk.finish_reason, usage, logprobs, prompt_logprobs
+        )
+
+    def _logprobs(self, items: list[TokenLogprob] | None, ids: int) -> list[TokenLogprob] | None:
+        """What was asked for: none without `logprobs`, each entry's top cut to it, and
+        no more entries than the chunk's token ids where it has them."""
+        if items is None or self.top_logprobs is None:
+            return None
+        return [self._cut(lp) for lp in (items[:ids] if ids else items)]
+
+    def _cut(self, lp: TokenLogprob) -> TokenLogprob:
+        top = self.top_logprobs or 0
+        return lp if len(lp.top) <= top else TokenLogprob(lp.token, lp.logprob, lp.top[:top])
+
+    def _claim(self, usage: Usage) -> None:
+        if not 0 <= usage.cached_tokens <= self.prompt_tokens:
+            why = f"cached_tokens {usage.cached_tokens} outside [0, {self.prompt_tokens}]"
+        elif not self.delivered <= usage.completion_tokens <= self.max_tokens:
+            why = (
+                f"completion_tokens {usage.completion_tokens} outside "
+                f"[{self.delivered} delivered, {self.max_tokens} max_tokens]"
+            )
+        elif usage.counted_by not in COUNTERS:
+            why = f"counted_by {usage.counted_by!r}"
+        else:
+            c = usage.completion_tokens
+            self.claim = Usage(self.prompt_tokens, c, usage.cached_tokens, usage.counted_by)
+            return
+        self.refuse(why)
+
+    def refuse(self, why: str) -> None:
+        """The backend's usage is not taken: the gateway's own count stands."""
+        log.warning("request %s: the backend's usage is not taken: %s", self.request_id, why)
+        self.claim, self.refused = None, why
+
+    def billed(self, text_tokens: int | None) -> tuple[int, str]:
+        """(completion tokens, who counted them) for the usage row. `text_tokens`: the
+        tokenizer's count of the text delivered without ids, where one was made."""
+        claim = self.claim
+        if claim is not None and text_tokens is not None:
+            own = self.ids + text_tokens
+            if abs(claim.completion_tokens - own) > max(2, own // 10):
+                self.refuse(f"completion_tokens {claim.completion_tokens}, counted {own}")
+        if self.claim is not None:
+            return self.claim.completion_tokens, self.claim.counted_by
+        own = self.ids + max(self.pieces, text_tokens or 0)
+        return min(own, self.max_tokens), "gateway" if self.pieces or self.refused else "engine"
+
+
+def _chars(lp: TokenLogprob) -> int:
+    return len(lp.token) + sum(len(t) for t, _ in lp.top)
+
+
+async def metered(gen: AsyncIterator[GenChunk], meter: ChoiceMeter) -> AsyncIterator[GenChunk]:
+    """`gen`'s chunks through `meter`; at a cut, `gen` is closed, which aborts the
+    request in the engine or upstream."""
+    try:
+        async for chunk in gen:
+            out = meter.take(chunk)
+            if out is not None:
+                yield out
+            if meter.finished:
+                return
+    finally:
+        await gen.aclose()
