@@ -192,7 +192,7 @@ class RemoteBackend:
                 body["tools"] = tools  # vLLM's /tokenize takes them, as a worker's does
         url = self.client.endpoint.root + "/tokenize"
         try:
-            data = await self.client.json("POST", url, body)
+            data = await self.client.json("POST", url, body, relay=self._is_worker)
         except BackendError as e:
             self._failed(e)
             raise
@@ -212,7 +212,8 @@ class RemoteBackend:
             return await decode_off_loop(tok.decode, token_ids, range(len(tok)))
         body = {"model": self.upstream_model, "tokens": token_ids}
         try:
-            data = await self.client.json("POST", self.client.endpoint.root + "/detokenize", body)
+            url = self.client.endpoint.root + "/detokenize"
+            data = await self.client.json("POST", url, body, relay=self._is_worker)
         except BackendError as e:
             self._failed(e)
             raise

@@ -34,6 +34,7 @@ POOL_LIMIT = 1024  # connections to one upstream; each stream in flight holds on
 MAX_LINE_BYTES = 1 << 20  # a stream line (a chunk with 20 top logprobs is a few KiB)
 MAX_ERROR_BODY = 64 * 1024  # read at most this much of an error response
 MAX_RESPONSE_BYTES = 64 << 20  # a JSON answer or a whole stream (options.max_response_bytes)
+MAX_RELAYED_CHARS = 500  # a kvgate worker's 400 message, passed on to the client
 # bodies of these statuses are the client's fault (vLLM and FastAPI send 422 for schema)
 BAD_REQUEST_STATUSES = (400, 413, 422)
 
@@ -146,12 +147,14 @@ class UpstreamClient:
         body: Any = None,
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        relay: bool = False,
     ) -> Any:
-        """The JSON body of a 2xx answer; an engine error for anything else."""
+        """The JSON body of a 2xx answer; an engine error for anything else (`relay`:
+        see raise_for)."""
         resp = await self.request(method, url, body, params, timeout_s)
         async with resp:
             if resp.status >= 300:
-                await self.raise_for(resp)
+                await self.raise_for(resp, relay)
             raw = await self.read(resp, self.max_response_bytes)
         try:
             return json.loads(raw)
@@ -179,10 +182,12 @@ class UpstreamClient:
         log.warning("%s: %s %s: %r", self.label, url, what, e)
         return BackendError(f"{self.label} {what} ({type(e).__name__})")
 
-    async def raise_for(self, resp: aiohttp.ClientResponse) -> NoReturn:
+    async def raise_for(self, resp: aiohttp.ClientResponse, relay: bool = False) -> NoReturn:
         """The engine error for a non-2xx answer: 400s are the client's, told by status
-        alone (a worker's context error is rebuilt with its numbers); a 3xx is a failure
-        like a 5xx (a redirect is never followed)."""
+        alone (a context error is rebuilt with its numbers), or with `relay` (a kvgate
+        worker: kvgate's own words about the request, e.g. which ids are outside the
+        vocabulary) by its message, printable and cut short; a 3xx is a failure like a
+        5xx (a redirect is never followed)."""
         raw = b""
         with contextlib.suppress(Exception):  # the status is the answer; the body is a hint
             raw = await self.read(resp, MAX_ERROR_BODY)
@@ -194,6 +199,9 @@ class UpstreamClient:
                 isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 for n in sizes
             ):
                 raise PromptTooLongError(*sizes)
+            message = error.get("message")
+            if relay and isinstance(message, str) and message.isprintable() and message:
+                raise BadRequestError(message[:MAX_RELAYED_CHARS])
             raise BadRequestError(f"{self.label} refused the request (HTTP {resp.status})")
         if resp.status in (401, 403):
             raise BackendError(f"{self.label} refused the gateway's api_key (HTTP {resp.status})")

@@ -59,7 +59,7 @@ async def worker_stream(client: UpstreamClient, req: GenRequest) -> AsyncIterato
     finished = False
     try:
         if resp.status != 200:
-            await client.raise_for(resp)
+            await client.raise_for(resp, relay=True)
         async for line in client.lines(resp):  # to the end: the connection is reused
             if finished or not line.strip():
                 continue
