@@ -116,8 +116,7 @@ class HostileUpstream:
         try:
             await handler(body, resp, request)
         except (ConnectionResetError, asyncio.CancelledError):
-            self.hung_up += 1
-            raise
+            self.hung_up += 1  # the gateway closed the stream: as a real server, stop
         return resp
 
     # -- modes: the stream -------------------------------------------------------------

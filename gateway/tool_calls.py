@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +25,6 @@ from gateway.schemas import ChatCompletionRequest
 from gateway.schemas_structured import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 
@@ -82,7 +80,7 @@ class ToolPlan:
 
     def _parse_blocks(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         calls = []
-        for raw in _BLOCK.findall(text):
+        for raw in _blocks(text):
             try:
                 obj = json.loads(raw)
             except ValueError:
@@ -95,6 +93,19 @@ class ToolPlan:
             )
         content = text[: text.index(OPEN)].strip()
         return content or None, calls
+
+
+def _blocks(text: str) -> list[str]:
+    """What each OPEN ... CLOSE block holds (the last may run to the end unclosed),
+    found with str.find: a regular expression's lazy match costs a step in Python's
+    engine per character, which on a long call stalls the event loop."""
+    found, start = [], text.find(OPEN)
+    while start != -1:
+        start += len(OPEN)
+        end = text.find(CLOSE, start)
+        found.append(text[start : len(text) if end == -1 else end].strip())
+        start = -1 if end == -1 else text.find(OPEN, end + len(CLOSE))
+    return found
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:

@@ -315,7 +315,7 @@ class RemoteBackend:
         # the upstream took the prompt: its blocks are likely in its cache now
         hashes = self.sent.hashes(req.prompt_token_ids, req.cache_salt, req.shared_prefix_len)
         self.sent.record(hashes, req.cache_salt, req.shared_prefix_len)
-        chunks = completion_chunks(self.client, resp)
+        chunks = completion_chunks(self.client, resp, req.sampling.logprobs or 0)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

@@ -15,6 +15,7 @@ its completion counted by the gateway, and the usage row says so.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
@@ -116,11 +117,12 @@ async def open_completion(
 
 
 async def completion_chunks(
-    client: UpstreamClient, resp: aiohttp.ClientResponse
+    client: UpstreamClient, resp: aiohttp.ClientResponse, top: int
 ) -> AsyncIterator[GenChunk]:
     """GenChunks of a completions SSE stream: text (no token ids) as it comes, then a
-    last chunk with finish_reason and the upstream's usage, if it sent one. A stream
-    that breaks raises BackendError; what it delivered before is counted by the meter."""
+    last chunk with finish_reason and the upstream's usage, if it sent one; at most
+    `top` alternatives a token are read. A stream that breaks raises BackendError; what
+    it delivered before is counted by the meter."""
     finish: str | None = None
     usage: Usage | None = None
     done = False
@@ -134,7 +136,7 @@ async def completion_chunks(
                 raise error
             usage = _usage(obj.get("usage")) or usage
             for choice in obj.get("choices") or []:  # n = 1: at most one
-                text, logprobs, reason = _choice(choice, client.label)
+                text, logprobs, reason = _choice(choice, client.label, top)
                 if text or logprobs:
                     yield GenChunk([], text, None, None, logprobs)
                 finish = reason or finish
@@ -167,13 +169,13 @@ async def _sse_data(lines: AsyncIterator[bytes], label: str) -> AsyncIterator[st
         yield "\n".join(data).strip()
 
 
-def _choice(choice: Any, label: str) -> tuple[str, list[TokenLogprob] | None, str | None]:
+def _choice(choice: Any, label: str, top: int) -> tuple[str, list[TokenLogprob] | None, str | None]:
     if not isinstance(choice, dict) or not isinstance(choice.get("text") or "", str):
         raise BackendError(f"{label} sent an invalid completion choice")
     reason = choice.get("finish_reason")
     if reason is not None:
         reason = "length" if reason == "length" else "stop"  # eos, stop string, stop id
-    return choice.get("text") or "", _logprobs(choice.get("logprobs")), reason
+    return choice.get("text") or "", _logprobs(choice.get("logprobs"), top), reason
 
 
 def _usage(data: Any) -> Usage | None:
@@ -193,20 +195,23 @@ def _count(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and -(2**62) < n < 2**62
 
 
-def _logprobs(data: Any) -> list[TokenLogprob] | None:
-    """The legacy completions logprobs object ({tokens, token_logprobs, top_logprobs})."""
+def _logprobs(data: Any, top: int) -> list[TokenLogprob] | None:
+    """The legacy completions logprobs object ({tokens, token_logprobs, top_logprobs}),
+    with at most `top` alternatives a token (an upstream may send thousands)."""
     if not isinstance(data, dict):
         return None
     tokens, values = data.get("tokens"), data.get("token_logprobs")
-    tops = data.get("top_logprobs") or []
+    tops = data.get("top_logprobs")
     if not isinstance(tokens, list) or not isinstance(values, list):
         return None
+    tops = tops if isinstance(tops, list) else []
     out = []
     for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
         if not isinstance(token, str) or not _logprob(value):
             continue
-        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-        pairs = [(t, float(v)) for t, v in top.items() if _logprob(v)]
+        alternatives = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        valid = ((t, float(v)) for t, v in alternatives.items() if _logprob(v))
+        pairs = list(itertools.islice(valid, top))
         out.append(TokenLogprob(token, float(value), pairs))
     return out or None
 
