@@ -44,6 +44,8 @@ serve: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	# the import contracts of pyproject.toml: layers, no loops (docs/design.md, Layout)
+	$(BIN)/lint-imports
 
 test: install lint
 	$(BIN)/pytest -q --durations=15

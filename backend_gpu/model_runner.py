@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -46,11 +46,23 @@ from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.span_metadata import span_metadata
 from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
 from backend_gpu.tp_shards import local_heads
-
-if TYPE_CHECKING:  # tp_ranks starts runners: it imports this module
-    from backend_gpu.tp_ranks import RankProcesses
+from engine_api.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
+
+
+class OtherRanks(Protocol):
+    """Rank 0's handle on the other tensor-parallel ranks (tp_ranks.RankProcesses, which
+    starts runners: a protocol here, so that the runner never imports what starts it)."""
+
+    def send(self, step: StepRows) -> None: ...
+
+    def check(self) -> None: ...
+
+    def failure(self, exc: BaseException) -> EngineDeadError: ...
+
+    def close(self) -> None: ...
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIB = 1 << 20
@@ -79,7 +91,7 @@ class ModelRunner:
         checkpoint: Checkpoint,
         tokenizer,
         tp: ParallelGroup = SINGLE,
-        ranks: RankProcesses | None = None,  # rank 0's handle on the others, under TP
+        ranks: OtherRanks | None = None,  # rank 0's handle on the others, under TP
     ) -> None:
         self.tp = tp
         self.ranks = ranks

@@ -51,7 +51,7 @@ def gemma_tokenizer():
     from transformers import AutoTokenizer
 
     from backend_gpu.gguf_loader import convert_gguf
-    from gateway.default_model import default_model_path
+    from gateway.backends.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(convert_gguf(str(default_model_path())))
 

@@ -26,7 +26,7 @@ import llama_cpp
 
 from backend_local.model import LlamaModel
 from bench.options import DefaultsHelpFormatter
-from gateway.default_model import default_model_path
+from gateway.backends.default_model import default_model_path
 
 N_PARALLEL, CTX_PER_SEQ, N_BATCH, DECODE = 8, 1024, 512, 64
 GAP_SEQS = 9

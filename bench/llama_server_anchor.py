@@ -33,7 +33,7 @@ from bench.gateway_overhead import free_port
 from bench.local_vs_llama_server import wait_http
 from bench.options import DefaultsHelpFormatter
 from bench.scale_out_procs import Process, Run, measure, start_gateway, tenant_key
-from gateway.default_model import default_model_path
+from gateway.backends.default_model import default_model_path
 
 MODEL_ID = "gemma-3-270m"
 BINARY = Path(".cache/llama-server/llama-server")

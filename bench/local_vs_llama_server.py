@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from llama_cpp import Llama
 
-    from gateway.default_model import default_model_path
+    from gateway.backends.default_model import default_model_path
 
     model = str(default_model_path())
     vocab = Llama(model, vocab_only=True, verbose=False)

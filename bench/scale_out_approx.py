@@ -31,7 +31,7 @@ from bench.local_vs_llama_server import MODEL_ID, llama_cpp_server
 from bench.metrics import percentile
 from bench.scale_out_procs import measure, start_gateway, tenant_key, toml_backend
 from bench.scale_out_report import pooled
-from gateway.default_model import default_model_path
+from gateway.backends.default_model import default_model_path
 
 SERVER_CTX = 2048  # tokens: a ~400-token prompt, its question and output, with room
 SERVER_BATCH = 512

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-MODEL=$($BIN/python -c "from gateway.default_model import default_model_path; print(default_model_path())")
+MODEL=$($BIN/python -c "from gateway.backends.default_model import default_model_path; print(default_model_path())")
 OUT=docs/perf
 ADMIN=kvg-bench-admin-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa
 W=$(mktemp -d)

@@ -54,7 +54,7 @@ def run_gpu(texts: list[str], max_tokens: int, device: str, threads: int, rounds
 
     from backend_gpu import LLM, SamplingParams
     from engine_api.structured import StructuredOutput
-    from gateway.default_model import default_model_path
+    from gateway.backends.default_model import default_model_path
 
     torch.set_num_threads(threads)  # on a shared CPU, fewer threads wait less for each other
     llm = LLM(str(default_model_path()), device=device, max_num_seqs=len(texts), max_model_len=1024)
@@ -80,7 +80,7 @@ def run_gpu(texts: list[str], max_tokens: int, device: str, threads: int, rounds
 def run_local(texts: list[str], max_tokens: int, threads: int, rounds: int) -> dict:
     from backend_local import EngineConfig, LocalEngine, SamplingParams
     from engine_api.structured import StructuredOutput
-    from gateway.default_model import default_model_path
+    from gateway.backends.default_model import default_model_path
 
     n = len(texts)
     engine = LocalEngine(

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from gateway.backends import BackendSpec, replica_count
-from gateway.quota.prices import FREE, Price, parse_prices
+from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
+from gateway.tenancy.quota.prices import FREE, Price, parse_prices
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
-SQLITE_WAL_LIMIT_BYTES = 16 * 2**20
+ROUTER_POLICIES = ("prefix", "round_robin", "least_loaded")  # gateway.routing.router
 MIN_ADMIN_KEY_CHARS = 32  # a configured admin key must be as hard to guess as a generated one
 MAX_INSTANCE_CHARS = 100  # catalog rows are keyed "<instance>/<replica>", 200 characters in all
 
@@ -97,10 +98,10 @@ class Settings:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         for spec in self.backends:
             replica_count(spec)  # a bad `replicas` is a configuration error, found here
-        from gateway.router import POLICIES  # here: the router pulls in the database layer
-
-        if self.router_policy not in POLICIES:
-            raise ValueError(f"router_policy must be one of {POLICIES}, got {self.router_policy!r}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(
+                f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}"
+            )
 
     def price_of(self, model: str) -> Price:
         """The model's prices; one with none is free (FREE)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.default_model import DEFAULT_MODEL_ID
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from tests.conftest import free_port
 from tests.readme_examples import README, Session, readme_blocks
 
@@ -75,7 +75,7 @@ def start_as_make_serve(cwd: Path, *flags: str, timeout: float = 240) -> Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
-    from gateway.default_model import default_model_path
+    from gateway.backends.default_model import default_model_path
 
     default_model_path()  # assembled once, before the clock of the start-up starts
     gw = start_as_make_serve(tmp_path_factory.mktemp("readme"))

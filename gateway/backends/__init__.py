@@ -7,8 +7,7 @@ llama.cpp loaded when it does not serve them.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
 from engine_api.records import (
@@ -22,6 +21,7 @@ from engine_api.records import (
 )
 from engine_api.sampling import SamplingParams
 from gateway.backends.base import Backend, OutputCountingBackend, PrefixCachingBackend
+from gateway.backends.spec import BackendSpec, replica_count
 
 __all__ = [
     "Backend",
@@ -45,23 +45,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class BackendSpec:
-    """One `[[backends]]` entry of the config.
-
-    name: unique name of this backend instance; type: fake | gpu | local | remote;
-    model: a path (GGUF file, HF directory) or "" for the backend's default;
-    served_model_name: the model id clients ask for ("" derives one from model);
-    options: type-specific settings (engine arguments, fake timings...).
-    """
-
-    name: str
-    type: str
-    model: str = ""
-    served_model_name: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
-
-
 _ADAPTERS = {
     "fake": "gateway.backends.fake:FakeBackend",
     "gpu": "gateway.backends.gpu:GpuBackend",
@@ -76,14 +59,6 @@ def build_backend(spec: BackendSpec) -> Backend:
     module_name, cls_name = _ADAPTERS[spec.type].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(spec)
-
-
-def replica_count(spec: BackendSpec) -> int:
-    """The entry's option `replicas` (default 1), or ValueError."""
-    n = spec.options.get("replicas", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"backend {spec.name!r}: replicas must be an integer >= 1, got {n!r}")
-    return n
 
 
 def build_backends(spec: BackendSpec) -> list[Backend]:

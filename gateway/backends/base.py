@@ -20,6 +20,11 @@ from engine_api.records import (
 )
 from engine_api.structured import StructuredOutput
 
+# Requests a backend behind the gateway's fair queue takes beyond its `max_in_flight`
+# (gateway/routing/fair_queue.py): a seat for a tenant becoming active, as the gpu
+# engine keeps one beyond max_num_seqs (backend_gpu/scheduler.py).
+SPARE_SEATS = 1
+
 
 @runtime_checkable
 class Backend(Protocol):

@@ -9,9 +9,9 @@ from typing import Any
 
 from engine_api.errors import BadRequestError
 from engine_api.records import PromptInput, TokenLogprob
-from gateway.backends import BackendSpec
-from gateway.chat_template import render_chat
-from gateway.default_model import DEFAULT_MODEL_ID
+from gateway.backends.chat_template import render_chat
+from gateway.backends.default_model import DEFAULT_MODEL_ID
+from gateway.backends.spec import BackendSpec
 
 # Tokenizing more characters, or decoding more ids, than this would hold the event loop
 # for milliseconds.

@@ -32,8 +32,8 @@ from engine_api.records import (
     Usage,
 )
 from engine_api.structured import StructuredOutput
-from gateway.backends import BackendSpec
 from gateway.backends.common import decode_off_loop, render_off_loop
+from gateway.backends.spec import BackendSpec
 
 WORDS = [
     "the",

@@ -25,7 +25,6 @@ from engine_api.records import (
     Usage,
 )
 from engine_api.structured import StructuredOutput
-from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
     check_options,
@@ -35,7 +34,8 @@ from gateway.backends.common import (
     render_prompt,
     served_model_id,
 )
-from gateway.default_model import default_model_path
+from gateway.backends.default_model import default_model_path
+from gateway.backends.spec import BackendSpec
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 

@@ -25,7 +25,7 @@ from engine_api.records import (
     Usage,
 )
 from engine_api.structured import StructuredOutput
-from gateway.backends import BackendSpec
+from gateway.backends.base import SPARE_SEATS
 from gateway.backends.common import (
     check_model,
     check_options,
@@ -35,8 +35,8 @@ from gateway.backends.common import (
     render_prompt,
     served_model_id,
 )
-from gateway.default_model import default_model_path
-from gateway.fair_queue import SPARE_SEATS
+from gateway.backends.default_model import default_model_path
+from gateway.backends.spec import BackendSpec
 
 ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
 
@@ -50,7 +50,7 @@ class LocalBackend:
         self._engine: LocalEngine | None = None
         self._last_events: list[KVEvent] = []  # a stopped engine's last ones ("removed")
         # llama.cpp serves its slots first come, first served: the gateway queues fairly
-        # in front of them (gateway/fair_queue.py)
+        # in front of them (gateway/routing/fair_queue.py)
         self.max_in_flight: int | None = None
 
     async def start(self) -> None:

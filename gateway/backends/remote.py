@@ -39,7 +39,6 @@ from engine_api.block_hash import hash_blocks
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent, ModelCard, PromptInput
 from engine_api.structured import StructuredOutput
-from gateway.backends import BackendSpec
 from gateway.backends.common import (
     check_model,
     decode_off_loop,
@@ -56,6 +55,7 @@ from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.backends.remote_sent import SentBlocks
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
 from gateway.backends.remote_worker import worker_stream
+from gateway.backends.spec import BackendSpec
 
 log = logging.getLogger("kvgate.remote")
 COUNT_READ_S = 5.0  # at most this (or read_timeout_s) for /tokenize to count output

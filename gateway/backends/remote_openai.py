@@ -8,7 +8,7 @@ sampling fields by vLLM's names plus llama.cpp's `repeat_penalty` where it matte
 to top_k 40 and min_p 0.05, not OpenAI's plain sampling), the prompt as token ids, and
 as text where the upstream refuses ids (llama-cpp-python), learned from its first
 refusal. Usage comes from the upstream's usage chunk (`stream_options.include_usage`)
-as a claim: the gateway's meter (gateway.metering) counts the text delivered and takes
+as a claim: the gateway's meter (gateway.serving.metering) counts the text delivered and takes
 the claim only where it agrees; an upstream that sends none (llama-cpp-python again) has
 its completion counted by the gateway, and the usage row says so.
 """
@@ -191,7 +191,7 @@ def _usage(data: Any) -> Usage | None:
 
 def _count(n: Any) -> bool:
     """A token count as JSON may give it: an integer, not a bool; its range is the
-    meter's to judge (gateway.metering), within a bound that keeps it a machine word."""
+    meter's to judge (gateway.serving.metering), within a bound that keeps it a machine word."""
     return isinstance(n, int) and not isinstance(n, bool) and -(2**62) < n < 2**62
 
 

@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.backends import BackendSpec
 from gateway.backends.common import check_options
 from gateway.backends.remote_http import MAX_RESPONSE_BYTES, Endpoint
+from gateway.backends.spec import BackendSpec
 
 
 @dataclass(frozen=True)

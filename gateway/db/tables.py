@@ -34,7 +34,7 @@ class Tenant(Base):
 
 class Limits:
     """The limit columns a tenant's quota and an API key both hold (NULL: no limit); the
-    money budgets in nanodollars (10^-9 USD, gateway.quota.prices), dollars at the API."""
+    money budgets in nanodollars (10^-9 USD, gateway.tenancy.quota.prices), dollars at the API."""
 
     rpm: Mapped[int | None] = mapped_column(Integer)
     tpm: Mapped[int | None] = mapped_column(BigInteger)
@@ -97,7 +97,7 @@ class UsageRecord(Base):
     created_at: Mapped[float] = mapped_column(Float)
     # "engine", or "gateway" where a remote upstream sent no usage and kvgate counted
     counted_by: Mapped[str] = mapped_column(String(16), server_default="engine")
-    # what the request cost at its model's price, in nanodollars (gateway.quota.prices)
+    # what the request cost at its model's price, in nanodollars (gateway.tenancy.quota.prices)
     spend_nano_usd: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
     __table_args__ = (Index("ix_usage_records_tenant_created", "tenant_id", "created_at"),)
@@ -156,7 +156,7 @@ class AuditLog(Base):
 
 class ServerSetting(Base):
     """Values the server generates once and must keep across restarts (the cache-salt
-    secret), and the auth epoch every key and tenant change rewrites (gateway.auth)."""
+    secret), and the auth epoch every key and tenant change rewrites (gateway.tenancy.auth)."""
 
     __tablename__ = "server_settings"
 

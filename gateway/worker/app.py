@@ -15,10 +15,10 @@ import hmac
 from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
-from gateway.app import openai_errors
-from gateway.errors import ApiError
-from gateway.http_util import SETTINGS, json_response, parse_body
-from gateway.schemas import DetokenizeRequest, TokenizeRequest
+from gateway.http.errors import ApiError
+from gateway.http.middleware import openai_errors
+from gateway.http.util import SETTINGS, json_response, parse_body
+from gateway.schemas.inference import DetokenizeRequest, TokenizeRequest
 from gateway.worker.completions import completions
 from gateway.worker.errors import api_error
 from gateway.worker.generate import generate

@@ -20,9 +20,9 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.config import ENGINE_SETTINGS, load_settings
+from gateway.worker_pool.supervisor import READY_LINE
 
 ENGINE_CHOICES = ["auto", "fake", "gpu", "local"]
-READY_LINE = "kvgate worker: listening on "  # the supervisor and tests wait for it
 # The engines' defaults, for --help only (the engines own them; a test holds these to
 # backend_local's and backend_gpu's EngineConfig): importing the engines here would
 # make every `kvgate` command start slowly.
@@ -191,7 +191,7 @@ async def _serve(state, parent_pid: int | None) -> str:
     worker exits and its supervisor starts a fresh one."""
     from aiohttp import web
 
-    from gateway.http_server import GatewayRunner
+    from gateway.http.server import GatewayRunner
     from gateway.worker.app import create_worker_app
 
     settings = state.settings

@@ -1,7 +1,7 @@
 """POST /v1/completions on a worker: OpenAI's (and vLLM's) completions for callers that
 reach the engine directly, one prompt and one choice per request.
 
-Bodies and chunks are the gateway's own (gateway/openai_format.py), the sampling
+Bodies and chunks are the gateway's own (gateway/schemas/openai_format.py), the sampling
 options are built as the gateway builds them, and `max_tokens` defaults to what the
 context leaves, as the gateway plans it for a tenant without limits.
 """
@@ -16,11 +16,11 @@ from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest, TokenLogprob, Usage
-from gateway.admission import sampling, structured_output
-from gateway.http_util import json_response, parse_body, sse
-from gateway.openai_format import chunk_body, completion_choice, response_body, usage_chunk
-from gateway.quota import QuotaLimits
-from gateway.token_plan import plan_tokens
+from gateway.http.util import json_response, parse_body, sse
+from gateway.schemas.openai_format import chunk_body, completion_choice, response_body, usage_chunk
+from gateway.serving.sampling import sampling, structured_output
+from gateway.serving.token_plan import plan_tokens
+from gateway.tenancy.quota import QuotaLimits
 from gateway.worker.errors import api_error
 from gateway.worker.generate import chunks_from, first_chunk
 from gateway.worker.schemas import WorkerCompletionRequest

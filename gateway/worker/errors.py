@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
-from gateway.errors import ApiError
+from gateway.http.errors import ApiError
 
 
 class ContextLengthError(ApiError):

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest
-from gateway.http_util import parse_body
+from gateway.http.util import parse_body
 from gateway.worker.errors import api_error
 from gateway.worker.schemas import JsonObject
 from gateway.worker.state import WORKER

@@ -1,9 +1,9 @@
-"""Request bodies of the worker's routes, as strict as the gateway's (gateway/schemas.py).
+"""Request bodies of the worker's routes, as strict as the gateway's (gateway/schemas/inference.py).
 
 The worker's /v1/completions is the gateway's CompletionRequest narrowed to what one
 engine call serves (one prompt, n = 1) plus vLLM's `cache_salt` and `priority`, which a
 gateway in front sets per tenant. /tokenize and /detokenize take the gateway's own bodies
-(gateway.schemas). /kvgate/v1/generate takes any JSON object: the GenRequest record
+(gateway.schemas.inference). /kvgate/v1/generate takes any JSON object: the GenRequest record
 decodes it, strictly, itself.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import RootModel, field_validator
 
-from gateway.schemas import CompletionRequest
-from gateway.schemas_fields import Name, Priority
+from gateway.schemas.fields import Name, Priority
+from gateway.schemas.inference import CompletionRequest
 
 
 class WorkerCompletionRequest(CompletionRequest):

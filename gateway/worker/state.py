@@ -17,7 +17,7 @@ from engine_api.errors import BadRequestError, PromptTooLongError
 from engine_api.records import GenRequest, ModelCard
 from gateway.backends import Backend, PrefixCachingBackend
 from gateway.config import Settings
-from gateway.errors import ApiError
+from gateway.http.errors import ApiError
 from gateway.worker.events import EventLog, drain_forever
 
 log = logging.getLogger("kvgate.worker")

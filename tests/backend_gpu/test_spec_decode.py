@@ -408,7 +408,7 @@ async def test_gateway_reports_acceptance_in_stats_and_metrics(tiny_model_dir):
     from prometheus_client import generate_latest
 
     from gateway.backends import BackendSpec, GenRequest, SamplingParams, build_backend
-    from gateway.metrics import Metrics
+    from gateway.observe.metrics import Metrics
 
     spec = BackendSpec(
         name="gpu0",

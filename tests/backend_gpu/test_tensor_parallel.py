@@ -25,7 +25,7 @@ from engine_api.errors import EngineDeadError
 from gateway.backends import BackendError, BackendSpec, GenRequest, build_backend
 from gateway.config import load_settings
 from gateway.worker import cli as worker_cli
-from gateway.worker.placement import place_workers
+from gateway.worker_pool.placement import place_workers
 from tests.backend_gpu.reference import assert_greedy_matches
 from tests.backend_gpu.tiny_models import SENTENCES, build_tokenizer, save_tiny_model
 from tests.gateway.test_worker import start_worker

@@ -13,9 +13,9 @@ from gateway.backends import (
     SamplingParams,
     build_backend,
 )
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from gateway.backends.local import LocalBackend
-from gateway.default_model import DEFAULT_MODEL_ID
-from gateway.fair_queue import SPARE_SEATS
+from gateway.routing.fair_queue import SPARE_SEATS
 from tests.backend_local.helpers import wait_for
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 import pytest
 
-from gateway.chat_template import render_chat
+from gateway.backends.chat_template import render_chat
 
 
 def test_gemma_turns_with_system_folded_into_first_user_turn():

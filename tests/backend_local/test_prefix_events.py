@@ -7,7 +7,7 @@ import pytest
 from backend_local import EngineConfig, LocalEngine, SamplingParams
 from backend_local.prefix_blocks import BLOCK_SIZE, block_hashes
 from gateway.backends import BackendSpec, BadRequestError, GenRequest, build_backend
-from gateway.default_model import DEFAULT_MODEL_ID
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from tests.backend_local.helpers import collect
 
 pytestmark = pytest.mark.slow

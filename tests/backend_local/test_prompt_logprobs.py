@@ -12,7 +12,7 @@ from backend_local import worker as worker_module
 from backend_local.sampling import TokenLogprob
 from backend_local.slots import Slot, place
 from gateway.backends import BackendSpec, GenRequest, build_backend
-from gateway.default_model import DEFAULT_MODEL_ID
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from tests.backend_local.helpers import assert_same_up_to_near_tie, collect_logprobs
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.default_model import DEFAULT_MODEL_ID
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from tests.conftest import start_gateway
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from engine_api.errors import BadRequestError
 from engine_api.sampling import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, SamplingParams
-from gateway.admission import sampling, structured_output
-from gateway.schemas import CompletionRequest
+from gateway.schemas.inference import CompletionRequest
+from gateway.serving.sampling import sampling, structured_output
 
 BAD = [
     ("temperature", -0.1),
@@ -133,7 +133,7 @@ def test_engine_properties():
     assert SamplingParams(presence_penalty=-0.5).has_penalties
 
 
-# the largest values gateway/schemas.py accepts, written out here, not imported
+# the largest values gateway/schemas/inference.py accepts, written out here, not imported
 SCHEMA_EDGES = {
     "model": "m",
     "prompt": "hi",

@@ -13,9 +13,8 @@ from aiohttp.test_utils import TestServer
 from gateway.app import create_app
 from gateway.backends import BackendSpec
 from gateway.config import Settings
-from gateway.http_server import GatewayTestServer
-from gateway.openai_api import GW
-from gateway.state import GatewayState
+from gateway.http.server import GatewayTestServer
+from gateway.state import GW, GatewayState
 from tests.conftest import ADMIN_KEY
 
 

@@ -44,8 +44,8 @@ async def test_key_is_shown_once_and_stored_hashed(gw):
     assert "key" not in record and record["prefix"] == key[:12]
     from sqlalchemy import select
 
-    from gateway.auth import hash_key
     from gateway.db import ApiKey
+    from gateway.tenancy.auth import hash_key
 
     async with gw.state.db.session() as s:
         stored = await s.scalar(select(ApiKey).where(ApiKey.id == record["id"]))

@@ -19,9 +19,9 @@ from gateway.app import create_app
 from gateway.backends import BackendSpec, KVEvent
 from gateway.config import Settings, load_settings
 from gateway.db import PrefixBlock
-from gateway.http_server import GatewayTestServer
-from gateway.openai_api import GW
-from gateway.state import GatewayState, start_gateway, stop_gateway
+from gateway.http.server import GatewayTestServer
+from gateway.lifecycle import start_gateway, stop_gateway
+from gateway.state import GW, GatewayState
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.conftest import ADMIN_KEY, PG_URL
 from tests.gateway.conftest import fake_backends

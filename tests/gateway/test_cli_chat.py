@@ -188,7 +188,7 @@ def test_bad_key_and_no_gateway_are_one_line_errors(gateway):
 def test_model_file_runs_here_and_ctrl_c_stops_it():
     """--model-file: the default GGUF on llama.cpp in the chat's own process, no gateway.
     Greedy, the base model rambles on well past the Ctrl-C."""
-    from gateway.default_model import default_model_path
+    from gateway.backends.default_model import default_model_path
 
     path = str(default_model_path())
     term = Terminal("--model-file", path, "--max-tokens", "2000", "--temperature", "0")

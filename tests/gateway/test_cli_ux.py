@@ -22,9 +22,9 @@ from gateway.cli import build_parser
 from gateway.cli import main as kvgate
 from gateway.config import _ENV_FIELDS, load_settings
 from gateway.db import Database
-from gateway.fair_queue import SPARE_SEATS
-from gateway.quota.prices import Price
-from gateway.usage import UsageRecorder, UsageRow
+from gateway.routing.fair_queue import SPARE_SEATS
+from gateway.tenancy.quota.prices import Price
+from gateway.tenancy.usage import UsageRecorder, UsageRow
 from gateway.worker import cli as worker_cli
 from tests.conftest import ADMIN_KEY
 

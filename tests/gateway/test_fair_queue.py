@@ -1,4 +1,4 @@
-"""The gateway's fair queue (gateway/fair_queue.py), deterministic on one event loop:
+"""The gateway's fair queue (gateway/routing/fair_queue.py), deterministic on one event loop:
 slots are never exceeded or leaked, a flooding tenant does not hold another behind its
 line, weights share the service, idle time banks no credit, a cancelled waiter leaves
 nothing behind; and through a live gateway in front of a backend with a slot limit."""
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
 
-from gateway.fair_queue import FairQueue
+from gateway.routing.fair_queue import FairQueue
 from tests.gateway.conftest import fake_backends
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gateway.cli import main as kvgate
-from gateway.cli_chat import ChatError, RemoteChat, Sampling
+from gateway.cli.chat import ChatError, RemoteChat, Sampling
 from tests.conftest import ADMIN_KEY, free_port, start_gateway
 
 MISSING = "path/that/does/not/exist.gguf"

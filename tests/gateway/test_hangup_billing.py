@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.default_model import default_model_path
+from gateway.backends.default_model import default_model_path
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.conftest import LiveGateway, free_port, start_gateway
 from tests.gateway.test_remote import (

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from bench.hostile_upstream_server import SECRET, HostileUpstream
-from gateway.quota.prices import parse_prices
+from gateway.tenancy.quota.prices import parse_prices
 from tests.conftest import LiveGateway, start_gateway
 from tests.gateway.test_remote import MODEL, remote_config, wait_until
 

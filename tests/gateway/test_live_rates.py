@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.stats import RATE_WINDOW_S, Finished, TrafficStats
+from gateway.observe.stats import RATE_WINDOW_S, Finished, TrafficStats
 from tests.gateway.conftest import fake_backends
 
 T0 = 1_000_000.0  # a fixed clock: the rates are a pure function of the times given

@@ -12,7 +12,7 @@ import jsonschema_rs
 import pytest
 import schemathesis
 
-from gateway.openapi import EXAMPLES, REF, REQUEST_MODELS, build_document
+from gateway.routes.openapi import EXAMPLES, REF, REQUEST_MODELS, build_document
 from tests.conftest import ADMIN_KEY
 
 

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import make_url
 
 from gateway.db import Database, migrate
-from gateway.quota import QuotaExceeded, QuotaLimits
-from gateway.quota.postgres import PostgresQuotaStore
+from gateway.tenancy.quota import QuotaExceeded, QuotaLimits
+from gateway.tenancy.quota.postgres import PostgresQuotaStore
 from tests.conftest import PG_URL
 
 pytestmark = pytest.mark.pg

@@ -18,9 +18,9 @@ from bench import pg_cluster
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.db import Database, migrate
-from gateway.http_server import GatewayTestServer
-from gateway.quota import QuotaExceeded, QuotaLimits
-from gateway.quota.postgres import PostgresQuotaStore
+from gateway.http.server import GatewayTestServer
+from gateway.tenancy.quota import QuotaExceeded, QuotaLimits
+from gateway.tenancy.quota.postgres import PostgresQuotaStore
 from tests.conftest import ADMIN_KEY, PG_URL
 from tests.gateway.conftest import fake_backends
 

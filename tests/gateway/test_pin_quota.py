@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.db import PinnedPrefix
-from gateway.quota.limits import DAILY_SPEND
+from gateway.tenancy.quota.limits import DAILY_SPEND
 from tests.conftest import ADMIN_KEY, PG_URL, away_from_minute_boundary
 from tests.gateway.conftest import Gateway, fake_backends
 

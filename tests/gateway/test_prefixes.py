@@ -11,10 +11,10 @@ from openai import AsyncOpenAI
 from sqlalchemy import select
 
 from gateway.backends import BackendSpec, KVEvent
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from gateway.cli import main as cli_main
 from gateway.db import Base, Database, PinnedPrefix, PrefixBlock, migrate
-from gateway.default_model import DEFAULT_MODEL_ID
-from gateway.prefix_catalog import UNKNOWN_TENANT, PrefixCatalog
+from gateway.routing.catalog import UNKNOWN_TENANT, PrefixCatalog
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.conftest import ADMIN_KEY, PG_URL
 

@@ -12,8 +12,8 @@ import asyncpg
 import pytest
 
 from gateway.db import Database, migrate
-from gateway.quota import QuotaLimits
-from gateway.quota.postgres import PostgresQuotaStore, apply_settlements
+from gateway.tenancy.quota import QuotaLimits
+from gateway.tenancy.quota.postgres import PostgresQuotaStore, apply_settlements
 from tests.conftest import PG_URL
 
 pytestmark = pytest.mark.pg

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from gateway.db import Database, migrate
-from gateway.quota import MemoryQuotaStore, QuotaExceeded, QuotaLimits
-from gateway.quota.postgres import PostgresQuotaStore
+from gateway.tenancy.quota import MemoryQuotaStore, QuotaExceeded, QuotaLimits
+from gateway.tenancy.quota.postgres import PostgresQuotaStore
 from tests.conftest import PG_URL
 
 NOW = 1_800_000_000.0 + 5  # 5 s into a minute

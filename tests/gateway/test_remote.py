@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.default_model import default_model_path
+from gateway.backends.default_model import default_model_path
 from tests.conftest import LiveGateway, free_port, start_gateway
 
 MODEL = "remote-model"

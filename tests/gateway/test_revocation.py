@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.auth import EPOCH_CHECK_S
+from gateway.tenancy.auth import EPOCH_CHECK_S
 from tests.conftest import PG_URL, LiveGateway, away_from_minute_boundary, start_gateway
 
 LONG_TTL = {"KVGATE_KEY_CACHE_TTL_S": "600"}

@@ -12,9 +12,9 @@ from openai import AsyncOpenAI
 from gateway.backends import BackendSpec, BackendStats, KVEvent, build_backends
 from gateway.cli import build_parser
 from gateway.config import Settings, load_settings
-from gateway.prefix import tenant_cache_salt
-from gateway.prefix_catalog import PrefixCatalog
-from gateway.router import Candidate, Router
+from gateway.routing.catalog import PrefixCatalog
+from gateway.routing.router import Candidate, Router
+from gateway.routing.salts import tenant_cache_salt
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.gateway.conftest import fake_backends
 

@@ -18,7 +18,7 @@ from sqlalchemy import select, text
 from gateway.backends import BackendSpec
 from gateway.config import load_settings
 from gateway.db import Database, UsageRecord, migrate
-from gateway.quota.prices import Price, to_nanos
+from gateway.tenancy.quota.prices import Price, to_nanos
 from tests.conftest import PG_URL
 from tests.gateway.test_prefixes import schema_drift
 

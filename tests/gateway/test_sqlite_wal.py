@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.db import Database, migrate
-from gateway.usage import RESTART_RETRY_S, UsageRecorder
+from gateway.tenancy.usage import RESTART_RETRY_S, UsageRecorder
 from tests.conftest import start_gateway
 from tests.gateway.test_usage_recorder import row
 

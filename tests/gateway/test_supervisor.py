@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from gateway.backends import BackendSpec
-from gateway.worker.placement import place_workers, split_cores
-from gateway.worker.supervisor import WorkerStartError, WorkerSupervisor
+from gateway.worker_pool.placement import place_workers, split_cores
+from gateway.worker_pool.supervisor import WorkerStartError, WorkerSupervisor
 
 FAKE = BackendSpec("fake", "fake", "", "m", {"tokens_per_second": 500})
 

@@ -9,9 +9,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from gateway.chat_template import render_chat
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.tool_calls import ToolCallStream, ToolPlan
+from gateway.backends.chat_template import render_chat
+from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
+from gateway.serving.tool_calls import ToolCallStream, ToolPlan
 
 WEATHER = {
     "type": "function",

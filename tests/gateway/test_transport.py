@@ -1,6 +1,6 @@
 """The HTTP transport against real sockets: compressed bodies, slow and half-sent
 requests, the connection cap and parser errors, on a `kvgate serve` process and on the
-in-process server (both run gateway/http_server.py)."""
+in-process server (both run gateway/http/server.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.http_server import GatewayTestServer
+from gateway.http.server import GatewayTestServer
 from tests.conftest import ADMIN_KEY, start_gateway
 from tests.gateway.conftest import fake_backends
 

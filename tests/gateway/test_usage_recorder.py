@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select, text
 
 from gateway.db import DailyUsage, Database, UsageRecord, migrate
-from gateway.usage import UsageRecorder, UsageRow, UsageUnavailable
+from gateway.tenancy.usage import UsageRecorder, UsageRow, UsageUnavailable
 from tests.conftest import PG_URL, free_port
 
 # SQLite does not enforce VARCHAR lengths or refuse NUL; this trigger makes it refuse

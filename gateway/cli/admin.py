@@ -1,0 +1,377 @@
+"""`kvgate tenants|keys|usage|db`: administration straight on the database;
+`kvgate prefixes` asks a running gateway (its prefix catalog lives in memory).
+
+They work with or without a running gateway; every running gateway on the database sees
+a key or tenant change (a revocation above all) within gateway.tenancy.auth.EPOCH_CHECK_S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from gateway.config import Settings
+from gateway.db import Database, migrate
+from gateway.schemas.admin import KeyUpdate, TenantUpdate
+from gateway.tenancy.quota.prices import usd_text
+from gateway.tenancy.tenants import (
+    LIMIT_FIELDS,
+    QUOTA_FIELDS,
+    SPEND_FIELDS,
+    Conflict,
+    NotFound,
+    TenantService,
+)
+
+TENANT_HELP = "the tenant's id or its name"
+LIFT = "none"  # a limit flag's value that lifts the limit: `kvgate keys update K --rpm none`
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    db = sub.add_parser("db", help="database schema")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    db_sub.add_parser("upgrade", help="migrate the database to the newest schema")
+
+    tenants = sub.add_parser("tenants", help="create, list, update and delete tenants")
+    t_sub = tenants.add_subparsers(dest="tenants_command", required=True)
+    create = t_sub.add_parser("create", help="create a tenant")
+    create.add_argument("name")
+    _quota_args(create)
+    t_sub.add_parser("list", help="list tenants")
+    update = t_sub.add_parser("update", help="change a tenant's name or quotas")
+    update.add_argument("tenant_id", metavar="TENANT", help=TENANT_HELP)
+    update.add_argument("--name")
+    _quota_args(update)
+    delete = t_sub.add_parser("delete", help="delete a tenant and its keys")
+    delete.add_argument("tenant_id", metavar="TENANT", help=TENANT_HELP)
+
+    keys = sub.add_parser("keys", help="create, list, update and revoke API keys")
+    k_sub = keys.add_subparsers(dest="keys_command", required=True)
+    kc = k_sub.add_parser("create", help="create a key (shown once)")
+    kc.add_argument(
+        "tenant_id", metavar="TENANT", help=TENANT_HELP + "; 'admin': an admin key of no tenant"
+    )
+    kc.add_argument("--name", default="")
+    kc.add_argument("--scopes", default="inference", help="comma-separated: inference,admin")
+    kc.add_argument("--expires-in", type=float, help="seconds until the key expires")
+    _limit_args(kc, "key")
+    kl = k_sub.add_parser("list", help="list keys")
+    kl.add_argument("tenant_id", nargs="?", metavar="TENANT", help=TENANT_HELP)
+    kl.add_argument("--tenant", dest="tenant_flag", metavar="TENANT", help="as TENANT")
+    ku = k_sub.add_parser("update", help="change a key's name or limits")
+    ku.add_argument("key_id")
+    ku.add_argument("--name")
+    _limit_args(ku, "key")
+    kr = k_sub.add_parser("revoke", help="revoke a key (every running gateway refuses it at once)")
+    kr.add_argument("key_id")
+
+    usage = sub.add_parser("usage", help="daily usage per tenant and model")
+    usage.add_argument("--tenant", help=TENANT_HELP)
+    usage.add_argument("--since", help="YYYY-MM-DD")
+    usage.add_argument("--until", help="YYYY-MM-DD")
+
+    prefixes = sub.add_parser(
+        "prefixes", help="a running gateway's hottest cached prefixes, pins and hits per tenant"
+    )
+    prefixes.add_argument("--url", default="http://127.0.0.1:8000", help="default %(default)s")
+    prefixes.add_argument(
+        "--key",
+        default=os.environ.get("KVGATE_ADMIN_KEY"),
+        help="admin key (all tenants) or a tenant's key (its own); default $KVGATE_ADMIN_KEY",
+    )
+    prefixes.add_argument("--tenant", help="only this tenant's view (admin key): its id or name")
+    prefixes.add_argument("--limit", type=int, default=20)
+
+
+def _limit_args(p: argparse.ArgumentParser, whose: str) -> None:
+    lift = f"; {LIFT!r}: no limit (lifts it)"
+    for f in LIMIT_FIELDS:
+        flag = "--" + f.replace("_", "-")
+        if f in SPEND_FIELDS:
+            p.add_argument(flag, type=_or_lift(float), metavar="USD", help="dollars" + lift)
+        elif f != "models":
+            p.add_argument(flag, type=_or_lift(int), metavar="N", help=lift[2:])
+    p.add_argument("--models", help=f"comma-separated model ids the {whose} may use" + lift)
+
+
+def _or_lift(cast: type) -> Any:
+    """A limit's value, or None for `none` (a limit given as None is lifted)."""
+
+    def parse(value: str) -> Any:
+        return _LIFTED if value.lower() == LIFT else cast(value)
+
+    parse.__name__ = cast.__name__  # argparse's "invalid int value" names it
+    return parse
+
+
+_LIFTED = object()  # `--rpm none`: kept apart from a flag not given (None)
+
+
+def _quota_args(p: argparse.ArgumentParser) -> None:
+    _limit_args(p, "tenant")
+    p.add_argument("--priority", type=int)
+    p.add_argument("--weight", type=float)
+
+
+def _quota_values(args: argparse.Namespace, whose: str) -> dict[str, Any]:
+    """The limits (and a tenant's priority and weight) given as flags, checked as the
+    admin API checks them; a limit given as `none` is there as None (lifted)."""
+    fields = QUOTA_FIELDS if whose == "tenant" else LIMIT_FIELDS
+    values = {f: getattr(args, f) for f in fields if f != "models"}
+    if args.models is not None:
+        models = args.models.split(",")
+        values["models"] = _LIFTED if args.models.lower() == LIFT else [m for m in models if m]
+    given = {f: None if v is _LIFTED else v for f, v in values.items() if v is not None}
+    try:
+        body = (TenantUpdate if whose == "tenant" else KeyUpdate).model_validate(given)
+    except ValidationError as e:
+        error = e.errors()[0]
+        flag = "--" + str(error["loc"][0]).replace("_", "-")
+        raise ValueError(f"{flag}: {error['msg']}") from None
+    return body.model_dump(exclude_unset=True)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        if args.command == "prefixes":
+            return asyncio.run(_prefixes(args))
+        return asyncio.run(_run(args, settings))
+    except (NotFound, Conflict, ValueError, aiohttp.ClientError) as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 1
+
+
+async def _run(args: argparse.Namespace, settings: Settings) -> int:
+    db = Database(settings.database_url, settings.database_schema, settings.sqlite_wal_limit_bytes)
+    try:
+        await migrate(db)
+        service = TenantService(db)
+        if args.command == "db":
+            print(f"kvgate: database at {settings.database_url} is up to date")
+        elif args.command == "tenants":
+            await _tenants(args, service)
+        elif args.command == "keys":
+            await _keys(args, service)
+        elif args.command == "usage":
+            await _usage(args, service)
+        return 0
+    finally:
+        await db.close()
+
+
+async def _tenants(args: argparse.Namespace, service: TenantService) -> None:
+    cmd = args.tenants_command
+    if cmd == "create":
+        _print(await service.create_tenant(args.name, _quota_values(args, "tenant")), args.json)
+    elif cmd == "list":
+        _print(await service.list_tenants(), args.json)
+    elif cmd == "update":
+        changes = _quota_values(args, "tenant") | ({"name": args.name} if args.name else {})
+        tenant_id = await service.tenant_id_of(args.tenant_id)
+        _print(await service.update_tenant(tenant_id, changes), args.json)
+    elif cmd == "delete":
+        tenant_id = await service.tenant_id_of(args.tenant_id)
+        await service.delete_tenant(tenant_id)
+        if args.json:
+            _print({"id": tenant_id, "object": "tenant", "deleted": True}, True)
+        else:
+            print(f"deleted tenant {args.tenant_id} ({tenant_id})")
+
+
+async def _keys(args: argparse.Namespace, service: TenantService) -> None:
+    cmd = args.keys_command
+    if cmd == "create":
+        tenant = None if args.tenant_id == "admin" else await service.tenant_id_of(args.tenant_id)
+        expires = time.time() + args.expires_in if args.expires_in else None
+        scopes = [s for s in args.scopes.split(",") if s]
+        bad = set(scopes) - {"inference", "admin"}
+        if bad:
+            raise ValueError(f"unknown scopes {sorted(bad)}; use inference and/or admin")
+        limits = _quota_values(args, "key")
+        record, key = await service.create_key(tenant, args.name, scopes, expires, limits=limits)
+        if args.json:
+            _print(record | {"key": key}, True)
+        else:
+            name = (await service.get_tenant(tenant))["name"] if tenant else None
+            _print_new_key(record, key, name)
+    elif cmd == "list":
+        tenant = args.tenant_id or args.tenant_flag
+        if tenant is not None:  # an unknown tenant is an error
+            tenant = await service.tenant_id_of(tenant)
+        _print(await service.list_keys(tenant), args.json)
+    elif cmd == "update":
+        changes = _quota_values(args, "key")
+        changes |= {"name": args.name} if args.name is not None else {}
+        _print(await service.update_key(args.key_id, changes), args.json)
+    elif cmd == "revoke":
+        _print(await service.revoke_key(args.key_id), args.json)
+
+
+def _print_new_key(record: dict[str, Any], key: str, tenant_name: str | None) -> None:
+    """A new key for people: whose it is, the limits it was given, and the key (once)."""
+    owner = f"{tenant_name} ({record['tenant_id']})" if record["tenant_id"] else "(admin)"
+    name = f" {record['name']!r}" if record["name"] else ""
+    print(f"key{name} id {record['id']} for tenant {owner}")
+    limits = {f: record[f] for f in LIMIT_FIELDS if record[f] is not None}
+    if limits:
+        print("limits: " + ", ".join(f"{f} {_cell(v)}" for f, v in limits.items()))
+    print(f"    {key}")
+    print("This key is shown only once; store it now.")
+
+
+async def _usage(args: argparse.Namespace, service: TenantService) -> None:
+    tenant = args.tenant
+    if tenant is not None:  # an unknown tenant is an error, not no usage
+        tenant = await service.tenant_id_of(tenant)
+    usage = await service.usage(tenant, args.since, args.until, summaries=True)
+    names = {t["id"]: t["name"] for t in await service.list_tenants()}
+    for row in (*usage["data"], *usage["tenants"], *usage["keys"]):
+        row["tenant_name"] = names.get(row["tenant_id"])  # None: the tenant was deleted
+    if args.json:
+        _print(usage, True)
+        return
+    rows = [{"day": r["day"]} | _usage_row(r) for r in usage["data"]]
+    if rows:
+        rows.append({"day": "total", "tenant": "", "model": ""} | _usage_row(usage["total"]))
+    _print(rows, False)
+    if not rows:
+        return
+    print("\nper tenant")
+    _print([_usage_row(r) for r in usage["tenants"]], False)
+    print("\nper key")
+    _print([{"key": r["key_id"], "name": r["name"]} | _usage_row(r) for r in usage["keys"]], False)
+
+
+def _usage_row(r: dict[str, Any]) -> dict[str, Any]:
+    """A usage report's row for people: the tenant's name, spend in dollars."""
+    row = {}
+    if "tenant_id" in r:
+        row["tenant"] = r["tenant_name"] or f"{r['tenant_id']} (deleted)"
+    if "model" in r:
+        row["model"] = r["model"]
+    counts = {c: r[c] for c in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
+    return row | counts | {"spend_usd": usd_text(r["spend"])}
+
+
+async def _prefixes(args: argparse.Namespace) -> int:
+    """GET /admin/prefixes: the catalog lives in the running gateway's memory."""
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    url = args.url.rstrip("/")
+    async with aiohttp.ClientSession(headers=headers) as http:
+        status, body = 200, {}
+        if args.tenant:  # an unknown tenant is an error, not an empty report
+            status, body = await _tenant_by_ref(http, url, args.tenant)
+        if status == 200:
+            tenant = {"tenant_id": body["id"]} if args.tenant else {}
+            query = {"limit": str(args.limit)} | tenant
+            async with http.get(url + "/admin/prefixes", params=query) as r:
+                status, body = r.status, await r.json()
+    if status != 200:
+        print(f"kvgate: {status}: {body['error']['message']}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print(body, True)
+        return 0
+    now = time.time()
+    names = {t["tenant_id"]: t["name"] for t in body["tenants"]}
+    print("hottest prefixes")
+    _print([_hot_prefix_row(p, now, names) for p in body["prefixes"]], False)
+    print("\npinned prefixes")
+    _print([_pin_row(p, names) for p in body["pins"]], False)
+    print("\nper tenant")
+    _print([_tenant_cache_row(t) for t in body["tenants"]], False)
+    return 0
+
+
+async def _tenant_by_ref(
+    http: aiohttp.ClientSession, url: str, ref: str
+) -> tuple[int, dict[str, Any]]:
+    """GET the tenant `ref` names, by id or else by name (the admin key lists tenants)."""
+    async with http.get(f"{url}/admin/tenants/{ref}") as r:
+        status, body = r.status, await r.json()
+    if status != 404:
+        return status, body
+    async with http.get(f"{url}/admin/tenants") as r:
+        if r.status != 200:
+            return status, body
+        named = [t for t in (await r.json())["data"] if t["name"] == ref]
+    return (200, named[0]) if named else (status, body)
+
+
+def _tenant_label(tenant_id: str | None, names: dict[str | None, str | None]) -> str:
+    """A tenant as people know it: its name (its id when the report has no name for it)."""
+    if tenant_id is None:
+        return "(published)"
+    return names.get(tenant_id) or tenant_id
+
+
+def _hot_prefix_row(p: dict, now: float, names: dict) -> dict:
+    return {
+        "replica": p["replica"],
+        "tenant": _tenant_label(p["tenant_id"], names),
+        "pin": p["pin"],
+        "tokens": p["tokens"],
+        "hits": p["hits"],
+        "saved": p["tokens_saved"],
+        "idle_s": round(now - p["last_used"], 1),
+        "block": p["block_hash"][:12],
+    }
+
+
+def _pin_row(p: dict, names: dict) -> dict:
+    return {
+        "name": p["name"],
+        "tenant": _tenant_label(p["tenant_id"], names),
+        "model": p["model"],
+        "tokens": p["tokens"],
+        "replicas": p["replicas"],
+        "hits": p["hits"],
+        "saved": p["tokens_saved"],
+    }
+
+
+def _tenant_cache_row(t: dict) -> dict:
+    return {
+        "tenant": t["name"] or t["tenant_id"],
+        "requests": t["requests"],
+        "prompt_tokens": t["prompt_tokens"],
+        "cached_tokens": t["cached_tokens"],
+        "hit_rate": f"{t['hit_rate']:.1%}",
+        "blocks_held": t["blocks_held"],
+        "tokens_held": t["tokens_held"],
+    }
+
+
+def _print(data: Any, as_json: bool) -> None:
+    """JSON for scripts; else a table for people (a record is a table of one row)."""
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    if isinstance(data, dict):
+        data = [data]
+    if not data:
+        print("(none)")
+        return
+    cols = [c for c in data[0] if c != "object"]  # the same word on every row
+    widths = [max(len(c), *(len(_cell(r[c])) for r in data)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in data:
+        print("  ".join(_cell(r[c]).ljust(w) for c, w in zip(cols, widths, strict=True)))
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and v > 1e9:  # a timestamp
+        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(v))
+    if isinstance(v, list):
+        return ",".join(map(str, v))
+    return str(v)

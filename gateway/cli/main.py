@@ -1,0 +1,158 @@
+"""The `kvgate` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gateway.cli import admin as cli_admin
+from gateway.config import Settings, load_settings
+from gateway.worker import cli as worker_cli
+
+_DELEGATED = {"top": "tui.cli", "bench": "bench.cli", "chat": "gateway.cli.chat"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    _add_global_args(parser, top_level=True)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    # no argparse defaults: an unset flag leaves the setting to the config file and KVGATE_*
+    serve.add_argument(
+        "--host",
+        metavar="ADDR",
+        help=f"address to listen on; 0.0.0.0: all (default {Settings.host}, or KVGATE_HOST)",
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        metavar="N",
+        help=f"port to listen on (default {Settings.port}, or KVGATE_PORT)",
+    )
+    serve.add_argument(
+        "--admin-key", metavar="KEY", help="bootstrap admin key (or KVGATE_ADMIN_KEY)"
+    )
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help=f"engine replicas of --backend (default {Settings.replicas})",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="run each engine as N `kvgate worker` processes (one per GPU, or the cores "
+        "split); default: in this process",
+    )
+    serve.add_argument(
+        "--router-policy",
+        metavar="POLICY",
+        help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
+    )
+    serve.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show other libraries' logs (database migrations, llama.cpp's load "
+        "messages, the workers' output) and the traceback of a backend that fails to start",
+    )
+    worker_cli.add_engine_args(serve)
+
+    worker_cli.add_parser(sub)
+    sub.add_parser("models", help="list the models kvgate can serve and where they live")
+    sub.add_parser("top", help="live dashboard of a running gateway", add_help=False)
+    sub.add_parser("bench", help="benchmarks against any OpenAI-compatible server", add_help=False)
+    sub.add_parser("chat", help="chat with a model in the terminal", add_help=False)
+    cli_admin.add_commands(sub)
+    _accept_global_args_anywhere(parser)
+    return parser
+
+
+def _add_global_args(parser: argparse.ArgumentParser, top_level: bool) -> None:
+    default = None if top_level else argparse.SUPPRESS  # see _accept_global_args_anywhere
+    parser.add_argument(
+        "--config", default=default, metavar="FILE", help="TOML config file (or KVGATE_CONFIG)"
+    )
+    parser.add_argument(
+        "--database-url",
+        default=default,
+        metavar="URL",
+        help=f"or KVGATE_DATABASE_URL (default {Settings.database_url})",
+    )
+    parser.add_argument(
+        "--database-schema", default=default, metavar="NAME", help="PostgreSQL schema (search_path)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=False if top_level else argparse.SUPPRESS,
+        help="print JSON, for scripts (default: tables)",
+    )
+
+
+def _accept_global_args_anywhere(parser: argparse.ArgumentParser) -> None:
+    """`kvgate serve --config f.toml` as well as `kvgate --config f.toml serve`: users
+    type both. A subcommand's copy of a global flag defaults to SUPPRESS, so when it is
+    not given the value from before the subcommand stands."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for name, child in action.choices.items():
+            if name in _DELEGATED or "--config" in child._option_string_actions:
+                continue  # a delegated command owns its flags; an alias is done already
+            _add_global_args(child, top_level=False)
+            _accept_global_args_anywhere(child)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # `top`, `bench` and `chat` own their flags: hand them everything after the subcommand.
+    for i, arg in enumerate(argv):
+        if arg in _DELEGATED:
+            import importlib
+
+            return importlib.import_module(_DELEGATED[arg]).main(argv[i + 1 :])
+        if not arg.startswith("-"):
+            break
+    args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        return worker_cli.run(args)
+    overrides = {
+        "database_url": args.database_url,
+        "database_schema": args.database_schema,
+    }
+    if args.command == "serve":
+        overrides |= {
+            "host": args.host,
+            "port": args.port,
+            "admin_key": args.admin_key,
+            "replicas": args.replicas,
+            "workers": args.workers,
+            "router_policy": args.router_policy,
+        } | worker_cli.engine_overrides(args)
+    try:
+        settings = load_settings(args.config, overrides)
+        if args.command == "serve":
+            settings.resolved_backends()  # a flag the chosen backend lacks is a config error
+    except (OSError, ValueError) as e:
+        print(f"kvgate: bad configuration: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from gateway.cli.serve import run
+
+        return run(settings, verbose=args.verbose)
+    if args.command == "models":
+        return _models(args.json)
+    return cli_admin.run(args, settings)
+
+
+def _models(as_json: bool) -> int:
+    from gateway.backends.default_model import list_models
+
+    cli_admin._print(list_models(), as_json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""`kvgate serve`: run the gateway until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import logging
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import Settings
+from gateway.http.server import GatewayRunner
+from gateway.state import GW, GatewayState
+from gateway.worker_pool.supervisor import WorkerStartError
+
+
+class CannotServe(Exception):
+    """Why the gateway cannot run, as one line for the user: no traceback."""
+
+
+class CannotListen(CannotServe):
+    """The port is taken or the address is not ours."""
+
+
+def _listen_error(settings: Settings, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return (
+            f"port {settings.port} is in use; pick another with --port N or KVGATE_PORT=N "
+            "(make serve PORT=N)"
+        )
+    return f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}"
+
+
+def _check_can_listen(settings: Settings) -> None:
+    """The engines take seconds to minutes to load: find a taken port before that. The
+    real bind afterwards still catches a port taken in between."""
+    if settings.port == 0:  # any free port
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind(addr)
+    except OSError as e:
+        raise CannotListen(_listen_error(settings, e)) from None
+
+
+async def serve(settings: Settings) -> None:
+    _check_can_listen(settings)
+    app = create_app(settings)
+    # the gateway's transport: limits on slow and idle clients (gateway/http/server.py)
+    runner = GatewayRunner(app, settings, access_log=None)
+    try:
+        await runner.setup()
+    except WorkerStartError as e:  # --workers: no worker came up, nothing to serve
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        last = f" {lines[-1].strip()}" if len(lines) > 1 else ""
+        raise CannotServe(f"{lines[0]}{last}; nothing to serve") from None
+    gw = app[GW]
+    if why := _nothing_to_serve(gw):
+        await runner.cleanup()
+        raise CannotServe(why)
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()  # the engines started: stop them before exiting
+        raise CannotListen(_listen_error(settings, e)) from None
+    # Everything allocated so far lives as long as the process: keep it out of the
+    # collector's way, and collect young objects less often. Full collections over a
+    # large heap were the longest pauses in the latency tail.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    _announce(settings, gw)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("kvgate: shutting down (draining requests)", flush=True)
+    await runner.cleanup()
+
+
+def _nothing_to_serve(gw: GatewayState) -> str | None:
+    """Why no backend can serve (every one failed to start), or None. A gateway with
+    nothing to serve would only answer "Available: none": better to exit and say why."""
+    if not gw.backends or any(b.name not in gw.router.broken for b in gw.backends):
+        return None
+    reasons = list(dict.fromkeys(gw.router.broken.values()))
+    more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+    return f"{reasons[0]}{more}; nothing to serve"
+
+
+def _announce(settings: Settings, gw: GatewayState) -> None:
+    for backend in gw.backends:
+        kind = gw.backend_types[backend.name]
+        models = ", ".join(m for m, bs in gw.router.serving.items() if backend in bs) or "-"
+        print(f"kvgate: backend {backend.name} ({kind}) serving: {models}", flush=True)
+        if kind == "fake":
+            print(
+                "kvgate: NOTE this is the fake backend: deterministic made-up words, no model. "
+                "Use --backend gpu|local --model PATH for real inference.",
+                flush=True,
+            )
+    for why in gw.router.broken.values():
+        print(f"kvgate: WARNING {why}", file=sys.stderr, flush=True)
+    if gw.generated_admin_key:
+        print(
+            "kvgate: generated an admin key; it is shown only this once, store it now:\n"
+            f"    {gw.generated_admin_key}",
+            flush=True,
+        )
+    print(f"kvgate: listening on http://{settings.host}:{settings.port}", flush=True)
+
+
+def configure_logging(verbose: bool) -> None:
+    """kvgate's own log at INFO; other libraries' (Alembic's migration steps, llama.cpp's
+    load messages, a worker's output) only with --verbose, with kvgate's DEBUG lines
+    (a failed backend's traceback). A new user's first screen is the admin key."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("kvgate").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def run(settings: Settings, verbose: bool = False) -> int:
+    """The exit status: 0 after a clean shutdown, 1 when the address cannot be bound or
+    no backend could start."""
+    configure_logging(verbose)
+    try:
+        import uvloop  # the event loop is most of the gateway's per-request cost
+
+        loop_run = uvloop.run
+    except ImportError:  # only this import: an ImportError while serving must surface
+        loop_run = asyncio.run
+    try:
+        loop_run(serve(settings))
+    except CannotServe as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 1
+    return 0

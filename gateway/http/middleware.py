@@ -1,0 +1,57 @@
+"""The middleware every kvgate HTTP app runs (the gateway's and a worker's): every
+failure leaves as OpenAI-shaped JSON, a database outage as a 503 to retry, and a URL
+with a control character is refused before a handler can send it to the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from aiohttp import web
+
+from gateway.db import is_outage
+from gateway.http.errors import ApiError, error_body
+from gateway.http.util import json_response
+
+log = logging.getLogger("kvgate")
+DATABASE_UNAVAILABLE = ApiError(
+    503,
+    "The database is unavailable; the request was not served. Retry shortly.",
+    code="database_unavailable",
+    headers={"Retry-After": "1"},
+)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI-shaped JSON, aiohttp's own (404, 405, 413) included."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+        # keep what the exception says in headers (Allow on a 405), not its text type
+        headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+        return json_response(error_body(e.status, message), status=e.status, headers=headers)
+    except Exception as e:
+        if is_outage(e):
+            log.warning("database unavailable on %s %s: %s", request.method, request.path, e)
+            return DATABASE_UNAVAILABLE.response()
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_response(error_body(500, "Internal server error."), status=500)
+
+
+@web.middleware
+async def refuse_control_characters(request: web.Request, handler) -> web.StreamResponse:
+    """A path or query holding a control character (NUL above all, which PostgreSQL cannot
+    store or compare) is refused before any handler sends it to the database."""
+    if _CONTROL.search(request.path) or _CONTROL.search(request.query_string):
+        raise ApiError(400, "The URL holds a control character.")
+    return await handler(request)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -1,0 +1,141 @@
+"""A gateway's start and stop: the database migrated, the services built in order, the
+workers and backends started (one that fails is reported, not fatal), the pins
+prefilled; and the reverse, each step's failure logged so the rest still stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from gateway.backends import build_backends
+from gateway.config import Settings
+from gateway.db import Database, migrate
+from gateway.observe.metrics import Metrics
+from gateway.observe.stats import TrafficStats
+from gateway.routing.catalog import PrefixCatalog
+from gateway.routing.fair_queue import FairQueue
+from gateway.routing.pins import PinService
+from gateway.routing.router import Router
+from gateway.routing.salts import tenant_cache_salt
+from gateway.state import GatewayState, with_queue
+from gateway.tenancy.auth import Authenticator
+from gateway.tenancy.quota import MemoryQuotaStore, QuotaStore
+from gateway.tenancy.quota.postgres import PostgresQuotaStore
+from gateway.tenancy.tenants import TenantService
+from gateway.tenancy.usage import UsageRecorder
+from gateway.worker_pool.pool import start_workers, stop_workers
+
+log = logging.getLogger("kvgate")
+
+
+async def start_gateway(settings: Settings) -> GatewayState:
+    db = Database(settings.database_url, settings.database_schema, settings.sqlite_wal_limit_bytes)
+    await migrate(db)
+    tenants = TenantService(db)
+    generated = await tenants.ensure_admin_key(settings.admin_key)
+    secret = await tenants.server_secret(settings.secret)
+    quota = await _start_quota(db, tenants)
+    usage = UsageRecorder(db)
+    usage.start()
+    catalog = await _load_catalog(db, tenants, settings.instance, secret)
+    router = Router([], settings.router_policy, catalog)
+    queues: dict[str, FairQueue] = {}
+    state = GatewayState(
+        settings=settings,
+        db=db,
+        tenants=tenants,
+        auth=Authenticator(db, settings.key_cache_ttl_s),
+        quota=quota,
+        usage=usage,
+        router=router,
+        metrics=Metrics(lambda: [with_queue(b.stats(), queues) for b in router.backends]),
+        queues=queues,
+        traffic=TrafficStats(),
+        secret=secret,
+        catalog=catalog,
+        pins=PinService(db, router, catalog, secret),
+        generated_admin_key=generated,
+    )
+    await _start_backends(state)
+    # the engines start empty: prefill the pinned prefixes, so the first request hits
+    await state.pins.load()
+    await state.pins.prefill_all()
+    catalog.start(lambda: router.backends)
+    if state.auth.listener is not None:
+        state.auth.listener.start()
+    return state
+
+
+async def _start_quota(db: Database, tenants: TenantService) -> QuotaStore:
+    """The quota counters: in PostgreSQL, shared by every gateway on it; else in memory,
+    preloaded with the usage already committed in the open windows."""
+    quota: QuotaStore
+    if db.is_postgres:
+        quota = PostgresQuotaStore(db)
+    else:
+        quota = MemoryQuotaStore()
+        now = time.time()
+        for tenant_id, used in (await tenants.committed_usage(now)).items():
+            quota.preload(tenant_id, used, now)
+    await quota.start()
+    return quota
+
+
+async def _load_catalog(
+    db: Database, tenants: TenantService, instance: str, secret: str
+) -> PrefixCatalog:
+    """The prefix catalog as stored, knowing every tenant's cache salt."""
+    catalog = PrefixCatalog(db, instance)
+    await catalog.load()
+    for tenant in await tenants.list_tenants():
+        catalog.note_salt(tenant_cache_salt(secret, tenant["id"]), tenant["id"])
+    return catalog
+
+
+async def _start_backends(state: GatewayState) -> None:
+    """Start the workers and every replica of every backend, and a fair queue in front
+    of each whose scheduler is not kvgate's (an adapter with `max_in_flight`)."""
+    settings, router = state.settings, state.router
+
+    async def on_restart(url: str) -> None:
+        log.info("worker %s restarted with an empty cache: prefilling the pins again", url)
+        await state.pins.prefill_all()
+
+    specs, state.supervisors = await start_workers(
+        settings.resolved_backends(), settings.workers, on_restart
+    )
+    for spec in specs:
+        for backend in build_backends(spec):  # one per replica
+            state.backends.append(backend)
+            state.backend_types[backend.name] = spec.type
+            router.backends.append(backend)
+            try:
+                await backend.start()
+                router.add_models(backend)
+            except Exception as e:  # one broken backend must not take the gateway down
+                # the reason is one line (kvgate serve prints it); the traceback is for --verbose
+                log.debug("backend %s failed to start", backend.name, exc_info=True)
+                router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
+    for backend in state.backends:
+        slots = getattr(backend, "max_in_flight", None)
+        if slots is not None:
+            state.queues[backend.name] = FairQueue(slots, settings.fairness or "vtc")
+
+
+async def stop_gateway(state: GatewayState) -> None:
+    for backend in state.backends:
+        try:
+            await backend.stop(drain=True)
+        except Exception:
+            log.exception("backend %s failed to stop", backend.name)
+    await stop_workers(state.supervisors)
+    try:
+        await state.catalog.stop()
+    except Exception:
+        log.exception("the prefix catalog's last flush failed")
+    if state.auth.listener is not None:
+        await state.auth.listener.stop()
+    await state.usage.stop()
+    await state.quota.close()
+    await state.db.close()

@@ -1,0 +1,269 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, and
+vLLM's /tokenize and /detokenize.
+
+/tokenize and /detokenize take a tenant's key and its allowed models, but neither bills
+nor counts against any quota (vLLM bills them nowhere either): they run no model, and
+the body size limit bounds each one's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from aiohttp import web
+
+from gateway.backends import (
+    Backend,
+    BackendError,
+    BadRequestError,
+    GenChunk,
+    TokenLogprob,
+    Usage,
+)
+from gateway.http.errors import ApiError, error_body
+from gateway.http.util import json_response, parse_body, sse
+from gateway.schemas.inference import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from gateway.schemas.openai_format import (
+    chat_choice,
+    chunk_body,
+    completion_choice,
+    response_body,
+    usage_chunk,
+)
+from gateway.serving.admission import model_card, prepare
+from gateway.serving.echo import Echo
+from gateway.serving.job import Job
+from gateway.serving.tool_calls import ToolCallStream
+from gateway.state import GW, GatewayState
+
+_CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
+log = logging.getLogger("kvgate")
+T = TypeVar("T")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    data = [
+        {
+            "id": card.id,
+            "object": "model",
+            "created": int(gw.traffic.started_at),
+            "owned_by": card.owned_by,
+            "max_model_len": card.context_length,
+        }
+        for card in gw.router.cards.values()
+        if principal.may_use(card.id)
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's shape: the token ids a completion of this prompt or chat would be given."""
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, TokenizeRequest)
+    card = model_card(gw, principal, body.model)
+    tokens = await _on_a_replica(
+        gw, body.model, lambda b: b.render(body.model, body.rendered(), body.tool_dicts())
+    )
+    return json_response(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, DetokenizeRequest)
+    model_card(gw, principal, body.model)
+    text = await _on_a_replica(gw, body.model, lambda b: b.detokenize(body.model, body.tokens))
+    return json_response({"prompt": text})
+
+
+async def _on_a_replica(gw: GatewayState, model: str, call: Callable[[Backend], Awaitable[T]]) -> T:
+    """`call` on the first healthy replica of `model` that answers (a remote one may have
+    just died); the last one's error is the client's."""
+    try:
+        candidates = gw.router.candidates(model)
+        for candidate in candidates[:-1]:
+            with contextlib.suppress(BackendError):
+                return await call(candidate.backend)
+        return await call(candidates[-1].backend)
+    except BadRequestError as e:
+        raise ApiError(400, str(e)) from None
+    except BackendError as e:
+        raise ApiError(503, str(e), code="backend_unavailable") from None
+
+
+async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
+    job = await prepare(gw, principal, body, chat)
+    if body.stream:
+        return await _stream(request, job, body.include_usage)
+    return await _whole(job)
+
+
+async def _whole(job: Job) -> web.Response:
+    k = job.num_choices
+    texts: list[list[str]] = [[] for _ in range(k)]
+    finish: list[str | None] = [None] * k
+    logprobs: list[list[TokenLogprob | str]] | None = None
+    if job.requests[0].sampling.logprobs is not None:
+        logprobs = [[] for _ in range(k)]
+    try:
+        async for i, chunk in job.events():
+            if (echo := job.echo_of(i)) is not None and not texts[i]:
+                texts[i].append(echo.text)
+                if logprobs is not None:
+                    logprobs[i].extend(echo.logprobs(chunk.prompt_logprobs))
+            texts[i].append(chunk.text)
+            if chunk.finish_reason:
+                finish[i] = chunk.finish_reason
+            if logprobs is not None and chunk.logprobs:
+                logprobs[i].extend(chunk.logprobs)
+    except _CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:  # the client receives none of the output: none is billed
+        status, message = _failure(job, e)
+        await _finish_failed(job, status, message, delivered=False)
+        raise ApiError(status, message) from None
+    choices = [
+        _choice(job, i, "".join(texts[i]), finish[i], None if logprobs is None else logprobs[i])
+        for i in range(k)
+    ]
+    await _finish_or_503(job, 200, choices[0]["finish_reason"])
+    body = response_body(job.chat, job.request_id, job.created, job.model, choices, _usage(job))
+    return json_response(body, headers=job.headers())
+
+
+async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | job.headers()
+    )
+    first = [True] * job.num_choices
+    tools = [ToolCallStream(job.tools) for _ in range(job.num_choices)]
+    last_finish: str | None = None
+    try:
+        await resp.prepare(request)
+        async for i, chunk in job.events():
+            if first[i] and (echo := job.echo_of(i)) is not None:
+                await resp.write(sse(_echo_chunk(job, i, echo, chunk)))
+            text, calls, finish = chunk.text, [], chunk.finish_reason
+            if job.chat:
+                text, calls = tools[i].feed(chunk.text)
+                if finish:
+                    rest, more, finish = tools[i].finish(finish)
+                    text, calls = text + rest, calls + more
+            last_finish = finish or last_finish
+            body = chunk_body(
+                job.chat,
+                job.request_id,
+                job.created,
+                job.model,
+                i,
+                text,
+                finish,
+                chunk.logprobs,
+                first[i],
+                calls,
+            )
+            await resp.write(sse(body))
+            first[i] = False
+    except _CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:  # billed for what was streamed before it
+        status, message = _failure(job, e)
+        await _finish_failed(job, status, message)
+        if not resp.prepared:
+            raise ApiError(status, message) from None
+        await resp.write(sse(error_body(status, message)))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    try:
+        await _finish_or_503(job, 200, last_finish)
+    except ApiError as e:
+        await resp.write(sse(e.body()))
+        return resp  # no [DONE]: the response is not complete without its usage row
+    if include_usage:
+        chunk = usage_chunk(job.chat, job.request_id, job.created, job.model, _usage(job))
+        await resp.write(sse(chunk))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _finish_or_503(job: Job, status: int, finish_reason: str | None) -> None:
+    try:
+        await job.finish(status, finish_reason)
+    except Exception:  # the row could not be committed: the response must not complete
+        # The database's words stay in the log: they may name other tenants' rows.
+        log.exception("usage row of %s not committed", job.request_id)
+        raise ApiError(
+            503,
+            f"Usage could not be recorded, so request {job.request_id} was not completed. "
+            "Please retry.",
+            code="usage_unavailable",
+        ) from None
+
+
+def _failure(job: Job, e: Exception) -> tuple[int, str]:
+    """The status and message a client gets for a request that failed mid-way: a
+    backend's own errors as they are (they name the backend, never an upstream's words);
+    anything else is logged and told without its text."""
+    if isinstance(e, BadRequestError):
+        return 400, str(e)
+    if isinstance(e, BackendError):
+        return 503, str(e)
+    log.exception("request %s failed", job.request_id)
+    return 503, f"the backend of model {job.model!r} failed (request {job.request_id})"
+
+
+async def _finish_failed(job: Job, status: int, error: str, delivered: bool = True) -> None:
+    """Record a request the backend failed; the client hears of the backend's error."""
+    try:
+        await job.finish(status, None, error, delivered)
+    except Exception:
+        log.exception("usage row of %s not committed", job.request_id)
+
+
+def _echo_chunk(job: Job, i: int, echo: Echo, chunk: GenChunk) -> dict:
+    """The stream's first chunk of a choice with echo: the prompt, and its logprobs."""
+    lps = None
+    if job.requests[i].sampling.logprobs is not None:
+        lps = echo.logprobs(chunk.prompt_logprobs)
+    return chunk_body(False, job.request_id, job.created, job.model, i, echo.text, None, lps)
+
+
+def _choice(job: Job, i: int, text: str, finish: str | None, lps: list[TokenLogprob | str] | None):
+    if not job.chat:
+        return completion_choice(i, text, finish, lps)
+    content, calls = job.tools.parse(text)
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    return chat_choice(i, content, finish, lps, calls)
+
+
+def _usage(job: Job) -> Usage:
+    return Usage(job.prompt_tokens, job.completion_tokens, job.cached_tokens)

@@ -1,0 +1,336 @@
+"""GET /openapi.json: the public API's contract as an OpenAPI 3.1 document.
+
+It is built from the pydantic models that validate the request bodies (gateway.schemas.inference,
+gateway.schemas.admin, gateway.routes.prefixes) and those that describe the responses
+(gateway.schemas.responses, gateway.schemas.responses_admin), so it cannot drift from what the server
+accepts and sends.
+tests/gateway/test_openapi.py checks that every route is in it; test_fuzz.py runs
+schemathesis from it against a live gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from gateway.schemas import responses as m
+from gateway.schemas import responses_admin as a
+from gateway.schemas.admin import (
+    AdminPinCreate,
+    KeyCreate,
+    KeyUpdate,
+    PinCreate,
+    TenantCreate,
+    TenantUpdate,
+)
+from gateway.schemas.base import NO_CONTROL
+from gateway.schemas.inference import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from gateway.state import GW
+
+REF = "#/components/schemas/{model}"
+VERSION = "0.1.0"
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PinCreate,
+    AdminPinCreate,
+    TenantCreate,
+    TenantUpdate,
+    KeyCreate,
+    KeyUpdate,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
+_ERRORS = {
+    400: "The request is malformed or breaks a rule (the body, a parameter, the URL).",
+    401: "No API key, or an unknown, revoked or expired one.",
+    403: "The key may not do this (scope, tenant, model).",
+    404: "No such model, tenant, key or prefix (another tenant's ids included).",
+    408: "The body did not arrive in time.",
+    409: "The name is taken.",
+    413: "The body is larger than the server's limit.",
+    415: "The body is not JSON (Content-Type), or its Content-Encoding is not gzip or deflate.",
+    429: "A quota (the tenant's or the key's) is exhausted; the message says whose, the "
+    "x-ratelimit-* headers which.",
+    503: "No backend could serve it, or its usage could not be recorded.",
+}
+# the statuses each kind of route answers with besides its success
+AUTHED = (400, 401, 403)
+LOOKUP = (*AUTHED, 404)
+BODY = (408, 413, 415)  # reading the body: too slow, too large, not JSON
+CREATE = (*AUTHED, *BODY, 409)
+UPDATE = (*CREATE, 404)
+KEY = (*LOOKUP, *BODY)
+COMPLETE = (*LOOKUP, *BODY, 429, 503)
+PIN = (*LOOKUP, *BODY, 409, 429, 503)
+TOKENS = (*LOOKUP, *BODY, 503)  # not billed: no 429
+PUBLIC = (400,)  # no key needed
+
+_SUMMARIES = {
+    "post /v1/chat/completions": "Create a chat completion (OpenAI's).",
+    "post /v1/completions": "Create a text completion (OpenAI's).",
+    "get /v1/models": "The models this key may use.",
+    "post /tokenize": "A prompt or chat as the token ids a completion gets (vLLM's); not billed.",
+    "post /detokenize": "Token ids back to text (vLLM's); not billed.",
+    "post /v1/prefixes": "Pin a system prompt for the key's tenant.",
+    "get /v1/prefixes": "The tenant's pins and the published ones.",
+    "delete /v1/prefixes/{name}": "Unpin one of the tenant's prefixes.",
+    "get /health": "Liveness.",
+    "get /ready": "Readiness: 503, with the same body, while no backend is up.",
+    "get /metrics": "Prometheus metrics; the admin key (or metrics_token) if metrics_auth.",
+    "get /openapi.json": "This document.",
+    "post /admin/tenants": "Create a tenant.",
+    "get /admin/tenants": "All tenants.",
+    "get /admin/tenants/{tenant_id}": "A tenant (with a tenant's key: its own).",
+    "patch /admin/tenants/{tenant_id}": "Change a tenant's name or quota.",
+    "delete /admin/tenants/{tenant_id}": "Delete a tenant and its keys.",
+    "post /admin/tenants/{tenant_id}/keys": "Make a key for a tenant.",
+    "get /admin/tenants/{tenant_id}/keys": "A tenant's keys.",
+    "get /admin/keys/{key_id}": "A key and its limits (with a tenant's key: its own).",
+    "patch /admin/keys/{key_id}": "Change a key's name or limits.",
+    "delete /admin/keys/{key_id}": "Revoke a key.",
+    "get /admin/usage": "Daily usage per tenant and model (a tenant's key: its own).",
+    "get /admin/backends": "The backends and their load.",
+    "get /admin/stats": "A live stats snapshot (docs/STATS.md).",
+    "get /admin/stats/stream": "Stats snapshots as server-sent events.",
+    "get /admin/prefixes": "Hot cached prefixes, the pins and per-tenant hits.",
+    "post /admin/prefixes/pins": "Pin a prefix for a tenant, or publish one for all.",
+    "delete /admin/prefixes/pins/{pin_id}": "Unpin or unpublish a prefix.",
+}
+# http.middleware.refuse_control_characters answers 400 to a URL that holds a control character
+_TEXT_PARAM = {"type": "string", "pattern": NO_CONTROL}
+_PATH_PARAMS = {
+    "tenant_id": "The tenant's id (t_...).",
+    "key_id": "The key's id (key_...).",
+    "pin_id": "The prefix's id (pfx_...).",
+    "name": "The pin's name.",
+}
+# request bodies the examples phase of a fuzzer starts from; "model" becomes a served one
+_STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+_MESSAGES = {"messages": [{"role": "user", "content": "Say hello."}]}
+_CHAT = {"model": ""} | _MESSAGES | {"max_tokens": 8}
+_TEXT = {"model": "", "prompt": "Once upon a time", "max_tokens": 8}
+_PIN = {"name": "support", "text": "You are a helpful support agent.", "model": ""}
+EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
+    ChatCompletionRequest: (_CHAT, _CHAT | _STREAM),
+    CompletionRequest: (_TEXT, _TEXT | _STREAM),
+    PinCreate: (_PIN,),
+    AdminPinCreate: (_PIN | {"tenant": None, "name": "house-style", "shared": True},),
+    TenantCreate: ({"name": "acme", "rpm": 600},),
+    TenantUpdate: ({"rpm": 1200},),
+    KeyCreate: ({"name": "ci", "scopes": ["inference"]}, {"name": "batch", "rpm": 60}),
+    KeyUpdate: ({"rpm": 120, "daily_tokens": None},),
+    TokenizeRequest: ({"model": "", "prompt": "Once upon a time"}, {"model": ""} | _MESSAGES),
+    DetokenizeRequest: ({"model": "", "tokens": [1, 2, 3]},),
+}
+
+
+@dataclass(frozen=True)
+class Route:
+    route: str  # "method /path", as in _SUMMARIES
+    ok: dict[str, Any]  # media type -> the success body
+    body: type[BaseModel] | None = None
+    status: int = 200
+    errors: tuple[int, ...] = AUTHED
+    query: tuple[tuple[str, dict[str, Any], str], ...] = ()  # (name, schema, description)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def _events(*models: type[BaseModel]) -> dict[str, Any]:
+    """Server-sent events whose `data` is JSON of one of `models`, or `[DONE]`."""
+    one = _ref(models[0]) if len(models) == 1 else {"anyOf": [_ref(x) for x in models]}
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "else": {"contentMediaType": "application/json", "contentSchema": one},
+    }
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"text/event-stream": {"schema": event}}
+
+
+def _routes() -> list[Route]:
+    error = m.ErrorResponse  # a stream that fails after its 200 ends with one
+    chat = _json(m.ChatCompletion) | _events(m.ChatCompletionChunk, m.ChatUsageChunk, error)
+    text = _json(m.TextCompletion) | _events(m.TextCompletionChunk, m.TextUsageChunk, error)
+    whole = {"application/json": {"schema": {"type": "object"}}}
+    return [
+        Route("post /v1/chat/completions", chat, ChatCompletionRequest, errors=COMPLETE),
+        Route("post /v1/completions", text, CompletionRequest, errors=COMPLETE),
+        Route("get /v1/models", _json(m.ModelList)),
+        Route("post /tokenize", _json(m.Tokens), TokenizeRequest, errors=TOKENS),
+        Route("post /detokenize", _json(m.Detokenized), DetokenizeRequest, errors=TOKENS),
+        Route("post /v1/prefixes", _json(a.PrefixCreated), PinCreate, 201, PIN),
+        Route("get /v1/prefixes", _json(a.PrefixList)),
+        Route("delete /v1/prefixes/{name}", _json(a.PrefixDeleted), errors=LOOKUP),
+        Route("get /health", _json(a.Health), errors=PUBLIC),
+        Route("get /ready", _json(a.Readiness), errors=PUBLIC),
+        Route("get /metrics", {"text/plain": {"schema": {"type": "string"}}}),
+        Route("get /openapi.json", whole, errors=PUBLIC),
+        *_admin_routes(),
+    ]
+
+
+def _admin_routes() -> list[Route]:
+    day = {"type": "string", "format": "date", "pattern": NO_CONTROL}
+    tenant = ("tenant_id", _TEXT_PARAM, "Only this tenant's rows.")
+    usage = (tenant, ("since", day, "First day (UTC), inclusive."), ("until", day, "Last day."))
+    limit = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 20}
+    report = (tenant, ("limit", limit, "How many prefixes."))
+    interval = {"type": "number", "default": 1}
+    every = (("interval", interval, "Seconds between snapshots; less than 0.1 is 0.1."),)
+    return [
+        Route("post /admin/tenants", _json(a.Tenant), TenantCreate, 201, CREATE),
+        Route("get /admin/tenants", _json(a.TenantList)),
+        Route("get /admin/tenants/{tenant_id}", _json(a.Tenant), errors=LOOKUP),
+        Route("patch /admin/tenants/{tenant_id}", _json(a.Tenant), TenantUpdate, errors=UPDATE),
+        Route("delete /admin/tenants/{tenant_id}", _json(a.TenantDeleted), errors=LOOKUP),
+        Route("post /admin/tenants/{tenant_id}/keys", _json(a.ApiKeyCreated), KeyCreate, 201, KEY),
+        Route("get /admin/tenants/{tenant_id}/keys", _json(a.ApiKeyList), errors=LOOKUP),
+        Route("get /admin/keys/{key_id}", _json(a.ApiKey), errors=LOOKUP),
+        Route("patch /admin/keys/{key_id}", _json(a.ApiKey), KeyUpdate, errors=KEY),
+        Route("delete /admin/keys/{key_id}", _json(a.ApiKey), errors=LOOKUP),
+        Route("get /admin/usage", _json(a.UsageReport), errors=LOOKUP, query=usage),
+        Route("get /admin/backends", _json(a.BackendList)),
+        Route("get /admin/stats", _json(a.StatsSnapshot)),
+        Route("get /admin/stats/stream", _events(a.StatsSnapshot), query=every),
+        Route("get /admin/prefixes", _json(a.PrefixReport), errors=LOOKUP, query=report),
+        Route("post /admin/prefixes/pins", _json(a.PrefixCreated), AdminPinCreate, 201, PIN),
+        Route("delete /admin/prefixes/pins/{pin_id}", _json(a.PrefixDeleted), errors=LOOKUP),
+    ]
+
+
+def _response_models() -> list[type[BaseModel]]:
+    """Every response model defined in api_models and api_models_admin (nested ones come
+    along by $ref anyway); one module's imports from the other are not counted twice."""
+    return [
+        v
+        for module in (m, a)
+        for v in vars(module).values()
+        if isinstance(v, type)
+        and issubclass(v, m.Body)
+        and v is not m.Body
+        and v.__module__ == module.__name__
+    ]
+
+
+def _schemas() -> dict[str, Any]:
+    models = [(x, "validation") for x in REQUEST_MODELS]
+    models += [(x, "serialization") for x in _response_models()]
+    _, defs = models_json_schema(models, ref_template=REF)
+    return defs["$defs"]
+
+
+def _operation(route: Route, model: str) -> tuple[str, str, dict[str, Any]]:
+    method, path = route.route.split(" ")
+    responses = {str(route.status): {"description": "Success.", "content": route.ok}}
+    if path == "/ready":  # not ready is no error: the same body, with ready false
+        responses["503"] = {"description": "Not ready.", "content": route.ok}
+    for code in route.errors:
+        responses[str(code)] = {"$ref": f"#/components/responses/E{code}"}
+    op: dict[str, Any] = {
+        "operationId": method + re.sub(r"[^A-Za-z0-9]+", "_", path).rstrip("_"),
+        "summary": _SUMMARIES[route.route],
+        "tags": [_tag(path)],
+        "responses": responses,
+    }
+    if route.errors == PUBLIC:
+        op["security"] = []
+    elif path == "/metrics":  # a key only when the gateway runs with metrics_auth
+        op["security"] = [{}, {"bearerAuth": []}]
+    params = _parameters(path, route.query)
+    if params:
+        op["parameters"] = params
+    if route.body is not None:
+        body = _json(route.body)
+        body["application/json"]["examples"] = {
+            f"example{i}": {"value": ex | ({"model": model} if "model" in ex else {})}
+            for i, ex in enumerate(EXAMPLES[route.body])
+        }
+        op["requestBody"] = {"required": True, "content": body}
+    return method, path, op
+
+
+def _parameters(path: str, query: tuple) -> list[dict[str, Any]]:
+    params = [
+        {
+            "name": name,
+            "in": "path",
+            "required": True,
+            "schema": _TEXT_PARAM,
+            "description": _PATH_PARAMS[name],
+        }
+        for name in re.findall(r"{(\w+)}", path)
+    ]
+    for name, schema, text in query:
+        params.append({"name": name, "in": "query", "schema": schema, "description": text})
+    return params
+
+
+def _tag(path: str) -> str:
+    if "prefixes" in path:
+        return "prefixes"
+    if path.startswith("/admin/"):
+        return "admin"
+    return "openai" if path.startswith("/v1/") or path.endswith("tokenize") else "health"
+
+
+def build_document(model: str = "MODEL") -> dict[str, Any]:
+    """The document; `model` (one the gateway serves) goes into the request examples."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in _routes():
+        method, path, op = _operation(route, model)
+        paths.setdefault(path, {})[method] = op
+    error = {"application/json": {"schema": _ref(m.ErrorResponse)}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvgate",
+            "version": VERSION,
+            "description": "A multi-tenant, OpenAI-compatible LLM gateway. Every error "
+            "is OpenAI's error object.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": _schemas(),
+            "responses": {
+                f"E{code}": {"description": text, "content": error}
+                for code, text in _ERRORS.items()
+            },
+            "securitySchemes": {
+                "bearerAuth": {"type": "http", "scheme": "bearer", "description": "A kvg- key."}
+            },
+        },
+        "security": [{"bearerAuth": []}],
+    }
+
+
+def add_routes(app: web.Application) -> None:
+    """GET /openapi.json, no key needed. Built on the first request, when the served
+    models are known, from the pydantic models as they are; the same bytes after that."""
+    built: list[bytes] = []
+
+    async def openapi_json(request: web.Request) -> web.Response:
+        if not built:
+            model = next(iter(request.app[GW].router.cards), "MODEL")
+            built.append(json.dumps(build_document(model)).encode())
+        return web.Response(body=built[0], content_type="application/json")
+
+    app.router.add_get("/openapi.json", openapi_json)

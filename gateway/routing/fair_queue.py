@@ -1,0 +1,140 @@
+"""A fair queue in the gateway, for backends whose scheduler kvgate does not control.
+
+The gpu engine shares itself between tenants (backend_gpu/fairness.py). The llama.cpp
+backend's slots and a remote upstream serve whatever reaches them first, so for those
+the gateway lets at most `slots` requests in flight (a backend's `max_in_flight`) and
+holds the rest in one line per tenant, released by the Virtual Token Counter (Sheng et
+al., OSDI 2024) as slots free: the waiting tenant with the least weighted service goes
+next; a tenant that becomes active is lifted to the smallest counter of the others
+waiting (or to the virtual time when none is), so idling banks no credit; a tie goes to
+the tenant that has waited longest for a slot. Service is
+charged as it happens: the prompt when a request gets its slot, cached prompt tokens
+refunded down to CACHED_TOKEN_COST when the backend reports them, output tokens as
+they stream. With `fairness="fcfs"` the lines are released in arrival order.
+
+A slot frees only when a request ends, so behind a flood of long requests a newcomer
+would wait for the nearest end. Under VTC the queue keeps SPARE_SEATS slots beyond
+`slots` for a tenant becoming active (nothing in flight or waiting) and not ahead of the
+others' counters: its first request starts at once (backends behind a fair queue take `slots + SPARE_SEATS` requests at a
+time; the llama.cpp backend holds a sequence for it). Its other requests, and those of
+tenants already active, wait for ordinary slots, so weights still divide the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.backends.base import SPARE_SEATS
+
+CACHED_TOKEN_COST = 0.1  # as the gpu engine charges a cached prompt token
+FAIRNESS = ("vtc", "fcfs")
+
+
+@dataclass
+class _Tenant:
+    weight: float = 1.0
+    counter: float = 0.0  # weighted service, lifted when the tenant starts waiting
+    service: float = 0.0  # unweighted service given; only goes up
+    running: int = 0
+    granted_at: int = -1  # when it last got a slot: ties go to the longest without one
+    waiting: deque[tuple[int, asyncio.Future[None]]] = field(default_factory=deque)
+
+
+class FairQueue:
+    def __init__(self, slots: int, fairness: str = "vtc") -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if fairness not in FAIRNESS:
+            raise ValueError(f"fairness must be one of {FAIRNESS}, got {fairness!r}")
+        self.slots = slots
+        self.fairness = fairness
+        self.spare = SPARE_SEATS if fairness == "vtc" else 0
+        self.in_flight = 0
+        self.vtime = 0.0  # the largest counter any tenant had when it got a slot
+        self.tenants: dict[str, _Tenant] = {}
+        self._arrival = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, tenant_id: str, weight: float) -> AsyncIterator[None]:
+        """Hold one of the backend's slots while the body runs (waiting in line first)."""
+        await self._acquire(tenant_id, weight)
+        try:
+            yield
+        finally:
+            self._release(tenant_id)
+
+    def charge(self, tenant_id: str, tokens: float) -> None:
+        t = self.tenants[tenant_id]
+        t.service += tokens
+        t.counter += tokens / t.weight
+
+    def stats(self) -> dict[str, dict]:
+        """Per tenant, as the gpu engine reports it in BackendStats.extra["tenants"]."""
+        return {
+            tenant_id: {
+                "weight": t.weight,
+                "service": t.service,
+                "counter": t.counter,
+                "waiting": len(t.waiting),
+                "running": t.running,
+            }
+            for tenant_id, t in self.tenants.items()
+        }
+
+    async def _acquire(self, tenant_id: str, weight: float) -> None:
+        t = self.tenants.setdefault(tenant_id, _Tenant())
+        t.weight = weight
+        newcomer = False
+        if not t.waiting and not t.running:  # it becomes active: no credit from idling
+            others = [o.counter for o in self.tenants.values() if o is not t and o.waiting]
+            floor = min(others) if others else self.vtime
+            # the spare seat is for one not ahead of the others: a tenant that keeps
+            # coming back with one request at a time cannot ride it past its share
+            newcomer = t.counter <= floor
+            t.counter = max(t.counter, floor)
+        free = self.in_flight < self.slots and not any(o.waiting for o in self.tenants.values())
+        if free or (newcomer and self.in_flight < self.slots + self.spare):
+            self._grant(tenant_id)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (next(self._arrival), fut)
+        t.waiting.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted, then cancelled: give it back
+                self._release(tenant_id)
+            else:
+                with contextlib.suppress(ValueError):  # _release may have dropped it
+                    t.waiting.remove(entry)
+            raise
+
+    def _grant(self, tenant_id: str) -> None:
+        t = self.tenants[tenant_id]
+        self.in_flight += 1
+        t.running += 1
+        t.granted_at = next(self._arrival)
+        self.vtime = max(self.vtime, t.counter)
+
+    def _release(self, tenant_id: str) -> None:
+        self.in_flight -= 1
+        self.tenants[tenant_id].running -= 1
+        while self.in_flight < self.slots and (nxt := self._next()) is not None:
+            _, fut = self.tenants[nxt].waiting.popleft()
+            if fut.done():  # its waiter was cancelled and has not run yet
+                continue
+            self._grant(nxt)
+            fut.set_result(None)
+
+    def _next(self) -> str | None:
+        waiting = [(k, t) for k, t in self.tenants.items() if t.waiting]
+        if not waiting:
+            return None
+        if self.fairness == "fcfs":
+            return min(waiting, key=lambda kt: kt[1].waiting[0][0])[0]
+        return min(waiting, key=lambda kt: (kt[1].counter, kt[1].granted_at))[0]

@@ -1,0 +1,120 @@
+"""Model -> replica. The "prefix" policy sends a prompt to the replica that already holds
+its leading blocks, unless that replica is much busier than another.
+
+The rule, after SGLang's cache-aware router (cache_threshold, balance_abs_threshold,
+balance_rel_threshold), with the catalog of KV events standing in for its radix tree:
+  1. the best match: the replica holding the most leading blocks of the prompt
+     (catalog.match), ties to the less loaded;
+  2. it wins if it covers at least `cache_threshold` of the prompt's full blocks, unless
+     its load (running + waiting) exceeds the least loaded replica's by more than
+     `balance_abs` requests AND by more than `balance_rel` times: a long queue costs
+     more than the prefill it would save;
+  3. else the least loaded (then the longer match, then least KV in use; equal replicas
+     take turns).
+"round_robin" and "least_loaded" exist to measure the prefix policy against.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from gateway.backends import Backend, BackendError, BackendStats, ModelCard
+from gateway.config import ROUTER_POLICIES
+from gateway.routing.catalog import PrefixCatalog
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A healthy replica and the stats it was found healthy with."""
+
+    backend: Backend
+    stats: BackendStats
+
+
+class Router:
+    def __init__(
+        self,
+        backends: list[Backend],
+        policy: str = "prefix",
+        catalog: PrefixCatalog | None = None,
+        cache_threshold: float = 0.5,
+        balance_abs: int = 4,
+        balance_rel: float = 1.5,
+    ) -> None:
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {policy!r}")
+        self.backends = backends
+        self.policy = policy
+        self.catalog = catalog
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.cards: dict[str, ModelCard] = {}
+        self.serving: dict[str, list[Backend]] = {}
+        self.broken: dict[str, str] = {}  # backend name -> why it is down
+        # this gateway's requests per replica, from the pick to their end: a replica's
+        # own stats see a request only once it reaches it (a remote one, later still),
+        # and a burst picked in between must not all land on the replica that looked idle
+        self.in_flight: dict[str, int] = {}
+        self._turn = itertools.count()  # round robin, and turns between equal replicas
+
+    def add_models(self, backend: Backend) -> None:
+        for card in backend.models():
+            self.cards.setdefault(card.id, card)
+            self.serving.setdefault(card.id, []).append(backend)
+
+    def card(self, model: str) -> ModelCard | None:
+        return self.cards.get(model)
+
+    def candidates(self, model: str) -> list[Candidate]:
+        """The healthy replicas serving `model`, each asked for its stats once;
+        BackendError when there is none."""
+        healthy = []
+        for b in self.serving.get(model, []):
+            if b.name not in self.broken and (s := b.stats()).healthy:
+                healthy.append(Candidate(b, s))
+        if not healthy:
+            reasons = "; ".join(self.broken.values()) or "no healthy backend"
+            raise BackendError(f"no backend can serve {model!r} right now ({reasons})")
+        return healthy
+
+    def pick(self, model: str, block_hashes: list[str] | None = None) -> Backend:
+        """The replica for a prompt whose full blocks hash to `block_hashes`."""
+        return self.pick_from(self.candidates(model), block_hashes or [])
+
+    def pick_from(self, candidates: list[Candidate], block_hashes: list[str]) -> Backend:
+        """Like `pick`, among candidates already read (a request reads them once to
+        render its prompt, then picks by that prompt's blocks)."""
+        if len(candidates) == 1:
+            return candidates[0].backend
+        return candidates[self.choose([c.stats for c in candidates], block_hashes)].backend
+
+    def claim(self, backend: Backend) -> None:
+        """A request was sent its way (count it until `release`)."""
+        self.in_flight[backend.name] = self.in_flight.get(backend.name, 0) + 1
+
+    def release(self, backend: Backend) -> None:
+        self.in_flight[backend.name] -= 1
+
+    def choose(self, stats: list[BackendStats], block_hashes: list[str]) -> int:
+        """Index into `stats` (one per healthy replica) of the replica to use."""
+        turn = next(self._turn)
+        n = len(stats)
+        if self.policy == "round_robin":
+            return turn % n
+        loads = [max(s.running + s.waiting, self.in_flight.get(s.name, 0)) for s in stats]
+        matched = [0] * n
+        if self.policy == "prefix" and block_hashes and self.catalog is not None:
+            matched = [self.catalog.match(s.name, block_hashes) for s in stats]
+        least = min(
+            range(n), key=lambda i: (loads[i], -matched[i], stats[i].kv_usage, (i - turn) % n)
+        )
+        best = max(range(n), key=lambda i: (matched[i], -loads[i], (i - turn) % n))
+        if matched[best] == 0 or matched[best] < self.cache_threshold * len(block_hashes):
+            return least
+        overloaded = (
+            loads[best] - loads[least] > self.balance_abs
+            and loads[best] > self.balance_rel * loads[least]
+        )
+        return least if overloaded else best

@@ -1,0 +1,286 @@
+"""Operator-facing response bodies as pydantic models, for the OpenAPI document only
+(gateway.routes.openapi): tenants, keys, usage, backends, stats, health and prefixes.
+
+The OpenAI-shaped ones, and the `Body` every one extends (no extra keys, so the
+schemathesis run in tests/gateway/test_fuzz.py fails on a field that drifts), are in
+gateway.schemas.responses.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gateway.schemas.responses import Body
+
+
+class Tenant(Body):
+    id: str
+    object: Literal["tenant"]
+    name: str
+    created_at: float
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    daily_tokens: int | None
+    monthly_tokens: int | None
+    daily_spend: float | None = Field(description="USD")
+    monthly_spend: float | None = Field(description="USD")
+    models: list[str] | None
+    priority: int | None
+    weight: float | None
+
+
+class TenantList(Body):
+    object: Literal["list"]
+    data: list[Tenant]
+
+
+class TenantDeleted(Body):
+    id: str
+    object: Literal["tenant"]
+    deleted: Literal[True]
+
+
+class ApiKey(Body):
+    id: str
+    object: Literal["api_key"]
+    tenant_id: str | None
+    name: str
+    prefix: str
+    scopes: list[Literal["inference", "admin"]]
+    rpm: int | None = Field(description="the key's own limits, beside its tenant's; null: none")
+    tpm: int | None
+    max_concurrent: int | None
+    daily_tokens: int | None
+    monthly_tokens: int | None
+    daily_spend: float | None = Field(description="USD")
+    monthly_spend: float | None = Field(description="USD")
+    models: list[str] | None
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+
+
+class ApiKeyCreated(ApiKey):
+    key: str = Field(description="The key itself, shown only in this response.")
+
+
+class ApiKeyList(Body):
+    object: Literal["list"]
+    data: list[ApiKey]
+
+
+class UsageTotals(Body):
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    spend: float = Field(description="USD at the configured prices; 0 for a model with none")
+
+
+class UsageDay(UsageTotals):
+    tenant_id: str
+    day: str = Field(description="YYYY-MM-DD, UTC")
+    model: str
+
+
+class UsageTenant(UsageTotals):
+    tenant_id: str
+
+
+class UsageKey(UsageTotals):
+    key_id: str
+    tenant_id: str
+    name: str | None = Field(description="null: the key was deleted with its tenant")
+
+
+class UsageReport(Body):
+    object: Literal["list"]
+    data: list[UsageDay]
+    total: UsageTotals
+    tenants: list[UsageTenant] = Field(description="the period's totals per tenant")
+    keys: list[UsageKey] = Field(description="the period's totals per API key")
+
+
+class BackendInfo(Body):
+    name: str
+    type: str
+    healthy: bool
+    error: str | None
+    models: list[str]
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    prompt_tokens_per_s: float
+    gen_tokens_per_s: float
+
+
+class BackendList(Body):
+    object: Literal["list"]
+    data: list[BackendInfo]
+
+
+class GatewayInfo(Body):
+    url: str
+    version: str
+    started_at: float
+    uptime_s: float
+
+
+class TrafficTotals(Body):
+    requests: int
+    errors: int
+    rejected_429: int
+    prompt_tokens: int
+    completion_tokens: int
+    in_flight: int
+
+
+class TrafficRates(Body):
+    requests_per_s: float
+    prompt_tokens_per_s: float
+    output_tokens_per_s: float
+
+
+class Latency(Body):
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p99_ms: float | None
+    e2e_p50_ms: float | None
+    e2e_p99_ms: float | None
+
+
+class TenantQuotaUse(Body):
+    rpm: int | None
+    rpm_used: int
+    tpm: int | None
+    tpm_used: int
+    daily_tokens: int | None
+    daily_used: int
+    monthly_tokens: int | None
+    monthly_used: int
+    daily_spend: float | None = Field(description="USD")
+    daily_spend_used: float = Field(description="USD, this UTC day")
+    monthly_spend: float | None = Field(description="USD")
+    monthly_spend_used: float = Field(description="USD, this UTC month")
+
+
+class TenantFairShare(Body):
+    service: float = Field(description="tokens served, cached prompt tokens at a discount")
+    waiting: int
+    running: int
+
+
+class TenantTraffic(Body):
+    id: str
+    name: str
+    requests: int
+    tokens: int
+    requests_per_s: float
+    tokens_per_s: float
+    rejected_429: int
+    in_flight: int
+    quota: TenantQuotaUse | None
+    fair_share: TenantFairShare | None = Field(
+        description="from engines that share fairly between tenants (the gpu engine's VTC)"
+    )
+
+
+class RecentError(Body):
+    ts: float
+    tenant: str
+    model: str
+    status: int
+    message: str
+
+
+class StatsSnapshot(Body):
+    """docs/STATS.md; also each `data:` event of /admin/stats/stream."""
+
+    ts: float
+    gateway: GatewayInfo
+    totals: TrafficTotals
+    rates: TrafficRates
+    latency: Latency
+    backends: list[BackendInfo]
+    tenants: list[TenantTraffic]
+    errors: list[RecentError]
+
+
+class Health(Body):
+    status: Literal["ok"]
+
+
+class Readiness(Body):
+    ready: bool
+    backends: dict[str, bool]
+
+
+class Prefix(Body):
+    id: str
+    object: Literal["prefix"]
+    tenant_id: str | None = Field(description="null: published for every tenant")
+    name: str
+    model: str
+    text: str
+    shared: bool
+    created_at: float
+    created_by: str
+    tokens: int | None = Field(description="its length in tokens, null until prefilled")
+
+
+class PrefixCreated(Prefix):
+    replicas_warmed: int
+
+
+class PrefixList(Body):
+    object: Literal["list"]
+    data: list[Prefix]
+
+
+class PrefixDeleted(Body):
+    id: str
+    object: Literal["prefix"]
+    deleted: Literal[True]
+
+
+class PinReport(Prefix):
+    replicas: list[str]
+    hits: int
+    tokens_saved: int
+
+
+class CachedPrefix(Body):
+    replica: str
+    block_hash: str
+    tenant_id: str | None
+    blocks: int
+    tokens: int
+    hits: int
+    tokens_saved: int
+    last_used: float
+    pin: str | None
+
+
+class TenantPrefixUse(Body):
+    tenant_id: str
+    name: str | None
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    blocks_held: int
+    tokens_held: int
+
+
+class PrefixReport(Body):
+    object: Literal["prefix_report"]
+    prefixes: list[CachedPrefix]
+    pins: list[PinReport]
+    tenants: list[TenantPrefixUse]

@@ -1,0 +1,245 @@
+"""Admission of one completion request: from a validated body to a `Job`, or an ApiError.
+
+`prepare` checks the model, renders the prompts, compiles any structured output, plans
+the tokens and takes the quota, and only then picks a replica and builds one GenRequest
+per choice: a request that is refused costs its rendering and nothing else. Everything
+that may refuse a request is here, apart from the Job (gateway.serving.job) that streams and
+settles an admitted one. `model_card` (the model a principal may use) serves /tokenize
+and /detokenize too, and `sampling` (a body's options for one choice) the worker's own
+/v1/completions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+from engine_api.structured import StructuredOutput
+from gateway.backends import (
+    Backend,
+    BackendError,
+    BadRequestError,
+    GenRequest,
+    ModelCard,
+    PrefixCachingBackend,
+)
+from gateway.http.errors import ApiError
+from gateway.routing.router import Candidate
+from gateway.routing.salts import tenant_cache_salt
+from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
+from gateway.serving.echo import echoes
+from gateway.serving.job import Job
+from gateway.serving.sampling import sampling, structured_output
+from gateway.serving.token_plan import TokenPlan, check_spend, plan_tokens
+from gateway.serving.tool_calls import ToolPlan
+from gateway.state import GatewayState
+from gateway.tenancy.auth import Principal
+from gateway.tenancy.quota import QuotaExceeded, Reservation
+
+
+async def prepare(
+    gw: GatewayState,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+) -> Job:
+    """Check, render, admit, and only then build one GenRequest per choice: a request that
+    is refused costs its rendering and nothing else."""
+    if principal.tenant_id is None:
+        raise ApiError(403, "Admin keys belong to no tenant; use a tenant's key for inference.")
+    card = model_card(gw, principal, body.model)
+    salt = tenant_cache_salt(gw.secret, principal.tenant_id)
+    gw.catalog.note_salt(salt, principal.tenant_id)
+    candidates, renderer, prompts = await _render(gw, principal, body)
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        with _backend_errors(gw, principal, body.model):
+            sent, with_logprobs = body.prompts(), body.logprobs is not None
+            echo = await echoes(renderer, body.model, sent, prompts, with_logprobs)
+    structured = structured_output(body)
+    if structured is not None:  # compiled before admission: a bad schema costs nothing
+        # the replica that rendered compiles it (its engine caches it)
+        with _backend_errors(gw, principal, body.model):
+            await renderer.check_structured(body.model, structured)
+    plan, worst = _plan(gw, principal, body, card, prompts, chat)
+    reservation = await _admit(gw, principal, plan, worst)
+    backend, block_hashes, shared_lens = await _place(
+        gw, body.model, candidates, renderer, prompts, salt, reservation
+    )
+    request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
+    requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens, structured)
+    gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
+    return Job(
+        gw,
+        principal,
+        chat,
+        body.model,
+        backend,
+        request_id,
+        int(time.time()),
+        requests,
+        body.n,
+        reservation,
+        body.user,
+        block_hashes,
+        [c.backend for c in candidates if c.backend is not backend],
+        tools=ToolPlan.of(body) if isinstance(body, ChatCompletionRequest) else ToolPlan(),
+        echoes=echo,
+    )
+
+
+def _plan(
+    gw: GatewayState,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    card: ModelCard,
+    prompts: list[list[int]],
+    chat: bool,
+) -> tuple[TokenPlan, int]:
+    """The tokens to reserve and the worst-case spend (nanodollars), or a 400 for a
+    request that no window of the principal's limits could ever admit."""
+    plan = plan_tokens(
+        prompts,
+        body.n,
+        body.max_tokens,
+        card.context_length,
+        principal.limits,
+        "messages" if chat else "prompt",
+        body.min_tokens,
+    )
+    # the worst case: no prompt token cached, every choice generating all its max_tokens
+    prompt_tokens = sum(len(p) for p in prompts)
+    price = gw.settings.price_of(body.model)
+    worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
+    check_spend(worst, principal.limits)
+    return plan, worst
+
+
+async def _place(
+    gw: GatewayState,
+    model: str,
+    candidates: list[Candidate],
+    renderer: Backend,
+    prompts: list[list[int]],
+    salt: str,
+    reservation: Reservation,
+) -> tuple[Backend, list[str], list[int]]:
+    """The replica to serve it, claimed until the Job finishes, with the first prompt's
+    block hashes it was picked by and each prompt's published prefix length. If picking
+    fails, the admitted quota is given back."""
+    try:
+        # a published prefix's length per prompt: its blocks are hashed without the salt
+        shared_lens = [gw.pins.shared_prefix_len(model, p) for p in prompts]
+        block_hashes = []
+        if isinstance(renderer, PrefixCachingBackend):
+            block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
+        backend = gw.router.pick_from(candidates, block_hashes)
+        gw.router.claim(backend)  # released when the Job finishes
+    except BaseException:
+        await gw.quota.settle(reservation, 0, count_request=False)
+        raise
+    return backend, block_hashes, shared_lens
+
+
+async def _render(
+    gw: GatewayState, principal: Principal, body: ChatCompletionRequest | CompletionRequest
+) -> tuple[list[Candidate], Backend, list[list[int]]]:
+    """The healthy replicas, and the token ids of every prompt from the first of them
+    that can render them: every replica of a model has its tokenizer, and for a remote
+    replica rendering is a network call: one that just died must not fail the request
+    while another is healthy."""
+    tools = None
+    if isinstance(body, ChatCompletionRequest):
+        inputs: list = [[m.as_dict() for m in body.messages]]
+        if body.tool_mode != "none":  # tool_choice "none": the tools are not shown
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    else:
+        inputs = body.prompts()
+    with _backend_errors(gw, principal, body.model):
+        candidates = gw.router.candidates(body.model)  # each replica's stats, read once
+        for candidate in candidates[:-1]:
+            with contextlib.suppress(BackendError):
+                backend = candidate.backend
+                prompts = [await backend.render(body.model, p, tools) for p in inputs]
+                return candidates, backend, prompts
+        last = candidates[-1].backend  # its error, if it fails too, is the client's answer
+        return candidates, last, [await last.render(body.model, p, tools) for p in inputs]
+
+
+@contextlib.contextmanager
+def _backend_errors(gw: GatewayState, principal: Principal, model: str) -> Iterator[None]:
+    """A backend's refusal of the request is the client's 400; a backend that failed is
+    a 503, noted in the dashboard's error log."""
+    try:
+        yield
+    except BadRequestError as e:
+        raise ApiError(400, str(e)) from None
+    except BackendError as e:
+        gw.traffic.error(principal.tenant_name, model, 503, str(e))
+        raise ApiError(503, str(e), code="backend_unavailable") from None
+
+
+def _requests(
+    request_id: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    principal: Principal,
+    plan: TokenPlan,
+    prompts: list[list[int]],
+    salt: str,
+    shared_lens: list[int],
+    structured: StructuredOutput | None,
+) -> list[GenRequest]:
+    """One GenRequest per choice, prompt-major; seeds differ by choice."""
+    return [
+        GenRequest(
+            request_id if plan.choices == 1 else f"{request_id}-{i}",
+            body.model,
+            prompts[i // body.n],
+            sampling(body, plan.max_tokens[i // body.n], i % body.n, structured),
+            principal.tenant_id or "",
+            salt,
+            principal.priority,
+            shared_lens[i // body.n],
+            weight=principal.weight,
+        )
+        for i in range(plan.choices)
+    ]
+
+
+def model_card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
+    """The model's card, if it exists and the principal's tenant may use it; else a 404
+    or 403 that says what it may use."""
+    card = gw.router.card(model)
+    if card is None:
+        # name what this tenant can use instead (GET /v1/models lists the same)
+        usable = ", ".join(m for m in gw.router.cards if principal.may_use(m)) or "none"
+        raise ApiError(
+            404, f"The model `{model}` does not exist. Available: {usable}.", code="model_not_found"
+        )
+    if not principal.may_use(model):
+        raise ApiError(
+            403, f"Your tenant may not use the model `{model}`.", code="model_not_allowed"
+        )
+    return card
+
+
+async def _admit(
+    gw: GatewayState, principal: Principal, plan: TokenPlan, spend: int
+) -> Reservation:
+    assert principal.tenant_id is not None
+    try:
+        return await gw.quota.admit(
+            principal.tenant_id,
+            principal.limits,
+            plan.reserve,
+            time.time(),
+            requests=plan.choices,
+            spend=spend,
+        )
+    except QuotaExceeded as e:
+        m = gw.metrics
+        m.child(m.quota_rejections, principal.tenant_name, e.kind).inc()
+        gw.traffic.rejected(principal.tenant_id, principal.tenant_name)
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers=e.headers()) from None

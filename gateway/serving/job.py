@@ -1,0 +1,272 @@
+"""One admitted completion request, from its backend's stream to its usage row.
+
+`Job.events` streams the backend's chunks for every choice, counting tokens as they come
+and trying another replica while nothing has reached the client; `Job.finish` commits the
+usage row, settles the quota and updates metrics. Admission (gateway.serving.admission) builds a
+Job or refuses the request; the HTTP layer (openai_api) only formats what a Job yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.backends import Backend, BackendError, GenChunk, GenRequest, OutputCountingBackend
+from gateway.observe.stats import Finished
+from gateway.serving.choice_streams import merged, queued
+from gateway.serving.echo import Echo
+from gateway.serving.metering import ChoiceMeter, metered
+from gateway.serving.tool_calls import ToolPlan
+from gateway.state import GatewayState
+from gateway.tenancy.auth import Principal
+from gateway.tenancy.quota import Reservation
+from gateway.tenancy.quota.limits import ratelimit_headers
+from gateway.tenancy.usage import UsageRow
+
+log = logging.getLogger("kvgate")
+
+
+@dataclass
+class Job:
+    gw: GatewayState
+    principal: Principal
+    chat: bool
+    model: str
+    backend: Backend
+    request_id: str
+    created: int
+    requests: list[GenRequest]  # one per choice, prompt-major
+    n: int
+    reservation: Reservation
+    user: str | None
+    block_hashes: list[str] = field(default_factory=list)  # the first prompt's full blocks
+    # other healthy replicas of the model: a request whose replica fails before any
+    # output reaches the client is tried again on the next one
+    fallbacks: list[Backend] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
+    counted: dict[int, int] = field(default_factory=dict)  # choice -> its tokens so far
+    counted_by: str = "engine"  # "gateway" if the gateway counted any choice's output
+    finished: bool = False
+    tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
+    echoes: list[Echo] | None = None  # completions with echo: one per prompt
+    meters: list[ChoiceMeter] = field(default_factory=list)  # one per choice, per attempt
+
+    def echo_of(self, choice: int) -> Echo | None:
+        return None if self.echoes is None else self.echoes[choice // self.n]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        # A prompt counts once however many choices it has (as OpenAI counts it).
+        return sum(len(r.prompt_token_ids) for r in self.requests[:: self.n])
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_by_prompt.values())
+
+    def headers(self) -> dict[str, str]:
+        r = self.reservation
+        return ratelimit_headers(r.limits, r.remaining, r.windows) | {
+            "x-request-id": self.request_id
+        }
+
+    async def events(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        while True:
+            try:
+                async for item in self._attempt():
+                    yield item
+                return
+            except BackendError as e:
+                if self.counted or not self.fallbacks:
+                    raise  # output went out, or no replica is left: the client hears
+                failed, self.backend = self.backend, self.fallbacks.pop(0)
+                self.gw.router.release(failed)
+                self.gw.router.claim(self.backend)
+                log.warning(
+                    "request %s: %s failed before any output (%s); retrying on %s",
+                    *(self.request_id, failed.name, e, self.backend.name),
+                )
+
+    def _generate(self, req: GenRequest, meter: ChoiceMeter) -> AsyncIterator[GenChunk]:
+        """The backend's stream for one choice, through its meter; through the gateway's
+        fair queue when the backend has one (its scheduler is not kvgate's)."""
+        stream = metered(self.backend.generate(req), meter)
+        queue = self.gw.queues.get(self.backend.name)
+        return stream if queue is None else queued(queue, req, stream, meter)
+
+    async def _attempt(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        self.meters = [ChoiceMeter.of(r) for r in self.requests]
+        if len(self.requests) == 1:  # the common case, one generator layer less
+            gen = self._generate(self.requests[0], self.meters[0])
+            try:
+                async for chunk in gen:
+                    self._account(0, chunk)
+                    yield 0, chunk
+            finally:
+                await gen.aclose()
+            return
+        stream = merged(
+            [self._generate(r, m) for r, m in zip(self.requests, self.meters, strict=True)]
+        )
+        try:
+            async for index, chunk in stream:
+                self._account(index, chunk)
+                yield index, chunk
+        finally:
+            await stream.aclose()
+
+    def _account(self, index: int, chunk: GenChunk) -> None:
+        """The chunk is on its way to the client: the running counts move."""
+        counted = self.counted.get(index, 0)
+        prompt = 0
+        if chunk.token_ids or chunk.text:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                prompt = self.prompt_tokens  # its prefill is done
+            self.last_token_at = now
+        tokens = self.meters[index].count
+        delta = tokens - counted
+        self.completion_tokens += delta
+        self.counted[index] = tokens
+        if prompt or delta:  # the dashboard's rates move while it streams
+            p = self.principal
+            self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, prompt, delta)
+
+    async def _settle_meters(self) -> None:
+        """Each choice's completion tokens and each prompt's cached tokens, as billed:
+        the backend's usage where its meter took it, else the gateway's own count (with
+        the model's tokenizer for text that came without token ids)."""
+        total, cached, counters = 0, {}, set()
+        for index, meter in enumerate(self.meters):
+            tokens, counter = meter.billed(await self._count_text(meter))
+            total += tokens
+            counters.add(counter)
+            cached.setdefault(index // self.n, meter.cached)
+        p = self.principal
+        delta = total - self.completion_tokens
+        if delta:
+            self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, 0, delta)
+        self.completion_tokens, self.cached_by_prompt = total, cached
+        self.counted_by = "gateway" if "gateway" in counters else "engine"
+
+    async def _count_text(self, meter: ChoiceMeter) -> int | None:
+        """The tokenizer's count of the text the choice delivered without token ids; the
+        upstream's /tokenize against its own usage only where that usage looks off."""
+        if not meter.text or not isinstance(self.backend, OutputCountingBackend):
+            return None
+        try:
+            return await self.backend.count_output(
+                self.model, "".join(meter.text), local_only=meter.plausible()
+            )
+        except Exception:  # the meter's own count stands; the row must still be written
+            log.exception("request %s: counting its output failed", self.request_id)
+            return None
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds to the first token; None if none came."""
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after each choice's first; None without two tokens."""
+        if self.first_token_at is None or self.completion_tokens <= self.num_choices:
+            return None
+        return (self.last_token_at - self.first_token_at) / (
+            self.completion_tokens - self.num_choices
+        )
+
+    async def finish(
+        self, status: int, finish_reason: str | None, error: str = "", delivered: bool = True
+    ) -> None:
+        """Commit the usage row, then settle quota and count. Safe to call once.
+        `delivered` False: the client received none of the output (a whole response
+        that failed), so none of it is billed."""
+        assert not self.finished
+        self.finished = True
+        self.gw.router.release(self.backend)
+        # Shielded: a client that goes away must not lose the row.
+        await asyncio.shield(self._record(status, finish_reason, error, delivered))
+
+    async def _record(self, status: int, finish_reason: str | None, error: str, delivered: bool):
+        end = time.perf_counter()
+        prompt_tokens = 0
+        try:
+            if delivered:
+                await self._settle_meters()
+                prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
+            else:
+                self.completion_tokens, self.cached_by_prompt = 0, {}
+            row = self._usage_row(status, finish_reason, prompt_tokens, end)
+            await self.gw.usage.submit(row)
+        finally:
+            self._count(status, prompt_tokens, end, error)
+
+    def _usage_row(
+        self, status: int, finish_reason: str | None, prompt_tokens: int, end: float
+    ) -> UsageRow:
+        """The request's row, with its spend and the quota settlement that commits with it."""
+        gw, p, ttft = self.gw, self.principal, self.ttft
+        price = gw.settings.price_of(self.model)
+        spend = price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
+        # settled with the row: in memory at once, on PostgreSQL in the row's commit
+        settlement = gw.quota.settlement(
+            self.reservation,
+            prompt_tokens + self.completion_tokens,
+            count_request=status not in (503,),
+            used_spend=spend,
+        )
+        return UsageRow(
+            request_id=self.request_id,
+            tenant_id=p.tenant_id or "",
+            key_id=p.key_id,
+            model=self.model,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            ttft_ms=None if ttft is None else ttft * 1000,
+            latency_ms=(end - self.started) * 1000,
+            status=status,
+            finish_reason=finish_reason,
+            user=self.user,
+            counted_by=self.counted_by,
+            spend_nano_usd=spend,
+            settlement=settlement,
+        )
+
+    def _count(self, status: int, prompt_tokens: int, end: float, error: str) -> None:
+        """The finished request in the metrics, the prefix catalog and the dashboard."""
+        gw, p, ttft, tpot = self.gw, self.principal, self.ttft, self.tpot
+        m, tenant, model = gw.metrics, p.tenant_name, self.model
+        m.child(m.requests, tenant, model, str(status)).inc()
+        m.child(m.prompt_tokens, tenant, model).inc(prompt_tokens)
+        m.child(m.generation_tokens, tenant, model).inc(self.completion_tokens)
+        m.child(m.prefix_queries, tenant, model).inc(prompt_tokens)
+        if self.cached_tokens:
+            m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
+        if self.block_hashes and self.cached_by_prompt.get(0):
+            gw.catalog.drain([self.backend])  # the blocks it hit may be just stored
+            hits = self.cached_by_prompt[0]
+            gw.catalog.record_hits(self.backend.name, self.block_hashes, hits)
+        if ttft is not None:
+            m.child(m.ttft, model).observe(ttft)
+        if tpot is not None:
+            m.child(m.tpot, model).observe(tpot)
+        m.child(m.e2e, model).observe(end - self.started)
+        done = Finished(
+            time.time(), prompt_tokens, self.completion_tokens, ttft, tpot, end - self.started
+        )
+        gw.traffic.request_finished(p.tenant_id or "", tenant, done, ok=status == 200)
+        if status >= 500:
+            gw.traffic.error(tenant, self.model, status, error)

@@ -1,0 +1,48 @@
+"""A request body's sampling options as the engines' SamplingParams: one choice at a
+time (its seed offset by its index), with the structured output a forced tool call or
+the body asks for. Shared by admission and a worker's own /v1/completions.
+"""
+
+from __future__ import annotations
+
+from engine_api.sampling import SamplingParams
+from engine_api.structured import StructuredOutput
+from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
+from gateway.serving.tool_calls import ToolPlan
+
+
+def structured_output(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+    """What the output must match: a forced tool call's schema, or the body's own
+    structured output (the schema refuses both at once)."""
+    if isinstance(body, ChatCompletionRequest) and body.forced_tools:
+        return ToolPlan.of(body).constraint()
+    return body.structured()
+
+
+def sampling(
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    choice: int,
+    structured: StructuredOutput | None,
+) -> SamplingParams:
+    """The body's sampling options for one choice (its seed offset by the choice's index);
+    `structured` is structured_output(body), made once for all the choices."""
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=body.stop or [],
+        stop_token_ids=body.stop_token_ids or [],
+        seed=None if body.seed is None else body.seed + choice,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=body.num_logprobs,
+        prompt_logprobs=body.num_prompt_logprobs,
+        logit_bias=body.token_bias(),
+        ignore_eos=body.ignore_eos,
+        structured=structured,
+    )
