@@ -34,9 +34,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[dev]'
 	touch $(STAMP)
 
-# llama.cpp's own server from the same vendored llama.cpp, for bench/llama_server_anchor.py
+# llama.cpp's own server from the same vendored llama.cpp, for studies/llama_server_anchor.py
 llama-server: install
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" bash bench/build_llama_server.sh
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" bash studies/build_llama_server.sh
 
 serve: install
 	$(BIN)/kvgate serve $(if $(PORT),--port $(PORT))

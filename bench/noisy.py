@@ -249,7 +249,7 @@ async def run_noisy(targets: dict[str, argparse.Namespace], progress=print) -> d
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
-    """The server and the tenants' keys (bench.noisy_neighbour makes its own)."""
+    """The server and the tenants' keys (studies.noisy_neighbour makes its own)."""
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", required=True, help="model id")
     p.add_argument("--key-a", required=True, help="API key of the flooding tenant A")

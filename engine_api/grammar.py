@@ -8,7 +8,7 @@ engine makes its llguidance tokenizer from its own vocabulary (a Hugging Face to
 llama.cpp's vocab). Only the engines import this module; the rest of engine_api stays
 free of native libraries.
 
-Why llguidance: bench/grammar_mask.py on Gemma 3's 262k-token vocabulary computes a
+Why llguidance: studies/grammar_mask.py on Gemma 3's 262k-token vocabulary computes a
 mask in 44 us a step on average against xgrammar's 24 us (either is far below 1% of a
 decode step), but compiles a new schema in 15 ms against xgrammar's 2.1 s, and that
 compile is time to first token for every request with a schema not seen before

@@ -1,4 +1,4 @@
-"""The engine on a CUDA GPU (skipped without one; bench/gpu_check.sh runs them): greedy
+"""The engine on a CUDA GPU (skipped without one; studies/gpu_check.sh runs them): greedy
 outputs of the tiny models equal transformers' on the CPU under the near-tie rule, with
 CUDA graphs and without; the step buffers stay put while graphs replay; the KV cache
 sized by a profiling forward; W8A8 against bfloat16."""

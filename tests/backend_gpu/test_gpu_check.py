@@ -1,6 +1,6 @@
-"""bench/gpu_check: what of it a CPU can run. The bandwidth arithmetic, the options,
+"""studies/gpu_check: what of it a CPU can run. The bandwidth arithmetic, the options,
 the script's paths, and the whole kvgate half on a tiny shape (the GPU runs the real
-one, bench/gpu_check.sh)."""
+one, studies/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ def test_options_and_their_checks():
 
 
 def test_the_script_runs_files_that_exist():
-    script = (ROOT / "bench/gpu_check.sh").read_text()
-    subprocess.run(["bash", "-n", str(ROOT / "bench/gpu_check.sh")], check=True)
+    script = (ROOT / "studies/gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "studies/gpu_check.sh")], check=True)
     files = re.findall(r"tests/backend_gpu/\w+\.py", script)
     assert "tests/backend_gpu/test_cuda.py" in files
     assert all((ROOT / f).is_file() for f in files)
-    assert "-m bench.gpu_check" in script and "-m cuda" in script
+    assert "-m studies.gpu_check" in script and "-m cuda" in script
 
 
 def test_every_part_runs_on_a_tiny_shape(tmp_path):

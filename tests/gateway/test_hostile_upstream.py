@@ -4,7 +4,7 @@ client as the caller: what it claims never bills, blocks or reaches past the gat
 For each case: the client's answer, the tenant's usage row and quota counters, and its
 one concurrency slot afterwards (each tenant may run one request at a time, so a
 leaked slot fails the next request). The event loop's latency meanwhile is measured
-by `python -m bench.hostile_upstream` (docs/PERF.md), not asserted here.
+by `python -m studies.hostile_upstream` (docs/PERF.md), not asserted here.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from bench.hostile_upstream_server import SECRET, HostileUpstream
 from gateway.tenancy.quota.prices import parse_prices
+from studies.hostile_upstream_server import SECRET, HostileUpstream
 from tests.conftest import LiveGateway, start_gateway
 from tests.gateway.test_remote import MODEL, remote_config, wait_until
 

@@ -1,6 +1,6 @@
 """A gateway on PostgreSQL rides out the database going away and a gateway's kill -9.
 
-Both run against a private cluster (bench.pg_cluster) so that restarting it breaks no
+Both run against a private cluster (studies.pg_cluster) so that restarting it breaks no
 other suite. While the database is down, a request the gateway cannot account for is a
 503 with an OpenAI-shaped body, never a 500 and never served unaccounted; once it is
 back, service resumes without restarting the gateway, and every answered request has
@@ -17,7 +17,7 @@ import aiohttp
 import httpx
 import pytest
 
-from bench.pg_cluster import PgCluster, available
+from studies.pg_cluster import PgCluster, available
 from tests.conftest import start_gateway
 
 pytestmark = [

@@ -19,10 +19,10 @@ import openai
 import pytest
 from aiohttp import http_exceptions
 
-from bench.hostile_upstream_server import HostileUpstream
 from gateway.backends import BackendSpec
 from gateway.backends.remote_health import Monitor
 from gateway.backends.remote_http import Endpoint, UpstreamClient
+from studies.hostile_upstream_server import HostileUpstream
 from tests.gateway.test_remote import MODEL
 
 RAISED = {

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU check of issue 16, in one run of under 8 minutes on one H200:
+#
+#     bash studies/gpu_check.sh OUTDIR
+#
+# run from the repository root on a machine with one CUDA GPU, under its own python3
+# (the H200 machine's: torch 2.11, Triton 3.6, transformers 5.17, no internet; every
+# other package kvgate's engine imports is already there). A package it lacks travels
+# as wheels in .whl/ (see /work/.library/device/README.md), installed here first.
+#
+# 1. the CUDA-marked tests (tests/backend_gpu/test_cuda.py: greedy output of the tiny
+#    models on CUDA equal to transformers' on the CPU under the near-tie rule, with CUDA
+#    graphs and without, the memory profile, W8A8 against bfloat16; and
+#    test_triton_attention.py's kernels at model sizes against the torch path), at most
+#    TEST_S seconds: OUTDIR/pytest.log, OUTDIR/pytest.xml;
+# 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
+#    kvgate bfloat16 against transformers' continuous batching, bfloat16 against FP8,
+#    batch-1 decode against the memory bandwidth), at most BENCH_S seconds:
+#    OUTDIR/gpu_check.json, OUTDIR/gpu_check.log.
+# OUTDIR/env.txt says what the machine had. Exit status: the tests' (0 when all passed).
+set -u -o pipefail
+out=${1:?usage: bash studies/gpu_check.sh OUTDIR}
+mkdir -p "$out"
+python=${PYTHON:-python3}
+test_s=${TEST_S:-150}
+bench_s=${BENCH_S:-250}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/kvgate-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/kvgate-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{
+    date -u
+    nvidia-smi || true
+    "$python" -c 'import sys, torch, triton, transformers
+print(sys.version)
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())
+print("triton", triton.__version__, "transformers", transformers.__version__)'
+} >"$out/env.txt" 2>&1
+
+# the tests first: they say whether the numbers after them mean anything
+timeout -k 10 "$test_s" "$python" -m pytest -q -rfEs -m cuda -p no:cacheprovider \
+    --junitxml="$out/pytest.xml" \
+    tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py 2>&1 |
+    tee "$out/pytest.log"
+tests=${PIPESTATUS[0]}
+echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
+
+timeout -k 10 $((bench_s + 30)) "$python" -m studies.gpu_check --out "$out" \
+    --budget-s "$bench_s" 2>&1 | tee "$out/gpu_check.log"
+echo "gpu_check.sh: bench exited ${PIPESTATUS[0]}" | tee -a "$out/gpu_check.log"
+exit "$tests"
