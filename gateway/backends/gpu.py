@@ -1,15 +1,15 @@
 """Adapter: the gateway's Backend protocol over `backend_gpu.AsyncLLM` (in-process engine).
 
 The engine takes engine_api's SamplingParams and raises engine_api's errors, so requests
-and errors pass through as they are; only outputs are reshaped into GenChunks."""
+and errors pass through as they are; only outputs are reshaped, by what every in-process
+adapter shares (in_process.py). This says where the engine's tokenizer is and how its
+outputs read."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from backend_gpu import AsyncLLM, RequestOutput
 from backend_gpu.config import EngineConfig
@@ -17,25 +17,11 @@ from engine_api.block_hash import hash_blocks
 from engine_api.errors import BackendError
 from engine_api.records import (
     BackendStats,
-    GenChunk,
     GenRequest,
     KVEvent,
-    ModelCard,
-    PromptInput,
     Usage,
 )
-from engine_api.structured import StructuredOutput
-from gateway.backends.common import (
-    check_model,
-    check_options,
-    decode_off_loop,
-    named_logprob,
-    render_off_loop,
-    render_prompt,
-    served_model_id,
-)
-from gateway.backends.default_model import default_model_path
-from gateway.backends.spec import BackendSpec
+from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 
@@ -44,22 +30,15 @@ def _architecture(model_type: str) -> str:
     return "gemma3" if model_type == "gemma3_text" else model_type
 
 
-class GpuBackend:
-    def __init__(self, spec: BackendSpec) -> None:
-        check_options(spec, ENGINE_OPTIONS)
-        self.name = spec.name
-        self.spec = spec
-        self.model_id = served_model_id(spec)
-        self._engine: AsyncLLM | None = None
+class GpuBackend(InProcessBackend[AsyncLLM]):
+    kind = "gpu"
+    engine_options = ENGINE_OPTIONS
 
-    async def start(self) -> None:
-        if self._engine is not None:
-            return
-        path = self.spec.model or str(await asyncio.to_thread(default_model_path))
+    async def _start_engine(self, path: str) -> AsyncLLM:
         try:
             # KV events feed the gateway's prefix catalog (the router's view of the cache)
             options = {"enable_kv_events": True} | self.spec.options
-            self._engine = await asyncio.to_thread(AsyncLLM, path, **options)
+            return await asyncio.to_thread(AsyncLLM, path, **options)
         except (OSError, ValueError, NotImplementedError) as exc:
             raise BackendError(f"gpu backend {self.name!r}: {exc}") from exc
 
@@ -82,49 +61,34 @@ class GpuBackend:
 
     @property
     def engine(self) -> AsyncLLM:
-        if self._engine is None:
-            raise BackendError(f"gpu backend {self.name!r} is not running")
-        if self._engine.error is not None:
-            raise BackendError(f"gpu backend {self.name!r} failed: {self._engine.error!r}")
-        return self._engine
+        engine = super().engine
+        if engine.error is not None:
+            raise BackendError(f"gpu backend {self.name!r} failed: {engine.error!r}")
+        return engine
 
-    def models(self) -> list[ModelCard]:
-        length = self._engine.max_model_len if self._engine else 0
-        return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
+    def _context_length(self) -> int:
+        return self.engine.max_model_len
 
-    async def render(
-        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
-    ) -> list[int]:
-        check_model(model, self.model_id)
+    def _tokenization(self) -> Tokenization:
         tokenizer = self.engine.tokenizer
-        architecture = _architecture(self.engine.engine.hf_config.model_type)
-        return await render_off_loop(
-            lambda p: render_prompt(
-                p,
-                lambda text, add_bos: tokenizer.encode(text, add_special_tokens=add_bos),
-                tokenizer.chat_template,
-                architecture,
-                bos_token=tokenizer.bos_token or "",
-                eos_token=tokenizer.eos_token or "",
-                tools=tools,
-            ),
-            prompt,
+        return Tokenization(
+            lambda text, add_bos: tokenizer.encode(text, add_special_tokens=add_bos),
+            tokenizer.chat_template,
+            _architecture(self.engine.engine.hf_config.model_type),
+            tokenizer.bos_token or "",
+            tokenizer.eos_token or "",
         )
 
-    async def detokenize(self, model: str, token_ids: list[int]) -> str:
-        check_model(model, self.model_id)
+    def _decoder(self) -> tuple[Callable[[list[int]], str], range]:
         tokenizer = self.engine.tokenizer
-        return await decode_off_loop(tokenizer.decode, token_ids, range(len(tokenizer)))
+        return tokenizer.decode, range(len(tokenizer))
 
-    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
-        check_model(model, self.model_id)
-        await self.engine.check_structured(structured)
+    def _token_text(self) -> Callable[[int], str]:
+        tokenizer = self.engine.tokenizer
+        return lambda token: tokenizer.decode([token])
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
-        """BadRequestError (400) or EngineDeadError (a BackendError, 503) come from the
-        engine as they are, before the first chunk."""
-        check_model(req.model, self.model_id)
-        stream = self.engine.generate(
+    def _stream(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(
             req.prompt_token_ids,
             req.sampling,
             req.request_id,
@@ -134,12 +98,22 @@ class GpuBackend:
             req.tenant_id,
             req.weight,
         )
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                if out.prompt_logprobs is None:
-                    yield self._chunk(out, len(req.prompt_token_ids))
-                else:  # a prompt's worth of token texts: off the event loop
-                    yield await asyncio.to_thread(self._chunk, out, len(req.prompt_token_ids))
+
+    def _output(self, out: RequestOutput, req: GenRequest) -> Output:
+        usage = None
+        if out.finished:
+            usage = Usage(len(req.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+        logprobs = None
+        if out.logprobs and out.new_token_ids:
+            logprobs = out.logprobs[-len(out.new_token_ids) :]
+        return Output(
+            out.new_token_ids,
+            out.text_delta,
+            out.finish_reason,
+            usage,
+            logprobs,
+            out.prompt_logprobs,
+        )
 
     def block_hashes(
         self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
@@ -164,30 +138,6 @@ class GpuBackend:
             )
             for e in self._engine.take_kv_events()
         ]
-
-    def _chunk(self, out: RequestOutput, num_prompt_tokens: int) -> GenChunk:
-        usage = None
-        if out.finished:
-            usage = Usage(num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
-
-        @functools.cache  # a prompt's logprobs name the same few tokens many times
-        def text(token: int) -> str:
-            return self.engine.tokenizer.decode([token])
-
-        as_text = functools.partial(named_logprob, text)
-        logprobs = prompt_logprobs = None
-        if out.logprobs and out.new_token_ids:
-            logprobs = [as_text(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]
-        if out.prompt_logprobs is not None:  # the first output only; None for the first token
-            prompt_logprobs = [None if lp is None else as_text(lp) for lp in out.prompt_logprobs]
-        return GenChunk(
-            out.new_token_ids,
-            out.text_delta,
-            out.finish_reason,
-            usage,
-            logprobs,
-            prompt_logprobs,
-        )
 
     def stats(self) -> BackendStats:
         if self._engine is None:

@@ -2,61 +2,43 @@
 
 The engine takes engine_api's SamplingParams and raises engine_api's errors (DecodeError
 is a BackendError), so requests and errors pass through as they are; only outputs are
-reshaped into GenChunks."""
+reshaped, by what every in-process adapter shares (in_process.py). This says where the
+engine's tokenizer is, how its outputs read, and how the fair queue's spare seat fits."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from backend_local import EngineConfig, LocalEngine, ModelLoadError, RequestOutput
 from backend_local.prefix_blocks import block_hashes
 from engine_api.errors import BackendError
 from engine_api.records import (
     BackendStats,
-    GenChunk,
     GenRequest,
     KVEvent,
-    ModelCard,
-    PromptInput,
     Usage,
 )
-from engine_api.structured import StructuredOutput
 from gateway.backends.base import SPARE_SEATS
-from gateway.backends.common import (
-    check_model,
-    check_options,
-    decode_off_loop,
-    named_logprob,
-    render_off_loop,
-    render_prompt,
-    served_model_id,
-)
-from gateway.backends.default_model import default_model_path
+from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 from gateway.backends.spec import BackendSpec
 
 ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
 
 
-class LocalBackend:
+class LocalBackend(InProcessBackend[LocalEngine]):
+    kind = "local"
+    engine_options = ENGINE_OPTIONS
+
     def __init__(self, spec: BackendSpec) -> None:
-        check_options(spec, ENGINE_OPTIONS)
-        self.name = spec.name
-        self.spec = spec
-        self.model_id = served_model_id(spec)
-        self._engine: LocalEngine | None = None
+        super().__init__(spec)
         self._last_events: list[KVEvent] = []  # a stopped engine's last ones ("removed")
         # llama.cpp serves its slots first come, first served: the gateway queues fairly
         # in front of them (gateway/routing/fair_queue.py)
         self.max_in_flight: int | None = None
 
-    async def start(self) -> None:
-        if self._engine is not None:
-            return
-        path = self.spec.model or str(await asyncio.to_thread(default_model_path))
+    async def _start_engine(self, path: str) -> LocalEngine:
         try:
             config = EngineConfig(model_path=path, enable_kv_events=True, **self.spec.options)
             self.max_in_flight = config.n_parallel
@@ -64,7 +46,7 @@ class LocalBackend:
             # spare seat (a tenant with nothing in flight starts at once)
             seqs = config.n_parallel + SPARE_SEATS
             config = dataclasses.replace(config, n_parallel=seqs, n_ctx=config.n_ctx_per_seq * seqs)
-            self._engine = await asyncio.to_thread(LocalEngine, config)
+            return await asyncio.to_thread(LocalEngine, config)
         except (ModelLoadError, ValueError) as exc:
             raise BackendError(f"local backend {self.name!r}: {exc}") from exc
 
@@ -74,74 +56,47 @@ class LocalBackend:
             await engine.stop(drain)
             self._last_events += self._events_of(engine)
 
-    @property
-    def engine(self) -> LocalEngine:
-        if self._engine is None:
-            raise BackendError(f"local backend {self.name!r} is not running")
-        return self._engine
+    def _context_length(self) -> int:
+        return self.engine.context_length
 
-    def models(self) -> list[ModelCard]:
-        length = self._engine.context_length if self._engine else 0
-        return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
-
-    async def render(
-        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
-    ) -> list[int]:
-        check_model(model, self.model_id)
+    def _tokenization(self) -> Tokenization:
         engine = self.engine
         llama = engine.model
-        return await render_off_loop(
-            lambda p: render_prompt(
-                p,
-                lambda text, add_bos: engine.tokenize(text, add_special=add_bos),
-                llama.chat_template,
-                llama.architecture,
-                bos_token=llama.bos_text,
-                eos_token=llama.eos_text,
-                tools=tools,
-            ),
-            prompt,
+        return Tokenization(
+            lambda text, add_bos: engine.tokenize(text, add_special=add_bos),
+            llama.chat_template,
+            llama.architecture,
+            llama.bos_text,
+            llama.eos_text,
         )
 
-    async def detokenize(self, model: str, token_ids: list[int]) -> str:
-        check_model(model, self.model_id)
+    def _decoder(self) -> tuple[Callable[[list[int]], str], range]:
         engine = self.engine
-        return await decode_off_loop(engine.detokenize, token_ids, range(engine.model.n_vocab))
+        return engine.detokenize, range(engine.model.n_vocab)
 
-    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
-        check_model(model, self.model_id)
-        await self.engine.check_structured(structured)
+    def _token_text(self) -> Callable[[int], str]:
+        return self.engine.model.token_text
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
-        """BadRequestError (400) comes from the engine before the first chunk;
-        EngineDeadError and DecodeError (BackendErrors, 503) at any chunk."""
-        check_model(req.model, self.model_id)
-        stream = self.engine.generate(
+    def _stream(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(
             req.request_id,
             req.prompt_token_ids,
             req.sampling,
             req.cache_salt,
             req.shared_prefix_len,
         )
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                if out.prompt_logprobs is None:
-                    yield self._chunk(out)
-                else:  # a prompt's worth of token texts: off the event loop
-                    yield await asyncio.to_thread(self._chunk, out)
 
-    def _chunk(self, out: RequestOutput) -> GenChunk:
+    def _output(self, out: RequestOutput, req: GenRequest) -> Output:
         usage = None
         if out.finish_reason is not None:
             usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        as_text = functools.partial(named_logprob, self.engine.model.token_text)
-        logprobs = prompt_logprobs = None
-        if out.logprobs is not None:
-            logprobs = [as_text(lp) for lp in out.logprobs]
-        if out.prompt_logprobs is not None:  # the first output only; None for the first token
-            prompt_logprobs = [None if lp is None else as_text(lp) for lp in out.prompt_logprobs]
-        return GenChunk(
-            out.token_ids, out.text, out.finish_reason, usage, logprobs, prompt_logprobs
+        return Output(
+            out.token_ids,
+            out.text,
+            out.finish_reason,
+            usage,
+            out.logprobs,
+            out.prompt_logprobs,
         )
 
     def block_hashes(

@@ -1,0 +1,163 @@
+"""What the two in-process engine adapters (gpu, llama.cpp) share: starting the engine
+on the configured or default model, rendering and decoding with its tokenizer off the
+event loop when large, compiling structured outputs, and turning its outputs into
+GenChunks (prompt-sized ones off the loop). Each adapter says only what differs: how
+to start its engine, where its tokenizer and template are, how its outputs read, and
+its stats. Written once so that a fix to one path cannot miss the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from engine_api.errors import BackendError
+from engine_api.records import GenChunk, GenRequest, ModelCard, PromptInput, Usage
+from engine_api.structured import StructuredOutput
+from gateway.backends.common import (
+    check_model,
+    check_options,
+    decode_off_loop,
+    named_logprob,
+    render_off_loop,
+    render_prompt,
+    served_model_id,
+)
+from gateway.backends.default_model import default_model_path
+from gateway.backends.spec import BackendSpec
+
+E = TypeVar("E")  # the engine
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """How an engine's model turns text into ids: for render_prompt."""
+
+    encode: Callable[[str, bool], list[int]]  # (text, add_bos) -> ids
+    chat_template: str | None
+    architecture: str
+    bos_token: str
+    eos_token: str
+
+
+@dataclass(frozen=True)
+class Output:
+    """One engine output in the adapters' common terms (ids and text new since the last;
+    logprobs as the engine gives them: token ids, named here)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage | None
+    logprobs: list[Any] | None
+    prompt_logprobs: list[Any | None] | None
+
+
+class InProcessBackend(ABC, Generic[E]):
+    kind: str  # "gpu" | "local": how messages name the backend
+    engine_options: tuple[str, ...]
+
+    def __init__(self, spec: BackendSpec) -> None:
+        check_options(spec, self.engine_options)
+        self.name = spec.name
+        self.spec = spec
+        self.model_id = served_model_id(spec)
+        self._engine: E | None = None
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        path = self.spec.model or str(await asyncio.to_thread(default_model_path))
+        self._engine = await self._start_engine(path)
+
+    @abstractmethod
+    async def _start_engine(self, path: str) -> E:
+        """The engine on the model at `path`; BackendError naming the backend if it
+        cannot start."""
+
+    @property
+    def engine(self) -> E:
+        if self._engine is None:
+            raise BackendError(f"{self.kind} backend {self.name!r} is not running")
+        return self._engine
+
+    def models(self) -> list[ModelCard]:
+        length = self._context_length() if self._engine is not None else 0
+        return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
+
+    @abstractmethod
+    def _context_length(self) -> int: ...
+
+    @abstractmethod
+    def _tokenization(self) -> Tokenization: ...
+
+    @abstractmethod
+    def _decoder(self) -> tuple[Callable[[list[int]], str], range]:
+        """The engine's decode of ids to text, and the ids it knows."""
+
+    @abstractmethod
+    def _token_text(self) -> Callable[[int], str]:
+        """One token's text, for logprobs."""
+
+    @abstractmethod
+    def _stream(self, req: GenRequest) -> AsyncIterator[Any]:
+        """The engine's outputs for `req`; closing it aborts the request."""
+
+    @abstractmethod
+    def _output(self, out: Any, req: GenRequest) -> Output: ...
+
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
+        check_model(model, self.model_id)
+        t = self._tokenization()
+        return await render_off_loop(
+            lambda p: render_prompt(
+                p,
+                t.encode,
+                t.chat_template,
+                t.architecture,
+                bos_token=t.bos_token,
+                eos_token=t.eos_token,
+                tools=tools,
+            ),
+            prompt,
+        )
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        check_model(model, self.model_id)
+        decode, known = self._decoder()
+        return await decode_off_loop(decode, token_ids, known)
+
+    async def check_structured(self, model: str, structured: StructuredOutput) -> None:
+        check_model(model, self.model_id)
+        await self.engine.check_structured(structured)  # type: ignore[attr-defined]
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        """BadRequestError (400) comes from the engine before the first chunk; an
+        EngineDeadError (a BackendError, 503) at any chunk."""
+        check_model(req.model, self.model_id)
+        stream = self._stream(req)
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async for out in stream:
+                output = self._output(out, req)
+                if output.prompt_logprobs is None:
+                    yield self._chunk(output)
+                else:  # a prompt's worth of token texts: off the event loop
+                    yield await asyncio.to_thread(self._chunk, output)
+
+    def _chunk(self, out: Output) -> GenChunk:
+        # a prompt's logprobs name the same few tokens many times
+        as_text = functools.partial(named_logprob, functools.cache(self._token_text()))
+        logprobs = None if out.logprobs is None else [as_text(lp) for lp in out.logprobs]
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:  # the first output only; None for the first token
+            prompt_logprobs = [None if lp is None else as_text(lp) for lp in out.prompt_logprobs]
+        return GenChunk(
+            out.token_ids, out.text, out.finish_reason, out.usage, logprobs, prompt_logprobs
+        )
