@@ -28,6 +28,7 @@ class RequestOutput:
     output_tokens: int | None = None  # from usage
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     generated_text: str = ""
+    finish_reason: str | None = None  # the first choice's, as the stream last gave it
     error: str = ""
     tenant: int = 0
 
@@ -140,6 +141,8 @@ async def send_request(
                         out.itl.append(now - last)
                     last = now
                     text_parts.append(text)
+                if reason := (data.get("choices") or [{}])[0].get("finish_reason"):
+                    out.finish_reason = reason
                 if usage := data.get("usage"):
                     out.prompt_tokens = usage.get("prompt_tokens")
                     out.output_tokens = usage.get("completion_tokens")

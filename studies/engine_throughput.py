@@ -28,6 +28,7 @@ import torch
 
 from bench.options import DefaultsHelpFormatter
 from bench.tiny_model import build_tiny_llama, parameter_count
+from studies.harness import TINY_LLAMA
 
 VOCAB = 32000
 
@@ -46,8 +47,8 @@ class Run:
 
 def build_model(directory: str, seed: int) -> int:
     """Save the random model and a word-level tokenizer; return the parameter count."""
-    shape = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, vocab_size=VOCAB)
-    build_tiny_llama(directory, **shape, seed=seed, max_position_embeddings=1024)
+    shape = TINY_LLAMA | {"vocab_size": VOCAB, "max_position_embeddings": 1024}
+    build_tiny_llama(directory, **shape, seed=seed)
     return parameter_count(directory)
 
 

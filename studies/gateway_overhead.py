@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,10 +29,10 @@ import aiohttp
 import httpx
 
 from bench.options import DefaultsHelpFormatter
+from studies.harness import ADMIN_KEY, free_port, tenant_key
 
 HELLO = {"role": "user", "content": "hello there"}
 BODY = {"model": "fake-model", "messages": [HELLO], "max_tokens": 16}
-ADMIN = "kvg-bench-admin-" + "a" * 32
 
 
 def _pinned(cpu: int) -> list[str]:
@@ -44,12 +43,6 @@ def _start_server(module_args: list[str], env: dict[str, str] | None = None) -> 
     """`python -m <module_args>` pinned to CPU 0 (the load comes from CPU 1), output dropped."""
     cmd = [*_pinned(0), sys.executable, "-m", *module_args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_up(url: str, timeout: float = 60) -> None:
@@ -65,15 +58,11 @@ def _wait_up(url: str, timeout: float = 60) -> None:
 
 def start_kvgate(port: int, tmp: Path) -> tuple[subprocess.Popen, str]:
     database_url = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
-    env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN, KVGATE_DATABASE_URL=database_url)
+    env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN_KEY, KVGATE_DATABASE_URL=database_url)
     proc = _start_server(["gateway.cli", "serve", "--backend", "fake", "--port", str(port)], env)
     url = f"http://127.0.0.1:{port}"
     _wait_up(url)
-    admin = {"Authorization": f"Bearer {ADMIN}"}
-    unlimited = {"name": "bench", "rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
-    tenant = httpx.post(url + "/admin/tenants", headers=admin, json=unlimited).json()
-    key = httpx.post(url + f"/admin/tenants/{tenant['id']}/keys", headers=admin, json={}).json()
-    return proc, key["key"]
+    return proc, tenant_key(url)
 
 
 def start_direct(port: int) -> subprocess.Popen:

@@ -43,7 +43,7 @@ import aiohttp
 import httpx
 
 from bench.options import DefaultsHelpFormatter
-from studies.gateway_overhead import free_port
+from studies.harness import free_port
 from studies.hostile_cases import catalogue
 from studies.hostile_http import Case, Ctx, classify, gzip_zeros, judge, summarize
 from studies.hostile_load import (

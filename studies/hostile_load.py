@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from studies.harness import nearest_rank
+
 CHAT = "/v1/chat/completions"
 GOAL_MS = 50  # issue 13: the event loop's longest stall under attack
 SETTLED_MS = 50  # the gateway has recovered once /health answers within this again
@@ -94,13 +96,10 @@ def window_stats(samples: list[Sample], start: float, end: float) -> dict:
             "failed": 0,
         }
 
-    def pct(p: float) -> float:
-        return lat[min(len(lat) - 1, int(round(p / 100 * (len(lat) - 1))))]
-
     return {
         "samples": len(lat),
-        "p50_ms": pct(50),
-        "p99_ms": pct(99),
+        "p50_ms": nearest_rank(lat, 50),
+        "p99_ms": nearest_rank(lat, 99),
         "max_ms": lat[-1],
         "over_goal": sum(1 for x in lat if x >= GOAL_MS),  # one outlier, or many?
         "failed": sum(1 for s in inside if not s.ok),

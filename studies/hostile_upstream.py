@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from bench.options import DefaultsHelpFormatter
-from studies.gateway_overhead import free_port
+from studies.harness import free_port
 from studies.hostile_load import Prober, window_stats
 from studies.hostile_upstream_server import SECRET, HostileUpstream
 

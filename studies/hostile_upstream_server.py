@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from studies.gateway_overhead import free_port
+from studies.harness import free_port
 
 SECRET = "SECRET-of-another-tenant"  # words an upstream puts in errors: never relayed
 

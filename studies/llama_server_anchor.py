@@ -31,9 +31,16 @@ from pathlib import Path
 from bench.datasets import random_requests, shared_prefix_requests
 from bench.options import DefaultsHelpFormatter
 from gateway.backends.default_model import default_model_path
-from studies.gateway_overhead import free_port
-from studies.local_vs_llama_server import wait_http
-from studies.scale_out_procs import Process, Run, measure, start_gateway, tenant_key
+from studies.harness import (
+    Process,
+    free_port,
+    start_gateway,
+    stop_process,
+    tenant_key,
+    toml_backend,
+    wait_http,
+)
+from studies.scale_out_procs import Run, measure
 
 MODEL_ID = "gemma-3-270m"
 BINARY = Path(".cache/llama-server/llama-server")
@@ -44,10 +51,14 @@ SHARED_PREFIX = 900
 
 
 def start_kvgate(workdir: Path, args: argparse.Namespace) -> Process:
-    config = (
-        f'[[backends]]\nname = "local"\ntype = "local"\nserved_model_name = "{MODEL_ID}"\n'
-        f"[backends.options]\nn_ctx = {SLOTS * CTX_PER_SLOT}\nn_parallel = {SLOTS}\n"
-        f"n_threads = {args.threads}\nn_batch = {args.batch}\n"
+    config = toml_backend(
+        "local",
+        "local",
+        MODEL_ID,
+        n_ctx=SLOTS * CTX_PER_SLOT,
+        n_parallel=SLOTS,
+        n_threads=args.threads,
+        n_batch=args.batch,
     )
     return start_gateway(workdir, "kvgate", config)
 
@@ -77,8 +88,7 @@ class LlamaServer:
         wait_http(self.url, self.proc, self.log)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        stop_process(self.proc)
 
 
 def one_round(url: str, keys: list[str], pid: int, label: str, seed: int) -> dict[str, Run]:
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = LlamaServer(workdir, args)
         arms = {
-            "kvgate": (kvgate.url, [tenant_key(kvgate)], kvgate.proc.pid),
+            "kvgate": (kvgate.url, [tenant_key(kvgate.url)], kvgate.proc.pid),
             "llama-server": (server.url, [""], server.pid),
         }
         rounds = []

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,8 +41,17 @@ import aiohttp
 from tqdm import tqdm
 
 from backend_local.slots import common_prefix_len
-from bench.client import sse_events
+from bench.client import RequestOutput, build_payload, send_request
 from bench.options import DefaultsHelpFormatter
+from studies.harness import (
+    free_port,
+    nearest_rank,
+    start_gateway,
+    stop_process,
+    tenant_key,
+    toml_backend,
+    wait_http,
+)
 
 MODEL_ID = "gemma-3-270m"
 PROMPTS = [
@@ -62,15 +70,6 @@ SETTINGS = ("clients", "max_tokens", "single_tokens", "threads", "batch", "ctx_p
 
 
 @dataclass
-class Response:
-    text: str = ""
-    finish_reason: str | None = None
-    ttft: float = 0.0
-    latency: float = 0.0
-    error: str = ""
-
-
-@dataclass
 class RunReport:
     server: str
     wall_s: float
@@ -85,46 +84,14 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 async def stream_completion(
     session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, key: str | None
-) -> Response:
-    payload = dict(
-        model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
-    )
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    out, parts = Response(), []
-    start = time.perf_counter()
-    try:
-        async with session.post(url + "/v1/completions", json=payload, headers=headers) as r:
-            if r.status != 200:
-                out.error = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return out
-            async for event in sse_events(r):
-                if event == "[DONE]":
-                    break
-                data = json.loads(event)
-                for choice in data.get("choices") or []:
-                    if choice.get("text"):
-                        if not parts:
-                            out.ttft = time.perf_counter() - start
-                        parts.append(choice["text"])
-                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
-    except (aiohttp.ClientError, json.JSONDecodeError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    out.latency = time.perf_counter() - start
-    out.text = "".join(parts)
-    return out
+) -> RequestOutput:
+    """One greedy streaming completion through `kvgate bench`'s client. No usage asked:
+    llama_cpp.server's counts are not compared, every answer is tokenized alike."""
+    payload = build_payload("completions", MODEL_ID, prompt, max_tokens, 0.0, ignore_eos=False)
+    del payload["stream_options"]
+    return await send_request(session, url, "completions", payload, key)
 
 
 async def measure_server(
@@ -143,7 +110,7 @@ async def measure_server(
         )
         wall = time.perf_counter() - start
         solo = [await stream_completion(session, url, p, max_tokens, solo_key) for p in prompts]
-    tokens = [len(tokenize(r.text)) for r in batch]
+    tokens = [len(tokenize(r.generated_text)) for r in batch]
     complete = sum(
         not r.error
         and r.finish_reason in ("length", "stop")
@@ -151,94 +118,42 @@ async def measure_server(
         for r, n in zip(batch, tokens, strict=True)
     )
     notes = [f"client {i}: {r.error}" for i, r in enumerate(batch) if r.error]
-    ttfts = [r.ttft for r in batch if r.text]
+    ttfts = [r.ttft for r in batch if r.generated_text]
     return RunReport(
         server=name,
         wall_s=wall,
         output_tokens=sum(tokens),
         tokens_per_s=sum(tokens) / wall,
-        ttft_p50_s=percentile(ttfts, 50) if ttfts else float("nan"),
-        ttft_p99_s=percentile(ttfts, 99) if ttfts else float("nan"),
+        ttft_p50_s=nearest_rank(ttfts, 50) if ttfts else float("nan"),
+        ttft_p99_s=nearest_rank(ttfts, 99) if ttfts else float("nan"),
         complete=complete,
         clients=clients,
-        agree_with_solo=sum(b.text == s.text for b, s in zip(batch, solo, strict=True)),
+        agree_with_solo=sum(
+            b.generated_text == s.generated_text for b, s in zip(batch, solo, strict=True)
+        ),
         agree_prefix_tokens=statistics.mean(
-            common_prefix_len(tokenize(b.text), tokenize(s.text))
+            common_prefix_len(tokenize(b.generated_text), tokenize(s.generated_text))
             for b, s in zip(batch, solo, strict=True)
         ),
         notes=notes,
     )
 
 
-def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    async def probe() -> bool:
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
-                return r.status in (200, 401)
-        return False
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{log.read_text()[-3000:]}")
-        if asyncio.run(probe()):
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"server did not come up in {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @contextlib.contextmanager
 def kvgate_server(workdir: Path, args: argparse.Namespace):
-    port = free_port()
-    config = workdir / "kvgate.toml"
-    config.write_text(
-        f'[[backends]]\nname = "local"\ntype = "local"\nserved_model_name = "{MODEL_ID}"\n'
-        f"[backends.options]\nn_ctx = {args.clients * args.ctx_per_seq}\n"
-        f"n_parallel = {args.clients}\nn_threads = {args.threads}\nn_batch = {args.batch}\n"
+    """kvgate on the local backend with the same settings as llama_cpp.server; its URL, a
+    key for each of two tenants ("bench" for the concurrent run, "solo"), its pid."""
+    config = toml_backend(
+        "local",
+        "local",
+        MODEL_ID,
+        n_ctx=args.clients * args.ctx_per_seq,
+        n_parallel=args.clients,
+        n_threads=args.threads,
+        n_batch=args.batch,
     )
-    admin_key = "kvg-bench-admin-" + "x" * 32
-    database_url = f"sqlite+aiosqlite:///{workdir / 'kvgate.db'}"
-    env = dict(os.environ, KVGATE_ADMIN_KEY=admin_key, KVGATE_DATABASE_URL=database_url)
-    log = workdir / "kvgate.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "--config",
-        str(config),
-        "serve",
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url, proc, log)
-        keys = [asyncio.run(make_api_key(url, admin_key, name)) for name in ("bench", "solo")]
-        yield url, keys, proc.pid
-    finally:
-        stop(proc)
-
-
-async def make_api_key(url: str, admin_key: str, tenant_name: str) -> str:
-    headers = {"Authorization": f"Bearer {admin_key}"}
-    async with aiohttp.ClientSession(headers=headers) as s:
-        async with s.post(url + "/admin/tenants", json={"name": tenant_name}) as r:
-            tenant = await r.json()
-            assert r.status == 201, tenant
-        async with s.post(f"{url}/admin/tenants/{tenant['id']}/keys", json={}) as r:
-            key = await r.json()
-            assert r.status == 201, key
-    return key["key"]
+    with start_gateway(workdir, "kvgate", config) as gw:
+        yield gw.url, [tenant_key(gw.url, name) for name in ("bench", "solo")], gw.proc.pid
 
 
 @contextlib.contextmanager
@@ -258,7 +173,7 @@ def llama_cpp_server(workdir: Path, args: argparse.Namespace, model: str, interr
         wait_http(url, proc, log)
         yield url
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def thread_cpu_ms(pid: int) -> dict[int, float]:
@@ -317,7 +232,7 @@ def single_stream(args: argparse.Namespace, model: str, url: str, key: str, pid:
         async with aiohttp.ClientSession() as session:
             r = await stream_completion(session, url, SINGLE_PROMPT, args.single_tokens, key)
         assert not r.error, r.error
-        return r.latency, r.text
+        return r.latency, r.generated_text
 
     def through_kvgate() -> tuple[float, str]:
         before, client_before = thread_cpu_ms(pid), time.thread_time()

@@ -22,18 +22,9 @@ from pathlib import Path
 from bench.noisy import add_noisy_args, run_noisy, with_shapes
 from bench.options import DefaultsHelpFormatter
 from bench.tiny_model import build_tiny_llama, parameter_count
-from studies.scale_out_procs import admin, start_gateway, toml_backend
+from studies.harness import TINY_LLAMA, start_gateway, tenant_key, toml_backend
 
-TINY_SHAPE = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
 FAIRNESS = ("vtc", "fcfs")
-
-
-def tenant_key(url: str, name: str, weight: float) -> str:
-    """A key of a new tenant of fair-share `weight` whose quotas never bind."""
-    limits = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6, "weight": weight}
-    tenant = admin(url, "POST", "/admin/tenants", {"name": name, **limits})
-    key = admin(url, "POST", f"/admin/tenants/{tenant['id']}/keys", {})
-    return key["key"]
 
 
 def backend_config(backend: str, model: str, args: argparse.Namespace) -> str:
@@ -53,9 +44,9 @@ def run_backend(workdir: Path, backend: str, model: str, args: argparse.Namespac
             stack.enter_context(gw)
             target = argparse.Namespace(**vars(args))
             target.url, target.model = gw.url, "tiny" if backend == "gpu" else "gemma"
-            target.key_a = tenant_key(gw.url, "A", 1.0)
-            target.key_b = tenant_key(gw.url, "B", 1.0)
-            target.key_heavy = tenant_key(gw.url, "heavy", args.heavy_weight)
+            target.key_a = tenant_key(gw.url, "A", weight=1.0)
+            target.key_b = tenant_key(gw.url, "B", weight=1.0)
+            target.key_heavy = tenant_key(gw.url, "heavy", weight=args.heavy_weight)
             targets[fairness] = with_shapes(target)
         return asyncio.run(run_noisy(targets, lambda m: print(f"{backend} {m}", flush=True)))
 
@@ -126,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"machine": f"{os.cpu_count()} CPUs", "results": {}}
     with tempfile.TemporaryDirectory(prefix="kvgate-noisy-") as tmp:
         workdir = Path(tmp)
-        model = str(build_tiny_llama(workdir / "tiny-llama", **TINY_SHAPE))
+        model = str(build_tiny_llama(workdir / "tiny-llama", **TINY_LLAMA))
         report["tiny_model"] = f"random Llama, {parameter_count(model) / 1e6:.1f}M params"
         for backend in args.backends.split(","):
             runs = run_backend(workdir, backend, model, args)

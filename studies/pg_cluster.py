@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studies.gateway_overhead import free_port
+from studies.harness import free_port
 
 
 def _bin_dir() -> Path | None:

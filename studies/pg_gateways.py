@@ -33,16 +33,9 @@ import asyncpg
 
 from bench.datasets import random_requests
 from bench.options import DefaultsHelpFormatter
+from studies.harness import Process, start_gateway, tenant_key
 from studies.pg_cluster import PgCluster
-from studies.scale_out_procs import (
-    Process,
-    Run,
-    admin,
-    cpu_seconds,
-    measure,
-    start_gateway,
-    tenant_key,
-)
+from studies.scale_out_procs import Run, cpu_seconds, measure
 
 PACED = '[[backends]]\nname = "fake"\ntype = "fake"\noptions = { ttft_ms = 50, tokens_per_second = 50 }\n'
 UNPACED = '[[backends]]\nname = "fake"\ntype = "fake"\n'
@@ -154,8 +147,7 @@ async def _burst(urls: list[str], key: str, n: int) -> dict[int, int]:
 
 
 def exactness(gateways: list[Process], rpm: int, n: int) -> dict:
-    tenant = admin(gateways[0].url, "POST", "/admin/tenants", {"name": "exact", "rpm": rpm})
-    key = admin(gateways[0].url, "POST", f"/admin/tenants/{tenant['id']}/keys", {})["key"]
+    key = tenant_key(gateways[0].url, "exact", rpm=rpm)
     left = 60 - time.time() % 60
     if left < 15:  # one UTC minute for the whole burst
         time.sleep(left + 0.5)
@@ -187,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         sqlite = start(workdir, "sqlite", PACED, f"sqlite+aiosqlite:///{workdir}/kvgate.db")
         pg = start(workdir, "postgres", PACED, cluster.url)
         procs += [sqlite, pg]
-        keys = {g.name: [tenant_key(g, f"t{i}") for i in range(4)] for g in (sqlite, pg)}
+        keys = {g.name: [tenant_key(g.url, f"t{i}") for i in range(4)] for g in (sqlite, pg)}
         levels, tops = [], {}
         for r in range(args.rounds):
             order = [(sqlite, None), (pg, cluster)]
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             p.stop()
         one = start(workdir, "pg1", UNPACED, cluster.url)
         procs.append(one)
-        keys1 = [tenant_key(one, f"u{i}") for i in range(4)]
+        keys1 = [tenant_key(one.url, f"u{i}") for i in range(4)]
         alone = concurrent_loads([one], keys1, 400, 32)
         two = start(workdir, "pg2", UNPACED, cluster.url)
         procs.append(two)

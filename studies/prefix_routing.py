@@ -26,77 +26,42 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from tqdm import tqdm
 
 from bench.options import DefaultsHelpFormatter
 from bench.tiny_model import build_tiny_llama, parameter_count
-from studies.gateway_overhead import free_port
+from studies.harness import (
+    TINY_LLAMA,
+    backend_rows,
+    kv_block_bytes,
+    start_gateway,
+    tenant_key,
+    toml_backend,
+)
 
-ADMIN_KEY = "kvg-bench-admin-" + "p" * 32
 BLOCK_SIZE = 16
-MODEL_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4)
-MODEL_SHAPE |= dict(vocab_size=32000, max_position_embeddings=4096)
-
-
-def http(method: str, url: str, body: dict | None = None) -> object:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, method=method)
-    req.add_header("Authorization", f"Bearer {ADMIN_KEY}")
-    req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+MODEL_SHAPE = TINY_LLAMA | {"vocab_size": 32000, "max_position_embeddings": 4096}
 
 
 class Gateway:
-    """A `kvgate serve` process with its own database, config and tenants."""
+    """A `kvgate serve` process (studies.harness) with its own config and database: a
+    SQLite file, or a schema of its own in `database_url`'s PostgreSQL, dropped at stop."""
 
     def __init__(self, workdir: Path, name: str, config: str, database_url: str, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config_path = workdir / f"{name}.toml"
-        config_path.write_text(config)
-        env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN_KEY)
-        if database_url.startswith("postgresql"):  # a schema of its own, dropped at the end
+        self.database_url, self.schema, env = database_url, None, {}
+        if database_url.startswith("postgresql"):
             self.schema = f"kvgate_bench_{name.replace('-', '_')}_{os.getpid()}"
-            env |= {"KVGATE_DATABASE_URL": database_url, "KVGATE_DATABASE_SCHEMA": self.schema}
-        else:
-            self.schema = None
-            env["KVGATE_DATABASE_URL"] = f"sqlite+aiosqlite:///{workdir / name}.db"
-        self.database_url = database_url
-        self.log = workdir / f"{name}.log"
-        cli = [sys.executable, "-m", "gateway.cli", "--config", str(config_path)]
-        cmd = [*cli, "serve", "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT
-        )
-        for _ in range(600):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited:\n{self.log.read_text()}")
-            if "listening on" in self.log.read_text():
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} did not start:\n{self.log.read_text()}")
+            env = {"KVGATE_DATABASE_URL": database_url, "KVGATE_DATABASE_SCHEMA": self.schema}
+        self.process = start_gateway(workdir, name, config, *flags, env=env)
+        self.url = self.process.url
 
     def tenant_keys(self, n: int) -> list[str]:
-        keys = []
-        unlimited = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
-        for i in range(n):
-            tenant = http("POST", self.url + "/admin/tenants", {"name": f"tenant-{i}"} | unlimited)
-            key = http("POST", f"{self.url}/admin/tenants/{tenant['id']}/keys", {})
-            keys.append(key["key"])
-        return keys
-
-    def backends(self) -> list[dict]:
-        out = http("GET", self.url + "/admin/backends")
-        return out["data"] if isinstance(out, dict) else out
+        return [tenant_key(self.url, f"tenant-{i}") for i in range(n)]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+        self.process.stop()
         if self.schema:
             asyncio.run(drop_schema(self.database_url, self.schema))
 
@@ -109,14 +74,6 @@ async def drop_schema(database_url: str, schema: str) -> None:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()
-
-
-def backend_toml(name: str, model: str, served: str, **options: object) -> str:
-    lines = ["[[backends]]", f'name = "{name}"', 'type = "gpu"', f'model = "{model}"']
-    lines.append(f'served_model_name = "{served}"')
-    for key, value in options.items():
-        lines.append(f"{key} = {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
 
 
 def bench_serve(
@@ -167,8 +124,8 @@ def summary(results: list[dict]) -> dict:
 
 def run_caching(args, model: str, workdir: Path, bar: tqdm) -> dict:
     pool = {"kv_cache_memory_bytes": args.block_bytes * 2048}
-    config = backend_toml("cache", model, "tiny-cache", **pool) + backend_toml(
-        "nocache", model, "tiny-nocache", enable_prefix_caching=False, **pool
+    config = toml_backend("cache", "gpu", "tiny-cache", model, **pool) + toml_backend(
+        "nocache", "gpu", "tiny-nocache", model, enable_prefix_caching=False, **pool
     )
     gw = Gateway(workdir, "caching", config, args.database_url)
     try:
@@ -187,7 +144,7 @@ def run_caching(args, model: str, workdir: Path, bar: tqdm) -> dict:
 
 def run_routing(args, model: str, workdir: Path, bar: tqdm) -> dict:
     engine = {"replicas": 2, "kv_cache_memory_bytes": args.block_bytes * args.pool_blocks}
-    config = backend_toml("tiny", model, "tiny", **engine)
+    config = toml_backend("tiny", "gpu", "tiny", model, **engine)
     gateways = {}
     for policy in ("prefix", "round_robin"):
         flags = ("--router-policy", policy)
@@ -210,7 +167,8 @@ def run_routing(args, model: str, workdir: Path, bar: tqdm) -> dict:
         report = {policy: summary(rs) for policy, rs in results.items()}
         for policy, gw in gateways.items():
             report[policy]["replicas"] = [
-                {k: b[k] for k in ("name", "prefix_queries", "prefix_hits")} for b in gw.backends()
+                {k: b[k] for k in ("name", "prefix_queries", "prefix_hits")}
+                for b in backend_rows(gw.url)
             ]
     finally:
         for gw in gateways.values():
@@ -246,10 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default="docs/perf/prefix_routing.json")
     args = p.parse_args(argv)
-    # one block: K and V, every layer, BLOCK_SIZE tokens of every KV head, float32
-    head_dim = MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_heads"]
-    args.block_bytes = 2 * MODEL_SHAPE["num_layers"] * BLOCK_SIZE * MODEL_SHAPE["num_kv_heads"]
-    args.block_bytes *= head_dim * 4
+    args.block_bytes = kv_block_bytes(MODEL_SHAPE, BLOCK_SIZE)
     prompt_tokens = 1 + args.prefix_len + args.question_len + args.output_len  # 1: a BOS
     args.pool_blocks = int(args.pool_prompts * -(-prompt_tokens // BLOCK_SIZE))
     with tempfile.TemporaryDirectory(prefix="kvgate-prefix-bench-") as tmp:

@@ -36,18 +36,18 @@ from pathlib import Path
 
 from bench.datasets import random_requests, shared_prefix_requests
 from bench.options import DefaultsHelpFormatter
-from studies.scale_out_approx import run_approx
-from studies.scale_out_procs import (
+from studies.harness import (
+    TINY_LLAMA,
     Process,
     backend_rows,
-    measure,
+    kv_block_bytes,
     start_gateway,
     start_worker,
     tenant_key,
     toml_backend,
-    watched,
-    worker_commands,
 )
+from studies.scale_out_approx import run_approx
+from studies.scale_out_procs import measure, watched, worker_commands
 from studies.scale_out_report import overhead_summary, plot, pooled, print_table, ratios
 
 GEMMA = "gemma-3-270m"
@@ -83,7 +83,7 @@ def prompt_tokens_by_replica(gw: Process, before: dict | None = None) -> dict[st
     """Prompt tokens each replica admitted (its `prefix_queries`), since `before`: how a
     load was split. A worker's count reaches the gateway with its stats, every 2 s."""
     time.sleep(2.5)
-    rows = backend_rows(gw)
+    rows = backend_rows(gw.url)
     return {b["name"]: b["prefix_queries"] - (before or {}).get(b["name"], 0) for b in rows}
 
 
@@ -93,7 +93,7 @@ def run_scaling(args: argparse.Namespace, workdir: Path) -> dict:
         say(f"scaling {ident}: {label}: starting")
         config = toml_backend("local", "local", GEMMA, **options)
         with start_gateway(workdir, f"scaling-{i}", config, *flags) as gw:
-            key = [tenant_key(gw)]
+            key = [tenant_key(gw.url)]
             warm = random_requests(4, args.input_len, 8, seed=1000 + i)
             measure(gw.url, key, GEMMA, warm, 4, "warm-up")
             runs, watch, splits = [], watched(gw), []
@@ -173,7 +173,7 @@ def run_overhead(plan: OverheadPlan, workdir: Path) -> dict:
             "worker", "remote", plan.model_id, url=worker.url + "/v1", api_key=token
         )
         with start_gateway(workdir, f"overhead-{plan.backend}-gateway", remote) as gw:
-            arms = {"direct": (worker.url, [token]), "gateway": (gw.url, [tenant_key(gw)])}
+            arms = {"direct": (worker.url, [token]), "gateway": (gw.url, [tenant_key(gw.url)])}
             for j, (url, key) in enumerate(arms.values()):
                 warm = random_requests(2, plan.input_len, 8, seed=1000 + j)
                 measure(url, key, plan.model_id, warm, 2, "warm-up")
@@ -209,14 +209,7 @@ def _overhead_load(plan: OverheadPlan, arms: dict, load: OverheadLoad, watch: di
 
 
 # issue 7's routing workload (studies/prefix_routing.py), shrunk to fit the run's budget
-TINY_SHAPE = dict(
-    hidden_size=512,
-    num_layers=8,
-    num_heads=8,
-    num_kv_heads=4,
-    vocab_size=32000,
-    max_position_embeddings=4096,
-)
+TINY_SHAPE = TINY_LLAMA | {"vocab_size": 32000, "max_position_embeddings": 4096}
 BLOCK_SIZE = 16
 
 
@@ -225,9 +218,7 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> dict:
 
     say("prefix routing: building the tiny model")
     model = str(build_tiny_llama(workdir / "tiny-llama", **TINY_SHAPE))
-    head_dim = TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_heads"]
-    block_bytes = 2 * TINY_SHAPE["num_layers"] * BLOCK_SIZE * TINY_SHAPE["num_kv_heads"]
-    block_bytes *= head_dim * 4  # K and V, every layer, float32
+    block_bytes = kv_block_bytes(TINY_SHAPE, BLOCK_SIZE)
     prompt_tokens = 1 + args.prefix_len + args.question_len + args.prefix_output_len
     pool_blocks = int(args.pool_prompts * -(-prompt_tokens // BLOCK_SIZE))
     config = toml_backend(
@@ -245,7 +236,7 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> dict:
             report["policies"][policy] = _routing_rounds(args, gw, policy)
             report["policies"][policy]["replicas"] = [
                 {k: b.get(k) for k in ("name", "prefix_queries", "prefix_hits")}
-                for b in backend_rows(gw)
+                for b in backend_rows(gw.url)
             ]
     p, rr = report["policies"]["prefix"], report["policies"]["round_robin"]
     report["ttft_p50_ratio"] = rr["ttft_p50_ms"] / p["ttft_p50_ms"]  # goal >= 2
@@ -253,7 +244,7 @@ def run_prefix(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def _routing_rounds(args: argparse.Namespace, gw: Process, policy: str) -> dict:
-    keys = [tenant_key(gw, f"tenant-{i}") for i in range(args.tenants)]
+    keys = [tenant_key(gw.url, f"tenant-{i}") for i in range(args.tenants)]
     runs = []
     for r in range(args.prefix_rounds):
         seed = 100 + r  # new system prompts each round, the same for both policies

@@ -29,8 +29,9 @@ from pathlib import Path
 from bench.datasets import shared_prefix_requests
 from bench.metrics import percentile
 from gateway.backends.default_model import default_model_path
+from studies.harness import start_gateway, tenant_key, toml_backend
 from studies.local_vs_llama_server import MODEL_ID, llama_cpp_server
-from studies.scale_out_procs import measure, start_gateway, tenant_key, toml_backend
+from studies.scale_out_procs import measure
 from studies.scale_out_report import pooled
 
 SERVER_CTX = 2048  # tokens: a ~400-token prompt, its question and output, with room
@@ -74,7 +75,7 @@ def run_approx(args: argparse.Namespace, workdir: Path, say: Callable[[str], Non
             say(f"approximate routing: --router-policy {policy}: starting the gateway")
             flags = ["--router-policy", policy]
             with start_gateway(workdir, f"approx-{policy}", config, *flags) as gw:
-                keys = [tenant_key(gw, f"tenant-{i}") for i in range(max(args.approx_tenants))]
+                keys = [tenant_key(gw.url, f"tenant-{i}") for i in range(max(args.approx_tenants))]
                 report["policies"][policy] = {
                     n: _rounds(args, gw.url, keys[:n], policy, bound, say)
                     for n in args.approx_tenants

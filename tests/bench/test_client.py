@@ -82,6 +82,7 @@ async def test_chat_stream(pieces):
         await server.close()
     assert out.success, out.error
     assert out.generated_text == "Hello!"
+    assert out.finish_reason == "length"  # the usage chunk after it has no choice
     assert len(out.itl) == 2  # three text chunks
     assert out.latency == pytest.approx(out.ttft + sum(out.itl))
     assert (out.prompt_tokens, out.output_tokens, out.cached_tokens) == (11, 3, 8)
@@ -100,7 +101,7 @@ async def test_completions_stream_without_usage():
         out = await run(server, endpoint="completions", api_key=None)
     finally:
         await server.close()
-    assert out.success and out.generated_text == "abcd"
+    assert out.success and out.generated_text == "abcd" and out.finish_reason is None
     assert out.output_tokens is None and out.prompt_tokens is None  # never guessed
     assert seen["auth"] is None
     assert seen["payload"]["prompt"] == "hello"
