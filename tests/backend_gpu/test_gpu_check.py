@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check
+from studies import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 

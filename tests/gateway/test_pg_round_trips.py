@@ -14,13 +14,13 @@ import asyncpg
 import pytest
 from sqlalchemy import event
 
-from bench import pg_cluster
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.http.server import GatewayTestServer
 from gateway.tenancy.quota import QuotaExceeded, QuotaLimits
 from gateway.tenancy.quota.postgres import PostgresQuotaStore
+from studies import pg_cluster
 from tests.conftest import ADMIN_KEY, PG_URL
 from tests.gateway.conftest import fake_backends
 
