@@ -165,14 +165,20 @@ def admin(url: str, method: str, path: str, body: dict | None = None) -> object:
         return json.loads(r.read())
 
 
-def tenant_key(url: str, name: str = "bench", **limits: float) -> str:
-    """An API key of a new tenant whose quotas never bind, unless `limits` set some (a
-    fair-share `weight`, an `rpm`, ...)."""
-    tenant = admin(url, "POST", "/admin/tenants", {"name": name, **UNLIMITED, **limits})
+def make_tenant(url: str, name: str, **limits: float) -> tuple[str, str]:
+    """A new tenant with `limits` (the gateway's defaults for the rest): its id and an API
+    key for it."""
+    tenant = admin(url, "POST", "/admin/tenants", {"name": name, **limits})
     assert isinstance(tenant, dict)
     key = admin(url, "POST", f"/admin/tenants/{tenant['id']}/keys", {})
     assert isinstance(key, dict)
-    return key["key"]
+    return tenant["id"], key["key"]
+
+
+def tenant_key(url: str, name: str = "bench", **limits: float) -> str:
+    """An API key of a new tenant whose quotas never bind, unless `limits` set some (a
+    fair-share `weight`, an `rpm`, ...)."""
+    return make_tenant(url, name, **UNLIMITED, **limits)[1]
 
 
 def backend_rows(url: str) -> list[dict]:

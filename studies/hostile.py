@@ -43,7 +43,7 @@ import aiohttp
 import httpx
 
 from bench.options import DefaultsHelpFormatter
-from studies.harness import free_port
+from studies.harness import ADMIN_KEY, free_port, make_tenant, stop_process
 from studies.hostile_cases import catalogue
 from studies.hostile_http import Case, Ctx, classify, gzip_zeros, judge, summarize
 from studies.hostile_load import (
@@ -57,7 +57,6 @@ from studies.hostile_load import (
 )
 from studies.hostile_report import plot, print_table
 
-ADMIN_KEY = "kvg-hostile-admin-" + "h" * 32
 PG_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 TENANTS = {
     "main": {},
@@ -162,13 +161,8 @@ class Gateway:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -181,13 +175,7 @@ class Gateway:
 
     def tenant(self, name: str, **quota: int) -> tuple[str, str]:
         """A tenant made through the admin API, and a key for it."""
-        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-        with httpx.Client(base_url=self.url, headers=admin, timeout=30) as http:
-            made = http.post("/admin/tenants", json={"name": name, **quota})
-            made.raise_for_status()
-            key = http.post(f"/admin/tenants/{made.json()['id']}/keys", json={})
-            key.raise_for_status()
-        return made.json()["id"], key.json()["key"]
+        return make_tenant(self.url, name, **quota)
 
 
 @contextmanager

@@ -31,11 +31,10 @@ from typing import Any
 import httpx
 
 from bench.options import DefaultsHelpFormatter
-from studies.harness import free_port
+from studies.harness import ADMIN_KEY, free_port, make_tenant, stop_process
 from studies.hostile_load import Prober, window_stats
 from studies.hostile_upstream_server import SECRET, HostileUpstream
 
-ADMIN_KEY = "kvg-hostile-upstream-" + "u" * 32
 MODEL = "remote-model"
 CLIENT_TIMEOUT_S = 20.0  # a case the gateway does not end is given up after this
 ENDLESS_CAP = 20_000  # chunks the client reads of an endless stream before it leaves
@@ -121,19 +120,10 @@ class Gateway:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
     def tenant(self) -> tuple[str, str]:
-        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-        with httpx.Client(base_url=self.url, headers=admin, timeout=30) as http:
-            name = f"t-{uuid.uuid4().hex[:8]}"
-            made = http.post("/admin/tenants", json={"name": name, "max_concurrent": 1}).json()
-            key = http.post(f"/admin/tenants/{made['id']}/keys", json={}).json()["key"]
-        return made["id"], key
+        return make_tenant(self.url, f"t-{uuid.uuid4().hex[:8]}", max_concurrent=1)
 
     def rss_mb(self) -> tuple[float, float]:
         """(resident now, peak since the last reset) in MB."""
