@@ -22,7 +22,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.engine import LLMEngine
 from backend_gpu.outputs import EngineStats, RequestOutput
 from engine_api.errors import EngineDeadError
-from engine_api.sampling import SamplingParams
+from engine_api.records import GenRequest
 from engine_api.structured import StructuredOutput
 
 
@@ -42,33 +42,15 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         self._thread.start()
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int] | str,
-        sampling_params: SamplingParams,
-        request_id: str,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        shared_prefix_len: int = 0,
-        tenant_id: str = "",
-        weight: float = 1.0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs; leaving early aborts it. Bad input
         raises BadRequestError (a ValueError) here, before anything is yielded."""
         outputs: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        request_id = req.request_id
 
         def add() -> None:
-            self.engine.add_request(
-                request_id,
-                prompt_token_ids,
-                sampling_params,
-                cache_salt,
-                priority,
-                shared_prefix_len,
-                tenant_id,
-                weight,
-            )
+            self.engine.add_request(req)
             self._outputs[request_id] = (loop, outputs)
 
         await self._call(add)

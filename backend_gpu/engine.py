@@ -21,6 +21,7 @@ from backend_gpu.sequence import Logprob, Sequence
 from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
 from engine_api.errors import BadRequestError, PromptTooLongError
+from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
 
@@ -78,27 +79,18 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        shared_prefix_len: int = 0,
-        tenant_id: str = "",
-        weight: float = 1.0,
-    ) -> None:
+    def add_request(self, req: GenRequest) -> None:
         """Admit a request, or raise BadRequestError (a ValueError; PromptTooLongError for
-        size) and change nothing. The first `shared_prefix_len` prompt tokens are a
-        published prefix: their blocks are cached without `cache_salt`, shared with every
-        other salt. `tenant_id` and its `weight` decide its fair share (config.fairness)."""
+        size) and change nothing. The first `req.shared_prefix_len` prompt tokens are a
+        published prefix: their blocks are cached without `req.cache_salt`, shared with
+        every other salt. `req.tenant_id` and its `weight` decide its fair share
+        (config.fairness)."""
+        request_id, params, prompt_ids = req.request_id, req.sampling, req.prompt_token_ids
         if request_id in self.seqs:
             raise BadRequestError(f"request id {request_id!r} is already in use")
         params.validate()
-        if not _is_weight(weight):
-            raise BadRequestError(f"weight must be a finite number > 0, got {weight!r}")
-        prompt_ids = self.tokenize(prompt)
+        if not _is_weight(req.weight):
+            raise BadRequestError(f"weight must be a finite number > 0, got {req.weight!r}")
         if not prompt_ids:
             raise BadRequestError("prompt is empty")
         params.check_vocab(self.vocab_size)
@@ -106,9 +98,9 @@ class LLMEngine:
             raise BadRequestError(
                 f"prompt has token ids outside the vocabulary [0, {self.vocab_size})"
             )
-        if not 0 <= shared_prefix_len <= len(prompt_ids):
+        if not 0 <= req.shared_prefix_len <= len(prompt_ids):
             raise BadRequestError(
-                f"shared_prefix_len must be in [0, {len(prompt_ids)}], got {shared_prefix_len}"
+                f"shared_prefix_len must be in [0, {len(prompt_ids)}], got {req.shared_prefix_len}"
             )
         # the pool holds one max_model_len sequence (ModelRunner checks), so any request
         # within max_model_len fits it alone
@@ -116,16 +108,7 @@ class LLMEngine:
             raise PromptTooLongError(len(prompt_ids), params.max_tokens, self.max_model_len)
         # compiled (or found compiled) before the request takes anything
         grammar = self.grammars.matcher(params.structured) if params.structured else None
-        seq = Sequence(
-            request_id,
-            prompt_ids,
-            params,
-            cache_salt,
-            priority,
-            shared_prefix_len,
-            tenant_id,
-            float(weight),
-        )
+        seq = Sequence(req)
         seq.grammar = grammar
         self.seqs[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(
@@ -317,7 +300,8 @@ class LLM:
             for prompt, params in zip(prompts, sampling_params, strict=True):
                 ids.append(str(self._next_id))
                 self._next_id += 1
-                self.engine.add_request(ids[-1], prompt, params)
+                prompt_ids = self.engine.tokenize(prompt)
+                self.engine.add_request(GenRequest(ids[-1], "", prompt_ids, params))
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

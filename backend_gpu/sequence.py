@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from engine_api.sampling import SamplingParams
+from engine_api.records import GenRequest
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -29,30 +29,22 @@ class Logprob:
 class Sequence:
     _arrival = itertools.count()
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        shared_prefix_len: int = 0,
-        tenant_id: str = "",
-        weight: float = 1.0,
-    ) -> None:
-        assert 0 <= shared_prefix_len <= len(prompt_token_ids)
-        self.request_id = request_id
+    def __init__(self, req: GenRequest) -> None:
+        """A sequence for `req` (its prompt must be token ids: the engine tokenizes text
+        before it builds the request)."""
+        assert 0 <= req.shared_prefix_len <= len(req.prompt_token_ids)
+        self.request_id = req.request_id
         self.arrival = next(Sequence._arrival)
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.params = params
-        self.cache_salt = cache_salt
+        self.token_ids = list(req.prompt_token_ids)
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.params = req.sampling
+        self.cache_salt = req.cache_salt
         # leading prompt tokens that are a published prefix: hashed without the salt
-        self.shared_prefix_len = shared_prefix_len
-        self.priority = priority
+        self.shared_prefix_len = req.shared_prefix_len
+        self.priority = req.priority
         # fair share (backend_gpu.fairness): whose service this is, and its weight
-        self.tenant_id = tenant_id
-        self.weight = weight
+        self.tenant_id = req.tenant_id
+        self.weight = float(req.weight)
         self.prompt_charged = False
         self.num_outputs_charged = 0
         self.status = SequenceStatus.WAITING

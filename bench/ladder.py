@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from bench.datasets import random_words
 from bench.ladder_report import markdown_table, plot_ladder
+from engine_api.records import GenRequest
 
 DEFAULT_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 
@@ -127,7 +128,7 @@ def run_workload(llm, workload: Workload, show_progress: bool) -> dict:
         zip(workload.prompts, workload.max_tokens, strict=True)
     ):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine.add_request(f"ladder-{i}", prompt, params)
+        engine.add_request(GenRequest(f"ladder-{i}", "", prompt, params))
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     tokens: dict[str, int] = {}

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.options import DefaultsHelpFormatter
+from engine_api.records import GenRequest
 
 # Llama 3 8B's shape; "tiny" runs the whole check on a CPU in seconds (a smoke test)
 SHAPES = {
@@ -127,7 +128,9 @@ def run_engine(engine, requests, deadline: float) -> Throughput:
 
     for i, (prompt, n) in enumerate(requests):
         engine.add_request(
-            str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            GenRequest(
+                str(i), "", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            )
         )
     start = time.perf_counter()
     generated = finished = 0
@@ -147,7 +150,12 @@ def batch1_decode(engine, prompt_len: int, tokens: int, deadline: float) -> dict
     from backend_gpu import SamplingParams
 
     engine.add_request(
-        "b1", [5] * prompt_len, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        GenRequest(
+            "b1",
+            "",
+            [5] * prompt_len,
+            SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+        )
     )
     stamps: list[tuple[float, int]] = []
     while engine.has_unfinished_requests() and time.perf_counter() < deadline:

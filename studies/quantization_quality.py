@@ -45,6 +45,7 @@ from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
 from bench.options import DefaultsHelpFormatter
+from engine_api.records import GenRequest
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "kvgate_sharegpt.json")
 CONFIGS = {
@@ -80,7 +81,7 @@ def next_token_logits(llm: LLM, token_ids: list[int], first_chunk: int = PPL_CHU
     keys and values; a later one writes its own to the cache and reads every key and
     value back from there, as decoding does."""
     runner = llm.engine.runner
-    seq = Sequence("forced", token_ids, SamplingParams(max_tokens=1))
+    seq = Sequence(GenRequest("forced", "", token_ids, SamplingParams(max_tokens=1)))
     seq.block_table = list(range(-(-len(token_ids) // runner.block_size)))
     assert len(seq.block_table) <= runner.num_blocks, "the KV cache is too small for the text"
     chunks = []

@@ -17,6 +17,7 @@ import torch
 
 from backend_gpu.sampler import Sampler
 from backend_gpu.sequence import Sequence
+from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
 
 
@@ -31,7 +32,9 @@ def batch(rows: int, vocab: int) -> tuple[torch.Tensor, list[Sequence]]:
             repetition_penalty=1.1,
             logit_bias={5: 2.0, 9: -1.0},
         )
-        seq = Sequence(f"r{i}", torch.randint(0, vocab, (300,), generator=gen).tolist(), params)
+        seq = Sequence(
+            GenRequest(f"r{i}", "", torch.randint(0, vocab, (300,), generator=gen).tolist(), params)
+        )
         seq.token_ids.extend(torch.randint(0, vocab, (200,), generator=gen).tolist())  # outputs
         seqs.append(seq)
     return torch.randn(rows, vocab, generator=gen), seqs

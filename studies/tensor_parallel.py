@@ -26,6 +26,7 @@ import torch
 
 from bench.options import DefaultsHelpFormatter
 from bench.tiny_model import build_tiny_llama
+from engine_api.records import GenRequest
 
 BATCH = 16
 PROMPT_TOKENS = 16
@@ -67,7 +68,9 @@ def decode_tokens_per_s(model: str, tp: int, threads: int, steps: int) -> float:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=1 + WARMUP_STEPS + steps, ignore_eos=True)
     for i in range(BATCH):
-        engine.add_request(str(i), [1 + (i * 7 + j) % 30000 for j in range(PROMPT_TOKENS)], params)
+        engine.add_request(
+            GenRequest(str(i), "", [1 + (i * 7 + j) % 30000 for j in range(PROMPT_TOKENS)], params)
+        )
     for _ in range(1 + WARMUP_STEPS):  # the prefill of all 16, then warm-up decodes
         engine.step()
     start = time.perf_counter()

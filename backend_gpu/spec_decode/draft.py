@@ -20,6 +20,7 @@ from backend_gpu.model_runner import ModelRunner
 from backend_gpu.sampler import Sampler
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
+from engine_api.records import GenRequest
 
 # on CUDA the draft is built first and sizes its KV cache from this share of the
 # engine's gpu_memory_utilization; the target takes the rest. The draft is small: under
@@ -63,7 +64,7 @@ class DraftProposer:
         shadow = self.shadows.get(seq.request_id)
         if shadow is None:
             shadow = self.shadows[seq.request_id] = Sequence(
-                seq.request_id, seq.token_ids, seq.params
+                GenRequest(seq.request_id, "", seq.token_ids, seq.params)
             )
             self.synced[seq.request_id] = len(seq)
             return shadow

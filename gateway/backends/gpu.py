@@ -88,16 +88,7 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
         return lambda token: tokenizer.decode([token])
 
     def _stream(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(
-            req.prompt_token_ids,
-            req.sampling,
-            req.request_id,
-            req.cache_salt,
-            req.priority,
-            req.shared_prefix_len,
-            req.tenant_id,
-            req.weight,
-        )
+        return self.engine.generate(req)
 
     def _output(self, out: RequestOutput, req: GenRequest) -> Output:
         usage = None

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from backend_gpu import LLM, AsyncLLM, EngineDeadError, PromptTooLongError, SamplingParams
+from tests.backend_gpu.requests import req
 
 
 @pytest.fixture
@@ -17,7 +18,7 @@ async def engine(tiny_model_dir):
 
 
 async def collect(engine, prompt, params, request_id, **kwargs):
-    return [out async for out in engine.generate(prompt, params, request_id, **kwargs)]
+    return [out async for out in engine.generate(req(request_id, prompt, params, **kwargs))]
 
 
 async def test_concurrent_streams_match_offline_greedy(engine, tiny_model_dir):
@@ -38,7 +39,7 @@ async def test_concurrent_streams_match_offline_greedy(engine, tiny_model_dir):
 
 async def test_leaving_the_stream_early_aborts_and_frees_blocks(engine):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    stream = engine.generate([5] * 30, params, "long")
+    stream = engine.generate(req("long", [5] * 30, params))
     async for out in stream:
         if len(out.token_ids) >= 3:
             break
@@ -55,7 +56,7 @@ async def test_abort_ends_the_stream_and_unknown_abort_is_noop(engine):
     await engine.abort("never-seen")
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     outs = []
-    async for out in engine.generate([6] * 10, params, "victim"):
+    async for out in engine.generate(req("victim", [6] * 10, params)):
         outs.append(out)
         if len(outs) == 2:
             await engine.abort("victim")

@@ -13,6 +13,7 @@ from backend_gpu.sequence import Sequence
 from engine_api.block_hash import hash_blocks
 from engine_api.sampling import SamplingParams
 from tests.backend_gpu.model_free_steps import advance
+from tests.backend_gpu.requests import req
 
 BS = 4
 
@@ -63,7 +64,7 @@ def test_random_traffic_leaks_no_block_and_shares_only_within_a_salt(
             max_tokens = 1 + length % 5
             if bm.blocks_needed(length + max_tokens) > num_blocks:
                 continue  # the engine refuses these at admission
-            seq = Sequence(str(next_id), prompt, SamplingParams(max_tokens=max_tokens), salt)
+            seq = Sequence(req(str(next_id), prompt, SamplingParams(max_tokens=max_tokens), salt))
             next_id += 1
             sched.add(seq)
             live.append(seq)
@@ -90,14 +91,14 @@ def test_random_traffic_leaks_no_block_and_shares_only_within_a_salt(
 
 def test_prefix_hits_need_same_salt_and_leave_a_token_to_compute():
     bm = BlockManager(16, BS, enable_prefix_caching=True)
-    first = Sequence("1", list(range(12)), SamplingParams(), cache_salt="t1")
+    first = Sequence(req("1", list(range(12)), SamplingParams(), cache_salt="t1"))
     bm.allocate(first, [])
     bm.append_slots(first, 12)
     first.num_computed_tokens = 12
     bm.cache_full_blocks(first)
-    same = Sequence("2", list(range(12)), SamplingParams(), cache_salt="t1")
-    other = Sequence("3", list(range(12)), SamplingParams(), cache_salt="t2")
-    longer = Sequence("4", list(range(13)), SamplingParams(), cache_salt="t1")
+    same = Sequence(req("2", list(range(12)), SamplingParams(), cache_salt="t1"))
+    other = Sequence(req("3", list(range(12)), SamplingParams(), cache_salt="t2"))
+    longer = Sequence(req("4", list(range(13)), SamplingParams(), cache_salt="t1"))
     assert len(bm.find_cached_blocks(same)) == 2  # 12 tokens: the last block is recomputed
     assert bm.find_cached_blocks(other) == []
     assert len(bm.find_cached_blocks(longer)) == 3
@@ -106,18 +107,18 @@ def test_prefix_hits_need_same_salt_and_leave_a_token_to_compute():
 
 def test_freed_blocks_stay_cached_until_evicted_least_recent_first():
     bm = BlockManager(4, BS, enable_prefix_caching=True)
-    seq = Sequence("1", list(range(8)) + [99], SamplingParams())
+    seq = Sequence(req("1", list(range(8)) + [99], SamplingParams()))
     bm.allocate(seq, [])
     bm.append_slots(seq, 9)
     seq.num_computed_tokens = 9
     bm.cache_full_blocks(seq)
     bm.free(seq)
     assert bm.num_free_blocks == 4
-    again = Sequence("2", list(range(8)) + [98], SamplingParams())
+    again = Sequence(req("2", list(range(8)) + [98], SamplingParams()))
     assert len(bm.find_cached_blocks(again)) == 2
     # three new blocks: the never-used block goes first, then the freed tail
     # (block 2, 1) before the prefix head (block 0)
-    taker = Sequence("3", [50] * 12, SamplingParams())
+    taker = Sequence(req("3", [50] * 12, SamplingParams()))
     bm.allocate(taker, [])
     bm.append_slots(taker, 12)
     assert [bm.blocks[b].hash for b in taker.block_table].count(None) == 3

@@ -7,6 +7,7 @@ import torch
 
 from backend_gpu import LLM, PromptTooLongError, SamplingParams
 from backend_gpu.detokenizer import IncrementalDetokenizer
+from tests.backend_gpu.requests import req
 from tests.backend_gpu.tiny_models import SENTENCES, build_tokenizer
 
 
@@ -64,9 +65,9 @@ def test_a_pool_smaller_than_one_sequence_is_refused_at_start(tiny_model_dir):
 def test_abort_unknown_is_noop_and_abort_frees_blocks(llm):
     engine = llm.engine
     assert engine.abort_request("nope") is None
-    engine.add_request("a", [5] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.add_request("b", [6] * 20, SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.add_request("c", [7] * 60, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request(req("a", [5] * 40, SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.add_request(req("b", [6] * 20, SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.add_request(req("c", [7] * 60, SamplingParams(max_tokens=50, ignore_eos=True)))
     for _ in range(4):
         engine.step()
     assert llm.stats().num_free_blocks < llm.stats().num_blocks
@@ -188,7 +189,7 @@ def test_static_policy_gives_the_same_greedy_outputs(tiny_model_dir):
     # a static batch runs to its end before the next one starts
     engine = static_llm.engine
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"s{i}", prompt, params)
+        engine.add_request(req(f"s{i}", prompt, params))
     seen = []
     while engine.has_unfinished_requests():
         engine.step()

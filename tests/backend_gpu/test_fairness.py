@@ -22,6 +22,7 @@ from engine_api.errors import BadRequestError
 from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
 from tests.backend_gpu.model_free_steps import advance
+from tests.backend_gpu.requests import req
 
 BS = 4
 _tokens = itertools.count(1000)  # prompts that share no block unless a test says so
@@ -64,7 +65,14 @@ class Sim:
             tokens = prompt if prompt is not None else [next(_tokens) for _ in range(prompt_len)]
             params = SamplingParams(max_tokens=max_tokens)
             seq = Sequence(
-                f"{tenant}{next(self.ids)}", tokens, params, tenant, tenant_id=tenant, weight=weight
+                req(
+                    f"{tenant}{next(self.ids)}",
+                    tokens,
+                    params,
+                    tenant,
+                    tenant_id=tenant,
+                    weight=weight,
+                )
             )
             self.sched.add(seq)
             self.live.append(seq)
@@ -257,7 +265,9 @@ def batches(ops, fairness: str, num_blocks: int, budget: int, max_num_seqs: int)
             max_tokens = 1 + length % 5
             if sim.bm.blocks_needed(length + max_tokens) > num_blocks:
                 continue
-            seq = Sequence(str(i), prompt, SamplingParams(max_tokens=max_tokens), None, priority)
+            seq = Sequence(
+                req(str(i), prompt, SamplingParams(max_tokens=max_tokens), None, priority)
+            )
             sim.sched.add(seq)
             sim.live.append(seq)
         elif op == "step":
@@ -380,7 +390,7 @@ def test_unknown_fairness_is_refused():
 def run_engine(engine, requests, params) -> tuple[dict[str, list[int]], list[str]]:
     """Every request's output tokens, and the order they were first scheduled in."""
     for request_id, tenant, weight, prompt in requests:
-        engine.add_request(request_id, prompt, params, tenant, tenant_id=tenant, weight=weight)
+        engine.add_request(req(request_id, prompt, params, tenant, tenant_id=tenant, weight=weight))
     outputs, order = {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -429,6 +439,6 @@ def test_engine_refuses_a_weight_that_is_not_positive_and_finite(tiny_model_dir)
     llm = LLM(tiny_model_dir("llama"))
     for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
         with pytest.raises(BadRequestError, match="weight"):
-            llm.engine.add_request("x", [5, 6], SamplingParams(), tenant_id="t", weight=bad)
+            llm.engine.add_request(req("x", [5, 6], SamplingParams(), tenant_id="t", weight=bad))
     assert not llm.engine.seqs and not llm.engine.has_unfinished_requests()
     assert llm.stats().tenants == {}

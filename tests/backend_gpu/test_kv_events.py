@@ -16,6 +16,7 @@ from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
 from engine_api.block_hash import block_salt, hash_blocks
 from tests.backend_gpu.model_free_steps import advance
+from tests.backend_gpu.requests import req
 
 BS = 4
 
@@ -80,7 +81,7 @@ def test_events_replay_to_the_cache_and_blocks_cross_salts_only_when_published(
             if bm.blocks_needed(length + max_tokens) > num_blocks:
                 continue  # the engine refuses these at admission
             params = SamplingParams(max_tokens=max_tokens)
-            seq = Sequence(str(next_id), prompt, params, salt, 0, min(shared, length))
+            seq = Sequence(req(str(next_id), prompt, params, salt, 0, min(shared, length)))
             next_id += 1
             sched.add(seq)
             live.append(seq)
@@ -102,17 +103,17 @@ def test_events_replay_to_the_cache_and_blocks_cross_salts_only_when_published(
 def test_two_salts_share_the_published_blocks_and_nothing_after():
     bm = BlockManager(16, BS, enable_prefix_caching=True, enable_kv_events=True)
     prompt = list(range(13))
-    prefill(bm, Sequence("a", prompt, SamplingParams(), "tenant-a", shared_prefix_len=8))
+    prefill(bm, Sequence(req("a", prompt, SamplingParams(), "tenant-a", shared_prefix_len=8)))
     stored = bm.take_events()
     assert [e.cache_salt for e in stored] == [None, None, "tenant-a"]
     assert [e.parent_hash for e in stored] == [None, stored[0].block_hash, stored[1].block_hash]
     assert [e.token_ids for e in stored] == [prompt[0:4], prompt[4:8], prompt[8:12]]
 
-    other = Sequence("b", prompt, SamplingParams(), "tenant-b", shared_prefix_len=8)
+    other = Sequence(req("b", prompt, SamplingParams(), "tenant-b", shared_prefix_len=8))
     assert [b.hash for b in bm.find_cached_blocks(other)] == [e.block_hash for e in stored[:2]]
     # without the published prefix, tenant b gets nothing; tenant a gets all three
-    assert bm.find_cached_blocks(Sequence("c", prompt, SamplingParams(), "tenant-b")) == []
-    same = Sequence("d", prompt, SamplingParams(), "tenant-a", shared_prefix_len=8)
+    assert bm.find_cached_blocks(Sequence(req("c", prompt, SamplingParams(), "tenant-b"))) == []
+    same = Sequence(req("d", prompt, SamplingParams(), "tenant-a", shared_prefix_len=8))
     assert len(bm.find_cached_blocks(same)) == 3
     # a published prefix that ends mid-block shares only its whole blocks
     part = hash_blocks(prompt, BS, "tenant-b", shared_prefix_len=6)
@@ -121,19 +122,19 @@ def test_two_salts_share_the_published_blocks_and_nothing_after():
 
 def test_eviction_is_reported_and_events_are_off_by_default():
     bm = BlockManager(3, BS, enable_prefix_caching=True, enable_kv_events=True)
-    first = Sequence("1", list(range(9)), SamplingParams(), "s")
+    first = Sequence(req("1", list(range(9)), SamplingParams(), "s"))
     prefill(bm, first)
     stored = bm.take_events()
     assert [e.kind for e in stored] == ["stored", "stored"]
     bm.free(first)
-    prefill(bm, Sequence("2", [50] * 12, SamplingParams(), "s"))  # needs every block
+    prefill(bm, Sequence(req("2", [50] * 12, SamplingParams(), "s")))  # needs every block
     kinds = [(e.kind, e.block_hash) for e in bm.take_events()]
     assert ("removed", stored[0].block_hash) in kinds
     assert ("removed", stored[1].block_hash) in kinds
     assert bm.take_events() == []
 
     quiet = BlockManager(3, BS, enable_prefix_caching=True)
-    prefill(quiet, Sequence("3", list(range(9)), SamplingParams()))
+    prefill(quiet, Sequence(req("3", list(range(9)), SamplingParams())))
     assert quiet.events is None and quiet.take_events() == []
 
 
@@ -145,7 +146,7 @@ def test_engine_reports_the_prompt_blocks_and_rejects_a_bad_shared_prefix(tiny_m
     assert [e.block_hash for e in events] == hash_blocks(prompt, BS, None)
     assert llm.engine.take_kv_events() == []
     with pytest.raises(ValueError, match="shared_prefix_len"):
-        llm.engine.add_request("x", prompt, SamplingParams(), "s", 0, len(prompt) + 1)
+        llm.engine.add_request(req("x", prompt, SamplingParams(), "s", 0, len(prompt) + 1))
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -154,7 +155,7 @@ async def test_async_engine_hands_events_to_the_loop(tiny_model_dir):
     try:
         prompt = list(range(5, 18))
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        outs = [o async for o in engine.generate(prompt, params, "r1", "salt-a", 0, 8)]
+        outs = [o async for o in engine.generate(req("r1", prompt, params, "salt-a", 0, 8))]
         assert outs[-1].finished
         events = engine.take_kv_events()
         for _ in range(50):  # the engine thread publishes them after the step

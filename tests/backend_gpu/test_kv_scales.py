@@ -18,6 +18,7 @@ from backend_gpu.quantization.kv_calibration import (
 )
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
+from tests.backend_gpu.requests import req
 
 # layer -> (factor on its keys, factor on its values): powers of two, so that the
 # rescaled model below computes exactly what the original does
@@ -89,7 +90,7 @@ def run_chunks(llm: LLM, token_ids: list[int], steps: list[tuple[int, int]]) -> 
     """Logits [T, V] of one sequence holding blocks 0, 1, ..., computed through the
     engine's runner in steps of (first position, tokens)."""
     runner = llm.engine.runner
-    seq = Sequence("kv-scales", token_ids, SamplingParams(max_tokens=1))
+    seq = Sequence(req("kv-scales", token_ids, SamplingParams(max_tokens=1)))
     seq.block_table = list(range(-(-len(token_ids) // runner.block_size)))
     logits = []
     for start, n in steps:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from backend_gpu.sampler import Sampler
 from backend_gpu.sequence import Sequence
 from engine_api.sampling import SamplingParams
+from tests.backend_gpu.requests import req
 
 VOCAB = 50
 EOS = {3, 7}
@@ -55,7 +56,7 @@ def rows(draw) -> Sequence:
             st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=4)
         ),
     )
-    seq = Sequence(f"r{draw(st.integers())}", draw(tokens), params)
+    seq = Sequence(req(f"r{draw(st.integers())}", draw(tokens), params))
     seq.token_ids.extend(draw(st.lists(st.integers(0, VOCAB - 1), max_size=8)))  # its output
     return seq
 

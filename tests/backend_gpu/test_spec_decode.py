@@ -17,6 +17,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.spec_decode.ngram import NgramProposer
 from backend_gpu.spec_decode.rejection_sampler import accept_greedy, accept_sampled
 from engine_api.block_hash import hash_blocks
+from tests.backend_gpu.requests import req
 from tests.backend_gpu.tiny_models import SENTENCES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -323,7 +324,7 @@ def test_abort_and_preemption_give_every_block_back(tiny_model_dir):
     prompts = copy_prompts(spec.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(req(str(i), prompt, params))
     for _ in range(6):
         engine.step()
     engine.abort_request("3")

@@ -16,6 +16,7 @@ from backend_gpu.cuda_graphs import capture_sizes
 from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.loader import build_model, open_model
 from backend_gpu.sampler import read_back
+from tests.backend_gpu.requests import req
 from tests.backend_gpu.test_correctness import check, mixed_prompts
 
 # without it the padded steps below run the Triton kernels in the interpreter (conftest)
@@ -123,7 +124,7 @@ def test_decodes_padded_to_a_graph_size_keep_their_outputs(tiny_model_dir):
     # one padded decode step by hand: the padding rows are decodes of nothing
     engine = llm.engine
     for i, prompt in enumerate(mixed_prompts()[:3]):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4))
+        engine.add_request(req(str(i), prompt, SamplingParams(temperature=0, max_tokens=4)))
     while not engine.scheduler.running or any(
         len(s) - s.num_computed_tokens > 1 for s in engine.scheduler.running
     ):
