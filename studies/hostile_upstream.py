@@ -248,12 +248,12 @@ def run_case(gw: Gateway, up: HostileUpstream, case: Case) -> dict[str, Any]:
     }
 
 
-def run_tree(root: Path, new: bool, work: Path) -> list[dict[str, Any]]:
+def run_tree(root: Path, new: bool, work: Path, cases: list[Case]) -> list[dict[str, Any]]:
     with HostileUpstream(MODEL) as up:
         gw = Gateway(root, work, up, new)
         try:
             results = []
-            for case in CASES:
+            for case in cases:
                 print(f"  {case.name} ...", flush=True)
                 results.append(run_case(gw, up, case))
             return results
@@ -313,7 +313,9 @@ def main() -> None:
     parser.add_argument("--before", help="also run this commit (a git revision) first")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a bar chart (PNG) here")
+    parser.add_argument("--only", help="run only the cases whose names contain this text")
     args = parser.parse_args()
+    cases = [c for c in CASES if not args.only or args.only in c.name]
     here = Path(__file__).resolve().parent.parent
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvgate-hostile-upstream-") as tmp:
@@ -327,14 +329,14 @@ def main() -> None:
             )
             try:
                 print(f"before ({args.before}):")
-                runs[f"before ({args.before})"] = run_tree(tree, False, work)
+                runs[f"before ({args.before})"] = run_tree(tree, False, work, cases)
             finally:
                 subprocess.run(
                     ["git", "-C", str(here), "worktree", "remove", "--force", str(tree)],
                     check=False,
                 )
         print("this tree:")
-        runs["this tree"] = run_tree(here, True, work)
+        runs["this tree"] = run_tree(here, True, work, cases)
     print_table(runs)
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))

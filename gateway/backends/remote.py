@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -59,6 +60,7 @@ from gateway.backends.spec import BackendSpec
 
 log = logging.getLogger("kvgate.remote")
 COUNT_READ_S = 5.0  # at most this (or read_timeout_s) for /tokenize to count output
+LARGE_COUNT_CHARS = 1 << 20  # output text to count past this is encoded in a thread
 
 
 def build_replicas(spec: BackendSpec) -> list[RemoteBackend]:
@@ -285,7 +287,10 @@ class RemoteBackend:
             return await asyncio.to_thread(self.tokenizer.count, text)
         if local_only:
             return None
-        body = {"model": self.upstream_model, "prompt": text, "add_special_tokens": False}
+        request = {"model": self.upstream_model, "prompt": text, "add_special_tokens": False}
+        body: Any = request
+        if len(text) > LARGE_COUNT_CHARS:  # encoding megabytes of JSON would stall the loop
+            body = (await asyncio.to_thread(json.dumps, request)).encode()
         timeout_s = self.opts.connect_timeout_s + min(self.opts.read_timeout_s, COUNT_READ_S)
         try:
             data = await self.client.json(

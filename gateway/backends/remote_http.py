@@ -16,6 +16,7 @@ bombs), and what is read is bounded: a line, an error body, a JSON answer, a str
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -34,6 +35,7 @@ POOL_LIMIT = 1024  # connections to one upstream; each stream in flight holds on
 MAX_LINE_BYTES = 1 << 20  # a stream line (a chunk with 20 top logprobs is a few KiB)
 MAX_ERROR_BODY = 64 * 1024  # read at most this much of an error response
 MAX_RESPONSE_BYTES = 64 << 20  # a JSON answer or a whole stream (options.max_response_bytes)
+YIELD_EVERY_LINES = 64  # the line reader gives the event loop a turn this often
 MAX_RELAYED_CHARS = 500  # a kvgate worker's 400 message, passed on to the client
 # bodies of these statuses are the client's fault (vLLM and FastAPI send 422 for schema)
 BAD_REQUEST_STATUSES = (400, 413, 422)
@@ -118,15 +120,19 @@ class UpstreamClient:
         timeout_s: float | None = None,
     ) -> aiohttp.ClientResponse:
         """The response, whatever its status (the caller reads or closes it); never a
-        redirect followed, never a compressed body."""
-        extra = {}
+        redirect followed, never a compressed body. `body`: JSON, or bytes of it."""
+        extra: dict[str, Any] = {}
         if timeout_s is not None:  # a short call (health) or a long poll, not a stream
             extra["timeout"] = aiohttp.ClientTimeout(
                 total=timeout_s, sock_connect=self.connect_timeout_s
             )
+        if isinstance(body, bytes):  # JSON the caller encoded (off the loop, when large)
+            extra |= {"data": body, "headers": {"Content-Type": "application/json"}}
+        else:
+            extra["json"] = body
         try:
             resp = await self.session.request(
-                method, url, json=body, params=params, allow_redirects=False, **extra
+                method, url, params=params, allow_redirects=False, **extra
             )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             log.debug("%s: cannot connect to %s: %s", self.label, url, e)  # the watch says
@@ -211,7 +217,7 @@ class UpstreamClient:
         """The body's lines as they come, each with its newline; a cut or stalled stream,
         a line over MAX_LINE_BYTES or a body over max_response_bytes is a BackendError.
         Each byte is scanned once, however the upstream splits its writes."""
-        buf, total, scanned = bytearray(), 0, 0
+        buf, total, scanned, lines = bytearray(), 0, 0, 0
         try:
             while part := await resp.content.readany():
                 total += len(part)
@@ -224,6 +230,11 @@ class UpstreamClient:
                 while (end := buf.find(b"\n", max(start, scanned))) != -1:
                     yield bytes(buf[start : end + 1])
                     start = end + 1
+                    lines += 1
+                    if lines % YIELD_EVERY_LINES == 0:
+                        # a read may hold thousands of lines, and nothing below awaits
+                        # while the client's socket takes them: let other requests run
+                        await asyncio.sleep(0)
                 del buf[:start]
                 scanned = len(buf)
                 if len(buf) > MAX_LINE_BYTES:

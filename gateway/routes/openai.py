@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -46,6 +46,9 @@ from gateway.serving.tool_calls import ToolCallStream
 from gateway.state import GW, GatewayState
 
 _CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
+# A held tool call past this many characters is parsed and encoded in a worker thread:
+# on the loop, 16 MB of arguments would stall every other request for about half a second.
+LARGE_CALL_CHARS = 1 << 20
 log = logging.getLogger("kvgate")
 T = TypeVar("T")
 
@@ -173,7 +176,9 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
             if job.chat:
                 text, calls = tools[i].feed(chunk.text)
                 if finish:
-                    rest, more, finish = tools[i].finish(finish)
+                    rest, more, finish = await _off_loop_if(
+                        tools[i].held_chars > LARGE_CALL_CHARS, tools[i].finish, finish
+                    )
                     text, calls = text + rest, calls + more
             last_finish = finish or last_finish
             body = chunk_body(
@@ -188,7 +193,8 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
                 first[i],
                 calls,
             )
-            await resp.write(sse(body))
+            large = bool(calls) and tools[i].held_chars > LARGE_CALL_CHARS
+            await resp.write(await _off_loop_if(large, sse, body))
             first[i] = False
     except _CLIENT_GONE:
         await job.finish(499, "abort")
@@ -226,6 +232,11 @@ async def _finish_or_503(job: Job, status: int, finish_reason: str | None) -> No
             "Please retry.",
             code="usage_unavailable",
         ) from None
+
+
+async def _off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, in a worker thread when the work is large."""
+    return await asyncio.to_thread(fn, *args) if large else fn(*args)
 
 
 def _failure(job: Job, e: Exception) -> tuple[int, str]:

@@ -126,6 +126,7 @@ class ToolCallStream:
         # text not sent yet: a call, or what may be the start of one; kept in parts and
         # joined once at the end, so that holding a long call costs linear time
         self.held: list[str] = []
+        self.held_chars = 0  # a call's worth of them: finish parses it off the loop
         self.calling = False  # auto: a call has begun, the rest is held
         self.call_id: str | None = None
 
@@ -140,13 +141,14 @@ class ToolCallStream:
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         if plan.mode == "required" or self.calling:
             self.held.append(text)
+            self.held_chars += len(text)
             return "", []
         if plan.mode != "auto":
             return text, []
         # before a call, at most a partial OPEN is held: this scan stays short
         pending = "".join(self.held) + text
         if OPEN in pending:
-            self.calling, self.held = True, [pending]
+            self.calling, self.held, self.held_chars = True, [pending], len(pending)
             return "", []
         keep = _partial_open(pending)  # may be the first characters of OPEN
         self.held = [pending[len(pending) - keep :]] if keep else []
