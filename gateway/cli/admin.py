@@ -21,15 +21,9 @@ from pydantic import ValidationError
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.schemas.admin import KeyUpdate, TenantUpdate
+from gateway.tenancy.quota.limits import LIMIT_FIELDS, LIMITS, MODELS, USD
 from gateway.tenancy.quota.prices import usd_text
-from gateway.tenancy.tenants import (
-    LIMIT_FIELDS,
-    QUOTA_FIELDS,
-    SPEND_FIELDS,
-    Conflict,
-    NotFound,
-    TenantService,
-)
+from gateway.tenancy.tenants import QUOTA_FIELDS, Conflict, NotFound, TenantService
 
 TENANT_HELP = "the tenant's id or its name"
 LIFT = "none"  # a limit flag's value that lifts the limit: `kvgate keys update K --rpm none`
@@ -93,13 +87,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def _limit_args(p: argparse.ArgumentParser, whose: str) -> None:
     lift = f"; {LIFT!r}: no limit (lifts it)"
-    for f in LIMIT_FIELDS:
-        flag = "--" + f.replace("_", "-")
-        if f in SPEND_FIELDS:
+    for f in LIMITS:
+        flag = "--" + f.name.replace("_", "-")
+        if f.holds == USD:
             p.add_argument(flag, type=_or_lift(float), metavar="USD", help="dollars" + lift)
-        elif f != "models":
+        elif f.holds == MODELS:
+            p.add_argument(flag, help=f"comma-separated model ids the {whose} may use" + lift)
+        else:
             p.add_argument(flag, type=_or_lift(int), metavar="N", help=lift[2:])
-    p.add_argument("--models", help=f"comma-separated model ids the {whose} may use" + lift)
 
 
 def _or_lift(cast: type) -> Any:

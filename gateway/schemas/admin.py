@@ -9,13 +9,14 @@ cli_admin, prefix_api, openapi): apart, each file holds one API's bodies.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, create_model
 
 from gateway.schemas.base import NO_CONTROL
 from gateway.schemas.base import StrictBody as _Body
 from gateway.schemas.fields import Count32, Count53, Name, Priority
+from gateway.tenancy.quota.limits import COUNT32, COUNT53, LIMITS, MODELS, USD
 
 # PostgreSQL cannot store NUL (NO_CONTROL, for names, is gateway.schemas.base's)
 NO_NUL = r"^[^\x00]*$"  # pin text may hold newlines and tabs, not NUL
@@ -30,18 +31,18 @@ Models = Annotated[list[Name], Field(max_length=1000)]
 Dollars = Annotated[float, Field(ge=0, le=1e9)]
 
 
-class Limits(_Body):
-    """The limits a tenant and an API key may each have (null or left out: none); a key's
-    hold beside its tenant's, the stricter one winning, and its models narrow the tenant's."""
+# what each limit holds (gateway.tenancy.quota.limits) as a request bounds it
+_BOUNDED: dict[str, Any] = {COUNT32: Count32, COUNT53: Count53, USD: Dollars, MODELS: Models}
 
-    rpm: Count32 | None = None
-    tpm: Count53 | None = None
-    max_concurrent: Count32 | None = None
-    daily_tokens: Count53 | None = None
-    monthly_tokens: Count53 | None = None
-    daily_spend: Dollars | None = None
-    monthly_spend: Dollars | None = None
-    models: Models | None = None
+Limits = create_model(
+    "Limits",
+    __base__=_Body,
+    __module__=__name__,
+    __doc__="""The limits a tenant and an API key may each have (null or left out: none); a
+    key's hold beside its tenant's, the stricter one winning, and its models narrow the
+    tenant's. Built from gateway.tenancy.quota.limits.LIMITS, the one list of them.""",
+    **{f.name: (_BOUNDED[f.holds] | None, None) for f in LIMITS},
+)
 
 
 class TenantCreate(Limits):

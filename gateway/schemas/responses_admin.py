@@ -8,28 +8,44 @@ gateway.schemas.responses.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, create_model
 
 from gateway.schemas.responses import Body
+from gateway.tenancy.quota.limits import COUNT32, COUNT53, LIMITS, MODELS, USD
+
+# what each limit holds (gateway.tenancy.quota.limits) as a response states it
+_STATED: dict[str, Any] = {COUNT32: int, COUNT53: int, USD: float, MODELS: list[str]}
 
 
-class Tenant(Body):
-    id: str
-    object: Literal["tenant"]
-    name: str
-    created_at: float
-    rpm: int | None
-    tpm: int | None
-    max_concurrent: int | None
-    daily_tokens: int | None
-    monthly_tokens: int | None
-    daily_spend: float | None = Field(description="USD")
-    monthly_spend: float | None = Field(description="USD")
-    models: list[str] | None
-    priority: int | None
-    weight: float | None
+def _limits(note: str | None = None) -> dict[str, Any]:
+    """The limit fields of a tenant or a key, built from gateway.tenancy.quota.limits.LIMITS
+    (the one list of them), in its order; `note`, said of them all, is the first one's
+    description. `Tenant` and `ApiKey` are built with `create_model` so that the limits
+    stand in the middle of their fields, where the published document has them."""
+    first = LIMITS[0].name
+    return {
+        f.name: (
+            _STATED[f.holds] | None,
+            Field(description=note if f.name == first else f.description),
+        )
+        for f in LIMITS
+    }
+
+
+Tenant = create_model(
+    "Tenant",
+    __base__=Body,
+    __module__=__name__,
+    id=(str, ...),
+    object=(Literal["tenant"], ...),
+    name=(str, ...),
+    created_at=(float, ...),
+    **_limits(),
+    priority=(int | None, ...),
+    weight=(float | None, ...),
+)
 
 
 class TenantList(Body):
@@ -43,24 +59,21 @@ class TenantDeleted(Body):
     deleted: Literal[True]
 
 
-class ApiKey(Body):
-    id: str
-    object: Literal["api_key"]
-    tenant_id: str | None
-    name: str
-    prefix: str
-    scopes: list[Literal["inference", "admin"]]
-    rpm: int | None = Field(description="the key's own limits, beside its tenant's; null: none")
-    tpm: int | None
-    max_concurrent: int | None
-    daily_tokens: int | None
-    monthly_tokens: int | None
-    daily_spend: float | None = Field(description="USD")
-    monthly_spend: float | None = Field(description="USD")
-    models: list[str] | None
-    created_at: float
-    expires_at: float | None
-    revoked_at: float | None
+ApiKey = create_model(
+    "ApiKey",
+    __base__=Body,
+    __module__=__name__,
+    id=(str, ...),
+    object=(Literal["api_key"], ...),
+    tenant_id=(str | None, ...),
+    name=(str, ...),
+    prefix=(str, ...),
+    scopes=(list[Literal["inference", "admin"]], ...),
+    **_limits("the key's own limits, beside its tenant's; null: none"),
+    created_at=(float, ...),
+    expires_at=(float | None, ...),
+    revoked_at=(float | None, ...),
+)
 
 
 class ApiKeyCreated(ApiKey):

@@ -20,23 +20,12 @@ from gateway.db import (
     Tenant,
 )
 from gateway.tenancy.auth import bump_epoch, generate_key, hash_key, visible_prefix
+from gateway.tenancy.quota.limits import LIMIT_FIELDS, SPEND_FIELDS
 from gateway.tenancy.quota.prices import to_nanos, to_usd
 from gateway.tenancy.usage_queries import UsageQueries
 
-# what a tenant and a key may both limit; a tenant also has a priority and a weight
-LIMIT_FIELDS = (
-    "rpm",
-    "tpm",
-    "max_concurrent",
-    "daily_tokens",
-    "monthly_tokens",
-    "daily_spend",
-    "monthly_spend",
-    "models",
-)
+# a tenant's quota: the limits a key may also have (LIMIT_FIELDS), and a priority and a weight
 QUOTA_FIELDS = (*LIMIT_FIELDS, "priority", "weight")
-# money budgets: dollars here and at the API, nanodollars in the database and the counters
-SPEND_FIELDS = ("daily_spend", "monthly_spend")
 
 
 class NotFound(LookupError):

@@ -1,4 +1,5 @@
-"""Quota limits, the windows they count in, and what a refusal says.
+"""Quota limits (and `LIMITS`, the one list of the limit fields), the windows they count
+in, and what a refusal says.
 
 A request takes from its tenant's counters and, where its API key has limits of its
 own, from the key's as well: it is admitted only if both admit it (`QuotaLimits.scopes`).
@@ -32,15 +33,49 @@ SPEND_KINDS = (DAILY_SPEND, MONTHLY_SPEND)
 # Who a set of counters belongs to, as a refusal names it.
 TENANT, KEY = "tenant", "key"
 
-_LIMIT_FIELD = {
-    REQUESTS: "rpm",
-    TOKENS: "tpm",
-    DAILY: "daily_tokens",
-    MONTHLY: "monthly_tokens",
-    CONCURRENT: "max_concurrent",
-    DAILY_SPEND: "daily_spend",
-    MONTHLY_SPEND: "monthly_spend",
-}
+# What a limit holds, which decides its type and bounds at the API (gateway.schemas.admin
+# bounds each), its flag (gateway.cli.admin) and its column (gateway.db.tables).
+COUNT32 = "count32"  # a count that fits a 32-bit column
+COUNT53 = "count53"  # a count that fits 53 bits, what every JSON client holds exactly
+USD = "usd"  # dollars at the API, nanodollars in the database and the counters
+MODELS = "models"  # the model ids allowed
+
+
+@dataclass(frozen=True)
+class LimitField:
+    """One limit a tenant and an API key may each have.
+
+    `LIMITS` is the one list of them: the request bodies and the response models
+    (gateway.schemas) are built from it, the admin service and the command line loop
+    over it, and the quota below maps its counters to it. It lives here, in the tenancy
+    room, because tenancy needs the list and may not import schemas (the rooms import
+    downward only), while schemas may import tenancy. It names what each field holds, not
+    its pydantic type: the bounded types are the request bodies' own
+    (gateway.schemas.fields), so that one bound keeps one definition. The database's
+    columns (gateway.db.tables.Limits) stay written out: SQLAlchemy maps declared
+    attributes, the migrations pin them, and db sits below tenancy;
+    tests/gateway/test_limit_fields.py holds them, and `QuotaLimits`, to this list."""
+
+    name: str  # at the API, in the database, and on the command line as --name-with-dashes
+    holds: str  # COUNT32, COUNT53, USD or MODELS
+    counter: str | None  # one of KINDS, the counter a request takes from; None: checked at auth
+    description: str | None = None  # said in responses, not in the request bodies
+
+
+LIMITS = (
+    LimitField("rpm", COUNT32, REQUESTS),
+    LimitField("tpm", COUNT53, TOKENS),
+    LimitField("max_concurrent", COUNT32, CONCURRENT),
+    LimitField("daily_tokens", COUNT53, DAILY),
+    LimitField("monthly_tokens", COUNT53, MONTHLY),
+    LimitField("daily_spend", USD, DAILY_SPEND, "USD"),
+    LimitField("monthly_spend", USD, MONTHLY_SPEND, "USD"),
+    LimitField("models", MODELS, None),
+)
+LIMIT_FIELDS = tuple(f.name for f in LIMITS)
+# money budgets: dollars at the API, nanodollars in the database and the counters
+SPEND_FIELDS = tuple(f.name for f in LIMITS if f.holds == USD)
+_LIMIT_FIELD = {f.counter: f.name for f in LIMITS if f.counter is not None}
 COUNTED_LIMITS = tuple(_LIMIT_FIELD.values())  # the limit fields that have counters
 
 
@@ -65,6 +100,10 @@ def checked_limit(limits: QuotaLimits, kind: str, amount: int) -> int | None:
 
 @dataclass(frozen=True)
 class QuotaLimits:
+    """A request's counted limits (COUNTED_LIMITS), money in nanodollars. They stay
+    declared, not built from `LIMITS`: serving reads them by name (`limits.rpm`), and a
+    reader and a type checker should see them; the test of `LIMITS` holds them to it."""
+
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
@@ -83,7 +122,7 @@ class QuotaLimits:
     def from_row(cls, row: Any) -> QuotaLimits:
         if row is None:
             return cls()
-        return cls(**{f: getattr(row, f) for f in _LIMIT_FIELD.values()})
+        return cls(**{f: getattr(row, f) for f in COUNTED_LIMITS})
 
     @classmethod
     def with_key(cls, tenant: QuotaLimits, key_id: str, key: QuotaLimits) -> QuotaLimits:
@@ -91,7 +130,7 @@ class QuotaLimits:
         (its requests then move no counters of their own)."""
         if key == cls():
             return tenant
-        stricter = {f: _least(getattr(tenant, f), getattr(key, f)) for f in _LIMIT_FIELD.values()}
+        stricter = {f: _least(getattr(tenant, f), getattr(key, f)) for f in COUNTED_LIMITS}
         return cls(**stricter, key_id=key_id, tenant=tenant, key=key)
 
     def limit_for(self, kind: str) -> int | None:
