@@ -14,16 +14,16 @@ from gateway.http.middleware import openai_errors, refuse_control_characters
 from gateway.http.util import SETTINGS, json_response
 from gateway.lifecycle import start_gateway, stop_gateway
 from gateway.routes import admin as admin_api
-from gateway.routes import openapi
+from gateway.routes import guards, openapi
 from gateway.routes import prefixes as prefix_api
 from gateway.routes.openai import (
-    GW,
     chat_completions,
     completions,
     detokenize,
     list_models,
     tokenize,
 )
+from gateway.state import GW
 from gateway.tenancy.auth import AuthError, bearer_token
 
 log = logging.getLogger("kvgate")
@@ -43,7 +43,7 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GW]
     if gw.settings.metrics_auth and not _is_scraper(request, gw.settings.metrics_token):
-        await admin_api._admin(request)
+        await guards.admin(request)
     return web.Response(
         body=generate_latest(gw.metrics.registry),
         headers={"Content-Type": CONTENT_TYPE_LATEST},
