@@ -1,7 +1,8 @@
 """The asyncio face of the llama.cpp backend.
 
     engine = LocalEngine(EngineConfig("model.gguf", n_parallel=4))
-    async for out in engine.generate("req-1", engine.tokenize("Hello"), SamplingParams()):
+    req = GenRequest("req-1", "", engine.tokenize("Hello"), SamplingParams())
+    async for out in engine.generate(req):
         print(out.text, end="")
     engine.shutdown()
 
@@ -23,6 +24,7 @@ from backend_local.requests import Request, RequestOutput
 from backend_local.stats import EngineStats
 from backend_local.worker import Worker
 from engine_api.errors import BadRequestError, PromptTooLongError
+from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
 
@@ -80,24 +82,18 @@ class LocalEngine:
         BadRequestError if it cannot be. The request finds it compiled."""
         await asyncio.to_thread(self.grammars.compile, structured)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        shared_prefix_len: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has finish_reason and usage set.
 
-        Cached cells are reused under the same `cache_salt`; under another salt only within
-        the first `shared_prefix_len` prompt tokens (a published prefix) when the cells'
-        request marked them as shared too.
+        Cached cells are reused under the same `req.cache_salt`; under another salt only
+        within the first `req.shared_prefix_len` prompt tokens (a published prefix) when
+        the cells' request marked them as shared too.
 
         Raises BadRequestError / PromptTooLongError for requests that cannot be served,
         EngineDeadError when the worker is gone, DecodeError if llama.cpp fails on it.
         """
-        self.check_request(prompt_token_ids, params, shared_prefix_len)
+        request_id, params, shared_prefix_len = req.request_id, req.sampling, req.shared_prefix_len
+        self.check_request(req.prompt_token_ids, params, shared_prefix_len)
         if request_id in self._active:
             raise BadRequestError(f"request id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
@@ -109,7 +105,7 @@ class LocalEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
         request = Request(
-            request_id, list(prompt_token_ids), params, cache_salt, emit, shared_prefix_len
+            request_id, list(req.prompt_token_ids), params, req.cache_salt, emit, shared_prefix_len
         )
         if params.structured is not None:  # compiled before the worker sees it
             request.grammar = self.grammars.matcher(params.structured)

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from backend_local.slots import common_prefix_len
 from bench.client import RequestOutput, build_payload, send_request
 from bench.options import DefaultsHelpFormatter
+from engine_api.records import GenRequest
 from studies.harness import (
     free_port,
     nearest_rank,
@@ -209,7 +210,8 @@ def single_stream(args: argparse.Namespace, model: str, url: str, key: str, pid:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
         async def one(i: int, text: str) -> None:
-            async for _ in engine.generate(f"fill-{i}", engine.tokenize(text), params, f"f{i}"):
+            req = GenRequest(f"fill-{i}", "", engine.tokenize(text), params, cache_salt=f"f{i}")
+            async for _ in engine.generate(req):
                 pass
 
         await asyncio.gather(*(one(i, text) for i, text in enumerate(PROMPTS[: args.clients])))
@@ -249,7 +251,8 @@ def single_stream(args: argparse.Namespace, model: str, url: str, key: str, pid:
     async def stream_engine(round_: int) -> tuple[float, str]:
         start, parts = time.perf_counter(), []
         params = SamplingParams(temperature=0.0, max_tokens=args.single_tokens)
-        async for out in engine.generate(f"single-{round_}", prompt, params, "single"):
+        req = GenRequest(f"single-{round_}", "", prompt, params, cache_salt="single")
+        async for out in engine.generate(req):
             parts.append(out.text)
         return time.perf_counter() - start, "".join(parts)
 

@@ -18,6 +18,7 @@ import json
 import time
 
 from bench.options import DefaultsHelpFormatter
+from engine_api.records import GenRequest
 
 SCHEMA = {
     "type": "object",
@@ -95,7 +96,8 @@ def run_local(texts: list[str], max_tokens: int, threads: int, rounds: int) -> d
 
     async def one(i: int, prompt: list[int], params) -> list[int]:
         tokens: list[int] = []
-        async for out in engine.generate(f"r{i}-{time.monotonic_ns()}", prompt, params):
+        req = GenRequest(f"r{i}-{time.monotonic_ns()}", "", prompt, params)
+        async for out in engine.generate(req):
             tokens += out.token_ids
         return tokens
 

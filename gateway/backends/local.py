@@ -78,13 +78,7 @@ class LocalBackend(InProcessBackend[LocalEngine]):
         return self.engine.model.token_text
 
     def _stream(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling,
-            req.cache_salt,
-            req.shared_prefix_len,
-        )
+        return self.engine.generate(req)
 
     def _output(self, out: RequestOutput, req: GenRequest) -> Output:
         usage = None

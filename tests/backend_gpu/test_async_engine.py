@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from backend_gpu import LLM, AsyncLLM, EngineDeadError, PromptTooLongError, SamplingParams
-from tests.backend_gpu.requests import req
+from tests.requests import req
 
 
 @pytest.fixture

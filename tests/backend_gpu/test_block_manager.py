@@ -13,7 +13,7 @@ from backend_gpu.sequence import Sequence
 from engine_api.block_hash import hash_blocks
 from engine_api.sampling import SamplingParams
 from tests.backend_gpu.model_free_steps import advance
-from tests.backend_gpu.requests import req
+from tests.requests import req
 
 BS = 4
 

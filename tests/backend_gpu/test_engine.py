@@ -7,8 +7,8 @@ import torch
 
 from backend_gpu import LLM, PromptTooLongError, SamplingParams
 from backend_gpu.detokenizer import IncrementalDetokenizer
-from tests.backend_gpu.requests import req
 from tests.backend_gpu.tiny_models import SENTENCES, build_tokenizer
+from tests.requests import req
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from engine_api.errors import BadRequestError
 from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
 from tests.backend_gpu.model_free_steps import advance
-from tests.backend_gpu.requests import req
+from tests.requests import req
 
 BS = 4
 _tokens = itertools.count(1000)  # prompts that share no block unless a test says so

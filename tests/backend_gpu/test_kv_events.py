@@ -16,7 +16,7 @@ from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Sequence
 from engine_api.block_hash import block_salt, hash_blocks
 from tests.backend_gpu.model_free_steps import advance
-from tests.backend_gpu.requests import req
+from tests.requests import req
 
 BS = 4
 

@@ -18,7 +18,7 @@ from backend_gpu.quantization.kv_calibration import (
 )
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
-from tests.backend_gpu.requests import req
+from tests.requests import req
 
 # layer -> (factor on its keys, factor on its values): powers of two, so that the
 # rescaled model below computes exactly what the original does

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from backend_gpu.sampler import Sampler
 from backend_gpu.sequence import Sequence
 from engine_api.sampling import SamplingParams
-from tests.backend_gpu.requests import req
+from tests.requests import req
 
 VOCAB = 50
 EOS = {3, 7}

@@ -17,8 +17,8 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.spec_decode.ngram import NgramProposer
 from backend_gpu.spec_decode.rejection_sampler import accept_greedy, accept_sampled
 from engine_api.block_hash import hash_blocks
-from tests.backend_gpu.requests import req
 from tests.backend_gpu.tiny_models import SENTENCES
+from tests.requests import req
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 

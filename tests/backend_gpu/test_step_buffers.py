@@ -16,8 +16,8 @@ from backend_gpu.cuda_graphs import capture_sizes
 from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.loader import build_model, open_model
 from backend_gpu.sampler import read_back
-from tests.backend_gpu.requests import req
 from tests.backend_gpu.test_correctness import check, mixed_prompts
+from tests.requests import req
 
 # without it the padded steps below run the Triton kernels in the interpreter (conftest)
 CUDA = torch.cuda.is_available()

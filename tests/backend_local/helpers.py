@@ -4,6 +4,7 @@ import asyncio
 
 from backend_local import LocalEngine, RequestOutput, SamplingParams
 from backend_local.sampling import TokenLogprob
+from tests.requests import req
 
 
 async def collect(
@@ -16,7 +17,9 @@ async def collect(
 ) -> tuple[list[int], str, RequestOutput]:
     """Run one request to the end: (output token ids, text, last output)."""
     ids, text, last = [], "", None
-    async for out in engine.generate(request_id, prompt, params, salt, shared_prefix_len):
+    async for out in engine.generate(
+        req(request_id, prompt, params, salt, shared_prefix_len=shared_prefix_len)
+    ):
         assert out.request_id == request_id
         ids += out.token_ids
         text += out.text
@@ -30,7 +33,7 @@ async def collect_logprobs(
 ) -> tuple[list[int], list[TokenLogprob], RequestOutput]:
     """Run one request with logprobs on: (output token ids, their logprobs, last output)."""
     ids, logprobs, last = [], [], None
-    async for out in engine.generate(request_id, prompt, params, salt):
+    async for out in engine.generate(req(request_id, prompt, params, salt)):
         ids += out.token_ids
         logprobs += out.logprobs
         last = out

@@ -19,6 +19,7 @@ from tests.backend_local.helpers import (
     collect_logprobs,
     wait_for,
 )
+from tests.requests import req
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ async def test_prefix_is_reused_only_under_the_same_salt(engine):
 async def test_aborted_stream_frees_its_sequence_for_a_waiting_request(engine):
     prompt = engine.tokenize("Count slowly: one, two, three,")
     params = greedy(400, ignore_eos=True)
-    streams = [engine.generate(f"long-{i}", prompt, params) for i in range(4)]
+    streams = [engine.generate(req(f"long-{i}", prompt, params)) for i in range(4)]
     for stream in streams:
         await anext(stream)  # all four sequences are busy
     waiting = asyncio.create_task(collect(engine, "waiter", prompt, greedy(3)))
@@ -125,15 +126,15 @@ async def test_stop_string_ends_generation_without_emitting_it(engine):
 async def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine):
     prompt = engine.tokenize("Hello")
     with pytest.raises(PromptTooLongError, match="512"):
-        await anext(engine.generate("big", [2] * 500, greedy(16)))
+        await anext(engine.generate(req("big", [2] * 500, greedy(16))))
     with pytest.raises(ValueError, match="vocabulary"):
-        await anext(engine.generate("bad-ids", [2, -1, 10**9], greedy(4)))
+        await anext(engine.generate(req("bad-ids", [2, -1, 10**9], greedy(4))))
     with pytest.raises(ValueError, match="empty"):
-        await anext(engine.generate("empty", [], greedy(4)))
+        await anext(engine.generate(req("empty", [], greedy(4))))
     with pytest.raises(ValueError, match="temperature"):
-        await anext(engine.generate("cold", prompt, SamplingParams(temperature=-1)))
+        await anext(engine.generate(req("cold", prompt, SamplingParams(temperature=-1))))
     with pytest.raises(ValueError, match="logprobs"):
-        await anext(engine.generate("many", prompt, greedy(4, logprobs=21)))
+        await anext(engine.generate(req("many", prompt, greedy(4, logprobs=21))))
     ids, _, out = await collect(engine, "after", prompt, greedy(4))
     assert len(ids) == 4 and out.finish_reason == "length"
     assert engine.stats().busy == 0
@@ -144,7 +145,7 @@ async def test_seeded_sampling_repeats_and_logprobs_rank_the_greedy_token_first(
     sampled = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=12)
     runs = [await collect(engine, f"seed-{i}", prompt, sampled) for i in range(2)]
     assert runs[0][0] == runs[1][0]
-    chunks = [out async for out in engine.generate("lp", prompt, greedy(5, logprobs=3))]
+    chunks = [out async for out in engine.generate(req("lp", prompt, greedy(5, logprobs=3)))]
     for out in chunks:
         (lp,) = out.logprobs
         assert lp.logprob <= 0 and len(lp.top) == 3
@@ -212,7 +213,7 @@ async def test_logit_bias_past_the_vocabulary_is_refused(engine):
     with pytest.raises(BadRequestError, match=rf"^logit_bias .*\[0, {n_vocab}\).*\[{n_vocab}\]"):
         engine.check_request(prompt, bad)
     with pytest.raises(BadRequestError, match="logit_bias"):
-        await anext(engine.generate("oov-bias", prompt, bad))
+        await anext(engine.generate(req("oov-bias", prompt, bad)))
     with pytest.raises(BadRequestError, match="logit_bias"):  # validate(), before the vocabulary
         engine.check_request(prompt, greedy(4, logit_bias={5: 101}))
     assert engine.stats().busy == 0

@@ -1,6 +1,7 @@
 import pytest
 
 from backend_local import EngineConfig, EngineDeadError, LocalEngine, ModelLoadError, SamplingParams
+from tests.requests import req
 
 
 def test_missing_model_file(tmp_path):
@@ -30,4 +31,4 @@ async def test_requests_after_shutdown_get_engine_dead_error(model_path):
     engine.shutdown()
     assert not engine.healthy
     with pytest.raises(EngineDeadError, match="shut down"):
-        await anext(engine.generate("late", [2, 100], SamplingParams(max_tokens=2)))
+        await anext(engine.generate(req("late", [2, 100], SamplingParams(max_tokens=2))))

@@ -14,6 +14,7 @@ from backend_local.slots import Slot, place
 from gateway.backends import BackendSpec, GenRequest, build_backend
 from gateway.backends.default_model import DEFAULT_MODEL_ID
 from tests.backend_local.helpers import assert_same_up_to_near_tie, collect_logprobs
+from tests.requests import req
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def scoring(n: int, max_tokens: int = 1) -> SamplingParams:
 async def outputs(
     engine: LocalEngine, request_id: str, prompt: list[int], params: SamplingParams, salt: str
 ) -> list[RequestOutput]:
-    return [out async for out in engine.generate(request_id, prompt, params, salt)]
+    return [out async for out in engine.generate(req(request_id, prompt, params, salt))]
 
 
 async def prompt_logprobs(

@@ -1,4 +1,4 @@
-"""GenRequests for the engine's tests, as the engine now takes them whole: the model
+"""GenRequests for the engines' tests, as both engines take them whole: the model
 name is the gateway's concern, so these leave it empty."""
 
 from __future__ import annotations
