@@ -330,6 +330,11 @@ def poll_events(c: httpx.AsyncClient, **params) -> Awaitable[httpx.Response]:
     return c.get("/kvgate/v1/kv_events", params=params)
 
 
+def stored_blocks(reply: dict) -> set[str]:
+    """The blocks a kv_events reply says were stored."""
+    return {e["block_hash"] for e in reply["events"] if e["kind"] == "stored"}
+
+
 @pytest.mark.slow
 async def test_kv_events_of_a_gpu_worker(tmp_path):
     model = save_tiny_model("llama", str(tmp_path))
@@ -357,11 +362,13 @@ async def test_kv_events_of_a_gpu_worker(tmp_path):
                 assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["usage"]
                 expected = [h.hex() for h in hash_blocks(ids["tokens"], block, salt)]
                 got = (await poll).json()  # woke by the first events: a chunk's, maybe
-                while True:  # the rest, now that the request is done
-                    more = (await poll_events(c, epoch=epoch, after=got["seq"], wait=0)).json()
-                    if not more["events"]:
-                        return got, expected
+                # the rest: the worker drains its engine's events in the background, so
+                # they may land after the request's last chunk (a busy machine: seconds)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and not set(expected) <= stored_blocks(got):
+                    more = (await poll_events(c, epoch=epoch, after=got["seq"], wait=1)).json()
                     got = more | {"events": got["events"] + more["events"]}
+                return got, expected
 
             first, blocks_a = await generate_and_poll(PROMPT, "salt-a", 0)
             assert len(blocks_a) >= 2 and not first["resync"] and first["epoch"] == epoch
