@@ -1,0 +1,137 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless, on the chat completion path.
+
+The body becomes a chat completion request (gateway.schemas.responses_api) and is admitted,
+served and billed as one (gateway.serving.admission, job, outcome), by the chat route's
+rules: a client that hangs up is billed for what it received, a whole answer that failed
+bills nothing, and an answer whose usage row is not committed does not complete (a
+whole one is a 503, a stream ends with `response.failed`, never `response.completed`).
+Only the shapes differ: output items instead of choices, and semantic stream events
+(gateway.serving.responses_events).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.http.errors import ApiError
+from gateway.http.util import json_response, parse_body
+from gateway.schemas.responses_api import ResponseCreateRequest
+from gateway.serving.admission import prepare
+from gateway.serving.job import Job
+from gateway.serving.outcome import (
+    CLIENT_GONE,
+    LARGE_CALL_CHARS,
+    failure,
+    finish_failed,
+    finish_or_503,
+    off_loop_if,
+)
+from gateway.serving.responses_events import (
+    ResponseEvents,
+    output_items,
+    response_id,
+    response_object,
+    status_of,
+    usage_body,
+)
+from gateway.serving.tool_calls import ToolCallStream
+from gateway.state import GW
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, ResponseCreateRequest)
+    job = await prepare(gw, principal, body.chat(), chat=True)
+    # the Response's id names its usage row and x-request-id too
+    job.request_id = response_id(job.request_id)
+    if body.stream:
+        return await _stream(request, job, body)
+    return await _whole(job, body)
+
+
+async def _whole(job: Job, body: ResponseCreateRequest) -> web.Response:
+    parts: list[str] = []
+    finish: str | None = None
+    try:
+        async for _, chunk in job.events():
+            parts.append(chunk.text)
+            finish = chunk.finish_reason or finish
+    except CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:  # the client receives none of the output: none is billed
+        status, message = failure(job, e)
+        await finish_failed(job, status, message, delivered=False)
+        raise ApiError(status, message) from None
+    text = "".join(parts)
+    content, calls = await off_loop_if(len(text) > LARGE_CALL_CHARS, job.tools.parse, text)
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    await finish_or_503(job, 200, finish)
+    output = output_items(content, calls, finish)
+    answer = response_object(
+        job.request_id,
+        job.created,
+        job.model,
+        body.echoed(),
+        status_of(finish),
+        output,
+        usage_body(job),
+        finish,
+    )
+    large = len(text) > LARGE_CALL_CHARS
+    return await off_loop_if(large, json_response, answer, 200, job.headers())
+
+
+async def _stream(
+    request: web.Request, job: Job, body: ResponseCreateRequest
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | job.headers()
+    )
+    events = ResponseEvents(job.request_id, job.created, job.model, body.echoed())
+    tools = ToolCallStream(job.tools)
+    last_finish: str | None = None
+    try:
+        await resp.prepare(request)
+        await resp.write(events.start())
+        async for _, chunk in job.events():
+            text, calls = tools.feed(chunk.text)
+            finish = chunk.finish_reason
+            if finish:
+                rest, more, finish = await off_loop_if(
+                    tools.held_chars > LARGE_CALL_CHARS, tools.finish, finish
+                )
+                text, calls = text + rest, calls + more
+            last_finish = finish or last_finish
+            large = bool(calls) and tools.held_chars > LARGE_CALL_CHARS
+            await resp.write(await off_loop_if(large, events.delta, text, calls))
+    except CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:  # billed for what was streamed before it
+        status, message = failure(job, e)
+        await finish_failed(job, status, message)
+        if not resp.prepared:
+            raise ApiError(status, message) from None
+        await resp.write(events.failed(_code(status), message))
+        return resp
+    large = events.chars > LARGE_CALL_CHARS
+    try:
+        await finish_or_503(job, 200, last_finish)
+    except ApiError as e:  # the response is not complete without its usage row
+        await resp.write(await off_loop_if(large, events.failed, "server_error", e.message))
+        return resp
+    await resp.write(await off_loop_if(large, events.finish, last_finish, usage_body(job)))
+    await resp.write_eof()
+    return resp
+
+
+def _code(status: int) -> str:
+    """A failure's `error.code` in OpenAI's words for a Response."""
+    return "invalid_prompt" if status == 400 else "server_error"
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/responses", create_response)
