@@ -14,7 +14,8 @@ from gateway.http.middleware import openai_errors, refuse_control_characters
 from gateway.http.util import SETTINGS, json_response
 from gateway.lifecycle import start_gateway, stop_gateway
 from gateway.routes import admin as admin_api
-from gateway.routes import guards, openapi
+from gateway.routes import embeddings, guards, openapi, responses_api
+from gateway.routes import messages as messages_api
 from gateway.routes import prefixes as prefix_api
 from gateway.routes.openai import (
     chat_completions,
@@ -30,7 +31,10 @@ log = logging.getLogger("kvgate")
 
 
 async def health(request: web.Request) -> web.Response:
-    return json_response({"status": "ok"})
+    """Liveness: 200 while the process serves, with the backends that cannot serve now
+    and why (one that failed to start, an upstream that does not answer)."""
+    gw = request.app[GW]
+    return json_response({"status": "ok", "down": gw.router.down(gw.backends)})
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -69,12 +73,15 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    responses_api.add_routes(app)
+    messages_api.add_routes(app)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    embeddings.add_routes(app)
     admin_api.add_routes(app)
     prefix_api.add_routes(app)
     openapi.add_routes(app)

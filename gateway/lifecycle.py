@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from gateway.backends import build_backends
+from gateway.backends import Backend, build_backends
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.observe.metrics import Metrics
@@ -117,10 +117,20 @@ async def _start_backends(state: GatewayState) -> None:
                 # the reason is one line (kvgate serve prints it); the traceback is for --verbose
                 log.debug("backend %s failed to start", backend.name, exc_info=True)
                 router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
+                _keep_models(router, backend)
     for backend in state.backends:
         slots = getattr(backend, "max_in_flight", None)
         if slots is not None:
             state.queues[backend.name] = FairQueue(slots, settings.fairness or "vtc")
+
+
+def _keep_models(router: Router, backend: Backend) -> None:
+    """A backend that failed to start keeps its models known, with the cards its config
+    gives: a request for one is a 503 that says why (Router.candidates), not a 404."""
+    try:
+        router.add_models(backend)
+    except Exception:  # an adapter that cannot tell its cards unstarted: the model is absent
+        log.debug("backend %s has no model cards unstarted", backend.name, exc_info=True)
 
 
 async def stop_gateway(state: GatewayState) -> None:

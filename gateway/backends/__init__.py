@@ -11,7 +11,11 @@ from dataclasses import replace
 
 from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
 from engine_api.records import (
+    EMBED,
+    GENERATE,
     BackendStats,
+    EmbedRequest,
+    EmbedResult,
     GenChunk,
     GenRequest,
     KVEvent,
@@ -20,15 +24,26 @@ from engine_api.records import (
     Usage,
 )
 from engine_api.sampling import SamplingParams
-from gateway.backends.base import Backend, OutputCountingBackend, PrefixCachingBackend
+from gateway.backends.base import (
+    Backend,
+    EmbeddingBackend,
+    OutputCountingBackend,
+    PrefixCachingBackend,
+)
+from gateway.backends.remote_text import is_text_bound
 from gateway.backends.spec import BackendSpec, replica_count
 
 __all__ = [
+    "EMBED",
+    "GENERATE",
     "Backend",
     "BackendError",
     "BackendSpec",
     "BackendStats",
     "BadRequestError",
+    "EmbedRequest",
+    "EmbedResult",
+    "EmbeddingBackend",
     "GenChunk",
     "GenRequest",
     "KVEvent",
@@ -41,6 +56,7 @@ __all__ = [
     "Usage",
     "build_backend",
     "build_backends",
+    "is_text_bound",
     "replica_count",
 ]
 

@@ -8,21 +8,28 @@ server, llama.cpp's llama-server, vLLM, SGLang).
     model = "gemma-3-270m"            # the id clients use
     options.url = "http://10.0.0.5:8001/v1"   # or options.urls = [...]: a replica each
 
-Options: api_key (a worker's token, or a third-party server's key), upstream_model
-(default: model), context_length (else the upstream's max_model_len), tokenizer (an HF
-tokenizer directory or a GGUF file, for upstreams that cannot tokenize for the gateway),
-connect_timeout_s (5), read_timeout_s (60, between bytes), first_token_timeout_s (120:
-from sending a request to its first output), request_timeout_s (1800: a whole request),
+The URL alone is enough: what the upstream does not tell is discovered at start
+(remote_discovery.py: its model id, context length and tokenizer endpoint) and logged;
+where it tells nothing, prompts go as text and quotas are reserved from a bound
+(remote_text.py). Options, each winning over what is discovered: api_key (a worker's
+token, or a third-party server's key), upstream_model (default: `model` if the upstream
+serves it, else the one model it serves), context_length (else the upstream's, else
+assumed), tokenizer (an HF tokenizer directory or a GGUF file: exact quotas for an
+upstream that cannot render chats into token ids for the gateway), connect_timeout_s
+(5), read_timeout_s (60, between bytes), first_token_timeout_s (120: from sending a
+request to its first output), request_timeout_s (1800: a whole request),
 max_response_bytes (64 MiB: a stream or an answer), health_interval_s (2),
-start_timeout_s (30: how long `start` waits for an upstream that must tell the context
-length), max_in_flight (requests let through at once, plus under VTC one spare for a
-tenant with nothing in flight; the rest wait in the gateway's fair queue: for an
-upstream that serves in arrival order). `kvgate worker` (gateway/worker/) serves the
+start_timeout_s (30: how long `start` waits for an upstream to tell what it is, unless
+context_length is set; one that does not answer is down until it does), max_in_flight
+(requests let through at once, plus under VTC one spare for a tenant with nothing in
+flight; the rest wait in the gateway's fair queue: for an upstream that serves in
+arrival order), task ("embed": an embedding model, served at
+/v1/embeddings through remote_embed.py). `kvgate worker` (gateway/worker/) serves the
 other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
 over HTTP), so it routes by prefix like an in-process replica. A third-party upstream
-gets streamed /v1/completions; its `block_hashes` and `kv_events` come from a record
+gets streamed /v1/completions (a text-bound chat: /v1/chat/completions); its `block_hashes` and `kv_events` come from a record
 of the prompts this gateway sent it (remote_sent.py: approximate prefix routing).
 """
 
@@ -38,22 +45,36 @@ from typing import Any
 
 from engine_api.block_hash import hash_blocks
 from engine_api.errors import BackendError, BadRequestError
-from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent, ModelCard, PromptInput
+from engine_api.records import (
+    EMBED,
+    BackendStats,
+    EmbedRequest,
+    EmbedResult,
+    GenChunk,
+    GenRequest,
+    KVEvent,
+    ModelCard,
+    PromptInput,
+)
 from engine_api.structured import StructuredOutput
 from gateway.backends.common import (
     check_model,
     decode_off_loop,
     render_off_loop,
 )
+from gateway.backends.remote_discovery import ASSUMED_CONTEXT_LENGTH, VLLM, count_request
+from gateway.backends.remote_embed import embed_upstream, task_option
 from gateway.backends.remote_health import Monitor
 from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
 from gateway.backends.remote_openai import (
     completion_chunks,
     open_completion,
+    open_text_completion,
     unconstrained_upstream,
 )
 from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.backends.remote_sent import SentBlocks
+from gateway.backends.remote_text import carried_prompt, is_text_bound, text_bound
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
 from gateway.backends.remote_worker import worker_stream
 from gateway.backends.spec import BackendSpec
@@ -77,7 +98,8 @@ class RemoteBackend:
         self.model_id = spec.served_model_name or spec.model
         if not self.model_id:
             raise ValueError(f"remote backend {spec.name!r} needs `model`: the id clients use")
-        self.upstream_model = self.opts.upstream_model or spec.model or self.model_id
+        self._default_model = spec.model or self.model_id  # the upstream's id, unless told
+        self.task = task_option(spec.name, self.opts.task)
         endpoint = Endpoint.parse(self.opts.url)
         # the address in the name: gateways sharing a database keep apart catalog rows
         self.name = f"{spec.name}@{endpoint.host}:{endpoint.port}"
@@ -93,9 +115,11 @@ class RemoteBackend:
         self.monitor = Monitor(
             self.client,
             self.name,
-            self.upstream_model,
+            self._default_model,
             self.opts.health_interval_s,
             lambda: self._inflight,
+            self.opts.upstream_model,
+            spec.options,
         )
         self.sent = SentBlocks(self.name)  # third-party upstreams: what went where
         self.tokenizer: RemoteTokenizer | None = None
@@ -105,9 +129,17 @@ class RemoteBackend:
         self._started = False
         self.siblings: list[RemoteBackend] = []  # the entry's other replicas
 
+    @property
+    def upstream_model(self) -> str:
+        """The upstream's id of the model: as discovered (remote_discovery.pick_entry)."""
+        info = self.monitor.info
+        return info.model if info else self.opts.upstream_model or self._default_model
+
     async def start(self) -> None:
         """At once when the context length is configured (the watch finds the upstream
-        when it is up); else wait up to start_timeout_s for the upstream to tell it."""
+        when it is up); else wait up to start_timeout_s for the upstream to tell what it
+        is. One that does not answer in time is down, not broken: the watch keeps
+        trying, and /health and its model's 503s say why until it answers."""
         if self._started:
             return
         await self.client.start()
@@ -134,15 +166,9 @@ class RemoteBackend:
             async with asyncio.timeout(self.opts.start_timeout_s):
                 await self.monitor.discovered.wait()
         except TimeoutError:
-            log.error("%s: %s is not usable: %s", self.name, self.opts.url, self.monitor.reason)
-            raise BackendError(
-                f"{self.monitor.reason} (waited {self.opts.start_timeout_s:g} s for the upstream "
-                "to tell its context length; options.context_length starts without it)"
-            ) from None
-        if self._context_length() is None:
-            raise BackendError(
-                f"{self.label}: the upstream does not report max_model_len; "
-                "set options.context_length"
+            log.warning(
+                "%s: %s is down (%s); serving its model once it answers",
+                *(self.name, self.opts.url, self.monitor.reason),
             )
 
     async def stop(self, drain: bool = True) -> None:
@@ -153,23 +179,46 @@ class RemoteBackend:
         self._started = False
 
     def _context_length(self) -> int | None:
+        """Configured, else told by the upstream, else assumed (once it has answered)."""
         info = self.monitor.info
-        return self.opts.context_length or (info.context_length if info else None)
+        if self.opts.context_length or info is None:
+            return self.opts.context_length
+        return info.context_length or ASSUMED_CONTEXT_LENGTH
 
     def models(self) -> list[ModelCard]:
-        return [ModelCard(self.model_id, self.name, self._context_length() or 0)]
+        # an embedding upstream judges `dimensions` itself: the gateway passes it on
+        truncatable = self.task == EMBED
+        card = ModelCard(self.model_id, self.name, self._context_length() or 0)
+        return [dataclasses.replace(card, task=self.task, truncatable=truncatable)]
 
     @property
     def _is_worker(self) -> bool:
         return self.monitor.info is not None and self.monitor.info.worker is not None
 
+    @property
+    def _text_bound(self) -> bool:
+        """A third-party upstream that cannot render chats into token ids for the gateway
+        (no options.tokenizer, no vLLM-shaped /tokenize): prompts go as text, quotas are
+        reserved from a bound (remote_text.py)."""
+        info = self.monitor.info
+        return (
+            self.tokenizer is None
+            and info is not None
+            and info.worker is None
+            and info.found.tokenizer != VLLM
+        )
+
     async def render(
         self, model: str, prompt: PromptInput, tools: list[dict] | None = None
     ) -> list[int]:
         check_model(model, self.model_id)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if not prompt:
+            raise BadRequestError("the prompt must be a string, token ids, or chat messages")
+        if self._text_bound:
+            return text_bound(prompt, tools, model)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        if not prompt or not (isinstance(prompt, str) or all(isinstance(m, dict) for m in prompt)):
+        if not (isinstance(prompt, str) or all(isinstance(m, dict) for m in prompt)):
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         if self.tokenizer is not None and not self._is_worker:
             tokenizer = self.tokenizer
@@ -212,6 +261,13 @@ class RemoteBackend:
         if self.tokenizer is not None and not self._is_worker:
             tok = self.tokenizer.tokenizer
             return await decode_off_loop(tok.decode, token_ids, range(len(tok)))
+        if self._text_bound:
+            text = carried_prompt(token_ids) if is_text_bound(token_ids) else None
+            if not isinstance(text, str):
+                raise BadRequestError(
+                    f"the upstream of model {model!r} does not detokenize for the gateway"
+                )
+            return text
         body = {"model": self.upstream_model, "tokens": token_ids}
         try:
             url = self.client.endpoint.root + "/detokenize"
@@ -257,6 +313,23 @@ class RemoteBackend:
         finally:
             self._inflight -= 1
 
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        """The upstream's /v1/embeddings (remote_embed.py), within first_token_timeout_s."""
+        check_model(req.model, self.model_id)
+        if self.monitor.info is None:
+            raise BackendError(f"{self.label}: the upstream has not answered yet")
+        upstream_req = dataclasses.replace(req, model=self.upstream_model)
+        self._inflight += 1
+        self.monitor.progress()
+        try:
+            timeout_s = self.opts.first_token_timeout_s
+            return await embed_upstream(self.client, upstream_req, self._is_worker, timeout_s)
+        except BackendError as e:
+            self._failed(e)
+            raise
+        finally:
+            self._inflight -= 1
+
     async def _in_time(self, stream: AsyncIterator[GenChunk]) -> AsyncIterator[GenChunk]:
         """`stream` within first_token_timeout_s to its first chunk and request_timeout_s
         in all (the read timeout alone is defeated by a byte now and then)."""
@@ -285,16 +358,18 @@ class RemoteBackend:
         check_model(model, self.model_id)
         if self.tokenizer is not None:
             return await asyncio.to_thread(self.tokenizer.count, text)
-        if local_only:
+        info = self.monitor.info
+        kind = VLLM if info is None or info.worker else info.found.tokenizer
+        if local_only or kind is None:
             return None
-        request = {"model": self.upstream_model, "prompt": text, "add_special_tokens": False}
+        path, request = count_request(kind, self.upstream_model, text)
         body: Any = request
         if len(text) > LARGE_COUNT_CHARS:  # encoding megabytes of JSON would stall the loop
             body = (await asyncio.to_thread(json.dumps, request)).encode()
         timeout_s = self.opts.connect_timeout_s + min(self.opts.read_timeout_s, COUNT_READ_S)
         try:
             data = await self.client.json(
-                "POST", self.client.endpoint.root + "/tokenize", body, timeout_s=timeout_s
+                "POST", self.client.endpoint.root + path, body, timeout_s=timeout_s
             )
         except (BackendError, BadRequestError) as e:
             log.info("%s: cannot count output tokens: %s", self.name, e)
@@ -314,9 +389,12 @@ class RemoteBackend:
         tok = self.tokenizer
         if tok is not None:  # else the upstream's own tokenizer judges (vLLM: a 400)
             req.sampling.check_vocab(len(tok.tokenizer))
-        resp, self._takes_ids = await open_completion(
-            self.client, req, self.upstream_model, self._takes_ids, tok and tok.prompt_text
-        )
+        if is_text_bound(req.prompt_token_ids):
+            resp = await open_text_completion(self.client, req, self.upstream_model)
+        else:
+            resp, self._takes_ids = await open_completion(
+                self.client, req, self.upstream_model, self._takes_ids, tok and tok.prompt_text
+            )
         # the upstream took the prompt: its blocks are likely in its cache now
         hashes = self.sent.hashes(req.prompt_token_ids, req.cache_salt, req.shared_prefix_len)
         self.sent.record(hashes, req.cache_salt, req.shared_prefix_len)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import BackendStats
+from gateway.backends.remote_discovery import Found, announce, pick_entry, positive_int, probe
 from gateway.backends.remote_http import UpstreamClient
 from gateway.backends.remote_worker import WorkerEvents, WorkerInfo, parse_stats
 
@@ -39,23 +41,18 @@ def backoff(interval_s: float, failures: int) -> float:
 
 @dataclass(frozen=True)
 class UpstreamInfo:
-    context_length: int | None  # its max_model_len, if it says
+    model: str  # the upstream's id of the model served (remote_discovery.pick_entry)
+    context_length: int | None  # its max_model_len, or what probing found
     worker: WorkerInfo | None  # None: a third-party server
+    found: Found = Found()  # a third-party server's probed context length and tokenizer
 
 
-def parse_models(data: Any, model: str, label: str) -> UpstreamInfo:
-    """What an upstream's /v1/models says of `model`; BackendError if it does not serve it."""
+def parse_models(data: Any, wanted: str | None, default: str, label: str) -> dict:
+    """The /v1/models entry of the model to use; BackendError if it is not served."""
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise BackendError(f"{label} sent an invalid model list")
-    for e in entries:
-        if isinstance(e, dict) and e.get("id") == model:
-            n = e.get("max_model_len")
-            length = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-            worker = WorkerInfo.parse(e["kvgate"], label) if "kvgate" in e else None
-            return UpstreamInfo(length, worker)
-    served = ", ".join(repr(e.get("id")) for e in entries if isinstance(e, dict)) or "none"
-    raise BackendError(f"{label}: the upstream does not serve {model!r} (it serves {served})")
+    return pick_entry(entries, wanted, default, label)
 
 
 class Monitor:
@@ -69,9 +66,15 @@ class Monitor:
         model: str,
         interval_s: float,
         inflight: Callable[[], int],
+        wanted: str | None = None,
+        configured: dict[str, Any] | None = None,
     ) -> None:
+        """`model`: the id to look for when `wanted` (options.upstream_model) is unset;
+        `configured`: the entry's options, which win over what is discovered."""
         self.client = client
         self.model = model
+        self.wanted = wanted
+        self.configured = configured or {}
         self.interval_s = interval_s
         self.inflight = inflight
         self.healthy = False
@@ -176,8 +179,19 @@ class Monitor:
     async def _discover(self, timeout_s: float) -> None:
         url = self.client.endpoint.base + "/models"
         data = await self.client.json("GET", url, timeout_s=timeout_s)
-        self.info = parse_models(data, self.model, self.client.label)
-        worker = self.info.worker
+        label = self.client.label
+        entry = parse_models(data, self.wanted, self.model, label)
+        worker = WorkerInfo.parse(entry["kvgate"], label) if "kvgate" in entry else None
+        previous = self.info
+        found = previous.found if previous and previous.model == entry["id"] else None
+        if worker is None and found is None:  # a new upstream (or model): ask it once
+            found = await probe(self.client, entry["id"], timeout_s)
+        found = found or Found()
+        if (length := positive_int(entry.get("max_model_len"))) is not None:
+            found = dataclasses.replace(found, context_length=length, context_from="/v1/models")
+        self.info = UpstreamInfo(entry["id"], found.context_length, worker, found)
+        if worker is None and (previous is None or previous.model != entry["id"]):
+            announce(self._name, entry["id"], found, self.configured)
         if worker is not None and worker.prefix_events and not self._polling_events:
             self._polling_events = True
             self._tasks.append(asyncio.create_task(self._poll_events()))

@@ -31,6 +31,7 @@ from gateway.backends.remote_http import (
     parse_json_line,
     stream_error,
 )
+from gateway.backends.remote_text import carried_prompt, chat_body
 
 log = logging.getLogger("kvgate.remote")
 
@@ -116,6 +117,25 @@ async def open_completion(
     return resp, as_ids
 
 
+async def open_text_completion(
+    client: UpstreamClient, req: GenRequest, model: str
+) -> aiohttp.ClientResponse:
+    """The 200 response of the streamed request for a text-bound prompt: a string to
+    /completions, a chat to /chat/completions (the upstream applies its own template)."""
+    prompt = carried_prompt(req.prompt_token_ids)
+    body = completion_body(req, model, prompt if isinstance(prompt, str) else "")
+    url = client.endpoint.base + "/completions"
+    if not isinstance(prompt, str):
+        body, url = chat_body(body, prompt), client.endpoint.base + "/chat/completions"
+    resp = await client.request("POST", url, body)
+    if resp.status != 200:
+        try:
+            await client.raise_for(resp)
+        finally:
+            resp.close()
+    return resp
+
+
 async def completion_chunks(
     client: UpstreamClient, resp: aiohttp.ClientResponse, top: int
 ) -> AsyncIterator[GenChunk]:
@@ -170,12 +190,38 @@ async def _sse_data(lines: AsyncIterator[bytes], label: str) -> AsyncIterator[st
 
 
 def _choice(choice: Any, label: str, top: int) -> tuple[str, list[TokenLogprob] | None, str | None]:
-    if not isinstance(choice, dict) or not isinstance(choice.get("text") or "", str):
+    """A completion's choice, or a chat completion's (its delta's content; its
+    logprobs' `content` list read as the completions' parallel lists)."""
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    text = choice.get("text") if isinstance(choice, dict) else None
+    logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+    if isinstance(delta, dict):
+        text = delta.get("content")
+        logprobs = _chat_logprobs(logprobs)
+    if not isinstance(choice, dict) or not isinstance(text or "", str):
         raise BackendError(f"{label} sent an invalid completion choice")
     reason = choice.get("finish_reason")
     if reason is not None:
         reason = "length" if reason == "length" else "stop"  # eos, stop string, stop id
-    return choice.get("text") or "", _logprobs(choice.get("logprobs"), top), reason
+    return text or "", _logprobs(logprobs, top), reason
+
+
+def _chat_logprobs(data: Any) -> dict[str, list] | None:
+    """The chat API's logprobs ({"content": [{token, logprob, top_logprobs}]}) in the
+    completions API's shape."""
+    items = data.get("content") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        return None
+    items = [i for i in items if isinstance(i, dict)]
+    tops = [i.get("top_logprobs") if isinstance(i.get("top_logprobs"), list) else [] for i in items]
+    return {
+        "tokens": [i.get("token") for i in items],
+        "token_logprobs": [i.get("logprob") for i in items],
+        "top_logprobs": [
+            {t["token"]: t.get("logprob") for t in top if isinstance(t, dict) and _str(t)}
+            for top in tops
+        ],
+    }
 
 
 def _usage(data: Any) -> Usage | None:
@@ -187,6 +233,10 @@ def _usage(data: Any) -> Usage | None:
     if not all(_count(n) for n in (prompt, completion)):
         return None
     return Usage(prompt, completion, cached if _count(cached) else 0)
+
+
+def _str(entry: dict) -> bool:
+    return isinstance(entry.get("token"), str)
 
 
 def _count(n: Any) -> bool:

@@ -65,19 +65,43 @@ class Router:
             self.serving.setdefault(card.id, []).append(backend)
 
     def card(self, model: str) -> ModelCard | None:
-        return self.cards.get(model)
+        """The model's card. One without a context length yet (a remote upstream that
+        was down at start tells it once it answers) is read again from its replicas."""
+        card = self.cards.get(model)
+        if card is not None and not card.context_length:
+            for b in self.serving.get(model, []):
+                if b.name not in self.broken:
+                    fresh = [c for c in b.models() if c.id == model and c.context_length]
+                    if fresh:
+                        self.cards[model] = card = fresh[0]
+                        break
+        return card
 
     def candidates(self, model: str) -> list[Candidate]:
         """The healthy replicas serving `model`, each asked for its stats once;
-        BackendError when there is none."""
-        healthy = []
+        BackendError, with each replica's reason, when there is none."""
+        healthy, reasons = [], []
         for b in self.serving.get(model, []):
-            if b.name not in self.broken and (s := b.stats()).healthy:
+            if b.name in self.broken:
+                reasons.append(self.broken[b.name])
+            elif (s := b.stats()).healthy:
                 healthy.append(Candidate(b, s))
+            else:  # the adapter's own words for clients (a remote one names no address)
+                reasons.append(str(s.extra.get("error") or f"backend {b.name} is unhealthy"))
         if not healthy:
-            reasons = "; ".join(self.broken.values()) or "no healthy backend"
-            raise BackendError(f"no backend can serve {model!r} right now ({reasons})")
+            why = "; ".join(dict.fromkeys(reasons)) or "no healthy backend"
+            raise BackendError(f"no backend can serve {model!r} right now ({why})")
         return healthy
+
+    def down(self, backends: list[Backend]) -> dict[str, str]:
+        """Each of `backends` that cannot serve now, and why."""
+        out = {}
+        for b in backends:
+            if b.name in self.broken:
+                out[b.name] = self.broken[b.name]
+            elif not (s := b.stats()).healthy:
+                out[b.name] = str(s.extra.get("error") or "unhealthy")
+        return out
 
     def pick(self, model: str, block_hashes: list[str] | None = None) -> Backend:
         """The replica for a prompt whose full blocks hash to `block_hashes`."""

@@ -228,6 +228,9 @@ class StatsSnapshot(Body):
 
 class Health(Body):
     status: Literal["ok"]
+    down: dict[str, str] = Field(
+        description="the backends (by name) that cannot serve now, and why; empty when all can"
+    )
 
 
 class Readiness(Body):

@@ -67,7 +67,10 @@ class Job:
 
     @property
     def prompt_tokens(self) -> int:
-        # A prompt counts once however many choices it has (as OpenAI counts it).
+        # A prompt counts once however many choices it has (as OpenAI counts it), as its
+        # meter settles it (a text-bound prompt: by the backend's usage, within the bound)
+        if self.meters:
+            return sum(m.prompt for m in self.meters[:: self.n])
         return sum(len(r.prompt_token_ids) for r in self.requests[:: self.n])
 
     @property

@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.backends import GenChunk, GenRequest, TokenLogprob, Usage
+from gateway.backends import GenChunk, GenRequest, TokenLogprob, Usage, is_text_bound
 
 log = logging.getLogger("kvgate")
 
@@ -53,11 +53,23 @@ class ChoiceMeter:
     claim: Usage | None = None  # the backend's usage, once taken
     refused: str | None = None  # why the backend's usage was not taken
     finished: bool = False  # the last chunk went out (a finish reason, or a cut)
+    # the prompt's length is an upper bound, not a count (a text-bound prompt for an
+    # upstream the gateway cannot tokenize for): the backend's claim settles it
+    prompt_bound: bool = False
 
     @classmethod
     def of(cls, req: GenRequest) -> ChoiceMeter:
         sp = req.sampling
-        return cls(req.request_id, sp.max_tokens, sp.logprobs, len(req.prompt_token_ids))
+        ids = req.prompt_token_ids
+        return cls(
+            req.request_id, sp.max_tokens, sp.logprobs, len(ids), prompt_bound=is_text_bound(ids)
+        )
+
+    @property
+    def prompt(self) -> int:
+        """The prompt's tokens as billed: the gateway's count, or the backend's claim
+        where the gateway's is only a bound and the claim is within it."""
+        return self.claim.prompt_tokens if self.claim is not None else self.prompt_tokens
 
     @property
     def delivered(self) -> int:
@@ -112,7 +124,13 @@ class ChoiceMeter:
                 self._claim(chunk.usage)
             usage = self.claim
         return GenChunk(
-            [*chunk.token_ids], chunk.text, chunk.finish_reason, usage, logprobs, prompt_logprobs
+            [*chunk.token_ids],
+            chunk.text,
+            chunk.finish_reason,
+            usage,
+            logprobs,
+            prompt_logprobs,
+            chunk.stop_sequence,
         )
 
     def _logprobs(self, items: list[TokenLogprob] | None, ids: int) -> list[TokenLogprob] | None:
@@ -127,8 +145,11 @@ class ChoiceMeter:
         return lp if len(lp.top) <= top else TokenLogprob(lp.token, lp.logprob, lp.top[:top])
 
     def _claim(self, usage: Usage) -> None:
-        if not 0 <= usage.cached_tokens <= self.prompt_tokens:
-            why = f"cached_tokens {usage.cached_tokens} outside [0, {self.prompt_tokens}]"
+        prompt = self.prompt_tokens
+        if self.prompt_bound and 0 < usage.prompt_tokens <= prompt:
+            prompt = usage.prompt_tokens
+        if not 0 <= usage.cached_tokens <= prompt:
+            why = f"cached_tokens {usage.cached_tokens} outside [0, {prompt}]"
         elif not self.delivered <= usage.completion_tokens <= self.max_tokens:
             why = (
                 f"completion_tokens {usage.completion_tokens} outside "
@@ -138,7 +159,7 @@ class ChoiceMeter:
             why = f"counted_by {usage.counted_by!r}"
         else:
             c = usage.completion_tokens
-            self.claim = Usage(self.prompt_tokens, c, usage.cached_tokens, usage.counted_by)
+            self.claim = Usage(prompt, c, usage.cached_tokens, usage.counted_by)
             return
         self.refuse(why)
 

@@ -123,7 +123,7 @@ async def _call(gw, doc, method, path, key=ADMIN_KEY, status=200, body=None, rou
 
 
 async def test_responses_are_as_documented(gw, doc):
-    assert (await _call(gw, doc, "GET", "/health", key=None)) == {"status": "ok"}
+    assert (await _call(gw, doc, "GET", "/health", key=None)) == {"status": "ok", "down": {}}
     await _call(gw, doc, "GET", "/ready", key=None)
     tenant = await _call(gw, doc, "POST", "/admin/tenants", status=201, body={"name": "acme"})
     t = f"/admin/tenants/{tenant['id']}"

@@ -23,6 +23,7 @@ import pytest
 
 from gateway.backends.default_model import default_model_path
 from tests.conftest import LiveGateway, free_port, start_gateway
+from tests.gateway.upstream_servers import llama_cpp_python_server
 
 MODEL = "remote-model"
 TOKEN = "worker-token-" + "x" * 20
@@ -137,42 +138,8 @@ def usage_rows(tmp_path: Path, tenant_id: str) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory) -> Iterator[str]:
-    """llama-cpp-python's own server on the default GGUF. interrupt_requests off: by
-    default it cuts a stream whenever another request arrives."""
-    port, log = free_port(), tmp_path_factory.mktemp("llama") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(default_model_path()),
-        "--model_alias",
-        MODEL,
-        "--n_ctx",
-        "2048",
-        "--n_threads",
-        "1",
-        "--interrupt_requests",
-        "False",
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        assert proc.poll() is None, log.read_text()
-        try:
-            return httpx.get(url + "/v1/models").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(up, "llama_cpp.server answers", timeout=120)
+    with llama_cpp_python_server(tmp_path_factory.mktemp("llama"), MODEL) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,140 @@
+"""What a third-party upstream tells about itself, so that a remote entry works from its
+URL alone: the model id it serves, its context length and the endpoint that tokenizes
+for it. Each server says it in its own place:
+
+- the model id: /v1/models (the entry's `model` if served, else the only model served);
+- the context length: vLLM's and SGLang's `max_model_len` in /v1/models, llama.cpp's
+  llama-server `/props` (`default_generation_settings.n_ctx`), Ollama's `/api/show`
+  (`model_info.<architecture>.context_length`); llama-cpp-python's server tells none;
+- a tokenizer: vLLM's `/tokenize` (prompt or chat in, token ids out), llama-server's
+  `/tokenize` (`content` in: text only), llama-cpp-python's `/extras/tokenize` (`input`).
+
+The entry's options win over anything found. What is found, and what is assumed where
+nothing is, is logged once per upstream (`kvgate serve` prints it at start).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engine_api.errors import BackendError, BadRequestError
+from gateway.backends.remote_http import UpstreamClient
+
+log = logging.getLogger("kvgate.remote")
+
+# the context length assumed for an upstream that tells none (options.context_length
+# sets it): requests past the real one get the upstream's own context error
+ASSUMED_CONTEXT_LENGTH = 8192
+VLLM, LLAMA_SERVER, LLAMA_CPP_PYTHON = "/tokenize", "/tokenize (llama-server)", "/extras/tokenize"
+
+
+@dataclass(frozen=True)
+class Found:
+    """What probing an upstream found; None where it told nothing."""
+
+    context_length: int | None = None
+    context_from: str = ""  # where the context length was read
+    tokenizer: str | None = None  # VLLM, LLAMA_SERVER or LLAMA_CPP_PYTHON
+
+
+def pick_entry(entries: list[Any], wanted: str | None, default: str, label: str) -> dict:
+    """The /v1/models entry of the model to use: `wanted` (options.upstream_model), else
+    `default` (the entry's model) if served, else the only model served."""
+    served = [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    for name in (wanted, default):
+        match = [e for e in served if e["id"] == name]
+        if match:
+            return match[0]
+        if wanted is not None:  # configured: nothing else will do
+            break
+    names = ", ".join(repr(e["id"]) for e in served) or "none"
+    if wanted is None and len(served) == 1:
+        return served[0]
+    why = f"it serves {names}"
+    if wanted is None and len(served) > 1:
+        why += "; set options.upstream_model to one of them"
+    raise BackendError(f"{label}: the upstream does not serve {wanted or default!r} ({why})")
+
+
+def positive_int(n: Any) -> int | None:
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+async def probe(client: UpstreamClient, model: str, timeout_s: float) -> Found:
+    """The context length and the tokenizer endpoint of a third-party upstream serving
+    `model`, from whichever of the known endpoints answers."""
+
+    async def ask(method: str, path: str, body: Any = None) -> dict | None:
+        try:
+            data = await client.json(method, client.endpoint.root + path, body, timeout_s=timeout_s)
+        except (BackendError, BadRequestError):
+            return None  # not this kind of server
+        return data if isinstance(data, dict) else None
+
+    length, source, tokenizer = None, "", None
+    props = await ask("GET", "/props")
+    if props is not None:  # llama.cpp's llama-server
+        settings = props.get("default_generation_settings")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else props.get("n_ctx")
+        if (length := positive_int(n_ctx)) is not None:
+            source = "/props n_ctx"
+        if _tokens(await ask("POST", "/tokenize", {"content": "hello"})):
+            tokenizer = LLAMA_SERVER
+    if length is None:
+        show = await ask("POST", "/api/show", {"model": model})  # Ollama
+        info = show.get("model_info") if show else None
+        for key, value in info.items() if isinstance(info, dict) else ():
+            if key.endswith(".context_length") and (length := positive_int(value)):
+                source = f"/api/show {key}"
+                break
+    if tokenizer is None and _tokens(
+        await ask("POST", "/tokenize", {"model": model, "prompt": "hello"})
+    ):
+        tokenizer = VLLM
+    if tokenizer is None and _tokens(await ask("POST", "/extras/tokenize", {"input": "hello"})):
+        tokenizer = LLAMA_CPP_PYTHON
+    return Found(length, source, tokenizer)
+
+
+def _tokens(data: dict | None) -> list[int] | None:
+    """The token ids of a tokenize answer (every server above says `tokens`)."""
+    tokens = data.get("tokens") if data else None
+    ok = isinstance(tokens, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    )
+    return tokens if ok and tokens else None
+
+
+def count_request(kind: str, model: str, text: str) -> tuple[str, dict[str, Any]]:
+    """The path and body that count `text` (no special tokens added, where the server
+    lets one say so) on a tokenizer endpoint of `kind`."""
+    if kind == LLAMA_SERVER:
+        return "/tokenize", {"content": text, "add_special": False}
+    if kind == LLAMA_CPP_PYTHON:
+        return "/extras/tokenize", {"input": text, "model": model}
+    return "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}
+
+
+def announce(name: str, model: str, found: Found, configured: dict[str, Any]) -> None:
+    """One line per upstream: what was discovered, what was configured, what assumed."""
+    length = configured.get("context_length")
+    if length is not None:
+        context = f"context length {length} (configured)"
+    elif found.context_length is not None:
+        context = f"context length {found.context_length} (from {found.context_from})"
+    else:
+        context = f"context length {ASSUMED_CONTEXT_LENGTH} (assumed: the upstream tells none)"
+    if configured.get("tokenizer"):
+        tokens = f"tokenizer {configured['tokenizer']!r} (configured)"
+    elif found.tokenizer == VLLM:
+        tokens = "tokenizer: the upstream's /tokenize (exact quotas)"
+    else:
+        via = f"; output counted by its {found.tokenizer}" if found.tokenizer else ""
+        tokens = (
+            "no tokenizer for chats: quotas reserved from the prompt's UTF-8 bytes and "
+            f"settled from the upstream's usage{via}"
+        )
+    source = "configured" if configured.get("upstream_model") else "discovered"
+    log.info("%s: model %r (%s), %s, %s", name, model, source, context, tokens)

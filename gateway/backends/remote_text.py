@@ -1,0 +1,74 @@
+"""Serving an upstream whose tokenizer the gateway cannot use (llama-cpp-python's server
+renders chat with a template it does not publish; a bare OpenAI-compatible server may
+tokenize nothing at all): the prompt travels as text, quotas are reserved from a bound.
+
+The gateway needs token ids before it picks a replica (quota, context check, prefix
+hashes). For such an upstream `render` returns a *text-bound prompt*: MARGIN marker ids
+followed by the UTF-8 bytes of the prompt (a string) or of the chat as JSON (messages
+and tools). Its length bounds the tokens any tokenizer makes of it: every token of a
+byte-level BPE or a SentencePiece vocabulary (with byte fallback) covers at least one
+byte of the text, so a text has at most as many tokens as bytes; a chat template adds
+a few special tokens per turn, fewer than the JSON's bytes for the turn (`{"role":"",
+"content":""}` is 25 bytes), and BOS, the generation prompt or a default system prompt
+(Llama 3.1's date lines, Qwen's "You are Qwen...": about 25 tokens) fit in the margin.
+The ids carry the prompt itself, so any replica of the entry can send it, and the
+prefix router hashes them as it hashes token ids: by the prompt's leading bytes, as
+SGLang's router routes by characters. The upstream's `usage` settles the prompt's
+real count (gateway.serving.metering takes it where it is within the bound).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine_api.errors import BadRequestError
+from engine_api.records import PromptInput
+from gateway.backends.tool_prompt import plain_tool_turns
+
+MARGIN = 64  # marker ids before the bytes: the template's tokens beyond the JSON's bytes
+TEXT_MARK = 256  # a string prompt (byte values are 0..255: the marks are not bytes)
+CHAT_MARK = 257  # a chat, as JSON
+
+
+def text_bound(prompt: PromptInput, tools: list[dict] | None, model: str) -> list[int]:
+    """The text-bound prompt of a string or a chat; a 400 for token ids, which mean
+    nothing without the upstream's tokenizer."""
+    if isinstance(prompt, str):
+        return [TEXT_MARK] * MARGIN + list(prompt.encode())
+    if all(isinstance(m, dict) for m in prompt):
+        # the gateway's own tool-call format, as for a template without tools: the
+        # calls come back as <tool_call> blocks the gateway reads, whatever the server
+        messages = plain_tool_turns(list(prompt), tools) if tools else list(prompt)
+        data = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+        return [CHAT_MARK] * MARGIN + list(data.encode())
+    raise BadRequestError(
+        f"the upstream of model {model!r} does not tokenize for the gateway, so a prompt "
+        "of token ids cannot be sent to it; send text, or set the entry's options.tokenizer"
+    )
+
+
+def is_text_bound(ids: list[int]) -> bool:
+    """Whether `ids` are a text-bound prompt (their length an upper bound, not a count)."""
+    return (
+        len(ids) >= MARGIN
+        and ids[0] in (TEXT_MARK, CHAT_MARK)
+        and all(i == ids[0] for i in ids[1:MARGIN])
+    )
+
+
+def carried_prompt(ids: list[int]) -> str | list[dict[str, Any]]:
+    """The string or the chat messages a text-bound prompt carries."""
+    text = bytes(ids[MARGIN:]).decode()
+    return text if ids[0] == TEXT_MARK else json.loads(text)
+
+
+def chat_body(completion: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A /chat/completions body from the /completions body of the same request: the
+    sampling fields are the same (vLLM, SGLang, llama.cpp's servers read them on both);
+    logprobs are asked for in the chat API's way."""
+    body = {k: v for k, v in completion.items() if k not in ("prompt", "logprobs")}
+    body["messages"] = messages
+    if completion.get("logprobs") is not None:
+        body |= {"logprobs": True, "top_logprobs": completion["logprobs"]}
+    return body
