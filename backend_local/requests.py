@@ -27,6 +27,7 @@ class RequestOutput:
     # the first output of a request with SamplingParams.prompt_logprobs: one per prompt
     # token, None for the first (nothing comes before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass

@@ -16,20 +16,22 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # decoded text not emitted yet: it may be the start of a stop string
 
-    def add(self, piece: bytes) -> tuple[str, bool]:
-        """Feed one token's bytes; returns (text to emit now, whether a stop string matched)."""
+    def add(self, piece: bytes) -> tuple[str, str | None]:
+        """Feed one token's bytes; returns (text to emit now, the stop string that
+        matched, if one did: the earliest in the text)."""
         self._held += self._decoder.decode(piece)
         if not self.stop:
             text, self._held = self._held, ""
-            return text, False
-        hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0]
+            return text, None
+        hits = [(i, s) for s in self.stop if (i := self._held.find(s)) >= 0]
         if hits:
-            text, self._held = self._held[: min(hits)], ""
-            return text, True
+            at, stop = min(hits, key=lambda hit: hit[0])
+            text, self._held = self._held[:at], ""
+            return text, stop
         keep = self._partial_stop_len()
         text = self._held[: len(self._held) - keep]
         self._held = self._held[len(self._held) - keep :]
-        return text, False
+        return text, None
 
     def flush(self) -> str:
         """The rest of the text when generation ends for another reason than a stop string."""

@@ -335,12 +335,12 @@ class Worker:
         logprobs = None
         if params.logprobs is not None:
             logprobs = [token_logprob(raw, token, params.logprobs)]
-        finish = None
+        finish = stop = None
         if self.model.is_eog(token) or token in params.stop_token_ids:
             finish, text = "stop", slot.stream.flush()
         else:
-            text, hit_stop = slot.stream.add(self.model.piece(token))
-            if hit_stop:
+            text, stop = slot.stream.add(self.model.piece(token))
+            if stop is not None:
                 finish = "stop"
             elif len(slot.output_ids) >= params.max_tokens:
                 finish, text = "length", text + slot.stream.flush()
@@ -351,6 +351,7 @@ class Worker:
             finish,
             logprobs=logprobs,
             prompt_logprobs=slot.prompt_logprobs,
+            stop_sequence=stop,
         )
         slot.prompt_logprobs = None  # the first output carries them
         if finish is None:

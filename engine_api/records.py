@@ -73,6 +73,9 @@ class GenChunk(Record):
     # the first chunk of a request with SamplingParams.prompt_logprobs: one per prompt
     # token, None for the first (nothing comes before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # the last chunk of a request a stop string ended (finish_reason "stop"): that string
+    # (Anthropic's stop_sequence); None for an end of sequence or a stop token
+    stop_sequence: str | None = None
 
 
 @dataclass

@@ -51,7 +51,10 @@ class GatewayState:
 
     async def authenticate(self, request: web.Request, scope: str = "inference") -> Principal:
         try:
-            principal = await self.auth.authenticate(request.headers.get("Authorization"))
+            authorization = request.headers.get("Authorization")
+            if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
+                authorization = "Bearer " + request.headers["x-api-key"]
+            principal = await self.auth.authenticate(authorization)
         except AuthError as e:
             raise ApiError(401, str(e), code="invalid_api_key") from None
         if scope not in principal.scopes:

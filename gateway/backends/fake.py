@@ -172,11 +172,11 @@ class FakeBackend:
                 token_id = WORD_ID_BASE + word_index
                 piece = ("" if i == 0 else " ") + WORDS[word_index]
                 text += piece
-                stop_at = _first_stop(text, sp.stop) if sp.stop else None
+                stop = _first_stop(text, sp.stop) if sp.stop else None
                 logprobs = _logprobs(WORDS[word_index], sp.logprobs)
-                if stop_at is not None:
+                if stop is not None:
                     finished = True
-                    keep = len(piece) - (len(text) - stop_at)
+                    keep = len(piece) - (len(text) - stop[0])
                     yield GenChunk(
                         [token_id],
                         piece[: max(keep, 0)],
@@ -229,6 +229,7 @@ class FakeBackend:
 
     def _start(self, req: GenRequest) -> int:
         seed = req.sampling.seed if req.sampling.temperature > 0 else None
+                        stop_sequence=stop[1],
         return zlib.crc32(f"{req.prompt_token_ids[-8:]}|{seed}".encode())
 
     def _match_prefix(self, ids: list[int], salt: str | None) -> int:
@@ -250,9 +251,10 @@ def _words(token_ids: list[int]) -> str:
     return " ".join(WORDS[t - WORD_ID_BASE] for t in token_ids)
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the earliest stop string in `text` begins, and which it is."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found, key=lambda hit: hit[0]) if found else None
 
 
 def _logprobs(word: str, n: int | None) -> list[TokenLogprob] | None:

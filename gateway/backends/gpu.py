@@ -140,6 +140,8 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             running=s.running,
             waiting=s.waiting,
             kv_usage=s.kv_usage,
+            # vLLM's stop_reason: the stop string, or the stop token id that ended it
+            out.stop_reason if isinstance(out.stop_reason, str) else None,
             prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits,
             preemptions=s.preemptions,

@@ -56,6 +56,7 @@ class Output:
     usage: Usage | None
     logprobs: list[Any] | None
     prompt_logprobs: list[Any | None] | None
+    stop_sequence: str | None = None  # the stop string that ended the request
 
 
 class InProcessBackend(ABC, Generic[E]):
@@ -159,5 +160,11 @@ class InProcessBackend(ABC, Generic[E]):
         if out.prompt_logprobs is not None:  # the first output only; None for the first token
             prompt_logprobs = [None if lp is None else as_text(lp) for lp in out.prompt_logprobs]
         return GenChunk(
-            out.token_ids, out.text, out.finish_reason, out.usage, logprobs, prompt_logprobs
+            out.token_ids,
+            out.text,
+            out.finish_reason,
+            out.usage,
+            logprobs,
+            prompt_logprobs,
+            out.stop_sequence,
         )

@@ -91,6 +91,7 @@ class LocalBackend(InProcessBackend[LocalEngine]):
             usage,
             out.logprobs,
             out.prompt_logprobs,
+            out.stop_sequence,
         )
 
     def block_hashes(

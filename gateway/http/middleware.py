@@ -1,6 +1,7 @@
 """The middleware every kvgate HTTP app runs (the gateway's and a worker's): every
-failure leaves as OpenAI-shaped JSON, a database outage as a 503 to retry, and a URL
-with a control character is refused before a handler can send it to the database.
+failure leaves as JSON in its route's API's shape (OpenAI's; Anthropic's on
+/v1/messages), a database outage as a 503 to retry, and a URL with a control character
+is refused before a handler can send it to the database.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import re
 from aiohttp import web
 
 from gateway.db import is_outage
-from gateway.http.errors import ApiError, error_body
+from gateway.http.errors import ApiError, error_body_for
 from gateway.http.util import json_response
 
 log = logging.getLogger("kvgate")
@@ -25,24 +26,27 @@ DATABASE_UNAVAILABLE = ApiError(
 
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every error leaves as OpenAI-shaped JSON, aiohttp's own (404, 405, 413) included."""
+    """Every error leaves as JSON in its route's shape, aiohttp's own (404, 405, 413)
+    included."""
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response()
+        return e.response(request.path)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
         # keep what the exception says in headers (Allow on a 405), not its text type
         headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
-        return json_response(error_body(e.status, message), status=e.status, headers=headers)
+        status, body = error_body_for(request.path, e.status, message)
+        return json_response(body, status=status, headers=headers)
     except Exception as e:
         if is_outage(e):
             log.warning("database unavailable on %s %s: %s", request.method, request.path, e)
-            return DATABASE_UNAVAILABLE.response()
+            return DATABASE_UNAVAILABLE.response(request.path)
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_response(error_body(500, "Internal server error."), status=500)
+        status, body = error_body_for(request.path, 500, "Internal server error.")
+        return json_response(body, status=status)
 
 
 @web.middleware

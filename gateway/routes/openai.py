@@ -84,7 +84,7 @@ async def tokenize(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, TokenizeRequest)
     card = model_card(gw, principal, body.model)
-    tokens = await _on_a_replica(
+    tokens = await on_a_replica(
         gw, body.model, lambda b: b.render(body.model, body.rendered(), body.tool_dicts())
     )
     return json_response(
@@ -97,11 +97,11 @@ async def detokenize(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, DetokenizeRequest)
     model_card(gw, principal, body.model)
-    text = await _on_a_replica(gw, body.model, lambda b: b.detokenize(body.model, body.tokens))
+    text = await on_a_replica(gw, body.model, lambda b: b.detokenize(body.model, body.tokens))
     return json_response({"prompt": text})
 
 
-async def _on_a_replica(gw: GatewayState, model: str, call: Callable[[Backend], Awaitable[T]]) -> T:
+async def on_a_replica(gw: GatewayState, model: str, call: Callable[[Backend], Awaitable[T]]) -> T:
     """`call` on the first healthy replica of `model` that answers (a remote one may have
     just died); the last one's error is the client's."""
     try:

@@ -19,6 +19,8 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from gateway.http.errors import is_anthropic
+from gateway.schemas import messages_responses as am
 from gateway.schemas import responses as m
 from gateway.schemas import responses_admin as a
 from gateway.schemas.admin import (
@@ -36,6 +38,7 @@ from gateway.schemas.inference import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from gateway.schemas.messages import CountTokensRequest, MessagesRequest
 from gateway.state import GW
 
 REF = "#/components/schemas/{model}"
@@ -51,6 +54,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     KeyUpdate,
     TokenizeRequest,
     DetokenizeRequest,
+    MessagesRequest,
+    CountTokensRequest,
 )
 _ERRORS = {
     400: "The request is malformed or breaks a rule (the body, a parameter, the URL).",
@@ -83,6 +88,8 @@ _SUMMARIES = {
     "get /v1/models": "The models this key may use.",
     "post /tokenize": "A prompt or chat as the token ids a completion gets (vLLM's); not billed.",
     "post /detokenize": "Token ids back to text (vLLM's); not billed.",
+    "post /v1/messages": "Create a message (Anthropic's Messages API); errors in its shape.",
+    "post /v1/messages/count_tokens": "The input tokens of a Messages request; not billed.",
     "post /v1/prefixes": "Pin a system prompt for the key's tenant.",
     "get /v1/prefixes": "The tenant's pins and the published ones.",
     "delete /v1/prefixes/{name}": "Unpin one of the tenant's prefixes.",
@@ -121,6 +128,7 @@ _STREAM = {"stream": True, "stream_options": {"include_usage": True}}
 _MESSAGES = {"messages": [{"role": "user", "content": "Say hello."}]}
 _CHAT = {"model": ""} | _MESSAGES | {"max_tokens": 8}
 _TEXT = {"model": "", "prompt": "Once upon a time", "max_tokens": 8}
+_ANTHROPIC = {"model": ""} | _MESSAGES
 _PIN = {"name": "support", "text": "You are a helpful support agent.", "model": ""}
 EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     ChatCompletionRequest: (_CHAT, _CHAT | _STREAM),
@@ -133,6 +141,11 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     KeyUpdate: ({"rpm": 120, "daily_tokens": None},),
     TokenizeRequest: ({"model": "", "prompt": "Once upon a time"}, {"model": ""} | _MESSAGES),
     DetokenizeRequest: ({"model": "", "tokens": [1, 2, 3]},),
+    MessagesRequest: (
+        _ANTHROPIC | {"max_tokens": 8},
+        _ANTHROPIC | {"max_tokens": 8, "stream": True},
+    ),
+    CountTokensRequest: (_ANTHROPIC | {"system": "Be brief."},),
 }
 
 
@@ -170,6 +183,7 @@ def _routes() -> list[Route]:
     error = m.ErrorResponse  # a stream that fails after its 200 ends with one
     chat = _json(m.ChatCompletion) | _events(m.ChatCompletionChunk, m.ChatUsageChunk, error)
     text = _json(m.TextCompletion) | _events(m.TextCompletionChunk, m.TextUsageChunk, error)
+    reply = _json(am.MessageReply) | _events(*am.STREAM_EVENTS)
     whole = {"application/json": {"schema": {"type": "object"}}}
     return [
         Route("post /v1/chat/completions", chat, ChatCompletionRequest, errors=COMPLETE),
@@ -177,6 +191,13 @@ def _routes() -> list[Route]:
         Route("get /v1/models", _json(m.ModelList)),
         Route("post /tokenize", _json(m.Tokens), TokenizeRequest, errors=TOKENS),
         Route("post /detokenize", _json(m.Detokenized), DetokenizeRequest, errors=TOKENS),
+        Route("post /v1/messages", reply, MessagesRequest, errors=COMPLETE),
+        Route(
+            "post /v1/messages/count_tokens",
+            _json(am.MessageTokens),
+            CountTokensRequest,
+            errors=TOKENS,
+        ),
         Route("post /v1/prefixes", _json(a.PrefixCreated), PinCreate, 201, PIN),
         Route("get /v1/prefixes", _json(a.PrefixList)),
         Route("delete /v1/prefixes/{name}", _json(a.PrefixDeleted), errors=LOOKUP),
@@ -222,7 +243,7 @@ def _response_models() -> list[type[BaseModel]]:
     along by $ref anyway); one module's imports from the other are not counted twice."""
     return [
         v
-        for module in (m, a)
+        for module in (m, a, am)
         for v in vars(module).values()
         if isinstance(v, type)
         and issubclass(v, m.Body)
@@ -243,8 +264,9 @@ def _operation(route: Route, model: str) -> tuple[str, str, dict[str, Any]]:
     responses = {str(route.status): {"description": "Success.", "content": route.ok}}
     if path == "/ready":  # not ready is no error: the same body, with ready false
         responses["503"] = {"description": "Not ready.", "content": route.ok}
-    for code in route.errors:
-        responses[str(code)] = {"$ref": f"#/components/responses/E{code}"}
+    for code in route.errors:  # Anthropic's routes: its shape, and 529 for a 503
+        shape, code = ("A", 529 if code == 503 else code) if is_anthropic(path) else ("E", code)
+        responses[str(code)] = {"$ref": f"#/components/responses/{shape}{code}"}
     op: dict[str, Any] = {
         "operationId": method + re.sub(r"[^A-Za-z0-9]+", "_", path).rstrip("_"),
         "summary": _SUMMARIES[route.route],
@@ -289,6 +311,8 @@ def _tag(path: str) -> str:
         return "prefixes"
     if path.startswith("/admin/"):
         return "admin"
+    if is_anthropic(path):
+        return "anthropic"
     return "openai" if path.startswith("/v1/") or path.endswith("tokenize") else "health"
 
 
@@ -299,19 +323,24 @@ def build_document(model: str = "MODEL") -> dict[str, Any]:
         method, path, op = _operation(route, model)
         paths.setdefault(path, {})[method] = op
     error = {"application/json": {"schema": _ref(m.ErrorResponse)}}
+    anthropic = {"application/json": {"schema": _ref(am.AnthropicError)}}
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "kvgate",
             "version": VERSION,
             "description": "A multi-tenant, OpenAI-compatible LLM gateway. Every error "
-            "is OpenAI's error object.",
+            "is OpenAI's error object; on /v1/messages, Anthropic's.",
         },
         "paths": paths,
         "components": {
             "schemas": _schemas(),
             "responses": {
                 f"E{code}": {"description": text, "content": error}
+                for code, text in _ERRORS.items()
+            }
+            | {
+                f"A{529 if code == 503 else code}": {"description": text, "content": anthropic}
                 for code, text in _ERRORS.items()
             },
             "securitySchemes": {

@@ -1,0 +1,147 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, for the
+clients (coding agents above all) that speak it.
+
+A Messages body is translated into the chat completion it means
+(gateway.schemas.messages) and served as one: admitted, metered, limited and billed by
+the same Job as /v1/chat/completions, on every backend, and ended by the same rules
+(gateway.serving.outcome): a client that hangs up is billed for what it received, a
+whole reply that failed bills nothing, and a reply whose usage row is not committed
+does not complete. Errors on these routes are Anthropic-shaped (gateway.http.errors).
+/count_tokens renders the prompt on a replica, like /tokenize, and is not billed.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.http.errors import ApiError, anthropic_error
+from gateway.http.util import json_response, parse_body
+from gateway.routes.openai import on_a_replica
+from gateway.schemas.messages import CountTokensRequest, MessagesRequest
+from gateway.serving import messages_stream as ms
+from gateway.serving.admission import model_card, prepare
+from gateway.serving.job import Job
+from gateway.serving.outcome import (
+    CLIENT_GONE,
+    LARGE_CALL_CHARS,
+    failure,
+    finish_failed,
+    finish_or_503,
+    off_loop_if,
+)
+from gateway.state import GW
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, MessagesRequest)
+    job = await prepare(gw, principal, body.chat, chat=True)
+    if body.stream:
+        return await _stream(request, job)
+    return await _whole(job)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's tokens as the model's template renders the messages, system and
+    tools; not billed (as /tokenize is not)."""
+    gw = request.app[GW]
+    principal = await gw.authenticate(request)
+    body = await parse_body(request, CountTokensRequest)
+    model_card(gw, principal, body.model)
+    chat = body.chat
+    messages = [m.as_dict() for m in chat.messages]
+    tools = None
+    if chat.tool_mode != "none":  # as admission renders them: tool_choice none shows none
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+    tokens = await on_a_replica(gw, body.model, lambda b: b.render(body.model, messages, tools))
+    return json_response({"input_tokens": len(tokens)})
+
+
+async def _whole(job: Job) -> web.Response:
+    texts: list[str] = []
+    finish = stop_sequence = None
+    try:
+        async for _, chunk in job.events():
+            texts.append(chunk.text)
+            if chunk.finish_reason:
+                finish, stop_sequence = chunk.finish_reason, chunk.stop_sequence
+    except CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:  # the client receives none of the output: none is billed
+        status, message = failure(job, e)
+        await finish_failed(job, status, message, delivered=False)
+        raise ApiError(status, message) from None
+    text = "".join(texts)
+    content, called = await off_loop_if(
+        len(text) > LARGE_CALL_CHARS, ms.reply_content, job.tools, text
+    )
+    if called and finish == "stop":
+        finish = "tool_calls"
+    await finish_or_503(job, 200, finish)
+    body = ms.message(job, content, ms.stop_of(job, finish, stop_sequence))
+    return json_response(body, headers=job.headers())
+
+
+async def _stream(request: web.Request, job: Job) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS | job.headers())
+    events = ms.MessageEvents(job.tools)
+    finish = stop_sequence = None
+    try:
+        await resp.prepare(request)
+        start = ms.message(job, [], (None, None))
+        start["usage"] |= {"input_tokens": job.prompt_tokens, "output_tokens": 0}
+        await resp.write(ms.event("message_start", {"type": "message_start", "message": start}))
+        await resp.write(ms.event("ping", {"type": "ping"}))
+        async for item in ms.with_pings(job.events(), ms.PING_EVERY_S):
+            if item is None:
+                await resp.write(ms.event("ping", {"type": "ping"}))
+                continue
+            chunk = item[1]
+            out = events.feed(chunk.text)
+            large = events.tools.held_chars > LARGE_CALL_CHARS
+            if chunk.finish_reason:
+                stop_sequence = chunk.stop_sequence
+                more, finish = await off_loop_if(large, events.finish, chunk.finish_reason)
+                out += more
+            await resp.write(await off_loop_if(large, _events, out))
+    except CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:  # billed for what was streamed before it
+        status, message = failure(job, e)
+        await finish_failed(job, status, message)
+        if not resp.prepared:
+            raise ApiError(status, message) from None
+        await resp.write(_error_event(status, message))
+        return resp
+    try:
+        await finish_or_503(job, 200, finish)
+    except ApiError as e:
+        await resp.write(_error_event(e.status, e.message))
+        return resp  # no message_stop: the reply is not complete without its usage row
+    stop_reason, matched = ms.stop_of(job, finish, stop_sequence)
+    delta = {"stop_reason": stop_reason, "stop_sequence": matched}
+    done = {"type": "message_delta", "delta": delta, "usage": ms.usage(job)}
+    await resp.write(ms.event("message_delta", done) + _events([("message_stop", _STOP)]))
+    await resp.write_eof()
+    return resp
+
+
+_STOP = {"type": "message_stop"}
+
+
+def _events(events: list[ms.Event]) -> bytes:
+    return b"".join(ms.event(name, data) for name, data in events)
+
+
+def _error_event(status: int, message: str) -> bytes:
+    return ms.event("error", anthropic_error(status, message)[1])
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", create_message)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)

@@ -1,0 +1,271 @@
+"""Anthropic's Messages API through the gateway on the fake backend, the official
+`anthropic` SDK as the caller: whole and streamed messages, stop sequences, tool turns,
+count_tokens, errors in Anthropic's shape (typed by the SDK), exact rpm, usage rows and
+spend, pings while a prefill takes long, and a client that hangs up billed for what it
+read. (The engines and a remote upstream: test_messages_engines.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anthropic
+import pytest
+from sqlalchemy import select
+
+from gateway.backends import BackendSpec
+from gateway.db import UsageRecord
+from gateway.serving import messages_stream
+from tests.conftest import away_from_minute_boundary
+from tests.gateway.test_spend import PRICES, expected_nanos
+
+LONG_PROMPT = " ".join(f"w{i}" for i in range(40))  # two full 16-token blocks to cache
+TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "cache_control": {"type": "ephemeral"},
+}
+HISTORY = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C"},
+            {"type": "text", "text": "Thanks; and tomorrow?"},
+        ],
+    },
+]
+
+
+def client(gw, key: str) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=gw.url, api_key=key, max_retries=0)
+
+
+async def rows(gw) -> dict[str, UsageRecord]:
+    """The usage rows by the id of the message they bill."""
+    async with gw.state.db.session() as s:
+        found = (await s.scalars(select(UsageRecord))).all()
+    return {"msg_" + r.request_id.partition("-")[2]: r for r in found}
+
+
+def say(content: str | list) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+async def test_whole_and_streamed_messages_with_usage_rows_and_spend(make_gateway):
+    gw = await make_gateway(prices={"fake-model": PRICES})
+    _, key = await gw.tenant()
+    c = client(gw, key)
+    fields = dict(model="fake-model", max_tokens=6, system="Be brief.")
+    first = await c.messages.create(messages=say(LONG_PROMPT), **fields)
+    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
+    assert first.stop_reason == "max_tokens" and first.stop_sequence is None
+    (block,) = first.content
+    assert block.type == "text" and len(block.text.split()) == 6
+    assert first.usage.output_tokens == 6 and first.usage.cache_read_input_tokens == 0
+    counted = await c.messages.count_tokens(
+        model="fake-model", system="Be brief.", messages=say(LONG_PROMPT)
+    )
+    assert counted.input_tokens == first.usage.input_tokens > 32
+
+    # the same prompt again, streamed: its prefix blocks come from the cache
+    async with c.messages.stream(messages=say(LONG_PROMPT), **fields) as stream:
+        kinds = [event.type async for event in stream]
+        again = await stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
+    assert again.content[0].text == block.text and again.stop_reason == "max_tokens"
+    u = again.usage
+    assert (u.cache_read_input_tokens, u.cache_creation_input_tokens) == (32, 0)
+    assert u.input_tokens + u.cache_read_input_tokens == first.usage.input_tokens
+    assert u.output_tokens == 6
+
+    # a stop sequence: the reply stops before it, and says which one matched
+    sequence = " " + block.text.split()[3]
+    stop = await c.messages.create(
+        messages=say(LONG_PROMPT),
+        stop_sequences=["never-said", sequence],
+        metadata={"user_id": "user-7"},
+        **fields,
+    )
+    assert stop.stop_reason == "stop_sequence" and stop.stop_sequence == sequence
+    assert stop.content[0].text == block.text[: block.text.index(sequence)]
+
+    recorded = await rows(gw)
+    for done in (first, again, stop):
+        row = recorded[done.id]
+        cached = done.usage.cache_read_input_tokens
+        prompt = done.usage.input_tokens + cached
+        assert (row.prompt_tokens, row.cached_tokens, row.status) == (prompt, cached, 200)
+        assert row.completion_tokens == done.usage.output_tokens
+        assert row.spend_nano_usd == expected_nanos(
+            PRICES, prompt, cached, done.usage.output_tokens
+        )
+    assert (recorded[stop.id].user, recorded[first.id].user) == ("user-7", None)
+    assert recorded[stop.id].finish_reason == "stop"
+
+
+async def test_tool_turns_and_tool_choice_on_a_backend_without_constraints(gw):
+    _, key = await gw.tenant()
+    c = client(gw, key)
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    reply = await c.messages.create(
+        model="fake-model",
+        max_tokens=4,
+        messages=HISTORY,
+        system=system,
+        tools=[TOOL],
+        tool_choice={"type": "auto"},
+        cache_control={"type": "ephemeral"},
+        extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 20},  # not in the SDK's 2.x
+    )
+    # the fake model writes words, never a call: a reply in text, as auto allows
+    assert [b.type for b in reply.content] == ["text"] and reply.stop_reason == "max_tokens"
+    counted = await c.messages.count_tokens(
+        model="fake-model", messages=HISTORY, system=system, tools=[TOOL]
+    )
+    # the same rendering as the reply's prompt
+    assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    # a forced call needs a constrained engine, which the fake is not: its 400, by name
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        with pytest.raises(anthropic.BadRequestError, match="cannot constrain"):
+            await c.messages.create(
+                model="fake-model",
+                max_tokens=4,
+                messages=say("hi"),
+                tools=[TOOL],
+                tool_choice=choice,
+            )
+
+
+async def test_errors_are_anthropic_shaped_and_typed(make_gateway):
+    gw = await make_gateway(max_body_bytes=4096)
+    _, key = await gw.tenant()
+    c = client(gw, key)
+    ok = dict(model="fake-model", max_tokens=4, messages=say("hi"))
+    bad_key = anthropic.AsyncAnthropic(base_url=gw.url, api_key="kvg-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        await bad_key.messages.create(**ok)
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError, match="Available: fake-model"):
+        await c.messages.create(**ok | {"model": "nope"})
+    cases = [
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "'thinking'"),
+        ({"messages": say([{"type": "image", "source": {}}])}, "'image' are not supported"),
+        ({"messages": say("hi") + [{"role": "assistant", "content": "Sure"}]}, "prefilled"),
+        ({"tool_choice": {"type": "any"}}, "needs tools"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "x"}}, "not in tools"),
+        ({"extra_body": {"temperature": 1.5}}, "temperature"),
+        ({"tools": [TOOL | {"type": "web_search_20250305"}]}, "type"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(anthropic.BadRequestError, match=message) as e:
+            await c.messages.create(**ok | fields)
+        assert e.value.body["error"]["type"] == "invalid_request_error"
+
+    # the SDK asks for max_tokens itself; aiohttp's own errors (404, 405, 413) on these
+    # routes come in the same shape
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    cases = [
+        (
+            "POST",
+            "/v1/messages",
+            {"model": "fake-model", "messages": say("hi")},
+            400,
+            "invalid_request_error",
+        ),
+        ("GET", "/v1/messages", None, 405, "invalid_request_error"),
+        ("POST", "/v1/messages/nope", {}, 404, "not_found_error"),
+        ("POST", "/v1/messages", ok | {"system": "x" * 5000}, 413, "request_too_large"),
+    ]
+    for method, path, body, status, kind in cases:
+        async with gw.http.request(method, gw.url + path, json=body, headers=headers) as r:
+            assert r.status == status
+            assert (await r.json())["error"]["type"] == kind
+    async with gw.http.post(gw.url + "/v1/chat/completions", json={}) as r:
+        assert r.status == 401 and "type" not in await r.json()  # OpenAI's shape stays
+
+
+async def test_a_failing_backend_is_overloaded_whole_and_an_error_event_streamed(make_gateway):
+    gw = await make_gateway([BackendSpec("fake", "fake", "", "fake-model", {"fail_rate": 1.0})])
+    tenant, key = await gw.tenant()
+    c = client(gw, key)
+    with pytest.raises(anthropic.OverloadedError) as e:
+        await c.messages.create(model="fake-model", max_tokens=4, messages=say("hi"))
+    assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
+    with pytest.raises(anthropic.APIStatusError, match="failed the request"):
+        async with c.messages.stream(model="fake-model", max_tokens=4, messages=say("hi")) as s:
+            async for _ in s:
+                pass
+    statuses = sorted(r.status for r in (await rows(gw)).values())
+    assert statuses == [503, 503]  # each recorded, none billed
+    assert all(r.completion_tokens == 0 for r in (await rows(gw)).values())
+
+
+async def test_rpm_is_exact_and_a_refusal_says_when_to_retry(gw):
+    tenant, key = await gw.tenant(rpm=3)
+    c = client(gw, key)
+    await away_from_minute_boundary()
+    results = await asyncio.gather(
+        *(
+            c.messages.create(model="fake-model", max_tokens=2, messages=say(f"hi {i}"))
+            for i in range(6)
+        ),
+        return_exceptions=True,
+    )
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert len(refused) == 3 and all(isinstance(r, anthropic.RateLimitError) for r in refused)
+    for r in refused:
+        assert int(r.response.headers["retry-after"]) >= 1
+        assert r.response.headers["x-ratelimit-limit-requests"] == "3"
+        assert r.body["error"]["type"] == "rate_limit_error"
+    # count_tokens is not billed: it counts against no quota
+    for _ in range(4):
+        await c.messages.count_tokens(model="fake-model", messages=say("hi"))
+    assert len(await rows(gw)) == 3
+
+
+async def test_pings_while_waiting_and_a_hang_up_billed_for_what_was_read(
+    make_gateway, monkeypatch
+):
+    monkeypatch.setattr(messages_stream, "PING_EVERY_S", 0.05)
+    options = {"ttft_ms": 400, "tokens_per_second": 20}
+    gw = await make_gateway([BackendSpec("fake", "fake", "", "fake-model", options)])
+    _, key = await gw.tenant()
+    body = {"model": "fake-model", "max_tokens": 200, "messages": say("hi"), "stream": True}
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    names: list[str] = []
+    # the SDK hides pings: read the wire
+    async with gw.http.post(gw.url + "/v1/messages", json=body, headers=headers) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        async for line in r.content:
+            if line.startswith(b"event: "):
+                names.append(line[7:].strip().decode())
+            elif line.startswith(b"data: ") and names[-1] == "content_block_delta":
+                assert json.loads(line[6:])["delta"]["type"] == "text_delta"
+            if names.count("content_block_delta") == 3:
+                r.close()  # hang up
+                break
+    assert names[:2] == ["message_start", "ping"]
+    # pings while the prefill took its 400 ms, then the text block
+    first_block = names.index("content_block_start")
+    assert first_block > 2 and set(names[1:first_block]) == {"ping"}
+
+    async def row() -> UsageRecord | None:
+        return next(iter((await rows(gw)).values()), None)
+
+    for _ in range(100):
+        if (found := await row()) is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert found is not None and found.status == 499
+    assert 3 <= found.completion_tokens < 200
