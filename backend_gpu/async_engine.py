@@ -5,11 +5,18 @@ Only the worker thread touches the engine. The loop hands it adds and aborts thr
 command queue, applied between steps, so a long step never blocks the event loop. An
 idle engine still checks every half second that its other tensor-parallel ranks live,
 so one that died makes the engine dead before the next request finds out.
+
+An embedding model (a sentence-transformers directory) gets an EmbeddingEngine in the
+LLMEngine's place (embed_engine.py): the same thread and command queue, its requests
+added by `embed` and answered once, whole. A model does one or the other: `generate`
+on an embedding model, or `embed` on a generator, is a BadRequestError saying which
+the model does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from collections import deque
@@ -19,16 +26,22 @@ from typing import Any
 
 from backend_gpu.block_manager import KVCacheEvent
 from backend_gpu.config import EngineConfig
+from backend_gpu.embed_engine import NOT_A_GENERATOR, EmbeddingEngine
 from backend_gpu.engine import LLMEngine
 from backend_gpu.outputs import EngineStats, RequestOutput
-from engine_api.errors import EngineDeadError
-from engine_api.records import GenRequest
+from backend_gpu.pooling import is_embedding_model
+from engine_api.errors import BadRequestError, EngineDeadError
+from engine_api.records import EMBED, GENERATE, EmbedRequest, EmbedResult, GenRequest
 from engine_api.structured import StructuredOutput
 
 
 class AsyncLLM:
     def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self.task = EMBED if is_embedding_model(os.fspath(model)) else GENERATE
+        self.engine: LLMEngine | EmbeddingEngine = (
+            EmbeddingEngine(config) if self.task == EMBED else LLMEngine(config)
+        )
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -45,15 +58,8 @@ class AsyncLLM:
     async def generate(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs; leaving early aborts it. Bad input
         raises BadRequestError (a ValueError) here, before anything is yielded."""
-        outputs: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         request_id = req.request_id
-
-        def add() -> None:
-            self.engine.add_request(req)
-            self._outputs[request_id] = (loop, outputs)
-
-        await self._call(add)
+        outputs = await self._add(request_id, lambda: self.engine.add_request(req))
         finished = False
         try:
             while True:
@@ -65,12 +71,51 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            if not finished and self.error is None and not self._stopping:
-                self._commands.put((lambda: self._abort(request_id), None, None))
+            if not finished:
+                self._abort_later(request_id)
+
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        """The request's vectors, computed in a step with other queued inputs; leaving
+        early aborts it. Bad input raises BadRequestError here."""
+        if self.task != EMBED:
+            raise BadRequestError("this model generates text; it is not an embedding model")
+        outputs = await self._add(req.request_id, lambda: self.engine.add_embed(req))
+        finished = False
+        try:
+            item = await outputs.get()
+            finished = True
+        finally:
+            if not finished:
+                self._abort_later(req.request_id)
+        if isinstance(item, BaseException):
+            raise EngineDeadError(f"engine failed: {item!r}") from item
+        if item.result is None:  # aborted by a shutdown
+            raise EngineDeadError("engine is shut down")
+        return item.result
+
+    async def _add(self, request_id: str, add: Callable[[], None]) -> asyncio.Queue:
+        """Admit a request in the engine thread (`add` raises for bad input); the queue
+        its outputs will arrive on."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add_and_listen() -> None:
+            add()
+            self._outputs[request_id] = (loop, outputs)
+
+        await self._call(add_and_listen)
+        return outputs
+
+    def _abort_later(self, request_id: str) -> None:
+        """Abort a request its caller left, between steps (unless the engine is gone)."""
+        if self.error is None and not self._stopping:
+            self._commands.put((lambda: self._abort(request_id), None, None))
 
     async def check_structured(self, structured: StructuredOutput) -> None:
         """Compile a structured output ahead of its request, in a worker thread (not the
         engine's); BadRequestError if it cannot be. The request finds it compiled."""
+        if self.task == EMBED:
+            raise BadRequestError(NOT_A_GENERATOR)
         await asyncio.to_thread(self.engine.grammars.compile, structured)
 
     async def abort(self, request_id: str) -> None:
@@ -97,7 +142,7 @@ class AsyncLLM:
         self._stopping = True
         self._commands.put((lambda: None, None, None))  # wake the thread
         await asyncio.to_thread(self._thread.join)
-        for request_id in list(self.engine.seqs):
+        for request_id in list(self._outputs):
             self._abort(request_id)
         self.engine.runner.close()
 

@@ -71,14 +71,20 @@ def _read_shard(tensor_slice, read: ShardRead) -> torch.Tensor:
 
 
 def load_weights(model: nn.Module, weights) -> None:
-    """Copy (name, tensor) pairs into `model`; every parameter must be set exactly once."""
+    """Copy (name, tensor) pairs into `model`; every parameter must be set exactly once.
+    A model with a `checkpoint_name(name)` says which parameter a checkpoint tensor
+    fills (None: one it does not use)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    lm_head = getattr(model, "lm_head", None)  # embedding models have none
+    tied = lm_head is not None and lm_head.weight is model.model.embed_tokens.weight
     missing = {n for n in params if not (n == "lm_head.weight" and tied)}
+    rename = getattr(model, "checkpoint_name", None)
     for name, tensor in weights:
         if name.startswith("model.language_model."):  # multimodal checkpoints' text tower
             name = "model." + name[len("model.language_model.") :]
+        if rename is not None and (name := rename(name)) is None:
+            continue
         if "rotary_emb" in name or (name == "lm_head.weight" and tied):
             continue
         module_path, _, param_name = name.rpartition(".")
@@ -113,12 +119,16 @@ def build_model(
     load_format: str,
     seed: int,
     tp: ParallelGroup = SINGLE,
+    cls: type[nn.Module] | None = None,
 ) -> nn.Module:
     """The model of `hf_config` on `device` in `dtype` (tensor-parallel rank tp.rank's
-    part of it), its parameters from `checkpoint`, or random for load_format "dummy"."""
-    architecture = (hf_config.architectures or [hf_config.model_type])[0]
+    part of it), its parameters from `checkpoint`, or random for load_format "dummy".
+    `cls`: the class to build, when not the generator of the config's architecture
+    (an embedding model's)."""
+    if cls is None:
+        cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
     with torch.device("meta"):
-        model = model_class(architecture)(hf_config, tp).to(dtype)
+        model = cls(hf_config, tp).to(dtype)
     # to_empty gives each module its own tensors: note which parameters are one
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -134,9 +144,9 @@ def build_model(
     if load_format == "dummy":
         dummy_weights(model, seed + tp.rank)
     else:
-        load_weights(
-            model, checkpoint.tensors(CheckpointShards(hf_config, head_dim_of(hf_config), tp))
-        )
+        # one rank reads whole tensors (and an encoder's config has no KV heads to split)
+        shards = CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
+        load_weights(model, checkpoint.tensors(shards))
     return model
 
 

@@ -13,6 +13,9 @@ for; a chunk that starts a sequence attends to its own fresh keys and skips the 
 An FP8 cache holds K and V divided by the layer's scales; the reads fold them back into
 the query's scale and the attention output.
 
+A decoder serving as an embedding model has no cache at all (empty k_cache): its
+inputs are whole prefills from position 0, which attend to their fresh keys only.
+
 On CUDA the model runner sets `AttentionMetadata.paged` instead, and the Triton kernels
 of triton_attention.py read the cache through the block tables with no gather.
 """
@@ -194,8 +197,9 @@ def paged_attention(
     k_scale: float = 1.0,  # the caches hold k / k_scale and v / v_scale
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    _write(k_cache, meta.slot_mapping, k, k_scale)
-    _write(v_cache, meta.slot_mapping, v, v_scale)
+    if k_cache.numel():  # an embedding model's layers keep no cache: fresh keys only
+        _write(k_cache, meta.slot_mapping, k, k_scale)
+        _write(v_cache, meta.slot_mapping, v, v_scale)
     if meta.paged is not None:
         return _kernel_attention(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
     # keys and values read back from the cache are scaled down: rather than a pass over

