@@ -97,11 +97,45 @@ class KVEvent(Record):
 
 
 @dataclass
+class EmbedRequest(Record):
+    """Token ids of one or more inputs to embed with an embedding model. The vectors come
+    back pooled and normalized as the model's own configuration says (for a
+    sentence-transformers model, its modules.json), truncated to `dimensions` and then
+    normalized again where that is asked and the model supports it."""
+
+    request_id: str
+    model: str
+    inputs: list[list[int]]
+    tenant_id: str = ""
+    dimensions: int | None = None
+    # the inputs as the client sent them, where all were text: a third-party upstream
+    # that cannot take token ids (llama-cpp-python's server) is sent these instead
+    texts: list[str] | None = None
+
+    wire_error = BadRequestError
+
+
+@dataclass
+class EmbedResult(Record):
+    embeddings: list[list[float]]
+    prompt_tokens: int
+
+
+# ModelCard.task: what a model does; a request of the other kind is a 400 naming it
+GENERATE, EMBED = "generate", "embed"
+
+
+@dataclass
 class ModelCard:
     id: str
     backend: str
     context_length: int
     owned_by: str = "kvgate"
+    task: str = GENERATE  # GENERATE or EMBED
+    # an embedding model's vector size, and whether `dimensions` may shorten it
+    # (a Matryoshka-trained model's, as its configuration says)
+    embedding_size: int | None = None
+    truncatable: bool = False
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 from engine_api.records import (
     BackendStats,
+    EmbedRequest,
+    EmbedResult,
     GenChunk,
     GenRequest,
     KVEvent,
@@ -84,4 +86,14 @@ class OutputCountingBackend(Backend, Protocol):
     async def count_output(self, model: str, text: str, local_only: bool) -> int | None:
         """Tokens in generated `text` by the model's tokenizer; None where none can count
         it (or, with `local_only`, where only the upstream itself could)."""
+        ...
+
+
+@runtime_checkable
+class EmbeddingBackend(Backend, Protocol):
+    """A backend that serves embedding models (the ones whose ModelCard.task is EMBED)."""
+
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        """The inputs' vectors, pooled and normalized as the model says; BadRequestError
+        for an input it cannot take (too long, `dimensions` it does not support)."""
         ...

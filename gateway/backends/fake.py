@@ -8,12 +8,19 @@ Options: tokens_per_second (0: as fast as possible), ttft_ms, fail_rate (0..1 of
 requests fail with BackendError), down (every request fails), context_length,
 max_running (only for the KV-usage figure), max_in_flight (the gateway queues fairly in
 front of it, as it does for llama.cpp's slots: to measure that queue alone).
+
+task = "embed" makes its model an embedding model (embedding_size, default 32;
+truncatable, default false: whether `dimensions` may shorten its vectors): each input's
+vector is a deterministic unit vector drawn from its token ids, so the gateway's
+admission, quotas, usage and prices for embeddings can be tested and measured alone.
+The vectors mean nothing; real ones are the engine's, tested against it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 import re
 import time
@@ -23,7 +30,11 @@ from collections.abc import AsyncIterator
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
+    EMBED,
+    GENERATE,
     BackendStats,
+    EmbedRequest,
+    EmbedResult,
     GenChunk,
     GenRequest,
     ModelCard,
@@ -102,6 +113,11 @@ class FakeBackend:
         in_flight = opts.get("max_in_flight")
         self.max_in_flight = None if in_flight is None else int(in_flight)
         self.rng = random.Random(int(opts.get("seed", 0)))
+        self.task = str(opts.get("task", GENERATE))
+        if self.task not in (GENERATE, EMBED):
+            raise ValueError(f"fake backend {spec.name!r}: task must be generate or embed")
+        self.embedding_size = int(opts.get("embedding_size", 32))
+        self.truncatable = bool(opts.get("truncatable", False))
         self.running = 0
         self.started = False
         self.aborted: list[str] = []
@@ -117,7 +133,37 @@ class FakeBackend:
         self.started = False
 
     def models(self) -> list[ModelCard]:
+        if self.task == EMBED:
+            return [
+                ModelCard(
+                    self.model_id,
+                    self.name,
+                    self.context_length,
+                    task=EMBED,
+                    embedding_size=self.embedding_size,
+                    truncatable=self.truncatable,
+                )
+            ]
         return [ModelCard(self.model_id, self.name, self.context_length)]
+
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        if self.down or not self.started:
+            raise BackendError(f"backend {self.name} is down")
+        if self.fail_rate and self.rng.random() < self.fail_rate:
+            raise BackendError(f"backend {self.name} failed the request")
+        if self.task != EMBED:
+            raise BadRequestError(f"the model {req.model!r} does not embed")
+        size = req.dimensions or self.embedding_size
+        if req.dimensions is not None and not (self.truncatable and size <= self.embedding_size):
+            raise BadRequestError(f"the model {req.model!r} cannot give {size} dimensions")
+        self.running += 1
+        try:
+            if self.ttft_s:
+                await asyncio.sleep(self.ttft_s)
+            vectors = [_unit_vector(ids, self.embedding_size, size) for ids in req.inputs]
+        finally:
+            self.running -= 1
+        return EmbedResult(vectors, sum(len(ids) for ids in req.inputs))
 
     async def check_structured(self, model: str, structured: StructuredOutput) -> None:
         raise BadRequestError("the fake backend cannot constrain its output (structured outputs)")
@@ -183,6 +229,7 @@ class FakeBackend:
                         "stop",
                         Usage(len(req.prompt_token_ids), i + 1, cached),
                         logprobs,
+                        stop_sequence=stop[1],
                     )
                     return
                 last = i == sp.max_tokens - 1
@@ -229,7 +276,6 @@ class FakeBackend:
 
     def _start(self, req: GenRequest) -> int:
         seed = req.sampling.seed if req.sampling.temperature > 0 else None
-                        stop_sequence=stop[1],
         return zlib.crc32(f"{req.prompt_token_ids[-8:]}|{seed}".encode())
 
     def _match_prefix(self, ids: list[int], salt: str | None) -> int:
@@ -245,6 +291,15 @@ class FakeBackend:
         self.prefix_queries += len(ids)
         self.prefix_hits += cached
         return cached
+
+
+def _unit_vector(token_ids: list[int], size: int, keep: int) -> list[float]:
+    """A vector drawn from a seed of the ids (the same ids, the same vector), cut to its
+    first `keep` values and normalized, as a Matryoshka model's is."""
+    rng = random.Random(zlib.crc32(str(token_ids).encode()))
+    v = [rng.gauss(0, 1) for _ in range(size)][:keep]
+    norm = math.hypot(*v)
+    return [x / norm for x in v]
 
 
 def _words(token_ids: list[int]) -> str:

@@ -34,6 +34,8 @@ class RemoteOptions:
     # requests this gateway lets in flight at once; past it they wait in the gateway's
     # fair queue (for an upstream that serves in arrival order)
     max_in_flight: int | None = None
+    # "embed": the upstream's model is an embedding model (remote_embed.py)
+    task: str | None = None
 
     @classmethod
     def parse(cls, spec: BackendSpec) -> RemoteOptions:

@@ -17,10 +17,12 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gateway.backends import (
+    EMBED,
     Backend,
     BackendError,
     BadRequestError,
     GenChunk,
+    ModelCard,
     TokenLogprob,
     Usage,
 )
@@ -71,11 +73,21 @@ async def list_models(request: web.Request) -> web.Response:
             "created": int(gw.traffic.started_at),
             "owned_by": card.owned_by,
             "max_model_len": card.context_length,
+            # kvgate's: what the model does (generate: chat and completions; embed:
+            # /v1/embeddings, with its vectors' size and whether `dimensions` cuts them)
+            "task": card.task,
+            **_embedding_fields(card),
         }
         for card in gw.router.cards.values()
         if principal.may_use(card.id)
     ]
     return json_response({"object": "list", "data": data})
+
+
+def _embedding_fields(card: ModelCard) -> dict[str, Any]:
+    if card.task != EMBED:
+        return {}
+    return {"embedding_size": card.embedding_size, "truncatable": card.truncatable}
 
 
 async def tokenize(request: web.Request) -> web.Response:

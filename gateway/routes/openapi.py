@@ -21,6 +21,7 @@ from pydantic.json_schema import models_json_schema
 
 from gateway.http.errors import is_anthropic
 from gateway.schemas import messages_responses as am
+from gateway.schemas import embeddings as e
 from gateway.schemas import responses as m
 from gateway.schemas import responses_admin as a
 from gateway.schemas.admin import (
@@ -54,6 +55,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     KeyUpdate,
     TokenizeRequest,
     DetokenizeRequest,
+    e.EmbeddingRequest,
     MessagesRequest,
     CountTokensRequest,
 )
@@ -88,6 +90,7 @@ _SUMMARIES = {
     "get /v1/models": "The models this key may use.",
     "post /tokenize": "A prompt or chat as the token ids a completion gets (vLLM's); not billed.",
     "post /detokenize": "Token ids back to text (vLLM's); not billed.",
+    "post /v1/embeddings": "Embed texts or token ids with an embedding model (OpenAI's).",
     "post /v1/messages": "Create a message (Anthropic's Messages API); errors in its shape.",
     "post /v1/messages/count_tokens": "The input tokens of a Messages request; not billed.",
     "post /v1/prefixes": "Pin a system prompt for the key's tenant.",
@@ -141,6 +144,10 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     KeyUpdate: ({"rpm": 120, "daily_tokens": None},),
     TokenizeRequest: ({"model": "", "prompt": "Once upon a time"}, {"model": ""} | _MESSAGES),
     DetokenizeRequest: ({"model": "", "tokens": [1, 2, 3]},),
+    e.EmbeddingRequest: (
+        {"model": "", "input": "The food was delicious."},
+        {"model": "", "input": ["first", "second"], "encoding_format": "base64"},
+    ),
     MessagesRequest: (
         _ANTHROPIC | {"max_tokens": 8},
         _ANTHROPIC | {"max_tokens": 8, "stream": True},
@@ -191,6 +198,7 @@ def _routes() -> list[Route]:
         Route("get /v1/models", _json(m.ModelList)),
         Route("post /tokenize", _json(m.Tokens), TokenizeRequest, errors=TOKENS),
         Route("post /detokenize", _json(m.Detokenized), DetokenizeRequest, errors=TOKENS),
+        Route("post /v1/embeddings", _json(e.EmbeddingList), e.EmbeddingRequest, errors=COMPLETE),
         Route("post /v1/messages", reply, MessagesRequest, errors=COMPLETE),
         Route(
             "post /v1/messages/count_tokens",
@@ -239,11 +247,12 @@ def _admin_routes() -> list[Route]:
 
 
 def _response_models() -> list[type[BaseModel]]:
-    """Every response model defined in api_models and api_models_admin (nested ones come
-    along by $ref anyway); one module's imports from the other are not counted twice."""
+    """Every response model defined in api_models, api_models_admin and the embeddings'
+    schemas (nested ones come along by $ref anyway); one module's imports from another
+    are not counted twice."""
     return [
         v
-        for module in (m, a, am)
+        for module in (m, a, am, e)
         for v in vars(module).values()
         if isinstance(v, type)
         and issubclass(v, m.Body)

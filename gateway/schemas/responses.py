@@ -183,6 +183,12 @@ class ModelCard(Body):
     created: int
     owned_by: str
     max_model_len: int
+    task: Literal["generate", "embed"] = Field(
+        description="kvgate's: generate (chat, completions) or embed (/v1/embeddings)"
+    )
+    # an embedding model's only: its vectors' size, and whether `dimensions` may cut them
+    embedding_size: int | None = None
+    truncatable: bool | None = None
 
 
 class ModelList(Body):

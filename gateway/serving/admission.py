@@ -6,7 +6,8 @@ per choice: a request that is refused costs its rendering and nothing else. Ever
 that may refuse a request is here, apart from the Job (gateway.serving.job) that streams and
 settles an admitted one. `model_card` (the model a principal may use) serves /tokenize
 and /detokenize too, and `sampling` (a body's options for one choice) the worker's own
-/v1/completions.
+/v1/completions. Embeddings (gateway.serving.embedding) are admitted with the same
+pieces: `tenant_of`, `require_task`, `render_on_a_replica` and `admit`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import os
 import time
 from collections.abc import Iterator
 
+from engine_api.records import PromptInput
 from engine_api.structured import StructuredOutput
 from gateway.backends import (
+    EMBED,
+    GENERATE,
     Backend,
     BackendError,
     BadRequestError,
@@ -47,11 +51,11 @@ async def prepare(
 ) -> Job:
     """Check, render, admit, and only then build one GenRequest per choice: a request that
     is refused costs its rendering and nothing else."""
-    if principal.tenant_id is None:
-        raise ApiError(403, "Admin keys belong to no tenant; use a tenant's key for inference.")
+    tenant_id = tenant_of(principal)
     card = model_card(gw, principal, body.model)
-    salt = tenant_cache_salt(gw.secret, principal.tenant_id)
-    gw.catalog.note_salt(salt, principal.tenant_id)
+    require_task(gw, principal, card, GENERATE)
+    salt = tenant_cache_salt(gw.secret, tenant_id)
+    gw.catalog.note_salt(salt, tenant_id)
     candidates, renderer, prompts = await _render(gw, principal, body)
     echo = None
     if isinstance(body, CompletionRequest) and body.echo:
@@ -64,13 +68,13 @@ async def prepare(
         with _backend_errors(gw, principal, body.model):
             await renderer.check_structured(body.model, structured)
     plan, worst = _plan(gw, principal, body, card, prompts, chat)
-    reservation = await _admit(gw, principal, plan, worst)
+    reservation = await admit(gw, principal, plan.reserve, plan.choices, worst)
     backend, block_hashes, shared_lens = await _place(
         gw, body.model, candidates, renderer, prompts, salt, reservation
     )
     request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
     requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens, structured)
-    gw.traffic.request_started(principal.tenant_id, principal.tenant_name)
+    gw.traffic.request_started(tenant_id, principal.tenant_name)
     return Job(
         gw,
         principal,
@@ -157,15 +161,28 @@ async def _render(
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     else:
         inputs = body.prompts()
-    with _backend_errors(gw, principal, body.model):
-        candidates = gw.router.candidates(body.model)  # each replica's stats, read once
+    return await render_on_a_replica(gw, principal, body.model, inputs, tools)
+
+
+async def render_on_a_replica(
+    gw: GatewayState,
+    principal: Principal,
+    model: str,
+    inputs: list[PromptInput],
+    tools: list[dict] | None = None,
+) -> tuple[list[Candidate], Backend, list[list[int]]]:
+    """The healthy replicas of `model`, and the token ids of every input from the first
+    of them that can render them all; a 400 or 503 for the client as _backend_errors
+    says."""
+    with _backend_errors(gw, principal, model):
+        candidates = gw.router.candidates(model)  # each replica's stats, read once
         for candidate in candidates[:-1]:
             with contextlib.suppress(BackendError):
                 backend = candidate.backend
-                prompts = [await backend.render(body.model, p, tools) for p in inputs]
+                prompts = [await backend.render(model, p, tools) for p in inputs]
                 return candidates, backend, prompts
         last = candidates[-1].backend  # its error, if it fails too, is the client's answer
-        return candidates, last, [await last.render(body.model, p, tools) for p in inputs]
+        return candidates, last, [await last.render(model, p, tools) for p in inputs]
 
 
 @contextlib.contextmanager
@@ -225,18 +242,44 @@ def model_card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
     return card
 
 
-async def _admit(
-    gw: GatewayState, principal: Principal, plan: TokenPlan, spend: int
+def tenant_of(principal: Principal) -> str:
+    """The tenant a request is served for; a 403 for an admin key, which has none."""
+    if principal.tenant_id is None:
+        raise ApiError(403, "Admin keys belong to no tenant; use a tenant's key for inference.")
+    return principal.tenant_id
+
+
+_TASKS = {
+    GENERATE: "generates text (/v1/chat/completions, /v1/completions)",
+    EMBED: "is an embedding model (/v1/embeddings)",
+}
+
+
+def require_task(gw: GatewayState, principal: Principal, card: ModelCard, task: str) -> None:
+    """A 400 for a model asked to do what it does not (a chat model asked for embeddings,
+    an embedding model for a completion) that says what it does, and which models do
+    what was asked."""
+    if card.task == task:
+        return
+    others = [c.id for c in gw.router.cards.values() if c.task == task and principal.may_use(c.id)]
+    raise ApiError(
+        400,
+        f"The model `{card.id}` {_TASKS[card.task]}; it cannot serve this request. "
+        f"Models that can: {', '.join(others) or 'none'}.",
+        code="wrong_model_task",
+        param="model",
+    )
+
+
+async def admit(
+    gw: GatewayState, principal: Principal, tokens: int, requests: int, spend: int
 ) -> Reservation:
-    assert principal.tenant_id is not None
+    """The quota taken for `requests` requests (and as many concurrency slots), `tokens`
+    tokens and `spend` nanodollars, or a 429 that says which limit."""
+    tenant_id = tenant_of(principal)
     try:
         return await gw.quota.admit(
-            principal.tenant_id,
-            principal.limits,
-            plan.reserve,
-            time.time(),
-            requests=plan.choices,
-            spend=spend,
+            tenant_id, principal.limits, tokens, time.time(), requests=requests, spend=spend
         )
     except QuotaExceeded as e:
         m = gw.metrics

@@ -84,6 +84,26 @@ def plan_tokens(
     return TokenPlan(choices, plan, reserve)
 
 
+def check_input_tokens(tokens: list[int], context_length: int | None, limits: QuotaLimits) -> int:
+    """The tokens an embedding request reserves (its inputs', counted once; no output):
+    ApiError(400) for an input past the model's context (None: not checked here), or for
+    a request no window of the tenant's limits could ever admit."""
+    for i, n in enumerate(tokens):
+        if context_length is not None and n > context_length:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {context_length} tokens. However, "
+                f"input {i} is {n} tokens. Please shorten it.",
+                code="context_length_exceeded",
+                param="input",
+            )
+    total = sum(tokens)
+    ceiling, tightest = _token_ceiling(limits)
+    if ceiling is not None and total > ceiling:
+        _never(f"The input is {total} tokens", tightest, ceiling, "Send fewer or shorter inputs.")
+    return total
+
+
 REQUEST_COST = (
     "its prompt and max_tokens for every choice at the model's prices",
     "Lower max_tokens or n (without max_tokens, the context is reserved).",
@@ -91,6 +111,10 @@ REQUEST_COST = (
 PIN_COST = (
     "its tokens prefilled on every replica at the model's input price",
     "Shorten the prefix.",
+)
+EMBED_COST = (
+    "its input tokens at the model's input price",
+    "Send fewer or shorter inputs.",
 )
 
 

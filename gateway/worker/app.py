@@ -2,7 +2,8 @@
 
 Routes (the contract with the gateway's `remote` adapter):
 GET /health, GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/completions,
-POST /kvgate/v1/generate, GET /kvgate/v1/stats, GET /kvgate/v1/kv_events.
+POST /v1/embeddings (an embedding model's), POST /kvgate/v1/generate,
+GET /kvgate/v1/stats, GET /kvgate/v1/kv_events.
 Every route but /health needs `Authorization: Bearer <worker token>` when the worker
 has one; errors leave OpenAI-shaped, as the gateway's do.
 """
@@ -20,6 +21,7 @@ from gateway.http.middleware import openai_errors
 from gateway.http.util import SETTINGS, json_response, parse_body
 from gateway.schemas.inference import DetokenizeRequest, TokenizeRequest
 from gateway.worker.completions import completions
+from gateway.worker.embeddings import embeddings
 from gateway.worker.errors import api_error
 from gateway.worker.generate import generate
 from gateway.worker.state import WORKER, WorkerState
@@ -62,6 +64,7 @@ async def list_models(request: web.Request) -> web.Response:
             "created": int(state.started_at),
             "owned_by": card.owned_by,
             "max_model_len": card.context_length,
+            "task": card.task,  # as the gateway's list says: generate or embed
             "kvgate": kvgate,
         }
         for card in state.backend.models()
@@ -130,6 +133,7 @@ def create_worker_app(state: WorkerState) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize_route)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/kvgate/v1/generate", generate)
     app.router.add_get("/kvgate/v1/stats", stats)
     app.router.add_get("/kvgate/v1/kv_events", kv_events)

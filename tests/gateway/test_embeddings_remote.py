@@ -1,0 +1,90 @@
+"""/v1/embeddings through `type = "remote"` entries with `task = "embed"`, on real
+processes: a `kvgate serve` in front of a `kvgate worker` serving an embedding model,
+the `openai` client as the caller.
+
+The gateway renders and counts the inputs through the worker's /tokenize, holds them to
+the context, admits them, and forwards the token ids to the worker's /v1/embeddings; the
+vectors come back as the worker's engine made them, and the usage rows hold the tokens
+the gateway counted (the worker's own count agreeing).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import LiveGateway, free_port, start_gateway
+from tests.gateway.test_remote import TOKEN, backend_health, remote_config, usage_rows, wait_until
+
+MODEL = "remote-model"  # remote_config's entry
+FAKE_EMBED = {"task": "embed", "embedding_size": 24, "context_length": 32}
+
+
+def start_worker(tmp_path: Path, port: int, *args: str) -> subprocess.Popen:
+    """A real `kvgate worker` that needs TOKEN, serving MODEL with `args`."""
+    log = tmp_path / f"worker-{port}.log"
+    cmd = [sys.executable, "-m", "gateway.cli", "worker", "--port", str(port)]
+    cmd += ["--served-model-name", MODEL, "--worker-token", TOKEN, *args]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "listening on" in log.read_text() or proc.poll() is not None, "up")
+        assert proc.poll() is None, log.read_text()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+@pytest.fixture
+def fake_embed_upstream(tmp_path) -> Iterator[tuple[LiveGateway, int]]:
+    port = free_port()
+    worker = start_worker(tmp_path, port, "--backend", "fake", "--options", json.dumps(FAKE_EMBED))
+    gw = None
+    try:
+        config = remote_config(
+            [f"http://127.0.0.1:{port}/v1"], api_key=TOKEN, task="embed", context_length=None
+        )
+        gw = start_gateway(tmp_path, config=config)
+        wait_until(lambda: all(backend_health(gw).values()), "the worker is healthy")
+        yield gw, port
+    finally:
+        if gw is not None:
+            gw.stop()
+        worker.kill()
+        worker.wait()
+
+
+def test_a_worker_serves_embeddings_through_a_remote_entry(tmp_path, fake_embed_upstream):
+    gw, port = fake_embed_upstream
+    tenant, key = gw.tenant_key("remote", rpm=4)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    texts = ["seven bright stars", "the quick brown fox jumps"]
+    through = client.embeddings.create(model=MODEL, input=texts)  # base64, as the SDK asks
+    direct = httpx.post(
+        f"http://127.0.0.1:{port}/v1/embeddings",
+        json={"model": MODEL, "input": texts},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ).json()
+    for got, want in zip(through.data, direct["data"], strict=True):
+        assert got.embedding == pytest.approx(want["embedding"], abs=1e-6)  # float32
+    assert through.usage.prompt_tokens == direct["usage"]["prompt_tokens"] == 3 + 5
+    models = {m.id: m for m in client.models.list().data}
+    assert models[MODEL].task == "embed"
+
+    with pytest.raises(openai.BadRequestError) as e:  # past the context the worker reported
+        client.embeddings.create(model=MODEL, input=" ".join(["w"] * 33))
+    assert "maximum context length is 32 tokens" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert "is an embedding model" in e.value.message
+    client.embeddings.create(model=MODEL, input=[[5, 6, 7]], encoding_format="float")
+    rows = usage_rows(tmp_path, tenant["id"])
+    assert rows == [(8, 0, 200, "engine"), (3, 0, 200, "engine")]
