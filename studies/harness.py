@@ -1,5 +1,6 @@
 """What the studies share, written once: free ports, a nearest-rank percentile, `kvgate
-serve` and `kvgate worker` processes started and stopped, tenant keys made through a
+serve` and `kvgate worker` processes started and stopped, aiohttp apps served from a
+thread (the made-up upstreams of studies and tests), tenant keys made through a
 live gateway's admin API, TOML backend entries, and the tiny random Llama's shape.
 
 Each study used to carry its own copy of these (or import them from another study);
@@ -19,12 +20,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 ADMIN_KEY = "kvg-bench-admin-" + "s" * 32
 GATEWAY_READY = "kvgate: listening on "
@@ -48,6 +51,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ThreadedApps:
+    """aiohttp apps on loopback ports, served from a thread of their own with their own
+    event loop: a made-up upstream that a real gateway (a process, or an app in the
+    test's loop) reaches over real sockets. A subclass says what to serve (`apps`);
+    `with` starts and stops it."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    def apps(self) -> list[tuple[web.Application, int]]:
+        """Each app to serve and its port (`self.port` is the first one's)."""
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        runners = []
+        for app, port in self.apps():
+            runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+        self._ready.set()
+        await self._stop.wait()
+        for runner in runners:
+            await runner.cleanup()
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import threading
 import zlib
 from typing import Any
 
 from aiohttp import web
 
-from studies.harness import free_port
+from studies.harness import ThreadedApps, free_port
 
 SECRET = "SECRET-of-another-tenant"  # words an upstream puts in errors: never relayed
 
@@ -38,8 +37,9 @@ class Recorder:
         return web.json_response({"choices": [{"text": SECRET, "finish_reason": "stop"}]})
 
 
-class HostileUpstream:
+class HostileUpstream(ThreadedApps):
     def __init__(self, model: str) -> None:
+        super().__init__()
         self.model = model
         self.mode = "ok"
         self.usage: dict[str, Any] = {}  # mode "ok": fields that replace the honest usage
@@ -52,25 +52,12 @@ class HostileUpstream:
         self.tool_bytes = 4 << 20  # mode "tool_flood": the arguments' size at most
         self._bombs: dict[int, bytes] = {}
         self.recorder = Recorder()
-        self.port = free_port()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def __enter__(self) -> HostileUpstream:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
-
-    async def _serve(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+    def apps(self) -> list[tuple[web.Application, int]]:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -78,17 +65,7 @@ class HostileUpstream:
         app.router.add_post("/v1/completions", self._completions)
         internal = web.Application()
         internal.router.add_route("*", "/{tail:.*}", self.recorder.handle)
-        runners = [
-            web.AppRunner(a, shutdown_timeout=0.5, handler_cancellation=True)
-            for a in (app, internal)
-        ]
-        for runner, port in zip(runners, (self.port, self.recorder.port), strict=True):
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-        self._ready.set()
-        await self._stop.wait()
-        for runner in runners:
-            await runner.cleanup()
+        return [(app, self.port), (internal, self.recorder.port)]
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         if self.health_redirect:

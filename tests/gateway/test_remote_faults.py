@@ -15,7 +15,6 @@ import json
 import signal
 import sqlite3
 import subprocess
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -28,7 +27,8 @@ from aiohttp import web
 
 from engine_api.block_hash import hash_blocks
 from engine_api.records import BackendStats
-from tests.conftest import LiveGateway, free_port, start_gateway
+from studies.harness import ThreadedApps
+from tests.conftest import LiveGateway, start_gateway
 from tests.gateway.test_remote import (
     MODEL,
     backend_health,
@@ -44,7 +44,7 @@ CHUNKS_BEFORE_FAULT = 2  # "cut" and "stall" stop after this many chunks
 FAULTS_BEFORE_OUTPUT = ["500", "garbage", "hang"]
 
 
-class FakeUpstream:
+class FakeUpstream(ThreadedApps):
     """An upstream on a loopback port, served from a thread: a kvgate worker's routes
     (kind "worker") or a third-party server's (kind "openai": SSE without usage, no
     /health), failing as `mode` says: "ok", "500", "garbage" (invalid JSON everywhere),
@@ -53,35 +53,23 @@ class FakeUpstream:
     serves, hashed as an engine keys them."""
 
     def __init__(self, kind: str = "worker", prefix_events: bool = False) -> None:
+        super().__init__()
         self.kind, self.prefix_events = kind, prefix_events
         self.mode = "ok"
         self.served = 0
         self.epoch = "epoch-1"
         self.log: list[dict] = []  # KV events, seq = index + 1
         self.stored: dict[str, dict] = {}
-        self.port = free_port()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def __enter__(self) -> FakeUpstream:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
-
     def restart(self) -> None:
         """As a restarted worker: a new epoch and an empty cache."""
         self.epoch, self.log, self.stored = self.epoch + "+", [], {}
 
-    async def _serve(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+    def apps(self) -> list[tuple[web.Application, int]]:
         app = web.Application(middlewares=[self._faults])
         if self.kind == "worker":
             app.router.add_get("/health", lambda r: web.json_response({"epoch": self.epoch}))
@@ -91,12 +79,7 @@ class FakeUpstream:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_get("/kvgate/v1/stats", self._stats)
         app.router.add_get("/kvgate/v1/kv_events", self._kv_events)
-        runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
-        self._ready.set()
-        await self._stop.wait()
-        await runner.cleanup()
+        return [(app, self.port)]
 
     @web.middleware
     async def _faults(self, request: web.Request, handler: Callable) -> web.StreamResponse:
