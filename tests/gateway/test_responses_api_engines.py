@@ -8,6 +8,7 @@ the engine's grammar allowed nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, Field
 from gateway.backends import BackendSpec
 from gateway.backends.default_model import default_model_path
 from tests.backend_gpu.byte_tokens import save_byte_token_model
+from tests.conftest import away_from_minute_boundary
 from tests.gateway.test_remote import (  # noqa: F401 (llama_*: the upstream's fixtures)
     MODEL,
     llama_gateway,
@@ -42,7 +44,9 @@ WEATHER = {
     },
     "strict": True,
 }
-CLOCK = {"type": "function", "name": "get_time", "parameters": None, "strict": False}
+# no arguments, and no room for the noise to write any
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+CLOCK = {"type": "function", "name": "get_time", "parameters": NO_ARGUMENTS, "strict": False}
 
 
 class Forecast(BaseModel):
@@ -82,7 +86,7 @@ async def test_gpu_engine_text_whole_and_streamed(tiny):
 
 async def test_gpu_engine_forced_tools_validate_whole_and_streamed(tiny):
     named = {"type": "function", "name": "get_weather"}
-    fields = dict(model="tiny", input="Weather?", tools=[WEATHER, CLOCK], max_output_tokens=60)
+    fields = dict(model="tiny", input="Weather?", tools=[WEATHER, CLOCK], max_output_tokens=120)
     whole = await tiny.responses.create(**fields, tool_choice=named)
     (call,) = whole.output
     assert whole.status == "completed" and call.type == "function_call"
@@ -176,16 +180,19 @@ def test_third_party_upstream_whole_and_streamed(llama_gateway):  # noqa: F811
     tenant, key = gw.tenant_key("responses", rpm=2)
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
     fields = dict(model=MODEL, input="The capital of France is", max_output_tokens=8, temperature=0)
+    asyncio.run(away_from_minute_boundary())  # rpm counts per UTC minute
     whole = client.responses.create(**fields)
     assert whole.output_text.strip() and whole.usage.output_tokens > 0
     with client.responses.stream(**fields) as stream:
-        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        last = stream.get_final_response() if whole.status == "completed" else None
-    assert "".join(deltas).strip()
-    if last is not None:
-        assert last.output_text == "".join(deltas)
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert deltas.strip() and last.response.output_text == deltas
+    assert last.response.usage.input_tokens == whole.usage.input_tokens
     with pytest.raises(openai.RateLimitError):  # rpm 2, exactly
         client.responses.create(**fields)
     rows = usage_rows(tmp, tenant["id"])
     assert [r[2] for r in rows] == [200, 200]
     assert rows[0][:2] == (whole.usage.input_tokens, whole.usage.output_tokens)
+    assert rows[1][:2] == (last.response.usage.input_tokens, last.response.usage.output_tokens)
