@@ -24,6 +24,8 @@ from gateway.schemas import messages_responses as am
 from gateway.schemas import embeddings as e
 from gateway.schemas import responses as m
 from gateway.schemas import responses_admin as a
+from gateway.schemas import responses_api as r
+from gateway.schemas import responses_api_bodies as rb
 from gateway.schemas.admin import (
     AdminPinCreate,
     KeyCreate,
@@ -47,6 +49,7 @@ VERSION = "0.1.0"
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     CompletionRequest,
+    r.ResponseCreateRequest,
     PinCreate,
     AdminPinCreate,
     TenantCreate,
@@ -87,6 +90,7 @@ PUBLIC = (400,)  # no key needed
 _SUMMARIES = {
     "post /v1/chat/completions": "Create a chat completion (OpenAI's).",
     "post /v1/completions": "Create a text completion (OpenAI's).",
+    "post /v1/responses": "Create a response (OpenAI's Responses API), stateless.",
     "get /v1/models": "The models this key may use.",
     "post /tokenize": "A prompt or chat as the token ids a completion gets (vLLM's); not billed.",
     "post /detokenize": "Token ids back to text (vLLM's); not billed.",
@@ -131,11 +135,13 @@ _STREAM = {"stream": True, "stream_options": {"include_usage": True}}
 _MESSAGES = {"messages": [{"role": "user", "content": "Say hello."}]}
 _CHAT = {"model": ""} | _MESSAGES | {"max_tokens": 8}
 _TEXT = {"model": "", "prompt": "Once upon a time", "max_tokens": 8}
+_RESPONSE = {"model": "", "input": "Say hello.", "max_output_tokens": 8}
 _ANTHROPIC = {"model": ""} | _MESSAGES
 _PIN = {"name": "support", "text": "You are a helpful support agent.", "model": ""}
 EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     ChatCompletionRequest: (_CHAT, _CHAT | _STREAM),
     CompletionRequest: (_TEXT, _TEXT | _STREAM),
+    r.ResponseCreateRequest: (_RESPONSE, _RESPONSE | {"stream": True}),
     PinCreate: (_PIN,),
     AdminPinCreate: (_PIN | {"tenant": None, "name": "house-style", "shared": True},),
     TenantCreate: ({"name": "acme", "rpm": 600},),
@@ -190,11 +196,13 @@ def _routes() -> list[Route]:
     error = m.ErrorResponse  # a stream that fails after its 200 ends with one
     chat = _json(m.ChatCompletion) | _events(m.ChatCompletionChunk, m.ChatUsageChunk, error)
     text = _json(m.TextCompletion) | _events(m.TextCompletionChunk, m.TextUsageChunk, error)
+    answer = _json(rb.ResponseObject) | _events(*rb.STREAM_EVENTS)
     reply = _json(am.MessageReply) | _events(*am.STREAM_EVENTS)
     whole = {"application/json": {"schema": {"type": "object"}}}
     return [
         Route("post /v1/chat/completions", chat, ChatCompletionRequest, errors=COMPLETE),
         Route("post /v1/completions", text, CompletionRequest, errors=COMPLETE),
+        Route("post /v1/responses", answer, r.ResponseCreateRequest, errors=COMPLETE),
         Route("get /v1/models", _json(m.ModelList)),
         Route("post /tokenize", _json(m.Tokens), TokenizeRequest, errors=TOKENS),
         Route("post /detokenize", _json(m.Detokenized), DetokenizeRequest, errors=TOKENS),
@@ -252,7 +260,7 @@ def _response_models() -> list[type[BaseModel]]:
     are not counted twice."""
     return [
         v
-        for module in (m, a, am, e)
+        for module in (m, a, am, e, rb)
         for v in vars(module).values()
         if isinstance(v, type)
         and issubclass(v, m.Body)
