@@ -66,7 +66,8 @@ async def make_gateway(tmp_path) -> AsyncIterator:
 
     async def make(backends: list[BackendSpec] | None = None, **settings: Any) -> Gateway:
         s = Settings(
-            database_url=f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}",
+            # SQLite in the test's directory unless a test names another database
+            database_url=settings.pop("database_url", f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}"),
             admin_key=ADMIN_KEY,
             backend="",
             backends=backends or fake_backends(),

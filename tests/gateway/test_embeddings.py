@@ -26,8 +26,8 @@ from openai import AsyncOpenAI
 from sqlalchemy import select
 
 from gateway.backends import BackendSpec
-from gateway.db import UsageRecord
-from tests.conftest import ADMIN_KEY, away_from_minute_boundary
+from gateway.db import Database, UsageRecord, migrate
+from tests.conftest import ADMIN_KEY, PG_URL, away_from_minute_boundary
 
 PRICES = {"embed-model": {"input": 2.5}}  # USD per million tokens
 SIZE = 16
@@ -213,7 +213,29 @@ async def test_bad_inputs_are_400s_that_take_nothing(gw):
     assert (await gw.post("/v1/embeddings", ADMIN_KEY, body | {"input": "a"})).status == 403
 
 
-async def test_rpm_is_exact_and_tokens_count_against_the_daily_budget(gw):
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request) -> dict:
+    """SQLite (counters in memory) or PostgreSQL (counters in the database, each
+    settlement committed with its usage row): the settings that pick it."""
+    if request.param == "sqlite":
+        return {}
+    return {"database_url": PG_URL, "database_schema": request.getfixturevalue("pg_schema")}
+
+
+async def on_store(make_gateway, store: dict, specs: list[BackendSpec] | None = None):
+    if store and not store.get("migrated"):
+        db = Database(store["database_url"], store["database_schema"])
+        try:
+            await migrate(db)  # as `kvgate serve` does at start
+        finally:
+            await db.close()
+        store["migrated"] = True
+    settings = {k: v for k, v in store.items() if k != "migrated"}
+    return await make_gateway(specs or backends(), prices=PRICES, **settings)
+
+
+async def test_rpm_is_exact_and_tokens_count_against_the_daily_budget(store, make_gateway):
+    gw = await on_store(make_gateway, store)  # the schema outlives the gateway
     await away_from_minute_boundary()
     _, key = await gw.tenant("burst", rpm=5)
     c = client(gw, key)
@@ -239,20 +261,17 @@ async def test_rpm_is_exact_and_tokens_count_against_the_daily_budget(gw):
     assert e.value.code == "exceeds_tenant_limit" and "The input is 11 tokens" in e.value.message
 
 
-async def test_a_failing_replica_hands_over_and_a_failed_request_settles(make_gateway):
+async def test_a_failing_replica_hands_over_and_a_failed_request_settles(store, make_gateway):
     specs = backends()[:2]
     failing = BackendSpec("bad", "fake", "", "embed-model", specs[1].options | {"fail_rate": 1})
-    gw = await make_gateway([*specs, failing], prices=PRICES)
+    gw = await on_store(make_gateway, store, [*specs, failing])
     _, key = await gw.tenant(max_concurrent=1)
     c = client(gw, key)
     for _ in range(4):  # whichever replica is picked first, every request is answered
         done = await c.embeddings.create(model="embed-model", input="seven bright stars")
         assert done.usage.prompt_tokens == 3
 
-    gw = await make_gateway(
-        [specs[0], BackendSpec("bad", "fake", "", "embed-model", failing.options)],
-        prices=PRICES,
-    )
+    gw = await on_store(make_gateway, store, [specs[0], failing])
     tenant, key = await gw.tenant("other", max_concurrent=1, rpm=2)
     c = client(gw, key)
     await away_from_minute_boundary()
