@@ -118,7 +118,7 @@ async def test_stop_string_ends_generation_without_emitting_it(engine):
     assert len(text) >= 12
     stop = text[8:12]
     ids, stopped_text, out = await collect(engine, "stop", prompt, greedy(24, stop=[stop]), "stop")
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_sequence == stop
     assert stopped_text == text[: text.index(stop)]
     assert len(ids) < 24
 

@@ -31,7 +31,11 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
-CLOCK = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
+# no extra keys: what the random model writes is bounded
+CLOCK = {
+    "name": "get_time",
+    "input_schema": {"type": "object", "properties": {}, "additionalProperties": False},
+}
 ASK = [{"role": "user", "content": "Write two sentences about the sea."}]
 
 
@@ -48,14 +52,17 @@ def a_stop_sequence(text: str) -> str:
     raise AssertionError(f"no stop sequence to take from {text!r}")
 
 
-async def check_whole_streamed_and_stopped(c: anthropic.AsyncAnthropic, model: str) -> None:
+async def check_whole_streamed_and_stopped(gw, model: str) -> None:
     """A greedy reply whole and streamed (the same text), then again with a stop
-    sequence taken from its text: it ends where that sequence first stood."""
-    fields = dict(model=model, messages=ASK, max_tokens=24, temperature=0)
-    whole = await c.messages.create(**fields)
+    sequence taken from its text: it ends where that sequence first stood. Each by a
+    tenant of its own: no run reads another's prompt from the cache, so all agree."""
+    whole_c, stream_c, c = [client(gw.url, (await gw.tenant(n))[1]) for n in "abc"]
+    # greedy; the SDK's 2.x has no temperature argument
+    fields = dict(model=model, messages=ASK, max_tokens=24, extra_body={"temperature": 0})
+    whole = await whole_c.messages.create(**fields)
     text = whole.content[0].text
     assert whole.usage.output_tokens >= 1 and whole.usage.input_tokens >= 1
-    async with c.messages.stream(**fields) as stream:
+    async with stream_c.messages.stream(**fields) as stream:
         streamed = await stream.get_final_message()
     assert streamed.content[0].text == text and streamed.stop_reason == whole.stop_reason
     assert streamed.usage.output_tokens == whole.usage.output_tokens
@@ -77,9 +84,9 @@ def tiny_dir(tmp_path_factory) -> str:
 async def test_gpu_engine_forced_tools_validate_and_stop_sequences(make_gateway, tiny_dir):
     options = {"max_num_batched_tokens": 128, "seed": 1}
     gw = await make_gateway([BackendSpec("tiny", "gpu", tiny_dir, "tiny", options)])
+    await check_whole_streamed_and_stopped(gw, "tiny")
     _, key = await gw.tenant()
     c = client(gw.url, key)
-    await check_whole_streamed_and_stopped(c, "tiny")
 
     named = {"type": "tool", "name": "get_weather"}
     fields = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=60)
@@ -111,8 +118,7 @@ async def test_gpu_engine_forced_tools_validate_and_stop_sequences(make_gateway,
 async def test_llama_cpp_engine_on_the_default_model(make_gateway):
     options = {"n_ctx": 512, "n_parallel": 1, "n_batch": 128, "n_threads": 1}
     gw = await make_gateway([BackendSpec("local", "local", "", "", options)])
-    _, key = await gw.tenant()
-    await check_whole_streamed_and_stopped(client(gw.url, key), DEFAULT_MODEL_ID)
+    await check_whole_streamed_and_stopped(gw, DEFAULT_MODEL_ID)
 
 
 async def test_remote_worker_upstream(tmp_path):
