@@ -206,9 +206,11 @@ class ResponseCreateRequest(_Body):
     @classmethod
     def _refuse_state(cls, data: Any) -> Any:
         """The fields and values only a stored response could serve, named (before the
-        strict body's generic 'unrecognized' would)."""
+        strict body's generic 'unrecognized' would); fields sent as null dropped."""
         if not isinstance(data, dict):
             return data
+        # null asks for the default (OpenAI's schema has most fields nullable)
+        data = {k: v for k, v in data.items() if v is not None}
         for name in STATEFUL_FIELDS:
             if data.get(name) is not None:
                 raise ValueError(f"{name!r} is not supported: {STATELESS}.")

@@ -99,7 +99,7 @@ def output_items(
 ) -> list[dict[str, Any]]:
     """A whole answer's output: its text as a message (unless it is only calls), then
     one function_call item per call."""
-    status = "incomplete" if finish in INCOMPLETE else "completed"
+    status = status_of(finish)
     items = []
     if content or (content is not None and not calls):
         items.append(message_item(item_id("msg"), content, status))

@@ -52,6 +52,7 @@ async def gateway(make_gateway):
     backends = [
         BackendSpec("fake", "fake", "", "fake-model", {}),
         BackendSpec("broken", "fake", "", "broken-model", {"fail_rate": 1.0}),
+        BackendSpec("slow", "fake", "", "slow-model", {"tokens_per_second": 50}),
     ]
     return await make_gateway(backends, prices={"fake-model": PRICES})
 
@@ -308,7 +309,11 @@ async def test_stateless_and_unsupported_fields_are_refused_by_name(gateway):
     # none of it was billed or counted: the one request a minute rpm allows still passes
     await away_from_minute_boundary()
     assert await rows(gateway) == {}
-    done = await c.responses.create(**base, store=False)
+    # null asks for the default: no state, no temperature of its own
+    done = await c.responses.create(
+        **base, store=False, previous_response_id=None, temperature=None
+    )
+    assert done.temperature == 1.0
     assert done.store is False and done.usage.output_tokens == 2
     assert [r.tenant_id for r in (await rows(gateway)).values()] == [tenant["id"]]
 
@@ -386,3 +391,28 @@ async def test_rpm_is_exact_and_rows_and_spend_match_the_answers(gateway):
         )
     status, usage = await gateway.admin("GET", f"/admin/usage?tenant_id={tenant['id']}")
     assert status == 200 and usage["total"]["requests"] == 4
+
+
+async def test_a_client_that_hangs_up_is_billed_for_what_it_received(gateway):
+    tenant, key = await gateway.tenant(max_concurrent=1)
+    c = client(gateway, key)
+    stream = await c.responses.create(
+        model="slow-model", input="hello there", max_output_tokens=200, stream=True
+    )
+    deltas = 0
+    async for event in stream:
+        deltas += event.type == "response.output_text.delta"
+        if deltas == 3:
+            break
+    await stream.close()
+    deadline = time.monotonic() + 30
+    while not (recorded := await rows(gateway)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    (row,) = recorded.values()
+    assert row.status == 499 and 3 <= row.completion_tokens < 200 and row.prompt_tokens == 4
+    quota = await gateway.state.quota.used(tenant["id"], time.time())
+    assert quota["daily"] == row.prompt_tokens + row.completion_tokens
+    assert quota["concurrent"] == 0
+    # the slot is back: the next request is admitted, and billed on its own row
+    done = await c.responses.create(model="slow-model", input="hi", max_output_tokens=2)
+    assert len(await rows(gateway)) == 2 and done.usage.output_tokens == 2
