@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import math
 import struct
 import time
@@ -25,7 +26,8 @@ import pytest
 from openai import AsyncOpenAI
 from sqlalchemy import select
 
-from gateway.backends import BackendSpec
+from gateway.backends import BackendError, BackendSpec
+from gateway.backends.remote_embed import parse_answer
 from gateway.db import Database, UsageRecord, migrate
 from tests.conftest import ADMIN_KEY, PG_URL, away_from_minute_boundary
 
@@ -283,3 +285,34 @@ async def test_a_failing_replica_hands_over_and_a_failed_request_settles(store, 
     assert [(r.status, r.prompt_tokens, r.spend_nano_usd) for r in recorded] == [(503, 0, 0)] * 3
     used = await gw.state.quota.used(tenant["id"], time.time())
     assert used["requests"] == 0 and used["concurrent"] == 0 and used["tokens"] == 0
+
+
+def test_an_upstream_answer_is_checked_whole():
+    """remote_embed's reading of a third-party answer: in index order, usage a claim;
+    anything that does not fit the request is the upstream's failure, never passed on."""
+    label = "remote backend 'up'"
+    answer = {
+        "data": [{"index": 1, "embedding": [0.5, 1]}, {"index": 0, "embedding": [1, 0]}],
+        "usage": {"prompt_tokens": 7},
+    }
+    result = parse_answer(json.dumps(answer).encode(), 2, label)
+    assert result.embeddings == [[1.0, 0.0], [0.5, 1.0]] and result.prompt_tokens == 7
+    no_usage = parse_answer(json.dumps({"data": answer["data"]}).encode(), 2, label)
+    assert no_usage.prompt_tokens == 0  # the gateway's own count then stands
+    one, two = answer["data"]
+    for raw, says in (
+        (b"not json", "invalid JSON"),
+        (json.dumps({"data": [one]}), "1 embeddings for 2 inputs"),
+        (json.dumps({"data": [one, one]}), "wrong indices"),
+        (json.dumps({"data": [one, two | {"index": 2}]}), "wrong indices"),
+        (json.dumps({"data": [one, two | {"index": True}]}), "wrong indices"),
+        (
+            b'{"data": [{"index": 0, "embedding": [NaN, 1]}, ' + json.dumps(one).encode() + b"]}",
+            "not a list of numbers",
+        ),
+        (json.dumps({"data": [one, two | {"embedding": "AAAA"}]}), "not a list of numbers"),
+        (json.dumps({"data": [one, two | {"embedding": [1, 2, 3]}]}), "of different sizes"),
+    ):
+        with pytest.raises(BackendError) as e:
+            parse_answer(raw if isinstance(raw, bytes) else raw.encode(), 2, label)
+        assert str(e.value).startswith(label) and says in str(e.value), (raw, e.value)
