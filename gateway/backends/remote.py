@@ -19,8 +19,9 @@ upstream that cannot render chats into token ids for the gateway), connect_timeo
 (5), read_timeout_s (60, between bytes), first_token_timeout_s (120: from sending a
 request to its first output), request_timeout_s (1800: a whole request),
 max_response_bytes (64 MiB: a stream or an answer), health_interval_s (2),
-start_timeout_s (30: how long `start` waits for an upstream to tell what it is, unless
-context_length is set; one that does not answer is down until it does), max_in_flight
+start_timeout_s (30: how long `start` waits for the upstream to tell what it is, or
+with context_length set for its first health check; one that does not answer is down
+until it does), max_in_flight
 (requests let through at once, plus under VTC one spare for a tenant with nothing in
 flight; the rest wait in the gateway's fair queue: for an upstream that serves in
 arrival order), task ("embed": an embedding model, served at
@@ -136,10 +137,10 @@ class RemoteBackend:
         return info.model if info else self.opts.upstream_model or self._default_model
 
     async def start(self) -> None:
-        """At once when the context length is configured (the watch finds the upstream
-        when it is up); else wait up to start_timeout_s for the upstream to tell what it
-        is. One that does not answer in time is down, not broken: the watch keeps
-        trying, and /health and its model's 503s say why until it answers."""
+        """After the first health check when the context length is configured, else once
+        the upstream tells what it is; either way within start_timeout_s. One that does
+        not answer in time is down, not broken: the watch keeps trying, and /health and
+        its model's 503s say why until it answers."""
         if self._started:
             return
         await self.client.start()
@@ -147,8 +148,7 @@ class RemoteBackend:
             if self.opts.tokenizer:
                 self.tokenizer = await self._load_tokenizer(self.opts.tokenizer)
             self.monitor.start()
-            if self.opts.context_length is None:
-                await self._wait_for_upstream()
+            await self._wait_for_upstream()
         except BaseException:
             await self.monitor.stop()
             await self.client.close()
@@ -162,13 +162,16 @@ class RemoteBackend:
             raise BackendError(f"{self.label}: cannot load tokenizer {path!r}: {e}") from e
 
     async def _wait_for_upstream(self) -> None:
-        try:
+        """Until the upstream tells what it is (with the context length configured: until
+        the first check ends), up to start_timeout_s; one still down is logged."""
+        m = self.monitor
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.opts.start_timeout_s):
-                await self.monitor.discovered.wait()
-        except TimeoutError:
+                await (m.checked if self.opts.context_length else m.discovered).wait()
+        if not m.healthy:
             log.warning(
                 "%s: %s is down (%s); serving its model once it answers",
-                *(self.name, self.opts.url, self.monitor.reason),
+                *(self.name, self.opts.url, m.reason),
             )
 
     async def stop(self, drain: bool = True) -> None:
@@ -362,6 +365,7 @@ class RemoteBackend:
         kind = VLLM if info is None or info.worker else info.found.tokenizer
         if local_only or kind is None:
             return None
+        overhead = info.found.count_overhead if info is not None else 0
         path, request = count_request(kind, self.upstream_model, text)
         body: Any = request
         if len(text) > LARGE_COUNT_CHARS:  # encoding megabytes of JSON would stall the loop
@@ -378,7 +382,8 @@ class RemoteBackend:
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if isinstance(tokens, list):
             count = len(tokens)
-        return count if isinstance(count, int) and not isinstance(count, bool) else None
+        ok = isinstance(count, int) and not isinstance(count, bool)
+        return max(count - overhead, 0) if ok else None
 
     def _failed(self, e: BackendError) -> None:
         """A call failed: unreachable leaves the rotation now; anything else (dead, or

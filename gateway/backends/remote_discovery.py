@@ -15,6 +15,7 @@ nothing is, is logged once per upstream (`kvgate serve` prints it at start).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,9 @@ class Found:
     context_length: int | None = None
     context_from: str = ""  # where the context length was read
     tokenizer: str | None = None  # VLLM, LLAMA_SERVER or LLAMA_CPP_PYTHON
+    # tokens its tokenizer adds to any text (llama-cpp-python's /extras/tokenize adds
+    # BOS and has no switch for it): taken off a count of generated text
+    count_overhead: int = 0
 
 
 def pick_entry(entries: list[Any], wanted: str | None, default: str, label: str) -> dict:
@@ -62,9 +66,12 @@ def positive_int(n: Any) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
-async def probe(client: UpstreamClient, model: str, timeout_s: float) -> Found:
-    """The context length and the tokenizer endpoint of a third-party upstream serving
-    `model`, from whichever of the known endpoints answers."""
+async def probe(
+    client: UpstreamClient, model: str, timeout_s: float, context: bool, tokenizer: bool
+) -> Found:
+    """What a third-party upstream serving `model` tells, from whichever of the known
+    endpoints answer: its context length if `context`, its tokenizer if `tokenizer`
+    (what is known already is not asked again: the first health check waits on this)."""
 
     async def ask(method: str, path: str, body: Any = None) -> dict | None:
         try:
@@ -73,29 +80,32 @@ async def probe(client: UpstreamClient, model: str, timeout_s: float) -> Found:
             return None  # not this kind of server
         return data if isinstance(data, dict) else None
 
-    length, source, tokenizer = None, "", None
-    props = await ask("GET", "/props")
+    found = Found()
+    if tokenizer and _tokens(await ask("POST", "/tokenize", {"model": model, "prompt": "hi"})):
+        found, tokenizer = Found(tokenizer=VLLM), False
+    props = await ask("GET", "/props") if context or tokenizer else None
     if props is not None:  # llama.cpp's llama-server
         settings = props.get("default_generation_settings")
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else props.get("n_ctx")
-        if (length := positive_int(n_ctx)) is not None:
-            source = "/props n_ctx"
-        if _tokens(await ask("POST", "/tokenize", {"content": "hello"})):
-            tokenizer = LLAMA_SERVER
-    if length is None:
-        show = await ask("POST", "/api/show", {"model": model})  # Ollama
-        info = show.get("model_info") if show else None
+        if context and (length := positive_int(n_ctx)) is not None:
+            found, context = dataclasses.replace(found, context_length=length), False
+            found = dataclasses.replace(found, context_from="/props n_ctx")
+        if tokenizer and _tokens(await ask("POST", "/tokenize", {"content": "hi"})):
+            found, tokenizer = dataclasses.replace(found, tokenizer=LLAMA_SERVER), False
+    if context and (show := await ask("POST", "/api/show", {"model": model})):  # Ollama
+        info = show.get("model_info")
         for key, value in info.items() if isinstance(info, dict) else ():
             if key.endswith(".context_length") and (length := positive_int(value)):
-                source = f"/api/show {key}"
+                found = dataclasses.replace(
+                    found, context_length=length, context_from=f"/api/show {key}"
+                )
                 break
-    if tokenizer is None and _tokens(
-        await ask("POST", "/tokenize", {"model": model, "prompt": "hello"})
-    ):
-        tokenizer = VLLM
-    if tokenizer is None and _tokens(await ask("POST", "/extras/tokenize", {"input": "hello"})):
-        tokenizer = LLAMA_CPP_PYTHON
-    return Found(length, source, tokenizer)
+    if tokenizer and _tokens(await ask("POST", "/extras/tokenize", {"input": "hi"})):
+        empty = await ask("POST", "/extras/tokenize", {"input": ""})
+        tokens = empty.get("tokens") if empty else None
+        overhead = len(tokens) if isinstance(tokens, list) else 0
+        found = dataclasses.replace(found, tokenizer=LLAMA_CPP_PYTHON, count_overhead=overhead)
+    return found
 
 
 def _tokens(data: dict | None) -> list[int] | None:

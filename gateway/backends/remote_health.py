@@ -81,6 +81,7 @@ class Monitor:
         self.reason = "not checked yet"
         self.info: UpstreamInfo | None = None
         self.discovered = asyncio.Event()  # set by the first answer to /v1/models
+        self.checked = asyncio.Event()  # set when the first check ends, either way
         self.stats: BackendStats | None = None  # a worker's, from the last check
         self.inflight_at_poll = 0  # this gateway's requests in flight when it was read
         self.last_progress = 0.0  # when a request to it last started or read output
@@ -124,6 +125,7 @@ class Monitor:
                 self.healthy, self.reason = False, str(e)
                 failures += 1
                 delay = backoff(self.interval_s, failures)
+            self.checked.set()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._wake.wait()
@@ -184,10 +186,13 @@ class Monitor:
         worker = WorkerInfo.parse(entry["kvgate"], label) if "kvgate" in entry else None
         previous = self.info
         found = previous.found if previous and previous.model == entry["id"] else None
+        length = positive_int(entry.get("max_model_len"))
         if worker is None and found is None:  # a new upstream (or model): ask it once
-            found = await probe(self.client, entry["id"], timeout_s)
+            context = length is None and "context_length" not in self.configured
+            tokenizer = "tokenizer" not in self.configured
+            found = await probe(self.client, entry["id"], timeout_s, context, tokenizer)
         found = found or Found()
-        if (length := positive_int(entry.get("max_model_len"))) is not None:
+        if length is not None:
             found = dataclasses.replace(found, context_length=length, context_from="/v1/models")
         self.info = UpstreamInfo(entry["id"], found.context_length, worker, found)
         if worker is None and (previous is None or previous.model != entry["id"]):

@@ -14,7 +14,8 @@ client passes one ChoiceMeter, which
   asked for, prompt logprobs to the prompt;
 - takes the backend's usage on the last chunk only where it is consistent with what was
   delivered (what was counted <= completion <= max_tokens, 0 <= cached <= prompt); the
-  prompt is always the gateway's own count.
+  prompt is the gateway's own count, or, where that is only a bound (a text-bound prompt,
+  gateway/backends/remote_text.py), the claim within it.
 
 `Job.finish` settles each choice to `ChoiceMeter.billed`.
 """

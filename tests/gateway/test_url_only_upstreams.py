@@ -25,7 +25,10 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.backends.remote_text import MARGIN
+from engine_api.errors import BadRequestError
+from gateway.backends.default_model import default_model_path
+from gateway.backends.remote_text import MARGIN, text_bound
+from gateway.backends.remote_tokenizer import load_tokenizer
 from tests.conftest import LiveGateway, away_from_minute_boundary, free_port, start_gateway
 from tests.gateway.upstream_servers import (
     llama_cpp_python_server,
@@ -256,3 +259,21 @@ def test_backends_that_cannot_serve_are_named_and_answer_503(tmp_path):
         assert {m.id for m in client.models.list()} >= {"down-model", "broken-model"}
     finally:
         gw.stop()
+
+
+def test_the_text_bound_holds_the_tokens_a_real_tokenizer_makes():
+    """A text-bound prompt's length is at least the tokens of the prompt the upstream
+    renders: Gemma's tokenizer and turn format (the default GGUF), on text that packs
+    the fewest bytes into a token (single bytes, emoji, CJK, control characters)."""
+    tokenizer = load_tokenizer(str(default_model_path()))
+    texts = ["a", "\x00\x01\x02", "🙂" * 50, "東京の天気は？" * 20, " " * 300, "a b " * 100, ""]
+    for text in texts:
+        chat = [{"role": "system", "content": text}, {"role": "user", "content": text or "?"}]
+        assert len(text_bound(chat, None, MODEL)) >= len(tokenizer.render(chat))
+        if text:
+            assert len(text_bound(text, None, MODEL)) >= len(tokenizer.render(text))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = [{"role": "user", "content": "call f"}]
+    assert len(text_bound(chat, tools, MODEL)) >= len(tokenizer.render(chat, tools))
+    with pytest.raises(BadRequestError, match="token ids cannot be sent"):
+        text_bound([1, 2, 3], None, MODEL)
