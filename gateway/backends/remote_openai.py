@@ -142,8 +142,10 @@ async def completion_chunks(
     """GenChunks of a completions SSE stream: text (no token ids) as it comes, then a
     last chunk with finish_reason and the upstream's usage, if it sent one; at most
     `top` alternatives a token are read. A stream that breaks raises BackendError; what
-    it delivered before is counted by the meter."""
+    it delivered before is counted by the meter. vLLM names the stop string that ended
+    it (its choice's `stop_reason`): the last chunk carries it."""
     finish: str | None = None
+    stop: str | None = None
     usage: Usage | None = None
     done = False
     try:
@@ -160,6 +162,8 @@ async def completion_chunks(
                 if text or logprobs:
                     yield GenChunk([], text, None, None, logprobs)
                 finish = reason or finish
+                if isinstance(choice, dict) and isinstance(choice.get("stop_reason"), str):
+                    stop = choice["stop_reason"]
         if finish is None:
             raise BackendError(f"{client.label} ended the stream before the request finished")
     finally:
@@ -167,7 +171,7 @@ async def completion_chunks(
             resp.release()
         else:
             resp.close()  # the upstream sees the connection close and stops generating
-    yield GenChunk([], "", finish, usage)
+    yield GenChunk([], "", finish, usage, stop_sequence=stop if finish == "stop" else None)
 
 
 async def _sse_data(lines: AsyncIterator[bytes], label: str) -> AsyncIterator[str]:

@@ -1,7 +1,8 @@
 """Anthropic's Messages API on every kind of backend, the `anthropic` SDK as the caller:
 the gpu engine on a tiny random model (a forced tool's input validates against its
-schema, whole and streamed), the llama.cpp engine on the default model, and a remote
-upstream (a `kvgate worker` process). On each, a stop sequence the engine matched comes
+schema, whole and streamed), the llama.cpp engine on the default model, and remote
+upstreams (a `kvgate worker` process; a third-party server that names its stop string
+as vLLM does). On each, a stop sequence the engine matched comes
 back as stop_reason "stop_sequence" naming it (the engine's own stop-string detection,
 carried on its last chunk, over the worker's wire too), and the usage adds up."""
 
@@ -12,11 +13,13 @@ import json
 import anthropic
 import jsonschema
 import pytest
+from aiohttp import web
 
 from gateway.backends import BackendSpec
 from gateway.backends.default_model import DEFAULT_MODEL_ID
 from tests.backend_gpu.byte_tokens import save_byte_token_model
 from tests.gateway.test_remote import MODEL, gateway_over_workers, usage_rows
+from tests.gateway.test_url_only_upstreams import BareUpstream
 
 WEATHER = {
     "name": "get_weather",
@@ -144,3 +147,43 @@ async def test_remote_worker_upstream(tmp_path):
         prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
         assert rows[0][:2] == (prompt, 8)
         assert rows[1][1] == stopped.usage.output_tokens
+
+
+class VllmLikeUpstream(BareUpstream):
+    """A third-party upstream that stops at the first stop string it is sent (every
+    request here sends one), naming it in its choice's `stop_reason` as vLLM does, or,
+    asked for "lie", naming another."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        stop = body["stop"][0]
+        self.bodies.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        named = "not one it was sent" if stop == "lie" else stop
+        chunks = [
+            {"index": 0, "delta": {"content": "Hello"}, "finish_reason": None},
+            {"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": named},
+        ]
+        for choice in chunks:
+            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def test_a_third_party_upstream_names_its_stop_string(make_gateway):
+    async with VllmLikeUpstream() as up:
+        spec = BackendSpec("up", "remote", "", "vllm", {"urls": [up.url], "context_length": 512})
+        gw = await make_gateway([spec])
+        _, key = await gw.tenant()
+        c = client(gw.url, key)
+        fields = dict(model="vllm", messages=ASK, max_tokens=8)
+        stopped = await c.messages.create(**fields, stop_sequences=[" there"])
+        assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", " there")
+        assert stopped.content[0].text == "Hello" and up.bodies[-1]["stop"] == [" there"]
+        async with c.messages.stream(**fields, stop_sequences=[" there"]) as stream:
+            streamed = await stream.get_final_message()
+        assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", " there")
+        # a string the request did not give is not taken as one that matched
+        lied = await c.messages.create(**fields, stop_sequences=["lie"])
+        assert (lied.stop_reason, lied.stop_sequence) == ("end_turn", None)
