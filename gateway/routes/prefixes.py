@@ -29,12 +29,13 @@ import time
 
 from aiohttp import web
 
-from gateway.backends import BackendError, BadRequestError, PrefixCachingBackend
+from gateway.backends import GENERATE, BackendError, BadRequestError, PrefixCachingBackend
 from gateway.http.errors import ApiError
 from gateway.http.util import json_response, parse_body
 from gateway.routes import guards
 from gateway.routing.pins import Pin, PinCapExceeded, PinCaps
 from gateway.schemas.admin import AdminPinCreate, PinCreate
+from gateway.serving.admission import require_task
 from gateway.serving.token_plan import PIN_COST, check_spend
 from gateway.state import GW, GatewayState
 from gateway.tenancy.auth import Principal
@@ -159,6 +160,7 @@ async def _create(
     if not actor.may_use(model):
         message = f"Your tenant may not use the model `{model}`."
         raise ApiError(403, message, code="model_not_allowed")
+    require_task(gw, actor, card, GENERATE)  # an embedding model caches no prefix
     if not body.text.strip():
         raise ApiError(400, "text is blank.", param="text")
     try:

@@ -316,3 +316,12 @@ def test_an_upstream_answer_is_checked_whole():
         with pytest.raises(BackendError) as e:
             parse_answer(raw if isinstance(raw, bytes) else raw.encode(), 2, label)
         assert str(e.value).startswith(label) and says in str(e.value), (raw, e.value)
+
+
+async def test_an_embedding_model_takes_no_pin(gw):
+    _, key = await gw.tenant()
+    body = {"name": "house", "text": "You are helpful.", "model": "embed-model"}
+    resp = await gw.post("/v1/prefixes", key, body)
+    assert resp.status == 400
+    assert "`embed-model` is an embedding model" in (await resp.json())["error"]["message"]
+    assert await rows(gw) == []
