@@ -4,10 +4,10 @@ An embedding request is admitted as a completion is (gateway.serving.admission):
 model must be one the tenant may use and one that embeds; every input is rendered on a
 replica and held to the model's context; the quota takes one request, one concurrency
 slot and the inputs' tokens (and their worst-case spend at the model's input price)
-before any engine work; then a replica embeds them, trying the next healthy one if it
-fails. There is no output, so the usage row has no completion tokens; it is committed
-before the answer goes out, and the reservation is settled on every path, a failure or a
-client that left included.
+before any engine work; then a replica embeds them (through the gateway's fair queue
+where it keeps one), trying the next healthy one if it fails. There is no output, so the
+usage row has no completion tokens; it is committed before the answer goes out, and the
+reservation is settled on every path, a failure or a client that left included.
 
 The tokens billed are the gateway's own count of what it rendered (what it reserved and
 checked). A backend's own count (a remote upstream's `usage.prompt_tokens`) is a claim,
@@ -192,7 +192,7 @@ class _Call:
                 raise BackendError(f"the backend of model {self.model!r} cannot embed")
             router.claim(backend)
             try:
-                return await backend.embed(req)
+                return await self._embed_on(backend, req)
             except BackendError as e:
                 if i == len(order) - 1:
                     raise
@@ -203,6 +203,17 @@ class _Call:
             finally:
                 router.release(backend)
         raise AssertionError("no replica")  # order is never empty
+
+    async def _embed_on(self, backend: EmbeddingBackend, req: EmbedRequest) -> EmbedResult:
+        """Through the gateway's fair queue where the backend has one (its scheduler is
+        not kvgate's), charged the inputs' tokens: the service the tenant is given."""
+        queue = self.gw.queues.get(backend.name)
+        if queue is None:
+            return await backend.embed(req)
+        tenant = req.tenant_id
+        async with queue.slot(tenant, self.principal.weight):
+            queue.charge(tenant, self.tokens)
+            return await backend.embed(req)
 
     def _billed(self, claimed: int, inputs: int) -> int:
         """The backend's count where it agrees with the gateway's; else the gateway's."""

@@ -325,3 +325,30 @@ async def test_an_embedding_model_takes_no_pin(gw):
     assert resp.status == 400
     assert "`embed-model` is an embedding model" in (await resp.json())["error"]["message"]
     assert await rows(gw) == []
+
+
+async def test_the_fair_queue_holds_embeddings_to_max_in_flight(make_gateway):
+    """A backend the gateway queues in front of (max_in_flight) gets one request at a
+    time from one tenant; the others wait in line and are all answered."""
+    gw = await make_gateway(backends(max_in_flight=1, ttft_ms=50), prices=PRICES)
+    _, key = await gw.tenant()
+    c = client(gw, key)
+    fake, seen = gw.backend("embed"), []
+
+    async def watch() -> None:
+        while True:
+            seen.append((fake.running, gw.state.queues["embed"].stats()))
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        done = await asyncio.gather(
+            *(c.embeddings.create(model="embed-model", input=f"word{i} more") for i in range(4))
+        )
+    finally:
+        watcher.cancel()
+    assert [d.usage.prompt_tokens for d in done] == [2] * 4
+    assert max(running for running, _ in seen) == 1
+    assert any(s and next(iter(s.values()))["waiting"] for _, s in seen)  # some waited
+    [tenant] = gw.state.queues["embed"].stats().values()
+    assert tenant["service"] == 8 and tenant["running"] == 0  # charged the input tokens
