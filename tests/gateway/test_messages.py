@@ -2,7 +2,8 @@
 `anthropic` SDK as the caller: whole and streamed messages, stop sequences, tool turns,
 count_tokens, errors in Anthropic's shape (typed by the SDK), exact rpm, usage rows and
 spend, pings while a prefill takes long, and a client that hangs up billed for what it
-read. (The engines and a remote upstream: test_messages_engines.py.)"""
+read; every body and stream event as /openapi.json documents it. (The engines and
+remote upstreams: test_messages_engines.py.)"""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import asyncio
 import json
 
 import anthropic
+import jsonschema_rs
 import pytest
 from sqlalchemy import select
 
 from gateway.backends import BackendSpec
 from gateway.db import UsageRecord
+from gateway.routes.openapi import build_document
 from gateway.serving import messages_stream
 from tests.conftest import away_from_minute_boundary
 from tests.gateway.test_spend import PRICES, expected_nanos
@@ -269,3 +272,43 @@ async def test_pings_while_waiting_and_a_hang_up_billed_for_what_was_read(
         await asyncio.sleep(0.05)
     assert found is not None and found.status == 499
     assert 3 <= found.completion_tokens < 200
+
+
+async def test_bodies_and_events_are_as_documented(gw):
+    """A whole reply, each event of a stream, a count and an error, each valid for the
+    schema /openapi.json gives its route and status (the fuzzer checks many more)."""
+    _, key = await gw.tenant()
+    doc = build_document("fake-model")
+
+    def validate(path: str, status: int, media: str, data: object) -> None:
+        response = doc["paths"][path]["post"]["responses"][str(status)]
+        if "$ref" in response:
+            response = doc["components"]["responses"][response["$ref"].rsplit("/", 1)[1]]
+        schema = response["content"][media]["schema"]
+        if media == "text/event-stream":
+            schema = schema["properties"]["data"]["else"]["contentSchema"]
+        jsonschema_rs.Draft202012Validator(schema | {"components": doc["components"]}).validate(
+            data
+        )
+
+    headers = {"x-api-key": key}
+    body = {"model": "fake-model", "max_tokens": 4, "messages": say("hi")}
+    calls = [
+        ("/v1/messages", body, 200),
+        ("/v1/messages", body | {"stream": True}, 200),
+        ("/v1/messages/count_tokens", {"model": "fake-model", "messages": say("hi")}, 200),
+        ("/v1/messages", body | {"top_k": 0}, 400),
+    ]
+    for path, sent, status in calls:
+        async with gw.http.post(gw.url + path, json=sent, headers=headers) as r:
+            assert r.status == status
+            media, raw = r.content_type, await r.text()
+        if media == "application/json":
+            validate(path, status, media, json.loads(raw))
+            continue
+        events = [e.split("\n") for e in raw.split("\n\n") if e]
+        for name, data in events:
+            event = json.loads(data.removeprefix("data: "))
+            assert name == "event: " + event["type"]
+            validate(path, status, media, event)
+        assert [e[0] for e in events[-2:]] == ["event: message_delta", "event: message_stop"]
