@@ -85,9 +85,8 @@ def tool_use(call: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not isinstance(arguments, dict):
         return None
-    return {"type": "tool_use", "id": _tool_use_id(call), "name": call["function"]["name"]} | {
-        "input": arguments
-    }
+    name = call["function"]["name"]
+    return {"type": "tool_use", "id": _tool_use_id(call), "name": name, "input": arguments}
 
 
 def _tool_use_id(call: dict[str, Any]) -> str:
@@ -103,7 +102,6 @@ class MessageEvents:
         self.tools = ToolCallStream(plan)
         self.index = -1
         self.open: str | None = None  # the kind of the block being filled
-        self.calls = 0
 
     def feed(self, text: str) -> list[Event]:
         content, calls = self.tools.feed(text)
@@ -127,7 +125,6 @@ class MessageEvents:
                 block = {"type": "tool_use", "id": _tool_use_id(call)}
                 block |= {"name": call["function"]["name"], "input": {}}
                 events += self._start(block, "tool_use")
-                self.calls += 1
             if arguments:
                 events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
         return events

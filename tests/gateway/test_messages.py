@@ -312,3 +312,24 @@ async def test_bodies_and_events_are_as_documented(gw):
             assert name == "event: " + event["type"]
             validate(path, status, media, event)
         assert [e[0] for e in events[-2:]] == ["event: message_delta", "event: message_stop"]
+
+
+async def test_a_reply_whose_usage_row_is_not_committed_does_not_complete(gw, monkeypatch):
+    _, key = await gw.tenant()
+    c = client(gw, key)
+
+    def lost(row) -> asyncio.Future[None]:
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(RuntimeError("the database went away"))
+        return failed
+
+    monkeypatch.setattr(gw.state.usage, "submit", lost)
+    with pytest.raises(anthropic.OverloadedError, match="Usage could not be recorded"):
+        await c.messages.create(model="fake-model", max_tokens=4, messages=say("hi"))
+    body = {"model": "fake-model", "max_tokens": 4, "messages": say("hi"), "stream": True}
+    async with gw.http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": key}) as r:
+        raw = await r.text()
+    assert r.status == 200 and "event: content_block_delta" in raw
+    # the text went out, but no message_delta or message_stop: the client knows it failed
+    assert raw.rstrip().split("\n\n")[-1].startswith("event: error")
+    assert "message_stop" not in raw and "Usage could not be recorded" in raw
