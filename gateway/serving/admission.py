@@ -12,6 +12,7 @@ pieces: `tenant_of`, `require_task`, `render_on_a_replica` and `admit`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -41,6 +42,8 @@ from gateway.serving.tool_calls import ToolPlan
 from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.quota import QuotaExceeded, Reservation
+
+RENDERS_AT_ONCE = 32  # a request's prompts or inputs rendered concurrently, at most
 
 
 async def prepare(
@@ -179,10 +182,31 @@ async def render_on_a_replica(
         for candidate in candidates[:-1]:
             with contextlib.suppress(BackendError):
                 backend = candidate.backend
-                prompts = [await backend.render(model, p, tools) for p in inputs]
-                return candidates, backend, prompts
+                return candidates, backend, await _render_all(backend, model, inputs, tools)
         last = candidates[-1].backend  # its error, if it fails too, is the client's answer
-        return candidates, last, [await last.render(model, p, tools) for p in inputs]
+        return candidates, last, await _render_all(last, model, inputs, tools)
+
+
+async def _render_all(
+    backend: Backend, model: str, inputs: list[PromptInput], tools: list[dict] | None
+) -> list[list[int]]:
+    """Every input's ids, RENDERS_AT_ONCE at a time: for a remote replica each is a
+    /tokenize call (an embedding request may hold 2048 inputs), and one by one their
+    round trips would add up. The first failure cancels the rest."""
+    if len(inputs) == 1:
+        return [await backend.render(model, inputs[0], tools)]
+    limit = asyncio.Semaphore(RENDERS_AT_ONCE)
+
+    async def one(prompt: PromptInput) -> list[int]:
+        async with limit:
+            return await backend.render(model, prompt, tools)
+
+    tasks = [asyncio.ensure_future(one(p)) for p in inputs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @contextlib.contextmanager
