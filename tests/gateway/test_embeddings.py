@@ -21,6 +21,7 @@ import struct
 import time
 from decimal import Decimal
 
+import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -352,3 +353,19 @@ async def test_the_fair_queue_holds_embeddings_to_max_in_flight(make_gateway):
     assert any(s and next(iter(s.values()))["waiting"] for _, s in seen)  # some waited
     [tenant] = gw.state.queues["embed"].stats().values()
     assert tenant["service"] == 8 and tenant["running"] == 0  # charged the input tokens
+
+
+async def test_a_client_that_hangs_up_leaves_a_row_and_its_slot(make_gateway):
+    gw = await make_gateway(backends(ttft_ms=2000), prices=PRICES)
+    tenant, key = await gw.tenant(max_concurrent=1)
+    body = {"model": "embed-model", "input": "seven bright stars"}
+    with pytest.raises(TimeoutError):
+        await gw.post("/v1/embeddings", key, body, timeout=aiohttp.ClientTimeout(total=0.3))
+    for _ in range(100):  # the handler is cancelled when the connection closes
+        if recorded := await rows(gw):
+            break
+        await asyncio.sleep(0.05)
+    assert [(r.status, r.prompt_tokens, r.spend_nano_usd) for r in recorded] == [(499, 0, 0)]
+    assert gw.backend("embed").running == 0  # the engine call was cancelled with it
+    used = await gw.state.quota.used(tenant["id"], time.time())
+    assert used["concurrent"] == 0 and used["tokens"] == 0
