@@ -63,7 +63,13 @@ from gateway.backends.common import (
     decode_off_loop,
     render_off_loop,
 )
-from gateway.backends.remote_discovery import ASSUMED_CONTEXT_LENGTH, VLLM, count_request
+from gateway.backends.remote_discovery import (
+    ASSUMED_CONTEXT_LENGTH,
+    LLAMA_SERVER,
+    VLLM,
+    count_request,
+    llama_server_tokenize_body,
+)
 from gateway.backends.remote_embed import embed_upstream, task_option
 from gateway.backends.remote_health import Monitor
 from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
@@ -208,7 +214,7 @@ class RemoteBackend:
             self.tokenizer is None
             and info is not None
             and info.worker is None
-            and info.found.tokenizer != VLLM
+            and info.found.tokenizer not in (VLLM, LLAMA_SERVER)
         )
 
     async def render(
@@ -236,7 +242,8 @@ class RemoteBackend:
     async def _tokenize(
         self, prompt: str | list[dict[str, Any]], tools: list[dict] | None
     ) -> list[int]:
-        """Through the upstream's /tokenize (vLLM's shape, which a worker serves)."""
+        """Through the upstream's /tokenize: vLLM's shape, which a worker serves, or
+        llama-server's (its /apply-template renders a chat first)."""
         body: dict[str, Any] = {"model": self.upstream_model}
         if isinstance(prompt, str):
             body["prompt"] = prompt
@@ -245,7 +252,10 @@ class RemoteBackend:
             if tools:
                 body["tools"] = tools  # vLLM's /tokenize takes them, as a worker's does
         url = self.client.endpoint.root + "/tokenize"
+        info = self.monitor.info
         try:
+            if info is not None and info.found.tokenizer == LLAMA_SERVER:
+                body = await llama_server_tokenize_body(self.client, prompt, tools)
             data = await self.client.json("POST", url, body, relay=self._is_worker)
         except BackendError as e:
             self._failed(e)
@@ -278,7 +288,8 @@ class RemoteBackend:
         except BackendError as e:
             self._failed(e)
             raise
-        text = data.get("prompt") if isinstance(data, dict) else None
+        # vLLM's and a worker's answer say `prompt`, llama-server's `content`
+        text = (data.get("prompt") or data.get("content")) if isinstance(data, dict) else None
         if not isinstance(text, str):
             raise BackendError(f"{self.label} sent an invalid /detokenize answer")
         return text

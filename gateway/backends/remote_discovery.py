@@ -7,7 +7,9 @@ for it. Each server says it in its own place:
   llama-server `/props` (`default_generation_settings.n_ctx`), Ollama's `/api/show`
   (`model_info.<architecture>.context_length`); llama-cpp-python's server tells none;
 - a tokenizer: vLLM's `/tokenize` (prompt or chat in, token ids out), llama-server's
-  `/tokenize` (`content` in: text only), llama-cpp-python's `/extras/tokenize` (`input`).
+  `/tokenize` (`content` in: text only; its `/apply-template` renders a chat first), so
+  both get exact quotas; llama-cpp-python's `/extras/tokenize` (`input`) counts output
+  only, as it renders chats with a template it does not publish.
 
 The entry's options win over anything found. What is found, and what is assumed where
 nothing is, is logged once per upstream (`kvgate serve` prints it at start).
@@ -22,6 +24,7 @@ from typing import Any
 
 from engine_api.errors import BackendError, BadRequestError
 from gateway.backends.remote_http import UpstreamClient
+from gateway.backends.tool_prompt import plain_tool_turns
 
 log = logging.getLogger("kvgate.remote")
 
@@ -117,6 +120,24 @@ def _tokens(data: dict | None) -> list[int] | None:
     return tokens if ok and tokens else None
 
 
+async def llama_server_tokenize_body(
+    client: UpstreamClient, prompt: str | list[dict[str, Any]], tools: list[dict] | None
+) -> dict[str, Any]:
+    """The /tokenize body that makes llama-server's prompt of a string or a chat, as it
+    tokenizes one itself (BOS added, special tokens parsed): a chat rendered by its
+    /apply-template, with tools as the gateway's plain turns (its calls come back as
+    <tool_call> blocks, whatever the server's template)."""
+    text = prompt
+    if not isinstance(text, str):
+        messages = plain_tool_turns(prompt, tools) if tools else prompt
+        url = client.endpoint.root + "/apply-template"
+        data = await client.json("POST", url, {"messages": messages})
+        text = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(text, str):
+            raise BackendError(f"{client.label} sent an invalid /apply-template answer")
+    return {"content": text, "add_special": True, "parse_special": True}
+
+
 def count_request(kind: str, model: str, text: str) -> tuple[str, dict[str, Any]]:
     """The path and body that count `text` (no special tokens added, where the server
     lets one say so) on a tokenizer endpoint of `kind`."""
@@ -138,7 +159,7 @@ def announce(name: str, model: str, found: Found, configured: dict[str, Any]) ->
         context = f"context length {ASSUMED_CONTEXT_LENGTH} (assumed: the upstream tells none)"
     if configured.get("tokenizer"):
         tokens = f"tokenizer {configured['tokenizer']!r} (configured)"
-    elif found.tokenizer == VLLM:
+    elif found.tokenizer in (VLLM, LLAMA_SERVER):
         tokens = "tokenizer: the upstream's /tokenize (exact quotas)"
     else:
         via = f"; output counted by its {found.tokenizer}" if found.tokenizer else ""

@@ -25,6 +25,7 @@ from gateway.backends import (
     ModelCard,
     TokenLogprob,
     Usage,
+    is_text_bound,
 )
 from gateway.http.errors import ApiError, error_body
 from gateway.http.util import json_response, parse_body, sse
@@ -99,6 +100,10 @@ async def tokenize(request: web.Request) -> web.Response:
     tokens = await on_a_replica(
         gw, body.model, lambda b: b.render(body.model, body.rendered(), body.tool_dicts())
     )
+    if is_text_bound(tokens):  # the ids are the prompt's bytes, a bound: not tokens
+        raise ApiError(
+            400, f"The upstream of model `{body.model}` does not tokenize for the gateway."
+        )
     return json_response(
         {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
     )

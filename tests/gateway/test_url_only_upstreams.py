@@ -131,11 +131,16 @@ def test_llama_cpp_server_from_its_url_alone(tmp_path):
             log = gw.log.read_text()
             assert f"model {UPSTREAM_ID!r} (discovered)" in log, log
             assert "context length 2048 (from /props n_ctx)" in log, log
+            assert "tokenizer: the upstream's /tokenize (exact quotas)" in log, log
             (chat_prompt, _, _), (comp_prompt, _, _) = serves_with_exact_quotas(gw, tmp_path)
-            # it sends usage: the prompts are settled at its own counts, below their bounds
-            tokens = httpx.post(url + "/tokenize", json={"content": "The capital of France is"})
-            assert comp_prompt == len(tokens.json()["tokens"]) + 1  # and its BOS
-            assert 0 < chat_prompt < MARGIN
+            # rendered by its own template and tokenizer: the prompts it prefilled
+            tokenize = {"add_special": True, "parse_special": True}
+            text = "The capital of France is"
+            tokens = httpx.post(url + "/tokenize", json={"content": text, **tokenize}).json()
+            assert comp_prompt == len(tokens["tokens"])
+            chat = httpx.post(url + "/apply-template", json={"messages": QUESTION}).json()
+            tokens = httpx.post(url + "/tokenize", json={"content": chat["prompt"], **tokenize})
+            assert chat_prompt == len(tokens.json()["tokens"])
         finally:
             gw.stop()
 
@@ -221,6 +226,11 @@ async def test_an_upstream_that_tells_nothing_is_served_from_a_text_bound(tmp_pa
                 model=MODEL, messages=QUESTION, max_tokens=1
             )
             assert again.choices[0].message.content == "Hello"
+            # its prompts' ids are bytes, not tokens: /tokenize says it cannot
+            auth = {"Authorization": f"Bearer {key}"}
+            ask = {"model": MODEL, "prompt": "hi"}
+            r = await asyncio.to_thread(httpx.post, gw.url + "/tokenize", json=ask, headers=auth)
+            assert r.status_code == 400 and "does not tokenize for the gateway" in r.text
         finally:
             await asyncio.to_thread(gw.stop)
 
