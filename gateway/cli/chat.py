@@ -52,10 +52,12 @@ class RemoteChat:
 
     def start(self) -> str:
         """Check the key (and find the model when none was named); the banner's text."""
-        models = [m.id for m in self._call(lambda: list(self.client.models.list()))]
+        listed = self._call(lambda: list(self.client.models.list()))
+        # the ones that chat: an embedding model (task "embed") cannot
+        models = [m.id for m in listed if getattr(m, "task", "generate") != "embed"]
         if not self.model:
             if not models:
-                raise ChatError(f"{self.url} serves no models")
+                raise ChatError(f"{self.url} serves no models to chat with")
             self.model = models[0]
         return f"{self.model} at {self.url}"
 

@@ -29,6 +29,7 @@ from sqlalchemy import select
 
 from gateway.backends import BackendError, BackendSpec
 from gateway.backends.remote_embed import parse_answer
+from gateway.cli.chat import RemoteChat, Sampling
 from gateway.db import Database, UsageRecord, migrate
 from tests.conftest import ADMIN_KEY, PG_URL, away_from_minute_boundary
 
@@ -369,3 +370,13 @@ async def test_a_client_that_hangs_up_leaves_a_row_and_its_slot(make_gateway):
     assert gw.backend("embed").running == 0  # the engine call was cancelled with it
     used = await gw.state.quota.used(tenant["id"], time.time())
     assert used["concurrent"] == 0 and used["tokens"] == 0
+
+
+async def test_kvgate_chat_picks_a_model_that_chats(make_gateway):
+    """`kvgate chat` without --model takes the first model that generates, not an
+    embedding model listed before it."""
+    gw = await make_gateway([*backends()[1:], backends()[0]], prices=PRICES)
+    _, key = await gw.tenant()
+    assert [m.id for m in (await client(gw, key).models.list()).data][0] == "embed-model"
+    chat = RemoteChat(gw.url, key, None, Sampling(max_tokens=4, temperature=None))
+    assert await asyncio.to_thread(chat.start) == f"fake-model at {gw.url}"
