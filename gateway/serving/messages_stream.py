@@ -70,7 +70,7 @@ def reply_content(plan: ToolPlan, text: str) -> tuple[list[dict[str, Any]], bool
     """The whole reply's content blocks, and whether it made tool calls. A forced call
     cut short (max_tokens) is not JSON: its text is a text block."""
     content, calls = plan.parse(text)
-    blocks = [tool_use(c) for c in calls]
+    blocks = [tool_use(c) for c in calls[: None if plan.parallel else 1]]
     if any(b is None for b in blocks):
         content, blocks = text, []
     text_blocks = [{"type": "text", "text": content}] if content else []
@@ -96,10 +96,13 @@ def _tool_use_id(call: dict[str, Any]) -> str:
 class MessageEvents:
     """One streamed reply as Anthropic's content block events: text streams as it comes
     into a text block; a named (forced) tool call's JSON streams into its tool_use block;
-    other calls come whole at the end, as ToolCallStream gives them."""
+    other calls come whole at the end, as ToolCallStream gives them. Without parallel
+    calls (disable_parallel_tool_use), a free reply's calls after its first are dropped
+    (a forced one's schema allows one only)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.tools = ToolCallStream(plan)
+        self.calls_left = None if plan.parallel else 1  # None: any number
         self.index = -1
         self.open: str | None = None  # the kind of the block being filled
 
@@ -122,6 +125,10 @@ class MessageEvents:
         for call in calls:
             arguments = call["function"].get("arguments", "")
             if "id" in call:  # a new call
+                if self.calls_left == 0:
+                    continue
+                if self.calls_left is not None:
+                    self.calls_left -= 1
                 block = {"type": "tool_use", "id": _tool_use_id(call)}
                 block |= {"name": call["function"]["name"], "input": {}}
                 events += self._start(block, "tool_use")

@@ -19,6 +19,8 @@ from gateway.backends import BackendSpec
 from gateway.db import UsageRecord
 from gateway.routes.openapi import build_document
 from gateway.serving import messages_stream
+from gateway.serving.messages_stream import MessageEvents, reply_content
+from gateway.serving.tool_calls import ToolPlan
 from tests.conftest import away_from_minute_boundary
 from tests.gateway.test_spend import PRICES, expected_nanos
 
@@ -333,3 +335,34 @@ async def test_a_reply_whose_usage_row_is_not_committed_does_not_complete(gw, mo
     # the text went out, but no message_delta or message_stop: the client knows it failed
     assert raw.rstrip().split("\n\n")[-1].startswith("event: error")
     assert "message_stop" not in raw and "Usage could not be recorded" in raw
+
+
+def test_free_calls_become_tool_use_blocks_and_at_most_one_without_parallel_calls():
+    """The reply of a model that calls tools (in the <tool_call> form the gateway asks
+    for), whole and streamed in small pieces: content blocks in order, the calls'
+    inputs as JSON, and with disable_parallel_tool_use only the first call."""
+    calls = ["Oslo", "Lima"]
+    text = "Sure." + "".join(
+        f'<tool_call>{{"name": "get_weather", "arguments": {{"city": "{c}"}}}}</tool_call>'
+        for c in calls
+    )
+    for parallel, expected in ((True, calls), (False, calls[:1])):
+        plan = ToolPlan("auto", {"get_weather": TOOL["input_schema"]}, None, parallel)
+        blocks, called = reply_content(plan, text)
+        assert called and blocks[0] == {"type": "text", "text": "Sure."}
+        assert [b["input"] for b in blocks[1:]] == [{"city": c} for c in expected]
+        assert all(b["id"].startswith("toolu_") for b in blocks[1:])
+        events = MessageEvents(plan)
+        out = [e for i in range(0, len(text), 5) for e in events.feed(text[i : i + 5])]
+        rest, finish = events.finish("stop")
+        out += rest
+        assert finish == "tool_calls"
+        starts = [d["content_block"] for name, d in out if name == "content_block_start"]
+        assert [b["type"] for b in starts] == ["text"] + ["tool_use"] * len(expected)
+        assert [d["index"] for name, d in out if name == "content_block_stop"] == list(
+            range(len(starts))
+        )
+        deltas = [d["delta"] for name, d in out if name == "content_block_delta"]
+        assert "".join(d["text"] for d in deltas if d["type"] == "text_delta") == "Sure."
+        inputs = [json.loads(d["partial_json"]) for d in deltas if d["type"] != "text_delta"]
+        assert inputs == [{"city": c} for c in expected]
