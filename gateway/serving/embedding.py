@@ -98,13 +98,9 @@ async def embed(gw: GatewayState, principal: Principal, body: EmbeddingRequest) 
         body.dimensions,
         body.texts(),
     )
-    try:
-        backends = [c.backend for c in candidates]
-        first = gw.router.pick_from(candidates, [])
-        order = [first, *(b for b in backends if b is not first)]
-    except BaseException:
-        await gw.quota.settle(reservation, 0, count_request=False)
-        raise
+    # no prefix to route by: the least loaded replica first, the others after it
+    first = gw.router.pick_from(candidates, [])
+    order = [first, *(c.backend for c in candidates if c.backend is not first)]
     return await call.run(order, req)
 
 
@@ -127,10 +123,11 @@ def check_dimensions(card: ModelCard, dimensions: int | None) -> None:
         return
     size = card.embedding_size
     if not card.truncatable:
+        sized = f" of {size} dimensions" if size else ""
         raise ApiError(
             400,
-            f"The model `{card.id}` does not support `dimensions`: its vectors "
-            f"({size or 'their'} dimensions) are not made to be shortened.",
+            f"The model `{card.id}` does not support `dimensions`: its vectors{sized} "
+            "are not made to be shortened.",
             param="dimensions",
         )
     if size is not None and dimensions > size:
