@@ -47,7 +47,8 @@ class EmbeddingRequest(StrictBody):
             given = data.get("input")
             if given in ("", []) or (isinstance(given, list) and ("" in given or [] in given)):
                 raise ValueError("input must not be empty, nor hold an empty string or list")
-            if isinstance(given, list) and len(given) > MAX_INPUTS:
+            many = isinstance(given, list) and not all(isinstance(x, int) for x in given)
+            if many and len(given) > MAX_INPUTS:  # a list of ids is one input, not many
                 raise ValueError(
                     f"input holds {len(given)} items; at most {MAX_INPUTS} are allowed"
                 )
