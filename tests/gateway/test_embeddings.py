@@ -106,14 +106,14 @@ async def test_vectors_as_floats_and_base64_with_usage_rows_and_spend(gw):
     assert request_id.startswith("embd-")
 
     # token ids, one input or several, as OpenAI takes them
-    ids = await c.embeddings.create(model="embed-model", input=[1001, 1002, 1003])
+    ids = await c.embeddings.create(model="embed-model", input=[1001, 1002, 1003], user="alice")
     many = await c.embeddings.create(model="embed-model", input=[[1001, 1002, 1003], [7, 8]])
     assert ids.usage.prompt_tokens == 3 and many.usage.prompt_tokens == 5
     assert many.data[0].embedding == ids.data[0].embedding
 
     recorded = await rows(gw)
     assert [r.prompt_tokens for r in recorded] == [4, 10, 2, 3, 5]
-    assert recorded[2].request_id == request_id
+    assert recorded[2].request_id == request_id and recorded[3].user == "alice"
     for r in recorded:
         assert r.model == "embed-model" and r.tenant_id == tenant["id"]
         assert r.completion_tokens == 0 and r.status == 200 and r.counted_by == "engine"
