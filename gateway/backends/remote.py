@@ -169,11 +169,16 @@ class RemoteBackend:
 
     async def _wait_for_upstream(self) -> None:
         """Until the upstream tells what it is (with the context length configured: until
-        the first check ends), up to start_timeout_s; one still down is logged."""
+        the first check ends), up to start_timeout_s; one still down is logged, one that
+        refused the gateway (its api_key, a model it does not serve) fails the start."""
         m = self.monitor
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.opts.start_timeout_s):
-                await (m.checked if self.opts.context_length else m.discovered).wait()
+                await m.checked.wait()
+                if not (m.refused or self.opts.context_length):
+                    await m.discovered.wait()
+        if not m.healthy and m.refused:  # it answered: the entry is wrong, not the upstream down
+            raise BackendError(m.reason)
         if not m.healthy:
             log.warning(
                 "%s: %s is down (%s); serving its model once it answers",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_api.errors import BackendError, BadRequestError
-from gateway.backends.remote_http import UpstreamClient
+from gateway.backends.remote_http import UpstreamClient, UpstreamRefused
 from gateway.backends.tool_prompt import plain_tool_turns
 
 log = logging.getLogger("kvgate.remote")
@@ -50,22 +50,19 @@ def pick_entry(entries: list[Any], wanted: str | None, default: str, label: str)
     """The /v1/models entry of the model to use: `wanted` (options.upstream_model), else
     `default` (the entry's model) if served, else the only model served."""
     served = [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
-    for name in (wanted, default):
-        match = [e for e in served if e["id"] == name]
-        if match:
-            return match[0]
-        if wanted is not None:  # configured: nothing else will do
-            break
-    names = ", ".join(repr(e["id"]) for e in served) or "none"
+    match = [e for e in served if e["id"] == (wanted or default)]
+    if match:
+        return match[0]
     if wanted is None and len(served) == 1:
         return served[0]
-    why = f"it serves {names}"
-    if wanted is None and len(served) > 1:
+    why = "it serves " + (", ".join(repr(e["id"]) for e in served) or "none")
+    if wanted is None and served:
         why += "; set options.upstream_model to one of them"
-    raise BackendError(f"{label}: the upstream does not serve {wanted or default!r} ({why})")
+    raise UpstreamRefused(f"{label}: the upstream does not serve {wanted or default!r} ({why})")
 
 
 def positive_int(n: Any) -> int | None:
+    """`n` if JSON gave a positive integer (not a bool), else None."""
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
@@ -91,8 +88,8 @@ async def probe(
         settings = props.get("default_generation_settings")
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else props.get("n_ctx")
         if context and (length := positive_int(n_ctx)) is not None:
-            found, context = dataclasses.replace(found, context_length=length), False
-            found = dataclasses.replace(found, context_from="/props n_ctx")
+            found = dataclasses.replace(found, context_length=length, context_from="/props n_ctx")
+            context = False
         if tokenizer and _tokens(await ask("POST", "/tokenize", {"content": "hi"})):
             found, tokenizer = dataclasses.replace(found, tokenizer=LLAMA_SERVER), False
     if context and (show := await ask("POST", "/api/show", {"model": model})):  # Ollama

@@ -23,7 +23,7 @@ from typing import Any
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import BackendStats
 from gateway.backends.remote_discovery import Found, announce, pick_entry, positive_int, probe
-from gateway.backends.remote_http import UpstreamClient
+from gateway.backends.remote_http import UpstreamClient, UpstreamRefused
 from gateway.backends.remote_worker import WorkerEvents, WorkerInfo, parse_stats
 
 log = logging.getLogger("kvgate.remote")
@@ -82,6 +82,7 @@ class Monitor:
         self.info: UpstreamInfo | None = None
         self.discovered = asyncio.Event()  # set by the first answer to /v1/models
         self.checked = asyncio.Event()  # set when the first check ends, either way
+        self.refused = False  # the last check's answer refused the gateway (UpstreamRefused)
         self.stats: BackendStats | None = None  # a worker's, from the last check
         self.inflight_at_poll = 0  # this gateway's requests in flight when it was read
         self.last_progress = 0.0  # when a request to it last started or read output
@@ -123,6 +124,7 @@ class Monitor:
                 elif self.healthy or failures == 0:
                     log.warning("%s is unhealthy: %s", self._name, e)
                 self.healthy, self.reason = False, str(e)
+                self.refused = isinstance(e, UpstreamRefused)
                 failures += 1
                 delay = backoff(self.interval_s, failures)
             self.checked.set()

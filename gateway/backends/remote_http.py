@@ -45,6 +45,11 @@ class UpstreamUnreachable(BackendError):
     """No connection could be made: the replica is down, not just slow."""
 
 
+class UpstreamRefused(BackendError):
+    """The upstream answered and refused the gateway (its api_key, or the model is not
+    one it serves): the entry's configuration is wrong, waiting will not help."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where an upstream is. base: its OpenAI `/v1` URL; root: the server root that
@@ -210,7 +215,9 @@ class UpstreamClient:
                 raise BadRequestError(message[:MAX_RELAYED_CHARS])
             raise BadRequestError(f"{self.label} refused the request (HTTP {resp.status})")
         if resp.status in (401, 403):
-            raise BackendError(f"{self.label} refused the gateway's api_key (HTTP {resp.status})")
+            raise UpstreamRefused(
+                f"{self.label} refused the gateway's api_key (HTTP {resp.status})"
+            )
         raise BackendError(f"{self.label} answered HTTP {resp.status}")
 
     async def lines(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
