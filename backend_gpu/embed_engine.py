@@ -28,7 +28,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.embed_runner import EmbeddingRunner
 from backend_gpu.loader import open_model
 from backend_gpu.outputs import EngineStats
-from backend_gpu.pooling import check_dimensions, finish, read_embedding_spec
+from backend_gpu.pooling import check_dimensions, finish, read_embedding_spec, transformer_path
 from engine_api.errors import BadRequestError, PromptTooLongError
 from engine_api.records import EmbedRequest, EmbedResult, GenRequest
 from engine_api.throughput import Throughput
@@ -57,7 +57,7 @@ class EmbeddingEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         path = os.fspath(config.model)
-        self.hf_config, self.tokenizer, checkpoint = open_model(path)
+        self.hf_config, self.tokenizer, checkpoint = open_model(transformer_path(path))
         self.spec = read_embedding_spec(path, self.hf_config)
         self.runner = EmbeddingRunner(config, self.hf_config, checkpoint, self.spec)
         limits = (self.spec.max_seq_length, config.max_model_len)

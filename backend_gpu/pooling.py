@@ -63,6 +63,13 @@ def is_embedding_model(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "modules.json"))
 
 
+def transformer_path(path: str) -> str:
+    """The directory of the model's Transformer module (its config.json, weights and
+    tokenizer): the model's own directory, or a subdirectory in older layouts."""
+    modules = sorted(_read_json(os.path.join(path, "modules.json")), key=lambda m: m["idx"])
+    return os.path.join(path, modules[0]["path"]) if modules else path
+
+
 def read_embedding_spec(path: str, hf_config) -> EmbeddingSpec:
     """The model's pooling, normalization, longest input and truncatability;
     NotImplementedError for a module or mode kvgate does not run."""
@@ -80,7 +87,7 @@ def read_embedding_spec(path: str, hf_config) -> EmbeddingSpec:
     pooling_config = _read_json(os.path.join(path, pooling_dir, "config.json"))
     pooling = _pooling_mode(path, pooling_config)
     size = pooling_config.get("word_embedding_dimension", hf_config.hidden_size)
-    st_path = os.path.join(path, "sentence_bert_config.json")
+    st_path = os.path.join(transformer_path(path), "sentence_bert_config.json")
     st_config = _read_json(st_path) if os.path.isfile(st_path) else {}
     return EmbeddingSpec(
         pooling,

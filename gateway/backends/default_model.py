@@ -55,16 +55,25 @@ def default_model_path() -> pathlib.Path:
 
 
 def list_models() -> list[dict]:
-    """The models kvgate can serve without being given a path (for `kvgate models`)."""
+    """The models kvgate can serve without being given a path (for `kvgate models`):
+    the default, and the packaged ones by their short names."""
     path = _cache_path()
-    return [
-        {
-            "id": DEFAULT_MODEL_ID,
-            "path": str(path),
-            "size": _expected_size(),
-            "present": _is_present(path),
-        }
-    ]
+    default = {
+        "id": DEFAULT_MODEL_ID,
+        "path": str(path),
+        "size": _expected_size(),
+        "present": _is_present(path),
+    }
+    return [default, *(_packaged(name) for name in PACKAGED_MODELS)]
+
+
+def _packaged(name: str) -> dict:
+    try:
+        directory = pathlib.Path(model_path(name))
+    except BackendError:  # the package is not installed
+        return {"id": name, "path": "", "size": 0, "present": False}
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return {"id": name, "path": str(directory), "size": size, "present": True}
 
 
 def model_path(model: str) -> str:

@@ -142,6 +142,8 @@ def test_bad_input_is_refused_and_the_engine_serves_on(minilm):
         minilm.add_embed(EmbedRequest("long", "m", [[101] + [1000] * 255 + [102]]))
     with pytest.raises(BadRequestError, match="embedding model"):
         minilm.add_request(GenRequest("g", "m", good, SamplingParams()))
+    minilm.add_embed(EmbedRequest("gone", "m", [good]))
+    assert minilm.abort_request("gone").result is None and not minilm.has_unfinished_requests()
     minilm.add_embed(EmbedRequest("ok", "m", [good, [101] + [1000] * 254 + [102]]))
     (vector, longest) = run(minilm)["ok"].embeddings
     close_to([vector], reference(MINILM, ["still serving"]))
