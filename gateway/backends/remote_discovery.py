@@ -18,12 +18,14 @@ nothing is, is logged once per upstream (`kvgate serve` prints it at start).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from engine_api.errors import BackendError, BadRequestError
 from gateway.backends.remote_http import UpstreamClient, UpstreamRefused
+from gateway.backends.remote_text import MARGIN
 from gateway.backends.tool_prompt import plain_tool_turns
 
 log = logging.getLogger("kvgate.remote")
@@ -31,6 +33,7 @@ log = logging.getLogger("kvgate.remote")
 # the context length assumed for an upstream that tells none (options.context_length
 # sets it): requests past the real one get the upstream's own context error
 ASSUMED_CONTEXT_LENGTH = 8192
+PROBE_MAX_BYTES = 1 << 20  # a probe's answer (llama-server's /props carries its template)
 VLLM, LLAMA_SERVER, LLAMA_CPP_PYTHON = "/tokenize", "/tokenize (llama-server)", "/extras/tokenize"
 
 
@@ -74,10 +77,16 @@ async def probe(
     (what is known already is not asked again: the first health check waits on this)."""
 
     async def ask(method: str, path: str, body: Any = None) -> dict | None:
+        """Its JSON answer, or None: a refusal only says it is not this kind of server
+        (so it is not logged as a failure)."""
         try:
-            data = await client.json(method, client.endpoint.root + path, body, timeout_s=timeout_s)
-        except (BackendError, BadRequestError):
-            return None  # not this kind of server
+            url = client.endpoint.root + path
+            async with await client.request(method, url, body, timeout_s=timeout_s) as resp:
+                if resp.status != 200:
+                    return None
+                data = json.loads(await client.read(resp, PROBE_MAX_BYTES))
+        except (BackendError, BadRequestError, ValueError):
+            return None
         return data if isinstance(data, dict) else None
 
     found = Found()
@@ -159,10 +168,12 @@ def announce(name: str, model: str, found: Found, configured: dict[str, Any]) ->
     elif found.tokenizer in (VLLM, LLAMA_SERVER):
         tokens = "tokenizer: the upstream's /tokenize (exact quotas)"
     else:
-        via = f"; output counted by its {found.tokenizer}" if found.tokenizer else ""
+        what = "no tokenizer"
+        if found.tokenizer:  # llama-cpp-python's: its chat template is its own
+            what = f"no chat rendering; output counted by its {found.tokenizer}"
         tokens = (
-            "no tokenizer for chats: quotas reserved from the prompt's UTF-8 bytes and "
-            f"settled from the upstream's usage{via}"
+            f"{what}: quotas reserved from the prompt's UTF-8 bytes + {MARGIN}, settled "
+            "from the upstream's usage"
         )
     source = "configured" if configured.get("upstream_model") else "discovered"
     log.info("%s: model %r (%s), %s, %s", name, model, source, context, tokens)
