@@ -24,6 +24,8 @@ from decimal import Decimal
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 from sqlalchemy import select
 
@@ -385,3 +387,78 @@ async def test_kvgate_chat_picks_a_model_that_chats(make_gateway):
     assert [m.id for m in (await client(gw, key).models.list()).data][0] == "embed-model"
     chat = RemoteChat(gw.url, key, None, Sampling(max_tokens=4, temperature=None))
     assert await asyncio.to_thread(chat.start) == f"fake-model at {gw.url}"
+
+
+@pytest.fixture
+async def third_party():
+    """An OpenAI-compatible embeddings server on a real socket that tokenizes nothing for
+    the gateway (no /tokenize): it answers one unit vector an input and the usage its
+    `claim` says; `sent` keeps the bodies it was sent."""
+    state: dict = {"claim": "words", "vectors": None, "sent": []}
+
+    async def embeddings(request: web.Request) -> web.Response:
+        body = await request.json()
+        state["sent"].append(body)
+        texts = body["input"]
+        vectors = state["vectors"] or [[1.0, 0.0]] * len(texts)
+        answer: dict = {"data": [{"index": i, "embedding": v} for i, v in enumerate(vectors)]}
+        claim = state["claim"]
+        if claim is not None:
+            words = sum(len(t.split()) for t in texts)
+            answer["usage"] = {"prompt_tokens": words if claim == "words" else claim}
+        return web.json_response(answer)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "stub-embed", "max_model_len": 512}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", lambda request: web.json_response({}))
+    server = TestServer(app)
+    await server.start_server()
+    state["url"] = str(server.make_url("/v1"))
+    yield state
+    await server.close()
+
+
+async def test_a_third_party_upstream_is_sent_text_and_its_usage_is_a_claim(
+    make_gateway, third_party
+):
+    options = {"url": third_party["url"], "task": "embed", "health_interval_s": 0.2}
+    gw = await make_gateway([BackendSpec("up", "remote", "stub-embed", "", options)])
+    for _ in range(100):
+        if gw.backend(next(b.name for b in gw.state.backends)).stats().healthy:
+            break
+        await asyncio.sleep(0.05)
+    tenant, key = await gw.tenant()
+    c = client(gw, key)
+    texts = ["seven bright stars", "over the hills"]
+    bound = sum(64 + len(t.encode()) for t in texts)  # no tokenizer: each input's text bound
+
+    done = await c.embeddings.create(model="stub-embed", input=texts)
+    assert third_party["sent"][-1] == {
+        "model": "stub-embed",
+        "encoding_format": "float",
+        "input": texts,  # the client's texts, as the server takes them
+    }
+    assert done.usage.prompt_tokens == 6  # its count: within the bound, taken
+    for claim in (10**9, None, 0):  # past the bound, none, less than one an input
+        third_party["claim"] = claim
+        done = await c.embeddings.create(model="stub-embed", input=texts)
+        assert done.usage.prompt_tokens == bound  # the gateway's bound stands
+    third_party["vectors"] = [[1.0, 0.0]]  # one vector for two inputs
+    with pytest.raises(openai.InternalServerError) as e:
+        await c.embeddings.create(model="stub-embed", input=texts)
+    assert "1 embeddings for 2 inputs" in e.value.message
+    assert "127.0.0.1" not in e.value.message  # the backend is named, not its address
+    with pytest.raises(openai.BadRequestError) as e:  # ids mean nothing without its tokenizer
+        await c.embeddings.create(model="stub-embed", input=[[1, 2, 3]])
+    recorded = [(r.status, r.prompt_tokens, r.counted_by) for r in await rows(gw)]
+    assert recorded == [
+        (200, 6, "engine"),
+        *[(200, bound, "gateway")] * 3,
+        (503, 0, "engine"),
+    ]
+    used = await gw.state.quota.used(tenant["id"], time.time())
+    assert used["concurrent"] == 0 and used["daily"] == 6 + 3 * bound
