@@ -123,3 +123,29 @@ def test_a_worker_serving_minilm_gives_sentence_transformers_vectors(tmp_path):
             gw.stop()
         worker.kill()
         worker.wait()
+
+
+def test_serve_workers_keeps_an_embedding_model_one(tmp_path):
+    """`kvgate serve --workers N` turns an embedding engine into workers behind a remote
+    entry that still embeds (the workers' /v1/models says so)."""
+    options = ", ".join(f"{k} = {json.dumps(v)}" for k, v in FAKE_EMBED.items())
+    config = "\n".join(
+        [
+            "[[backends]]",
+            'name = "embed"',
+            'type = "fake"',
+            f'served_model_name = "{MODEL}"',
+            f"options = {{{options}}}",
+        ]
+    )
+    gw = start_gateway(tmp_path, "--workers", "1", config=config, timeout=120)
+    try:
+        _, key = gw.tenant_key("pool")
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        [model] = client.models.list().data
+        assert (model.id, model.task) == (MODEL, "embed")
+        done = client.embeddings.create(model=MODEL, input=["seven bright stars", "and a moon"])
+        assert [len(d.embedding) for d in done.data] == [24, 24]
+        assert done.usage.prompt_tokens == 6
+    finally:
+        gw.stop()
