@@ -11,8 +11,10 @@ engine steps in its own thread.
 A step takes inputs round-robin over the waiting requests in arrival order (one input
 of each in turn), while their padded size (inputs x longest) fits max_num_batched_tokens
 and there are at most max_num_seqs: concurrent requests share one forward, and a
-request with many inputs advances beside a small one instead of ahead of it. An input
-longer than the budget (it is at most max_model_len) runs alone. Nothing is cached
+request with many inputs advances beside a small one instead of ahead of it. The request
+whose input did not fit goes first in the next step, so a long input is not passed over
+step after step by short ones; an input longer than the budget (it is at most
+max_model_len) runs alone. Nothing is cached
 between steps: an encoder has no KV cache, and a decoder embedding model computes each
 input whole and keeps only its vector, so no KV blocks are ever taken.
 """
@@ -66,6 +68,8 @@ class EmbeddingEngine:
         )
         self.vocab_size = self.hf_config.vocab_size
         self.pending: dict[str, _Pending] = {}  # in arrival order
+        # the request whose input did not fit the last step: it goes first in the next
+        self.first: str | None = None
         self.stats_ = EngineStats(weight_bytes=self.runner.weight_bytes)
         self.throughput = Throughput()
 
@@ -120,15 +124,20 @@ class EmbeddingEngine:
         """(request, input index) pairs of this step: round-robin over the waiting
         requests while the padded batch fits the budget (one input at least)."""
         budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        order = list(self.pending.values())
+        start = next((i for i, p in enumerate(order) if p.req.request_id == self.first), 0)
+        order = order[start:] + order[:start]
+        self.first = None
         batch: list[tuple[_Pending, int]] = []
         longest = 0
         while True:
             took = False
-            for p in self.pending.values():
+            for p in order:
                 if p.scheduled == len(p.req.inputs):
                     continue
                 n = len(p.req.inputs[p.scheduled])
                 if batch and (len(batch) >= seats or (len(batch) + 1) * max(longest, n) > budget):
+                    self.first = p.req.request_id  # not passed over again by the others
                     return batch
                 batch.append((p, p.scheduled))
                 p.scheduled += 1

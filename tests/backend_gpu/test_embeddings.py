@@ -168,6 +168,12 @@ def test_decoder_last_token_pooling_equals_sentence_transformers(tiny_qwen3_embe
     close_to(results["short"].embeddings, torch.nn.functional.normalize(expected[:, :16], dim=1))
     with pytest.raises(BadRequestError, match=r"\[1, 64\]"):
         engine.add_embed(EmbedRequest("x", "m", ids, dimensions=65))
+    # an input that did not fit goes first in the next step: short ones never pass it over
+    engine.add_embed(EmbedRequest("many", "m", [[5] * 8] * 6))
+    engine.add_embed(EmbedRequest("long", "m", [[6] * 40]))
+    finished = [out.request_id for _ in range(2) for out in engine.step()]
+    assert finished == ["long"]
+    assert list(run(engine)) == ["many"]
 
 
 @pytest.mark.slow
