@@ -8,7 +8,6 @@ the body size limit bounds each one's work.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -45,13 +44,17 @@ from gateway.schemas.openai_format import (
 from gateway.serving.admission import model_card, prepare
 from gateway.serving.echo import Echo
 from gateway.serving.job import Job
+from gateway.serving.outcome import (
+    CLIENT_GONE,
+    LARGE_CALL_CHARS,
+    failure,
+    finish_failed,
+    finish_or_503,
+    off_loop_if,
+)
 from gateway.serving.tool_calls import ToolCallStream
 from gateway.state import GW, GatewayState
 
-_CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
-# A held tool call past this many characters is parsed and encoded in a worker thread:
-# on the loop, 16 MB of arguments would stall every other request for about half a second.
-LARGE_CALL_CHARS = 1 << 20
 log = logging.getLogger("kvgate")
 T = TypeVar("T")
 
@@ -161,18 +164,18 @@ async def _whole(job: Job) -> web.Response:
                 finish[i] = chunk.finish_reason
             if logprobs is not None and chunk.logprobs:
                 logprobs[i].extend(chunk.logprobs)
-    except _CLIENT_GONE:
+    except CLIENT_GONE:
         await job.finish(499, "abort")
         raise
     except Exception as e:  # the client receives none of the output: none is billed
-        status, message = _failure(job, e)
-        await _finish_failed(job, status, message, delivered=False)
+        status, message = failure(job, e)
+        await finish_failed(job, status, message, delivered=False)
         raise ApiError(status, message) from None
     choices = [
         _choice(job, i, "".join(texts[i]), finish[i], None if logprobs is None else logprobs[i])
         for i in range(k)
     ]
-    await _finish_or_503(job, 200, choices[0]["finish_reason"])
+    await finish_or_503(job, 200, choices[0]["finish_reason"])
     body = response_body(job.chat, job.request_id, job.created, job.model, choices, _usage(job))
     return json_response(body, headers=job.headers())
 
@@ -193,7 +196,7 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
             if job.chat:
                 text, calls = tools[i].feed(chunk.text)
                 if finish:
-                    rest, more, finish = await _off_loop_if(
+                    rest, more, finish = await off_loop_if(
                         tools[i].held_chars > LARGE_CALL_CHARS, tools[i].finish, finish
                     )
                     text, calls = text + rest, calls + more
@@ -211,21 +214,21 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
                 calls,
             )
             large = bool(calls) and tools[i].held_chars > LARGE_CALL_CHARS
-            await resp.write(await _off_loop_if(large, sse, body))
+            await resp.write(await off_loop_if(large, sse, body))
             first[i] = False
-    except _CLIENT_GONE:
+    except CLIENT_GONE:
         await job.finish(499, "abort")
         raise
     except Exception as e:  # billed for what was streamed before it
-        status, message = _failure(job, e)
-        await _finish_failed(job, status, message)
+        status, message = failure(job, e)
+        await finish_failed(job, status, message)
         if not resp.prepared:
             raise ApiError(status, message) from None
         await resp.write(sse(error_body(status, message)))
         await resp.write(b"data: [DONE]\n\n")
         return resp
     try:
-        await _finish_or_503(job, 200, last_finish)
+        await finish_or_503(job, 200, last_finish)
     except ApiError as e:
         await resp.write(sse(e.body()))
         return resp  # no [DONE]: the response is not complete without its usage row
@@ -235,45 +238,6 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
-
-
-async def _finish_or_503(job: Job, status: int, finish_reason: str | None) -> None:
-    try:
-        await job.finish(status, finish_reason)
-    except Exception:  # the row could not be committed: the response must not complete
-        # The database's words stay in the log: they may name other tenants' rows.
-        log.exception("usage row of %s not committed", job.request_id)
-        raise ApiError(
-            503,
-            f"Usage could not be recorded, so request {job.request_id} was not completed. "
-            "Please retry.",
-            code="usage_unavailable",
-        ) from None
-
-
-async def _off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, in a worker thread when the work is large."""
-    return await asyncio.to_thread(fn, *args) if large else fn(*args)
-
-
-def _failure(job: Job, e: Exception) -> tuple[int, str]:
-    """The status and message a client gets for a request that failed mid-way: a
-    backend's own errors as they are (they name the backend, never an upstream's words);
-    anything else is logged and told without its text."""
-    if isinstance(e, BadRequestError):
-        return 400, str(e)
-    if isinstance(e, BackendError):
-        return 503, str(e)
-    log.exception("request %s failed", job.request_id)
-    return 503, f"the backend of model {job.model!r} failed (request {job.request_id})"
-
-
-async def _finish_failed(job: Job, status: int, error: str, delivered: bool = True) -> None:
-    """Record a request the backend failed; the client hears of the backend's error."""
-    try:
-        await job.finish(status, None, error, delivered)
-    except Exception:
-        log.exception("usage row of %s not committed", job.request_id)
 
 
 def _echo_chunk(job: Job, i: int, echo: Echo, chunk: GenChunk) -> dict:

@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway.http.errors import is_anthropic
-from gateway.schemas import messages_responses as am
 from gateway.schemas import embeddings as e
+from gateway.schemas import messages_responses as am
 from gateway.schemas import responses as m
 from gateway.schemas import responses_admin as a
 from gateway.schemas import responses_api as r
@@ -150,15 +150,15 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     KeyUpdate: ({"rpm": 120, "daily_tokens": None},),
     TokenizeRequest: ({"model": "", "prompt": "Once upon a time"}, {"model": ""} | _MESSAGES),
     DetokenizeRequest: ({"model": "", "tokens": [1, 2, 3]},),
-    e.EmbeddingRequest: (
-        {"model": "", "input": "The food was delicious."},
-        {"model": "", "input": ["first", "second"], "encoding_format": "base64"},
-    ),
     MessagesRequest: (
         _ANTHROPIC | {"max_tokens": 8},
         _ANTHROPIC | {"max_tokens": 8, "stream": True},
     ),
     CountTokensRequest: (_ANTHROPIC | {"system": "Be brief."},),
+    e.EmbeddingRequest: (
+        {"model": "", "input": "The food was delicious."},
+        {"model": "", "input": ["first", "second"], "encoding_format": "base64"},
+    ),
 }
 
 
@@ -260,7 +260,7 @@ def _response_models() -> list[type[BaseModel]]:
     are not counted twice."""
     return [
         v
-        for module in (m, a, am, e, rb)
+        for module in (m, a, e, rb, am)
         for v in vars(module).values()
         if isinstance(v, type)
         and issubclass(v, m.Body)
