@@ -22,23 +22,21 @@ from gateway.serving import messages_stream as ms
 from gateway.serving.admission import model_card, prepare
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
-    CLIENT_GONE,
     LARGE_CALL_CHARS,
-    failure,
-    finish_failed,
+    SSE_HEADERS,
     finish_or_503,
     off_loop_if,
+    streamed,
+    whole_answer,
 )
 from gateway.state import GW
-
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     body = await parse_body(request, MessagesRequest)
-    job = await prepare(gw, principal, body.chat, chat=True)
+    job = await prepare(gw, principal, body.chat, chat=True, id_prefix="msg_")
     if body.stream:
         return await _stream(request, job)
     return await _whole(job)
@@ -63,18 +61,11 @@ async def count_tokens(request: web.Request) -> web.Response:
 async def _whole(job: Job) -> web.Response:
     texts: list[str] = []
     finish = stop_sequence = None
-    try:
+    async with whole_answer(job):
         async for _, chunk in job.events():
             texts.append(chunk.text)
             if chunk.finish_reason:
                 finish, stop_sequence = chunk.finish_reason, chunk.stop_sequence
-    except CLIENT_GONE:
-        await job.finish(499, "abort")
-        raise
-    except Exception as e:  # the client receives none of the output: none is billed
-        status, message = failure(job, e)
-        await finish_failed(job, status, message, delivered=False)
-        raise ApiError(status, message) from None
     text = "".join(texts)
     content, called = await off_loop_if(
         len(text) > LARGE_CALL_CHARS, ms.reply_content, job.tools, text
@@ -90,8 +81,9 @@ async def _stream(request: web.Request, job: Job) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS | job.headers())
     events = ms.MessageEvents(job.tools)
     finish = stop_sequence = None
-    try:
-        await resp.prepare(request)
+
+    async def produce() -> str | None:
+        nonlocal finish, stop_sequence
         start = ms.message(job, [], (None, None))
         start["usage"] |= {"input_tokens": job.prompt_tokens, "output_tokens": 0}
         await resp.write(ms.event("message_start", {"type": "message_start", "message": start}))
@@ -108,21 +100,11 @@ async def _stream(request: web.Request, job: Job) -> web.StreamResponse:
                 more, finish = await off_loop_if(large, events.finish, chunk.finish_reason)
                 out += more
             await resp.write(await off_loop_if(large, _events, out))
-    except CLIENT_GONE:
-        await job.finish(499, "abort")
-        raise
-    except Exception as e:  # billed for what was streamed before it
-        status, message = failure(job, e)
-        await finish_failed(job, status, message)
-        if not resp.prepared:
-            raise ApiError(status, message) from None
-        await resp.write(_error_event(status, message))
+        return finish
+
+    # without its usage row the reply is not complete: no message_stop after the error
+    if not await streamed(request, resp, job, produce, _error_event):
         return resp
-    try:
-        await finish_or_503(job, 200, finish)
-    except ApiError as e:
-        await resp.write(_error_event(e.status, e.message))
-        return resp  # no message_stop: the reply is not complete without its usage row
     stop_reason, matched = ms.stop_of(job, finish, stop_sequence)
     delta = {"stop_reason": stop_reason, "stop_sequence": matched}
     done = {"type": "message_delta", "delta": delta, "usage": ms.usage(job)}
@@ -138,8 +120,8 @@ def _events(events: list[ms.Event]) -> bytes:
     return b"".join(ms.event(name, data) for name, data in events)
 
 
-def _error_event(status: int, message: str) -> bytes:
-    return ms.event("error", anthropic_error(status, message)[1])
+def _error_event(error: ApiError, usage_lost: bool) -> bytes:
+    return ms.event("error", anthropic_error(error.status, error.message)[1])
 
 
 def add_routes(app: web.Application) -> None:

@@ -26,7 +26,7 @@ from gateway.backends import (
     Usage,
     is_text_bound,
 )
-from gateway.http.errors import ApiError, error_body
+from gateway.http.errors import ApiError
 from gateway.http.util import json_response, parse_body, sse
 from gateway.schemas.inference import (
     ChatCompletionRequest,
@@ -45,12 +45,12 @@ from gateway.serving.admission import model_card, prepare
 from gateway.serving.echo import Echo
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
-    CLIENT_GONE,
     LARGE_CALL_CHARS,
-    failure,
-    finish_failed,
+    SSE_HEADERS,
     finish_or_503,
     off_loop_if,
+    streamed,
+    whole_answer,
 )
 from gateway.serving.tool_calls import ToolCallStream
 from gateway.state import GW, GatewayState
@@ -153,7 +153,7 @@ async def _whole(job: Job) -> web.Response:
     logprobs: list[list[TokenLogprob | str]] | None = None
     if job.requests[0].sampling.logprobs is not None:
         logprobs = [[] for _ in range(k)]
-    try:
+    async with whole_answer(job):
         async for i, chunk in job.events():
             if (echo := job.echo_of(i)) is not None and not texts[i]:
                 texts[i].append(echo.text)
@@ -164,13 +164,6 @@ async def _whole(job: Job) -> web.Response:
                 finish[i] = chunk.finish_reason
             if logprobs is not None and chunk.logprobs:
                 logprobs[i].extend(chunk.logprobs)
-    except CLIENT_GONE:
-        await job.finish(499, "abort")
-        raise
-    except Exception as e:  # the client receives none of the output: none is billed
-        status, message = failure(job, e)
-        await finish_failed(job, status, message, delivered=False)
-        raise ApiError(status, message) from None
     choices = [
         _choice(job, i, "".join(texts[i]), finish[i], None if logprobs is None else logprobs[i])
         for i in range(k)
@@ -181,14 +174,12 @@ async def _whole(job: Job) -> web.Response:
 
 
 async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | job.headers()
-    )
+    resp = web.StreamResponse(headers=SSE_HEADERS | job.headers())
     first = [True] * job.num_choices
     tools = [ToolCallStream(job.tools) for _ in range(job.num_choices)]
-    last_finish: str | None = None
-    try:
-        await resp.prepare(request)
+
+    async def produce() -> str | None:
+        last_finish = None
         async for i, chunk in job.events():
             if first[i] and (echo := job.echo_of(i)) is not None:
                 await resp.write(sse(_echo_chunk(job, i, echo, chunk)))
@@ -216,28 +207,21 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
             large = bool(calls) and tools[i].held_chars > LARGE_CALL_CHARS
             await resp.write(await off_loop_if(large, sse, body))
             first[i] = False
-    except CLIENT_GONE:
-        await job.finish(499, "abort")
-        raise
-    except Exception as e:  # billed for what was streamed before it
-        status, message = failure(job, e)
-        await finish_failed(job, status, message)
-        if not resp.prepared:
-            raise ApiError(status, message) from None
-        await resp.write(sse(error_body(status, message)))
+        return last_finish
+
+    if await streamed(request, resp, job, produce, _error_event):
+        if include_usage:
+            chunk = usage_chunk(job.chat, job.request_id, job.created, job.model, _usage(job))
+            await resp.write(sse(chunk))
         await resp.write(b"data: [DONE]\n\n")
-        return resp
-    try:
-        await finish_or_503(job, 200, last_finish)
-    except ApiError as e:
-        await resp.write(sse(e.body()))
-        return resp  # no [DONE]: the response is not complete without its usage row
-    if include_usage:
-        chunk = usage_chunk(job.chat, job.request_id, job.created, job.model, _usage(job))
-        await resp.write(sse(chunk))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+        await resp.write_eof()
     return resp
+
+
+def _error_event(error: ApiError, usage_lost: bool) -> bytes:
+    """A stream's error: after a backend's failure it still ends with [DONE]; without
+    its usage row the response is not complete, so no [DONE]."""
+    return sse(error.body()) + (b"" if usage_lost else b"data: [DONE]\n\n")
 
 
 def _echo_chunk(job: Job, i: int, echo: Echo, chunk: GenChunk) -> dict:

@@ -19,17 +19,16 @@ from gateway.schemas.responses_api import ResponseCreateRequest
 from gateway.serving.admission import prepare
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
-    CLIENT_GONE,
     LARGE_CALL_CHARS,
-    failure,
-    finish_failed,
+    SSE_HEADERS,
     finish_or_503,
     off_loop_if,
+    streamed,
+    whole_answer,
 )
 from gateway.serving.responses_events import (
     ResponseEvents,
     output_items,
-    response_id,
     response_object,
     status_of,
     usage_body,
@@ -42,9 +41,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     body = await parse_body(request, ResponseCreateRequest)
-    job = await prepare(gw, principal, body.chat(), chat=True)
     # the Response's id names its usage row and x-request-id too
-    job.request_id = response_id(job.request_id)
+    job = await prepare(gw, principal, body.chat(), chat=True, id_prefix="resp_")
     if body.stream:
         return await _stream(request, job, body)
     return await _whole(job, body)
@@ -53,17 +51,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def _whole(job: Job, body: ResponseCreateRequest) -> web.Response:
     parts: list[str] = []
     finish: str | None = None
-    try:
+    async with whole_answer(job):
         async for _, chunk in job.events():
             parts.append(chunk.text)
             finish = chunk.finish_reason or finish
-    except CLIENT_GONE:
-        await job.finish(499, "abort")
-        raise
-    except Exception as e:  # the client receives none of the output: none is billed
-        status, message = failure(job, e)
-        await finish_failed(job, status, message, delivered=False)
-        raise ApiError(status, message) from None
     text = "".join(parts)
     content, calls = await off_loop_if(len(text) > LARGE_CALL_CHARS, job.tools.parse, text)
     if calls and finish == "stop":
@@ -87,14 +78,13 @@ async def _whole(job: Job, body: ResponseCreateRequest) -> web.Response:
 async def _stream(
     request: web.Request, job: Job, body: ResponseCreateRequest
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | job.headers()
-    )
+    resp = web.StreamResponse(headers=SSE_HEADERS | job.headers())
     events = ResponseEvents(job.request_id, job.created, job.model, body.echoed())
     tools = ToolCallStream(job.tools)
     last_finish: str | None = None
-    try:
-        await resp.prepare(request)
+
+    async def produce() -> str | None:
+        nonlocal last_finish
         await resp.write(events.start())
         async for _, chunk in job.events():
             text, calls = tools.feed(chunk.text)
@@ -107,24 +97,18 @@ async def _stream(
             last_finish = finish or last_finish
             large = bool(calls) and tools.held_chars > LARGE_CALL_CHARS
             await resp.write(await off_loop_if(large, events.delta, text, calls))
-    except CLIENT_GONE:
-        await job.finish(499, "abort")
-        raise
-    except Exception as e:  # billed for what was streamed before it
-        status, message = failure(job, e)
-        await finish_failed(job, status, message)
-        if not resp.prepared:
-            raise ApiError(status, message) from None
-        await resp.write(events.failed(_code(status), message))
-        return resp
-    large = events.chars > LARGE_CALL_CHARS
-    try:
-        await finish_or_503(job, 200, last_finish)
-    except ApiError as e:  # the response is not complete without its usage row
-        await resp.write(await off_loop_if(large, events.failed, "server_error", e.message))
-        return resp
-    await resp.write(await off_loop_if(large, events.finish, last_finish, usage_body(job)))
-    await resp.write_eof()
+        return last_finish
+
+    def failed(error: ApiError, usage_lost: bool) -> bytes:
+        """`response.failed`, never `response.completed`: a failure after the 200, or an
+        answer whose usage row is not committed."""
+        return events.failed("server_error" if usage_lost else _code(error.status), error.message)
+
+    if await streamed(request, resp, job, produce, failed):
+        large = events.chars > LARGE_CALL_CHARS
+        last = await off_loop_if(large, events.finish, last_finish, usage_body(job))
+        await resp.write(last)
+        await resp.write_eof()
     return resp
 
 

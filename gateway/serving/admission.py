@@ -51,9 +51,12 @@ async def prepare(
     principal: Principal,
     body: ChatCompletionRequest | CompletionRequest,
     chat: bool,
+    id_prefix: str | None = None,
 ) -> Job:
     """Check, render, admit, and only then build one GenRequest per choice: a request that
-    is refused costs its rendering and nothing else."""
+    is refused costs its rendering and nothing else. The request's id (its answer's, its
+    usage row's and x-request-id's) starts with `id_prefix`, the API's own (msg_, resp_);
+    else OpenAI's for a chat or a text completion."""
     tenant_id = tenant_of(principal)
     card = model_card(gw, principal, body.model)
     require_task(gw, principal, card, GENERATE)
@@ -75,7 +78,7 @@ async def prepare(
     backend, block_hashes, shared_lens = await _place(
         gw, body.model, candidates, renderer, prompts, salt, reservation
     )
-    request_id = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
+    request_id = (id_prefix or ("chatcmpl-" if chat else "cmpl-")) + os.urandom(12).hex()
     requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens, structured)
     gw.traffic.request_started(tenant_id, principal.tenant_name)
     return Job(

@@ -23,10 +23,6 @@ T = TypeVar("T")
 Event = tuple[str, dict[str, Any]]  # (the SSE event name, its data)
 
 
-def message_id(job: Job) -> str:
-    return "msg_" + job.request_id.partition("-")[2]
-
-
 def usage(job: Job) -> dict[str, int]:
     """Anthropic's usage: input_tokens counts the prompt's tokens not read from cache."""
     cached = job.cached_tokens
@@ -43,7 +39,7 @@ def message(
 ) -> dict[str, Any]:
     """The message object; `stop` is its (stop_reason, stop_sequence)."""
     return {
-        "id": message_id(job),
+        "id": job.request_id,
         "type": "message",
         "role": "assistant",
         "model": job.model,

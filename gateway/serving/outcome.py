@@ -2,14 +2,23 @@
 completions, completions, Anthropic's messages, OpenAI's responses): the usage row
 committed before the response completes, a failure's status and the words a client may
 hear, and large tool calls handled off the event loop.
+
+`whole_answer` and `streamed` hold the rules once, and each API brings only its shapes:
+a client that hangs up is billed for what it received (a 499 row); a whole answer that
+failed bills nothing and is the client's error; a stream that failed after its 200
+bills what went out and ends with the API's error event; and an answer whose usage row
+is not committed does not complete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
+
+from aiohttp import web
 
 from gateway.backends import BackendError, BadRequestError
 from gateway.http.errors import ApiError
@@ -20,6 +29,7 @@ CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 # A held tool call past this many characters is parsed and encoded in a worker thread:
 # on the loop, 16 MB of arguments would stall every other request for about half a second.
 LARGE_CALL_CHARS = 1 << 20
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 log = logging.getLogger("kvgate")
 T = TypeVar("T")
 
@@ -61,3 +71,54 @@ async def finish_failed(job: Job, status: int, error: str, delivered: bool = Tru
         await job.finish(status, None, error, delivered)
     except Exception:
         log.exception("usage row of %s not committed", job.request_id)
+
+
+@contextlib.asynccontextmanager
+async def whole_answer(job: Job) -> AsyncIterator[None]:
+    """Around reading a whole answer's output (nothing else: any error inside is the
+    backend's): a failure is the client's error, and none of the output is billed, for
+    the client receives none of it."""
+    try:
+        yield
+    except CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:
+        status, message = failure(job, e)
+        await finish_failed(job, status, message, delivered=False)
+        raise ApiError(status, message) from None
+
+
+# an API's error event: (the error, whether it is the usage row that failed)
+ErrorEvent = Callable[[ApiError, bool], bytes]
+
+
+async def streamed(
+    request: web.Request,
+    resp: web.StreamResponse,
+    job: Job,
+    produce: Callable[[], Awaitable[str | None]],
+    error_event: ErrorEvent,
+) -> bool:
+    """Prepare `resp` and run `produce` (it writes the stream's events and returns the
+    finish reason), then commit the usage row. True when the caller may write the
+    stream's closing events; False when it ended with an error event instead."""
+    try:
+        await resp.prepare(request)
+        finish = await produce()
+    except CLIENT_GONE:
+        await job.finish(499, "abort")
+        raise
+    except Exception as e:  # billed for what was streamed before it
+        status, message = failure(job, e)
+        await finish_failed(job, status, message)
+        if not resp.prepared:
+            raise ApiError(status, message) from None
+        await resp.write(error_event(ApiError(status, message), False))
+        return False
+    try:
+        await finish_or_503(job, 200, finish)
+    except ApiError as e:  # not complete without its usage row: no closing events
+        await resp.write(error_event(e, True))
+        return False
+    return True

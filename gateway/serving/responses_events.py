@@ -24,11 +24,6 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(12).hex()}"
 
 
-def response_id(request_id: str) -> str:
-    """A Job's id under OpenAI's prefix for a Response (resp_...)."""
-    return "resp_" + request_id.split("-", 1)[-1]
-
-
 def usage_body(job: Job) -> dict[str, Any]:
     """A finished Job's usage as the Response's: what its usage row says."""
     return {

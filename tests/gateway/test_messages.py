@@ -58,7 +58,7 @@ async def rows(gw) -> dict[str, UsageRecord]:
     """The usage rows by the id of the message they bill."""
     async with gw.state.db.session() as s:
         found = (await s.scalars(select(UsageRecord))).all()
-    return {"msg_" + r.request_id.partition("-")[2]: r for r in found}
+    return {r.request_id: r for r in found}
 
 
 def say(content: str | list) -> list[dict]:
