@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,13 +62,7 @@ from gateway.backends.common import (
     decode_off_loop,
     render_off_loop,
 )
-from gateway.backends.remote_discovery import (
-    ASSUMED_CONTEXT_LENGTH,
-    LLAMA_SERVER,
-    VLLM,
-    count_request,
-    llama_server_tokenize_body,
-)
+from gateway.backends.remote_discovery import ASSUMED_CONTEXT_LENGTH, LLAMA_SERVER, VLLM
 from gateway.backends.remote_embed import embed_upstream, task_option
 from gateway.backends.remote_health import Monitor
 from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
@@ -82,13 +75,14 @@ from gateway.backends.remote_openai import (
 from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.backends.remote_sent import SentBlocks
 from gateway.backends.remote_text import carried_prompt, is_text_bound, text_bound
+from gateway.backends.remote_tokenize import count as count_upstream
+from gateway.backends.remote_tokenize import tokenize as upstream_tokenize
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
 from gateway.backends.remote_worker import worker_stream
 from gateway.backends.spec import BackendSpec
 
 log = logging.getLogger("kvgate.remote")
 COUNT_READ_S = 5.0  # at most this (or read_timeout_s) for /tokenize to count output
-LARGE_COUNT_CHARS = 1 << 20  # output text to count past this is encoded in a thread
 
 
 def build_replicas(spec: BackendSpec) -> list[RemoteBackend]:
@@ -247,30 +241,16 @@ class RemoteBackend:
     async def _tokenize(
         self, prompt: str | list[dict[str, Any]], tools: list[dict] | None
     ) -> list[int]:
-        """Through the upstream's /tokenize: vLLM's shape, which a worker serves, or
-        llama-server's (its /apply-template renders a chat first)."""
-        body: dict[str, Any] = {"model": self.upstream_model}
-        if isinstance(prompt, str):
-            body["prompt"] = prompt
-        else:
-            body |= {"messages": prompt, "add_generation_prompt": True}
-            if tools:
-                body["tools"] = tools  # vLLM's /tokenize takes them, as a worker's does
-        url = self.client.endpoint.root + "/tokenize"
+        """Through the upstream's tokenizer endpoint (remote_tokenize.py)."""
         info = self.monitor.info
+        kind = info.found.tokenizer if info is not None and info.worker is None else VLLM
         try:
-            if info is not None and info.found.tokenizer == LLAMA_SERVER:
-                body = await llama_server_tokenize_body(self.client, prompt, tools)
-            data = await self.client.json("POST", url, body, relay=self._is_worker)
+            return await upstream_tokenize(
+                self.client, kind or VLLM, self.upstream_model, prompt, tools, self._is_worker
+            )
         except BackendError as e:
             self._failed(e)
             raise
-        tokens = data.get("tokens") if isinstance(data, dict) else None
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
-        ):
-            raise BackendError(f"{self.label} sent an invalid /tokenize answer")
-        return tokens
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         """With options.tokenizer where it renders too; else the upstream's /detokenize
@@ -382,24 +362,10 @@ class RemoteBackend:
         if local_only or kind is None:
             return None
         overhead = info.found.count_overhead if info is not None else 0
-        path, request = count_request(kind, self.upstream_model, text)
-        body: Any = request
-        if len(text) > LARGE_COUNT_CHARS:  # encoding megabytes of JSON would stall the loop
-            body = (await asyncio.to_thread(json.dumps, request)).encode()
         timeout_s = self.opts.connect_timeout_s + min(self.opts.read_timeout_s, COUNT_READ_S)
-        try:
-            data = await self.client.json(
-                "POST", self.client.endpoint.root + path, body, timeout_s=timeout_s
-            )
-        except (BackendError, BadRequestError) as e:
-            log.info("%s: cannot count output tokens: %s", self.name, e)
-            return None
-        count = data.get("count") if isinstance(data, dict) else None
-        tokens = data.get("tokens") if isinstance(data, dict) else None
-        if isinstance(tokens, list):
-            count = len(tokens)
-        ok = isinstance(count, int) and not isinstance(count, bool)
-        return max(count - overhead, 0) if ok else None
+        return await count_upstream(
+            self.client, kind, self.upstream_model, text, overhead, timeout_s
+        )
 
     def _failed(self, e: BackendError) -> None:
         """A call failed: unreachable leaves the rotation now; anything else (dead, or

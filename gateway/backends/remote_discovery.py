@@ -26,7 +26,6 @@ from typing import Any
 from engine_api.errors import BackendError, BadRequestError
 from gateway.backends.remote_http import UpstreamClient, UpstreamRefused
 from gateway.backends.remote_text import MARGIN
-from gateway.backends.tool_prompt import plain_tool_turns
 
 log = logging.getLogger("kvgate.remote")
 
@@ -124,34 +123,6 @@ def _tokens(data: dict | None) -> list[int] | None:
         isinstance(t, int) and not isinstance(t, bool) for t in tokens
     )
     return tokens if ok and tokens else None
-
-
-async def llama_server_tokenize_body(
-    client: UpstreamClient, prompt: str | list[dict[str, Any]], tools: list[dict] | None
-) -> dict[str, Any]:
-    """The /tokenize body that makes llama-server's prompt of a string or a chat, as it
-    tokenizes one itself (BOS added, special tokens parsed): a chat rendered by its
-    /apply-template, with tools as the gateway's plain turns (its calls come back as
-    <tool_call> blocks, whatever the server's template)."""
-    text = prompt
-    if not isinstance(text, str):
-        messages = plain_tool_turns(prompt, tools) if tools else prompt
-        url = client.endpoint.root + "/apply-template"
-        data = await client.json("POST", url, {"messages": messages})
-        text = data.get("prompt") if isinstance(data, dict) else None
-        if not isinstance(text, str):
-            raise BackendError(f"{client.label} sent an invalid /apply-template answer")
-    return {"content": text, "add_special": True, "parse_special": True}
-
-
-def count_request(kind: str, model: str, text: str) -> tuple[str, dict[str, Any]]:
-    """The path and body that count `text` (no special tokens added, where the server
-    lets one say so) on a tokenizer endpoint of `kind`."""
-    if kind == LLAMA_SERVER:
-        return "/tokenize", {"content": text, "add_special": False}
-    if kind == LLAMA_CPP_PYTHON:
-        return "/extras/tokenize", {"input": text, "model": model}
-    return "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}
 
 
 def announce(name: str, model: str, found: Found, configured: dict[str, Any]) -> None:
