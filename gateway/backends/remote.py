@@ -21,17 +21,17 @@ request to its first output), request_timeout_s (1800: a whole request),
 max_response_bytes (64 MiB: a stream or an answer), health_interval_s (2),
 start_timeout_s (30: how long `start` waits for the upstream to tell what it is, or
 with context_length set for its first health check; one that does not answer is down
-until it does), max_in_flight
-(requests let through at once, plus under VTC one spare for a tenant with nothing in
-flight; the rest wait in the gateway's fair queue: for an upstream that serves in
-arrival order), task ("embed": an embedding model, served at
+until it does), max_in_flight (requests let through at once, plus under VTC one spare
+for a tenant with nothing in flight; the rest wait in the gateway's fair queue: for an
+upstream that serves in arrival order), task ("embed": an embedding model, served at
 /v1/embeddings through remote_embed.py). `kvgate worker` (gateway/worker/) serves the
 other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
 over HTTP), so it routes by prefix like an in-process replica. A third-party upstream
-gets streamed /v1/completions (a text-bound chat: /v1/chat/completions); its `block_hashes` and `kv_events` come from a record
-of the prompts this gateway sent it (remote_sent.py: approximate prefix routing).
+gets streamed /v1/completions (a text-bound chat: /v1/chat/completions); its
+`block_hashes` and `kv_events` come from a record of the prompts this gateway sent it
+(remote_sent.py: approximate prefix routing).
 """
 
 from __future__ import annotations

@@ -58,9 +58,13 @@ def is_text_bound(ids: list[int]) -> bool:
 
 
 def carried_prompt(ids: list[int]) -> str | list[dict[str, Any]]:
-    """The string or the chat messages a text-bound prompt carries."""
-    text = bytes(ids[MARGIN:]).decode()
-    return text if ids[0] == TEXT_MARK else json.loads(text)
+    """The string or the chat messages a text-bound prompt carries; a 400 for ids made
+    to look like one (a client's /detokenize) that carry no valid text."""
+    try:
+        text = bytes(ids[MARGIN:]).decode()
+        return text if ids[0] == TEXT_MARK else json.loads(text)
+    except ValueError:  # bytes out of range, invalid UTF-8 or JSON
+        raise BadRequestError("the token ids are not a prompt of this model") from None
 
 
 def chat_body(completion: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from engine_api.errors import BadRequestError
 from gateway.backends.default_model import default_model_path
-from gateway.backends.remote_text import MARGIN, text_bound
+from gateway.backends.remote_text import CHAT_MARK, MARGIN, TEXT_MARK, text_bound
 from gateway.backends.remote_tokenizer import load_tokenizer
 from tests.conftest import LiveGateway, away_from_minute_boundary, free_port, start_gateway
 from tests.gateway.upstream_servers import (
@@ -231,6 +231,13 @@ async def test_an_upstream_that_tells_nothing_is_served_from_a_text_bound(tmp_pa
             ask = {"model": MODEL, "prompt": "hi"}
             r = await asyncio.to_thread(httpx.post, gw.url + "/tokenize", json=ask, headers=auth)
             assert r.status_code == 400 and "does not tokenize for the gateway" in r.text
+            # ids made to look like a text-bound prompt, carrying no text: a 400, no 500
+            for tokens in ([CHAT_MARK] * MARGIN + [300], [TEXT_MARK] * MARGIN + [0xFF], [1]):
+                ask = {"model": MODEL, "tokens": tokens}
+                r = await asyncio.to_thread(
+                    httpx.post, gw.url + "/detokenize", json=ask, headers=auth
+                )
+                assert r.status_code == 400, r.text
         finally:
             await asyncio.to_thread(gw.stop)
 
