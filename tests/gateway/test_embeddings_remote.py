@@ -1,7 +1,8 @@
 """/v1/embeddings through `type = "remote"` entries with `task = "embed"`, on real
 processes: a `kvgate serve` in front of a `kvgate worker` serving an embedding model (the
 fake's, and all-MiniLM-L6-v2 on kvgate's engine, equal to sentence-transformers' vectors
-to 1e-4), the `openai` client as the caller.
+to 1e-4), and llama.cpp's llama-server with --embedding as a third-party server from its
+URL alone (where `make llama-server` built it), the `openai` client as the caller.
 
 The gateway renders and counts the inputs through the worker's /tokenize, holds them to
 the context, admits them, and forwards the token ids to the worker's /v1/embeddings; the
@@ -26,6 +27,7 @@ from sentence_transformers import SentenceTransformer
 from tests.backend_gpu.test_embeddings import TEXTS, close_to
 from tests.conftest import LiveGateway, free_port, start_gateway
 from tests.gateway.test_remote import TOKEN, backend_health, remote_config, usage_rows, wait_until
+from tests.gateway.upstream_servers import llama_cpp_server, llama_server_binary
 
 MODEL = "remote-model"  # remote_config's entry
 FAKE_EMBED = {"task": "embed", "embedding_size": 24, "context_length": 32}
@@ -149,3 +151,37 @@ def test_serve_workers_keeps_an_embedding_model_one(tmp_path):
         assert done.usage.prompt_tokens == 6
     finally:
         gw.stop()
+
+
+def test_llama_server_embeddings_pass_through(tmp_path):
+    """A third-party server: llama.cpp's llama-server with --embedding (mean pooling over
+    the default GGUF), from its URL alone: the client's texts reach it, its vectors come
+    back as it made them, and the row bills the input tokens its own /tokenize counts."""
+    binary = llama_server_binary()
+    if binary is None:
+        pytest.skip("llama.cpp's llama-server is not built: `make llama-server`")
+    flags = ("--embedding", "--pooling", "mean")
+    with llama_cpp_server(binary, tmp_path, MODEL, 512, *flags) as root:
+        config = remote_config([root + "/v1"], task="embed", context_length=None)
+        gw = start_gateway(tmp_path, config=config, timeout=120)
+        try:
+            wait_until(lambda: all(backend_health(gw).values()), "the upstream is healthy")
+            tenant, key = gw.tenant_key("third-party")
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+            texts = ["seven bright stars", "The capital of France is"]
+            through = client.embeddings.create(model=MODEL, input=texts)
+            direct = httpx.post(root + "/v1/embeddings", json={"model": MODEL, "input": texts})
+            for got, want in zip(through.data, direct.json()["data"], strict=True):
+                assert got.embedding == pytest.approx(want["embedding"], abs=1e-5)
+            counted = [
+                len(httpx.post(root + "/tokenize", json={"content": t}).json()["tokens"])
+                for t in texts
+            ]
+            [row] = usage_rows(tmp_path, tenant["id"])
+            assert row[:3] == (through.usage.prompt_tokens, 0, 200)
+            # the server's own count (a BOS per input beyond its /tokenize's), within the
+            # gateway's bounds
+            assert through.usage.prompt_tokens == direct.json()["usage"]["prompt_tokens"]
+            assert sum(counted) <= through.usage.prompt_tokens <= sum(counted) + len(texts)
+        finally:
+            gw.stop()

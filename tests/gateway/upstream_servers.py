@@ -82,13 +82,15 @@ def llama_cpp_python_server(
 
 
 @contextlib.contextmanager
-def llama_cpp_server(binary: Path, tmp: Path, alias: str, n_ctx: int = 2048) -> Iterator[str]:
-    """llama.cpp's llama-server on the default GGUF, one slot."""
+def llama_cpp_server(
+    binary: Path, tmp: Path, alias: str, n_ctx: int = 2048, *flags: str
+) -> Iterator[str]:
+    """llama.cpp's llama-server on the default GGUF, one slot, with any further `flags`."""
     port = free_port()
     cmd = [
         *(str(binary), "--model", str(default_model_path()), "--alias", alias),
         *("--ctx-size", str(n_ctx), "--threads", "1", "--parallel", "1"),
-        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--host", "127.0.0.1", "--port", str(port), *flags),
     ]
     root = f"http://127.0.0.1:{port}"
     with serving(cmd, tmp / "llama-server.log", root, "/health") as url:
