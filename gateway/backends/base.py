@@ -83,6 +83,12 @@ class OutputCountingBackend(Backend, Protocol):
     """A backend whose chunks may carry text without token ids (a third-party upstream):
     the gateway counts that text's tokens with this when the request ends."""
 
+    @property
+    def text_bound(self) -> bool:
+        """Whether its prompts are text-bound (gateway.backends.remote_text): the ids
+        `render` gives are the prompt's bytes, an upper bound, not tokens."""
+        ...
+
     async def count_output(self, model: str, text: str, local_only: bool) -> int | None:
         """Tokens in generated `text` by the model's tokenizer; None where none can count
         it (or, with `local_only`, where only the upstream itself could)."""

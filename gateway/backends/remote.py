@@ -74,7 +74,7 @@ from gateway.backends.remote_openai import (
 )
 from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.backends.remote_sent import SentBlocks
-from gateway.backends.remote_text import carried_prompt, is_text_bound, text_bound
+from gateway.backends.remote_text import carried_prompt, marked, text_bound
 from gateway.backends.remote_tokenize import count as count_upstream
 from gateway.backends.remote_tokenize import tokenize as upstream_tokenize
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
@@ -204,7 +204,7 @@ class RemoteBackend:
         return self.monitor.info is not None and self.monitor.info.worker is not None
 
     @property
-    def _text_bound(self) -> bool:
+    def text_bound(self) -> bool:
         """A third-party upstream that cannot render chats into token ids for the gateway
         (no options.tokenizer, no vLLM-shaped /tokenize): prompts go as text, quotas are
         reserved from a bound (remote_text.py)."""
@@ -222,7 +222,7 @@ class RemoteBackend:
         check_model(model, self.model_id)
         if not prompt:
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
-        if self._text_bound:
+        if self.text_bound:
             return text_bound(prompt, tools, model)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
@@ -259,8 +259,8 @@ class RemoteBackend:
         if self.tokenizer is not None and not self._is_worker:
             tok = self.tokenizer.tokenizer
             return await decode_off_loop(tok.decode, token_ids, range(len(tok)))
-        if self._text_bound:
-            text = carried_prompt(token_ids) if is_text_bound(token_ids) else None
+        if self.text_bound:
+            text = carried_prompt(token_ids) if marked(token_ids) else None
             if not isinstance(text, str):
                 raise BadRequestError(
                     f"the upstream of model {model!r} does not detokenize for the gateway"
@@ -376,7 +376,7 @@ class RemoteBackend:
         tok = self.tokenizer
         if tok is not None:  # else the upstream's own tokenizer judges (vLLM: a 400)
             req.sampling.check_vocab(len(tok.tokenizer))
-        if is_text_bound(req.prompt_token_ids):
+        if self.text_bound and marked(req.prompt_token_ids):
             resp = await open_text_completion(self.client, req, self.upstream_model)
         else:
             resp, self._takes_ids = await open_completion(

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine_api.errors import BadRequestError
 from engine_api.records import PromptInput
+from gateway.backends.base import Backend, OutputCountingBackend
 from gateway.backends.tool_prompt import plain_tool_turns
 
 MARGIN = 64  # marker ids before the bytes: the template's tokens beyond the JSON's bytes
@@ -48,8 +49,15 @@ def text_bound(prompt: PromptInput, tools: list[dict] | None, model: str) -> lis
     )
 
 
-def is_text_bound(ids: list[int]) -> bool:
-    """Whether `ids` are a text-bound prompt (their length an upper bound, not a count)."""
+def is_text_bound(backend: Backend, ids: list[int]) -> bool:
+    """Whether `ids`, rendered by `backend`, are a text-bound prompt (their length an
+    upper bound, not a count). Only a text-bound backend's are: another's real tokens
+    may look the same (64 times token 256)."""
+    return isinstance(backend, OutputCountingBackend) and backend.text_bound and marked(ids)
+
+
+def marked(ids: list[int]) -> bool:
+    """Whether `ids` begin with a text-bound prompt's marks."""
     return (
         len(ids) >= MARGIN
         and ids[0] in (TEXT_MARK, CHAT_MARK)

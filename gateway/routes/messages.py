@@ -16,10 +16,9 @@ from aiohttp import web
 
 from gateway.http.errors import ApiError, anthropic_error
 from gateway.http.util import json_response, parse_body
-from gateway.routes.openai import on_a_replica
 from gateway.schemas.messages import CountTokensRequest, MessagesRequest
 from gateway.serving import messages_stream as ms
-from gateway.serving.admission import model_card, prepare
+from gateway.serving.admission import model_card, prepare, rendered_tokens
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
@@ -54,7 +53,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     tools = None
     if chat.tool_mode != "none":  # as admission renders them: tool_choice none shows none
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
-    tokens = await on_a_replica(gw, body.model, lambda b: b.render(body.model, messages, tools))
+    tokens = await rendered_tokens(gw, principal, body.model, messages, tools)
     return json_response({"input_tokens": len(tokens)})
 
 

@@ -24,7 +24,6 @@ from gateway.backends import (
     ModelCard,
     TokenLogprob,
     Usage,
-    is_text_bound,
 )
 from gateway.http.errors import ApiError
 from gateway.http.util import json_response, parse_body, sse
@@ -41,7 +40,7 @@ from gateway.schemas.openai_format import (
     response_body,
     usage_chunk,
 )
-from gateway.serving.admission import model_card, prepare
+from gateway.serving.admission import model_card, prepare, rendered_tokens
 from gateway.serving.echo import Echo
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
@@ -100,13 +99,7 @@ async def tokenize(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, TokenizeRequest)
     card = model_card(gw, principal, body.model)
-    tokens = await on_a_replica(
-        gw, body.model, lambda b: b.render(body.model, body.rendered(), body.tool_dicts())
-    )
-    if is_text_bound(tokens):  # the ids are the prompt's bytes, a bound: not tokens
-        raise ApiError(
-            400, f"The upstream of model `{body.model}` does not tokenize for the gateway."
-        )
+    tokens = await rendered_tokens(gw, principal, body.model, body.rendered(), body.tool_dicts())
     return json_response(
         {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
     )

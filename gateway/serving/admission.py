@@ -29,6 +29,7 @@ from gateway.backends import (
     GenRequest,
     ModelCard,
     PrefixCachingBackend,
+    is_text_bound,
 )
 from gateway.http.errors import ApiError
 from gateway.routing.router import Candidate
@@ -188,6 +189,22 @@ async def render_on_a_replica(
                 return candidates, backend, await _render_all(backend, model, inputs, tools)
         last = candidates[-1].backend  # its error, if it fails too, is the client's answer
         return candidates, last, await _render_all(last, model, inputs, tools)
+
+
+async def rendered_tokens(
+    gw: GatewayState,
+    principal: Principal,
+    model: str,
+    prompt: PromptInput,
+    tools: list[dict] | None = None,
+) -> list[int]:
+    """The prompt's tokens as a replica of `model` renders it, for the routes that count
+    and bill nothing (/tokenize, Anthropic's count_tokens); a 400 where the upstream does
+    not tokenize for the gateway (its rendering is the prompt's bytes, a bound)."""
+    _, backend, [tokens] = await render_on_a_replica(gw, principal, model, [prompt], tools)
+    if is_text_bound(backend, tokens):
+        raise ApiError(400, f"The upstream of model `{model}` does not tokenize for the gateway.")
+    return tokens
 
 
 async def _render_all(

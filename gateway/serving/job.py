@@ -108,7 +108,7 @@ class Job:
         return stream if queue is None else queued(queue, req, stream, meter)
 
     async def _attempt(self) -> AsyncIterator[tuple[int, GenChunk]]:
-        self.meters = [ChoiceMeter.of(r) for r in self.requests]
+        self.meters = [ChoiceMeter.of(r, self.backend) for r in self.requests]
         if len(self.requests) == 1:  # the common case, one generator layer less
             gen = self._generate(self.requests[0], self.meters[0])
             try:

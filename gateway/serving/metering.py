@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.backends import GenChunk, GenRequest, TokenLogprob, Usage, is_text_bound
+from gateway.backends import Backend, GenChunk, GenRequest, TokenLogprob, Usage, is_text_bound
 
 log = logging.getLogger("kvgate")
 
@@ -59,12 +59,11 @@ class ChoiceMeter:
     prompt_bound: bool = False
 
     @classmethod
-    def of(cls, req: GenRequest) -> ChoiceMeter:
+    def of(cls, req: GenRequest, backend: Backend) -> ChoiceMeter:
         sp = req.sampling
         ids = req.prompt_token_ids
-        return cls(
-            req.request_id, sp.max_tokens, sp.logprobs, len(ids), prompt_bound=is_text_bound(ids)
-        )
+        bound = is_text_bound(backend, ids)
+        return cls(req.request_id, sp.max_tokens, sp.logprobs, len(ids), prompt_bound=bound)
 
     @property
     def prompt(self) -> int:

@@ -27,9 +27,18 @@ from aiohttp import web
 
 from engine_api.errors import BadRequestError
 from gateway.backends.default_model import default_model_path
-from gateway.backends.remote_text import CHAT_MARK, MARGIN, TEXT_MARK, text_bound
+from gateway.backends.fake import FakeBackend
+from gateway.backends.remote_text import (
+    CHAT_MARK,
+    MARGIN,
+    TEXT_MARK,
+    is_text_bound,
+    marked,
+    text_bound,
+)
 from gateway.backends.remote_tokenizer import load_tokenizer
 from tests.conftest import LiveGateway, away_from_minute_boundary, free_port, start_gateway
+from tests.gateway.conftest import fake_backends
 from tests.gateway.upstream_servers import (
     llama_cpp_python_server,
     llama_cpp_server,
@@ -231,6 +240,13 @@ async def test_an_upstream_that_tells_nothing_is_served_from_a_text_bound(tmp_pa
             ask = {"model": MODEL, "prompt": "hi"}
             r = await asyncio.to_thread(httpx.post, gw.url + "/tokenize", json=ask, headers=auth)
             assert r.status_code == 400 and "does not tokenize for the gateway" in r.text
+            # nor can Anthropic's count_tokens (a count, not the bound), in its shape
+            count = {"model": MODEL, "messages": QUESTION}
+            r = await asyncio.to_thread(
+                httpx.post, gw.url + "/v1/messages/count_tokens", json=count, headers=auth
+            )
+            assert r.status_code == 400 and r.json()["type"] == "error", r.text
+            assert "does not tokenize for the gateway" in r.json()["error"]["message"]
             # ids made to look like a text-bound prompt, carrying no text: a 400, no 500
             for tokens in ([CHAT_MARK] * MARGIN + [300], [TEXT_MARK] * MARGIN + [0xFF], [1]):
                 ask = {"model": MODEL, "tokens": tokens}
@@ -294,3 +310,6 @@ def test_the_text_bound_holds_the_tokens_a_real_tokenizer_makes():
     assert len(text_bound(chat, tools, MODEL)) >= len(tokenizer.render(chat, tools))
     with pytest.raises(BadRequestError, match="token ids cannot be sent"):
         text_bound([1, 2, 3], None, MODEL)
+    # only a text-bound backend's ids are a bound: another's real tokens may carry the marks
+    bound = text_bound("hi", None, MODEL)
+    assert marked(bound) and not is_text_bound(FakeBackend(fake_backends()[0]), bound)
