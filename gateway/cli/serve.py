@@ -103,6 +103,13 @@ def _announce(settings: Settings, gw: GatewayState) -> None:
     for backend in gw.backends:
         kind = gw.backend_types[backend.name]
         models = ", ".join(m for m, bs in gw.router.serving.items() if backend in bs) or "-"
+        if backend.name in gw.router.broken:  # its WARNING below says why
+            print(f"kvgate: backend {backend.name} ({kind}) DOWN for: {models}", flush=True)
+            continue
+        if not backend.stats().healthy:  # watched: it serves once it answers
+            line = f"kvgate: backend {backend.name} ({kind}) not answering yet, for: {models}"
+            print(line, flush=True)
+            continue
         print(f"kvgate: backend {backend.name} ({kind}) serving: {models}", flush=True)
         if kind == "fake":
             print(

@@ -274,6 +274,8 @@ def test_backends_that_cannot_serve_are_named_and_answer_503(tmp_path):
         log = gw.log.read_text()
         assert "is down (remote backend 'down' is unreachable)" in log, log
         assert "cannot load tokenizer '/nonexistent.gguf'" in log, log
+        assert "(remote) DOWN for: broken-model" in log, log
+        assert "(remote) not answering yet, for: down-model" in log, log
         health = httpx.get(gw.url + "/health")
         assert health.status_code == 200
         down_now = health.json()["down"]
