@@ -273,8 +273,9 @@ class RemoteBackend:
         except BackendError as e:
             self._failed(e)
             raise
-        # vLLM's and a worker's answer say `prompt`, llama-server's `content`
-        text = (data.get("prompt") or data.get("content")) if isinstance(data, dict) else None
+        # vLLM's and a worker's answer say `prompt`, llama-server's `content` (either may
+        # be "": the text of a BOS alone)
+        text = data.get("prompt", data.get("content")) if isinstance(data, dict) else None
         if not isinstance(text, str):
             raise BackendError(f"{self.label} sent an invalid /detokenize answer")
         return text
