@@ -1,10 +1,21 @@
 """Engine settings: one llama.cpp context of `n_parallel` sequences, each with its own KV
-stream of `n_ctx // n_parallel` cells."""
+stream of `n_ctx // n_parallel` cells. With task "embed" the engine embeds instead of
+generating (backend_local.embed_worker): inputs of up to `n_ctx // n_parallel` tokens,
+pooled by `pooling` (None: the GGUF's own, else mean) and L2-normalized if `normalize`."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+import llama_cpp
+
+# llama.cpp's pooling types an embedding engine may use, by name
+POOLINGS = {
+    "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+    "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+    "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,
+}
 
 
 def default_threads() -> int:
@@ -20,6 +31,9 @@ class EngineConfig:
     n_threads: int = 0  # 0: one per core, up to 8
     verbose: bool = False  # let llama.cpp print its load log
     enable_kv_events: bool = False  # record prefix blocks stored/removed for take_kv_events()
+    task: str = "generate"  # "generate" or "embed"
+    pooling: str | None = None  # "mean" | "cls" | "last" (embed only); None: the GGUF's own
+    normalize: bool = True  # embed only: unit vectors, as llama-server's /v1/embeddings
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:
@@ -28,6 +42,10 @@ class EngineConfig:
             raise ValueError(f"n_batch ({self.n_batch}) must be >= n_parallel ({self.n_parallel})")
         if self.n_ctx < self.n_parallel * 16:
             raise ValueError(f"n_ctx ({self.n_ctx}) is too small for {self.n_parallel} sequences")
+        if self.task not in ("generate", "embed"):
+            raise ValueError(f"task must be 'generate' or 'embed', got {self.task!r}")
+        if self.pooling not in (None, *POOLINGS):
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.n_threads <= 0:
             self.n_threads = default_threads()
 

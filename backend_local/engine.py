@@ -8,6 +8,9 @@
 
 Closing a `generate` iterator early (or cancelling the task reading it) aborts the request:
 the worker frees its sequence before its next decode step.
+
+With `EngineConfig(task="embed")` the engine embeds instead (an EmbedWorker owns the
+context): `await engine.embed(EmbedRequest(...))`; `generate` is a BadRequestError.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from backend_local.config import EngineConfig
+from backend_local.embed_worker import EmbedJob, EmbedWorker
 from backend_local.grammar import llama_grammar_cache
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockEvent
@@ -24,17 +28,27 @@ from backend_local.requests import Request, RequestOutput
 from backend_local.stats import EngineStats
 from backend_local.worker import Worker
 from engine_api.errors import BadRequestError, PromptTooLongError
-from engine_api.records import GenRequest
+from engine_api.records import EmbedRequest, EmbedResult, GenRequest
 from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
+
+NOT_A_GENERATOR = "this is an embedding model: it embeds text and does not generate it"
+# An embed request of more tokens than this is checked in a worker thread: 2048 inputs of
+# thousands of ids each would stall the event loop for seconds.
+LARGE_EMBED_TOKENS = 1 << 16
 
 
 class LocalEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model = LlamaModel(config.model_path, verbose=config.verbose)
+        self.pooling: str | None = None  # an embedding engine's pooling
         try:
-            self._worker = Worker(self.model, config)
+            if config.task == "embed":
+                self.pooling = config.pooling or self.model.own_pooling() or "mean"
+                self._worker: Worker | EmbedWorker = EmbedWorker(self.model, config, self.pooling)
+            else:
+                self._worker = Worker(self.model, config)
         except BaseException:
             self.model.close()
             raise
@@ -92,6 +106,8 @@ class LocalEngine:
         Raises BadRequestError / PromptTooLongError for requests that cannot be served,
         EngineDeadError when the worker is gone, DecodeError if llama.cpp fails on it.
         """
+        if self.pooling is not None:
+            raise BadRequestError(NOT_A_GENERATOR)
         request_id, params, shared_prefix_len = req.request_id, req.sampling, req.shared_prefix_len
         self.check_request(req.prompt_token_ids, params, shared_prefix_len)
         if request_id in self._active:
@@ -127,6 +143,59 @@ class LocalEngine:
             self._active.discard(request_id)
             if not finished:
                 self._worker.abort(request_id)
+
+    def check_embed(self, req: EmbedRequest) -> None:
+        """Raise BadRequestError (PromptTooLongError for an input past the context) if the
+        request can never be embedded here."""
+        if self.pooling is None:
+            raise BadRequestError("this model generates text; it is not an embedding model")
+        if not req.inputs:
+            raise BadRequestError("input is empty: give at least one input to embed")
+        for i, ids in enumerate(req.inputs):
+            if not ids:
+                raise BadRequestError(f"input {i} is empty: an input needs at least one token")
+            if any(type(t) is not int or not 0 <= t < self.model.n_vocab for t in ids):
+                raise BadRequestError(
+                    f"input {i} has token ids outside the vocabulary [0, {self.model.n_vocab})"
+                )
+            if len(ids) > self.context_length:
+                raise PromptTooLongError(len(ids), 0, self.context_length)
+        if req.dimensions is not None:
+            raise BadRequestError("this model's vectors are not made to be shortened (dimensions)")
+
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        """The inputs' pooled vectors (normalized if the config says so), in order.
+        Cancelling the caller drops the inputs not yet embedded."""
+        if sum(len(ids) for ids in req.inputs) > LARGE_EMBED_TOKENS:
+            await asyncio.to_thread(self.check_embed, req)
+        else:
+            self.check_embed(req)
+        if req.request_id in self._active:
+            raise BadRequestError(f"request id {req.request_id!r} is already running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[list[float]]] = loop.create_future()
+
+        def emit(item: list[list[float]] | BaseException) -> None:
+            def settle() -> None:
+                if done.done():  # the caller has gone
+                    return
+                if isinstance(item, BaseException):
+                    done.set_exception(item)
+                else:
+                    done.set_result(item)
+
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                loop.call_soon_threadsafe(settle)
+
+        self._worker.submit(EmbedJob(req.request_id, req.inputs, emit))
+        self._active.add(req.request_id)
+        try:
+            vectors = await done
+        finally:
+            self._active.discard(req.request_id)
+            if not done.done() or done.cancelled():
+                self._worker.abort(req.request_id)
+        return EmbedResult(vectors, sum(len(i) for i in req.inputs))
 
     def abort(self, request_id: str) -> None:
         self._worker.abort(request_id)

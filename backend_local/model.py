@@ -12,7 +12,7 @@ from functools import cached_property
 
 import llama_cpp
 
-from backend_local.config import EngineConfig
+from backend_local.config import POOLINGS, EngineConfig
 from backend_local.errors import ModelLoadError
 from backend_local.llama_log import route_llama_log
 
@@ -61,6 +61,7 @@ class LlamaModel:
         self.eos_id = llama_cpp.llama_vocab_eos(self.vocab)
         self.bos_text = self.token_text(self.bos_id)
         self.eos_text = self.token_text(self.eos_id)
+        self.n_embd = llama_cpp.llama_model_n_embd_out(self.ptr)
 
     def close(self) -> None:
         if self.ptr:
@@ -114,6 +115,36 @@ class LlamaModel:
     def eog_ids(self) -> list[int]:
         """Every end-of-generation token; scanned once, only for ignore_eos / min_tokens."""
         return [t for t in range(self.n_vocab) if self.is_eog(t)]
+
+    def own_pooling(self) -> str | None:
+        """The pooling the GGUF says its embeddings take (`<arch>.pooling_type`), if it
+        names one of POOLINGS (a generator's names none; a reranker's is not one)."""
+        value = self.meta(f"{self.architecture}.pooling_type")
+        by_type = {t: name for name, t in POOLINGS.items()}
+        return by_type.get(int(value)) if value and value.isdigit() else None
+
+    def new_embed_context(self, config: EngineConfig, pooling: str) -> llama_cpp.llama_context_p:
+        """A context that pools one input of up to n_ctx_per_seq tokens a decode, as
+        llama-server's --embedding does: the whole input in one ubatch (a pooled
+        sequence cannot be split), flash attention as llama-server's default picks it."""
+        params = llama_cpp.llama_context_default_params()
+        length = config.n_ctx_per_seq
+        params.n_ctx = params.n_batch = params.n_ubatch = length
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = config.n_threads
+        params.embeddings = True
+        params.pooling_type = POOLINGS[pooling]
+        # llama-server's default; its CPU kernel rounds differently from the plain path
+        # (1e-2 apart on Gemma 3's vectors). The cells are cleared before every input, so
+        # they are always in position order, where flash attention is exact (new_context).
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+        params.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(self.ptr, params)
+        if not ctx:
+            raise ModelLoadError(
+                f"llama.cpp could not create an embedding context (n_ctx={length}) for {self.path}"
+            )
+        return ctx
 
     def new_context(self, config: EngineConfig) -> llama_cpp.llama_context_p:
         params = llama_cpp.llama_context_default_params()

@@ -3,7 +3,12 @@
 The engine takes engine_api's SamplingParams and raises engine_api's errors (DecodeError
 is a BackendError), so requests and errors pass through as they are; only outputs are
 reshaped, by what every in-process adapter shares (in_process.py). This says where the
-engine's tokenizer is, how its outputs read, and how the fair queue's spare seat fits."""
+engine's tokenizer is, how its outputs read, and how the fair queue's spare seat fits.
+
+With `options.task = "embed"` the engine embeds (pooled as `options.pooling` says) and
+this is an EmbeddingBackend: the card says so, `render` tokenizes text as llama-server's
+--embedding does (BOS and special tokens) and `embed` runs the request; chat messages and
+`generate` are a BadRequestError that says the model embeds."""
 
 from __future__ import annotations
 
@@ -12,19 +17,28 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 from backend_local import EngineConfig, LocalEngine, ModelLoadError, RequestOutput
+from backend_local.engine import NOT_A_GENERATOR
 from backend_local.prefix_blocks import block_hashes
-from engine_api.errors import BackendError
+from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
+    EMBED,
     BackendStats,
+    EmbedRequest,
+    EmbedResult,
     GenRequest,
     KVEvent,
+    PromptInput,
     Usage,
 )
 from gateway.backends.base import SPARE_SEATS
+from gateway.backends.common import check_model, render_off_loop
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 from gateway.backends.spec import BackendSpec
 
-ENGINE_OPTIONS = ("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose")
+ENGINE_OPTIONS = (
+    *("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose"),
+    *("task", "pooling", "normalize"),
+)
 
 
 class LocalBackend(InProcessBackend[LocalEngine]):
@@ -58,6 +72,30 @@ class LocalBackend(InProcessBackend[LocalEngine]):
 
     def _context_length(self) -> int:
         return self.engine.context_length
+
+    def _card_fields(self) -> dict:
+        engine = self.engine
+        if engine.pooling is None:
+            return {}
+        return {"task": EMBED, "embedding_size": engine.model.n_embd, "truncatable": False}
+
+    async def render(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None = None
+    ) -> list[int]:
+        """On an embedding model: text -> the ids llama-server embeds (BOS added, special
+        tokens parsed), token ids as they are, chat messages a BadRequestError."""
+        if self._engine is None or self._engine.pooling is None:
+            return await super().render(model, prompt, tools)
+        check_model(model, self.model_id)
+        if isinstance(prompt, str):
+            return await render_off_loop(self._engine.tokenize, prompt)
+        if prompt and all(type(t) is int for t in prompt):
+            return list(prompt)
+        raise BadRequestError(f"{NOT_A_GENERATOR} (it takes text or token ids, not messages)")
+
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        check_model(req.model, self.model_id)
+        return await self.engine.embed(req)
 
     def _tokenization(self) -> Tokenization:
         engine = self.engine
