@@ -150,9 +150,9 @@ class EmbedWorker:
         with self._cond:
             while not (self._jobs or self._stopping):
                 self._cond.wait()
-            aborts, self._aborts = self._aborts, set()
             if self._stopping and not self._drain:
-                aborts |= {j.request_id for j in self._jobs}
+                return False  # the jobs left learn that the engine is shut down
+            aborts, self._aborts = self._aborts, set()
             for job in [j for j in self._jobs if j.request_id in aborts]:
                 self._jobs.remove(job)  # its caller has gone: nobody reads what it gets
             if not self._jobs:
@@ -179,7 +179,8 @@ class EmbedWorker:
             b.seq_id[i][0] = 0
             b.logits[i] = True  # a pooled sequence outputs every token
         b.n_tokens = len(ids)
-        llama_cpp.llama_memory_clear(self.mem, True)
+        if self.mem:  # a model without a KV cache (an encoder) keeps nothing between inputs
+            llama_cpp.llama_memory_clear(self.mem, True)
         rc = llama_cpp.llama_decode(self.ctx, b)
         pooled = llama_cpp.llama_get_embeddings_seq(self.ctx, 0) if rc == 0 else None
         if not pooled:

@@ -12,7 +12,7 @@ import pytest
 
 from backend_local import EngineConfig, LocalEngine, PromptTooLongError
 from backend_local.embed_worker import l2_normalized
-from engine_api.errors import BadRequestError
+from engine_api.errors import BadRequestError, EngineDeadError
 from engine_api.records import EmbedRequest
 from engine_api.sampling import SamplingParams
 from tests.backend_local.helpers import wait_for
@@ -106,11 +106,19 @@ async def test_what_it_cannot_embed_is_refused_and_it_serves_on(engine):
     assert len(done.embeddings) == 1 and engine.healthy
 
 
-async def test_last_pooling_unnormalized_equals_llama_cpp_python(model_path):
+async def test_last_pooling_unnormalized_equals_llama_cpp_python_and_a_stop_ends_the_rest(
+    model_path,
+):
     engine = embed_engine(model_path, pooling="last", normalize=False)
     try:
         done = await engine.embed(request(engine, "last", TEXTS))
         assert_close(done.embeddings, reference(model_path, 3, TEXTS))
         assert np.linalg.norm(done.embeddings[0]) != pytest.approx(1.0, abs=1e-3)
+        # stopped without draining: a request still waiting learns it, it does not hang
+        waiting = asyncio.ensure_future(engine.embed(request(engine, "late", TEXTS * 20)))
+        await asyncio.sleep(0)
+        await engine.stop(drain=False)
+        with pytest.raises(EngineDeadError):
+            await waiting
     finally:
         engine.shutdown()
