@@ -12,8 +12,6 @@ the batch, so inputs are decoded one at a time, taken from the waiting requests 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +19,7 @@ import llama_cpp
 import numpy as np
 
 from backend_local.config import EngineConfig
+from backend_local.context_thread import ContextThread
 from backend_local.errors import DecodeError
 from backend_local.model import LlamaModel
 from backend_local.stats import EngineStats
@@ -49,8 +48,11 @@ def l2_normalized(vector: np.ndarray) -> np.ndarray:
     return (vector.astype(np.float64) * scale).astype(np.float32)
 
 
-class EmbedWorker:
+class EmbedWorker(ContextThread[EmbedJob]):
+    label = "embedding worker"
+
     def __init__(self, model: LlamaModel, config: EngineConfig, pooling: str) -> None:
+        super().__init__("llama-embed")
         self.model = model
         self.config = config
         self.pooling = pooling
@@ -59,51 +61,12 @@ class EmbedWorker:
         self.batch = llama_cpp.llama_batch_init(config.n_ctx_per_seq, 0, 1)
         self.throughput = Throughput()
         self.ledger = None  # no prefix cache: no KV events
-        self.error: BaseException | None = None
-        self._jobs: deque[EmbedJob] = deque()
         self._busy = False
-        self._cond = threading.Condition()
-        self._aborts: set[str] = set()
-        self._stopping = False
-        self._drain = True
-        self._thread = threading.Thread(target=self._run, name="llama-embed", daemon=True)
-
-    # -- called from other threads -------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
-
-    def submit(self, job: EmbedJob) -> None:
-        with self._cond:
-            if not self.alive:
-                raise EngineDeadError(self._dead_reason())
-            self._jobs.append(job)
-            self._cond.notify()
-
-    def abort(self, request_id: str) -> None:
-        with self._cond:
-            self._aborts.add(request_id)
-            self._cond.notify()
-
-    def stop(self, drain: bool, timeout: float | None = None) -> bool:
-        """Stop taking requests; finish the queued ones (drain) or drop them; join.
-        True once the thread has ended (and freed the context)."""
-        with self._cond:
-            self._stopping = True
-            self._drain = drain
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
 
     def stats(self) -> EngineStats:
         prompt_rate, _ = self.throughput.rates()
         with self._cond:
-            jobs, busy = len(self._jobs), self._busy
+            jobs, busy = len(self._inbox), self._busy
         return EngineStats(
             healthy=self.alive,
             n_parallel=1,
@@ -120,44 +83,27 @@ class EmbedWorker:
             gen_tokens_per_s=0.0,
         )
 
-    def _dead_reason(self) -> str:
-        if self.error is not None:
-            return f"the llama.cpp embedding worker crashed: {self.error!r}"
-        return "the llama.cpp engine is shut down"
-
     # -- the worker thread ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while self._step():
-                pass
-        except BaseException as exc:  # every request must learn that the worker died
-            log.exception("llama.cpp embedding worker crashed")
-            self.error = exc
-        finally:
-            with self._cond:
-                self._stopping = True
-                orphans = list(self._jobs)
-                self._jobs.clear()
-            dead = EngineDeadError(self._dead_reason())
-            for job in orphans:
-                job.emit(dead)
-            llama_cpp.llama_batch_free(self.batch)
-            llama_cpp.llama_free(self.ctx)
+    def _close(self, orphans: list[EmbedJob], dead: EngineDeadError) -> None:
+        for job in orphans:
+            job.emit(dead)
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
 
     def _step(self) -> bool:
         """Embed the next input of the job whose turn it is; False when the loop ends."""
         with self._cond:
-            while not (self._jobs or self._stopping):
+            while not (self._inbox or self._stopping):
                 self._cond.wait()
             if self._stopping and not self._drain:
                 return False  # the jobs left learn that the engine is shut down
             aborts, self._aborts = self._aborts, set()
-            for job in [j for j in self._jobs if j.request_id in aborts]:
-                self._jobs.remove(job)  # its caller has gone: nobody reads what it gets
-            if not self._jobs:
+            for job in [j for j in self._inbox if j.request_id in aborts]:
+                self._inbox.remove(job)  # its caller has gone: nobody reads what it gets
+            if not self._inbox:
                 return not self._stopping
-            job = self._jobs.popleft()
+            job = self._inbox.popleft()
             self._busy = True
         try:
             done = self._embed_next(job)
@@ -165,7 +111,7 @@ class EmbedWorker:
             with self._cond:
                 self._busy = False
                 if not done:  # its next input waits for the others' turns
-                    self._jobs.append(job)
+                    self._inbox.append(job)
         return True
 
     def _embed_next(self, job: EmbedJob) -> bool:

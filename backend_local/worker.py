@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import deque
 
@@ -19,6 +18,7 @@ import llama_cpp
 import numpy as np
 
 from backend_local.config import EngineConfig
+from backend_local.context_thread import ContextThread
 from backend_local.errors import DecodeError
 from backend_local.grammar import GrammarMask
 from backend_local.model import LlamaModel
@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 PROMPT_LOGPROBS_ROWS = 64
 
 
-class Worker:
+class Worker(ContextThread[Request]):
     def __init__(self, model: LlamaModel, config: EngineConfig) -> None:
+        super().__init__("llama-worker")
         self.model = model
         self.config = config
         self.ctx = model.new_context(config)
@@ -54,45 +55,6 @@ class Worker:
         self.prefix_reused_tokens = 0
         self.ledger = BlockLedger() if config.enable_kv_events else None
         self.grammar_mask = GrammarMask(model.n_vocab)
-        self.error: BaseException | None = None  # why the loop ended, if it crashed
-        self._cond = threading.Condition()
-        self._inbox: deque[Request] = deque()
-        self._aborts: set[str] = set()
-        self._stopping = False
-        self._drain = True
-        self._thread = threading.Thread(target=self._run, name="llama-worker", daemon=True)
-
-    # -- called from other threads -------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
-
-    def submit(self, request: Request) -> None:
-        with self._cond:
-            if not self.alive:
-                raise EngineDeadError(self._dead_reason())
-            self._inbox.append(request)
-            self._cond.notify()
-
-    def abort(self, request_id: str) -> None:
-        with self._cond:
-            self._aborts.add(request_id)
-            self._cond.notify()
-
-    def stop(self, drain: bool, timeout: float | None = None) -> bool:
-        """Stop taking requests; finish the running ones (drain) or abort them; join.
-        True once the thread has ended (and freed the context)."""
-        with self._cond:
-            self._stopping = True
-            self._drain = drain
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
 
     def stats(self) -> EngineStats:
         busy = [s for s in self.slots if s.request is not None]
@@ -113,36 +75,21 @@ class Worker:
             gen_tokens_per_s=gen_rate,
         )
 
-    def _dead_reason(self) -> str:
-        if self.error is not None:
-            return f"the llama.cpp worker crashed: {self.error!r}"
-        return "the llama.cpp engine is shut down"
-
     # -- the worker thread ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while self._step():
-                pass
-        except BaseException as exc:  # every request must learn that the worker died
-            log.exception("llama.cpp worker crashed")
-            self.error = exc
-        finally:
-            with self._cond:
-                self._stopping = True
-                orphans = list(self._inbox) + list(self.waiting)
-                self._inbox.clear()
-                self.waiting.clear()
-            dead = EngineDeadError(self._dead_reason())
-            for slot in self.slots:
-                if slot.request is not None:
-                    self._fail(slot, dead)
-                else:  # the context goes, and with it the blocks this slot kept
-                    self._drop_cells(slot)
-            for request in orphans:
-                request.emit(dead)
-            llama_cpp.llama_batch_free(self.batch)
-            llama_cpp.llama_free(self.ctx)
+    def _close(self, orphans: list[Request], dead: EngineDeadError) -> None:
+        with self._cond:
+            orphans += self.waiting
+            self.waiting.clear()
+        for slot in self.slots:
+            if slot.request is not None:
+                self._fail(slot, dead)
+            else:  # the context goes, and with it the blocks this slot kept
+                self._drop_cells(slot)
+        for request in orphans:
+            request.emit(dead)
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
 
     def _has_work(self) -> bool:
         return bool(self.waiting) or any(s.request is not None for s in self.slots)
