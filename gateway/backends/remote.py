@@ -24,7 +24,7 @@ with context_length set for its first health check; one that does not answer is 
 until it does), max_in_flight (requests let through at once, plus under VTC one spare
 for a tenant with nothing in flight; the rest wait in the gateway's fair queue: for an
 upstream that serves in arrival order), task ("embed": an embedding model, served at
-/v1/embeddings through remote_embed.py). `kvgate worker` (gateway/worker/) serves the
+/v1/embeddings through remote_embed.py; a kvgate worker's /v1/models says it). `kvgate worker` (gateway/worker/) serves the
 other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
@@ -47,6 +47,7 @@ from engine_api.block_hash import hash_blocks
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
     EMBED,
+    GENERATE,
     BackendStats,
     EmbedRequest,
     EmbedResult,
@@ -100,7 +101,7 @@ class RemoteBackend:
         if not self.model_id:
             raise ValueError(f"remote backend {spec.name!r} needs `model`: the id clients use")
         self._default_model = spec.model or self.model_id  # the upstream's id, unless told
-        self.task = task_option(spec.name, self.opts.task)
+        self._task = None if self.opts.task is None else task_option(spec.name, self.opts.task)
         endpoint = Endpoint.parse(self.opts.url)
         # the address in the name: gateways sharing a database keep apart catalog rows
         self.name = f"{spec.name}@{endpoint.host}:{endpoint.port}"
@@ -192,6 +193,13 @@ class RemoteBackend:
         if self.opts.context_length or info is None:
             return self.opts.context_length
         return info.context_length or ASSUMED_CONTEXT_LENGTH
+
+    @property
+    def task(self) -> str:
+        """options.task, else what the upstream's /v1/models says (a kvgate worker's),
+        else generate (vLLM's and llama-server's lists do not say)."""
+        info = self.monitor.info
+        return self._task or (info.task if info is not None and info.task else GENERATE)
 
     def models(self) -> list[ModelCard]:
         # an embedding upstream judges `dimensions` itself: the gateway passes it on

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_api.errors import BackendError, BadRequestError
-from engine_api.records import BackendStats
+from engine_api.records import EMBED, GENERATE, BackendStats
 from gateway.backends.remote_discovery import Found, announce, pick_entry, positive_int, probe
 from gateway.backends.remote_http import UpstreamClient, UpstreamRefused
 from gateway.backends.remote_worker import WorkerEvents, WorkerInfo, parse_stats
@@ -45,6 +45,7 @@ class UpstreamInfo:
     context_length: int | None  # its max_model_len, or what probing found
     worker: WorkerInfo | None  # None: a third-party server
     found: Found = Found()  # a third-party server's probed context length and tokenizer
+    task: str | None = None  # what its /v1/models entry says the model does (a worker's)
 
 
 def parse_models(data: Any, wanted: str | None, default: str, label: str) -> dict:
@@ -196,7 +197,8 @@ class Monitor:
         found = found or Found()
         if length is not None:
             found = dataclasses.replace(found, context_length=length, context_from="/v1/models")
-        self.info = UpstreamInfo(entry["id"], found.context_length, worker, found)
+        task = entry.get("task") if entry.get("task") in (GENERATE, EMBED) else None
+        self.info = UpstreamInfo(entry["id"], found.context_length, worker, found, task)
         if worker is None and (previous is None or previous.model != entry["id"]):
             announce(self._name, entry["id"], found, self.configured)
         if worker is not None and worker.prefix_events and not self._polling_events:

@@ -11,17 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 
 from gateway.backends import (
-    EMBED,
     Backend,
     BackendError,
     BadRequestError,
     GenChunk,
-    ModelCard,
     TokenLogprob,
     Usage,
 )
@@ -37,6 +35,7 @@ from gateway.schemas.openai_format import (
     chat_choice,
     chunk_body,
     completion_choice,
+    model_entry,
     response_body,
     usage_chunk,
 )
@@ -69,28 +68,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
+    created = int(gw.traffic.started_at)
     data = [
-        {
-            "id": card.id,
-            "object": "model",
-            "created": int(gw.traffic.started_at),
-            "owned_by": card.owned_by,
-            "max_model_len": card.context_length,
-            # kvgate's: what the model does (generate: chat and completions; embed:
-            # /v1/embeddings, with its vectors' size and whether `dimensions` cuts them)
-            "task": card.task,
-            **_embedding_fields(card),
-        }
+        model_entry(card, created)
         for card in gw.router.cards.values()
         if principal.may_use(card.id)
     ]
     return json_response({"object": "list", "data": data})
-
-
-def _embedding_fields(card: ModelCard) -> dict[str, Any]:
-    if card.task != EMBED:
-        return {}
-    return {"embedding_size": card.embedding_size, "truncatable": card.truncatable}
 
 
 async def tokenize(request: web.Request) -> web.Response:

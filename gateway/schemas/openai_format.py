@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.backends import TokenLogprob, Usage
+from gateway.backends import EMBED, ModelCard, TokenLogprob, Usage
+
+
+def model_entry(card: ModelCard, created: int) -> dict[str, Any]:
+    """A model in /v1/models, the gateway's and a worker's, with vLLM's `max_model_len`
+    and kvgate's `task` (generate: chat and completions; embed: /v1/embeddings, with its
+    vectors' size and whether `dimensions` cuts them)."""
+    entry: dict[str, Any] = {
+        "id": card.id,
+        "object": "model",
+        "created": created,
+        "owned_by": card.owned_by,
+        "max_model_len": card.context_length,
+        "task": card.task,
+    }
+    if card.task == EMBED:
+        entry |= {"embedding_size": card.embedding_size, "truncatable": card.truncatable}
+    return entry
 
 
 def usage_body(u: Usage) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from gateway.http.errors import ApiError
 from gateway.http.middleware import openai_errors
 from gateway.http.util import SETTINGS, json_response, parse_body
 from gateway.schemas.inference import DetokenizeRequest, TokenizeRequest
+from gateway.schemas.openai_format import model_entry
 from gateway.worker.completions import completions
 from gateway.worker.embeddings import embeddings
 from gateway.worker.errors import api_error
@@ -57,18 +58,8 @@ async def list_models(request: web.Request) -> web.Response:
         "prefix_events": state.prefix_events,
         "epoch": state.epoch,
     }
-    data = [
-        {
-            "id": card.id,
-            "object": "model",
-            "created": int(state.started_at),
-            "owned_by": card.owned_by,
-            "max_model_len": card.context_length,
-            "task": card.task,  # as the gateway's list says: generate or embed
-            "kvgate": kvgate,
-        }
-        for card in state.backend.models()
-    ]
+    created = int(state.started_at)
+    data = [model_entry(card, created) | {"kvgate": kvgate} for card in state.backend.models()]
     return json_response({"object": "list", "data": data})
 
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from gateway.backends import EMBED, GENERATE, BackendSpec
+from gateway.backends import BackendSpec
 from gateway.worker_pool.supervisor import WorkerSupervisor
 
 IN_PROCESS = ("fake", "gpu", "local")
@@ -38,9 +38,7 @@ async def start_workers(
             await supervisor.start()
             supervisors.append(supervisor)
             options = supervisor.remote_options()
-            model, task = await _served_model(supervisor.urls[0], supervisor.token)
-            if task == EMBED:  # the workers serve an embedding model: /v1/embeddings
-                options["task"] = task
+            model = await _served_model(supervisor.urls[0], supervisor.token)
             out.append(BackendSpec(spec.name, "remote", model, "", options))
     except BaseException:
         await stop_workers(supervisors)
@@ -48,9 +46,8 @@ async def start_workers(
     return out, supervisors
 
 
-async def _served_model(url: str, token: str) -> tuple[str, str]:
-    """The model id the workers serve (what the engine named it), as clients will ask,
-    and what the model does (its task)."""
+async def _served_model(url: str, token: str) -> str:
+    """The model id the workers serve (what the engine named it), as clients will ask."""
     headers = {"Authorization": f"Bearer {token}"}
     timeout = aiohttp.ClientTimeout(total=30)
     async with (
@@ -58,8 +55,7 @@ async def _served_model(url: str, token: str) -> tuple[str, str]:
         http.get(url + "/models", headers=headers) as r,
     ):
         r.raise_for_status()
-        entry = (await r.json())["data"][0]
-        return entry["id"], entry.get("task", GENERATE)
+        return (await r.json())["data"][0]["id"]
 
 
 async def stop_workers(supervisors: list[WorkerSupervisor]) -> None:

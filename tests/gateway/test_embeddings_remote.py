@@ -55,9 +55,8 @@ def fake_embed_upstream(tmp_path) -> Iterator[tuple[LiveGateway, int]]:
     worker = start_worker(tmp_path, port, "--backend", "fake", "--options", json.dumps(FAKE_EMBED))
     gw = None
     try:
-        config = remote_config(
-            [f"http://127.0.0.1:{port}/v1"], api_key=TOKEN, task="embed", context_length=None
-        )
+        # from its URL alone: the worker's /v1/models says the model embeds
+        config = remote_config([f"http://127.0.0.1:{port}/v1"], api_key=TOKEN, context_length=None)
         gw = start_gateway(tmp_path, config=config)
         wait_until(lambda: all(backend_health(gw).values()), "the worker is healthy")
         yield gw, port
@@ -84,6 +83,12 @@ def test_a_worker_serves_embeddings_through_a_remote_entry(tmp_path, fake_embed_
     assert through.usage.prompt_tokens == direct["usage"]["prompt_tokens"] == 3 + 5
     models = {m.id: m for m in client.models.list().data}
     assert models[MODEL].task == "embed"
+    # the worker's own list, which the entry discovered the task from, says what the
+    # gateway's does
+    listed = httpx.get(
+        f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}
+    ).json()["data"][0]
+    assert (listed["task"], listed["embedding_size"], listed["truncatable"]) == ("embed", 24, False)
 
     with pytest.raises(openai.BadRequestError) as e:  # past the context the worker reported
         client.embeddings.create(model=MODEL, input=" ".join(["w"] * 33))
@@ -103,9 +108,8 @@ def test_a_worker_serving_minilm_gives_sentence_transformers_vectors(tmp_path):
     worker = start_worker(tmp_path, port, *args)
     gw = None
     try:
-        config = remote_config(
-            [f"http://127.0.0.1:{port}/v1"], api_key=TOKEN, task="embed", context_length=None
-        )
+        # from its URL alone: the worker's /v1/models says the model embeds
+        config = remote_config([f"http://127.0.0.1:{port}/v1"], api_key=TOKEN, context_length=None)
         gw = start_gateway(tmp_path, config=config)
         wait_until(lambda: all(backend_health(gw).values()), "the worker is healthy")
         tenant, key = gw.tenant_key("minilm")
