@@ -89,6 +89,12 @@ class OutputCountingBackend(Backend, Protocol):
         `render` gives are the prompt's bytes, an upper bound, not tokens."""
         ...
 
+    async def count_prompt(self, model: str, token_ids: list[int]) -> int | None:
+        """The tokens of a text-bound prompt by the upstream's own tokenizer, where it can
+        count them exactly (a string prompt); None where it cannot (a chat, rendered by a
+        template the upstream keeps to itself, or no tokenizer endpoint)."""
+        ...
+
     async def count_output(self, model: str, text: str, local_only: bool) -> int | None:
         """Tokens in generated `text` by the model's tokenizer; None where none can count
         it (or, with `local_only`, where only the upstream itself could)."""

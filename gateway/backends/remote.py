@@ -360,6 +360,19 @@ class RemoteBackend:
                 deadline = end
                 yield chunk
 
+    async def count_prompt(self, model: str, token_ids: list[int]) -> int | None:
+        check_model(model, self.model_id)
+        if not (self.text_bound and marked(token_ids)):
+            return None
+        text = carried_prompt(token_ids)
+        info = self.monitor.info
+        kind = None if info is None else info.found.tokenizer
+        if not isinstance(text, str) or kind is None:
+            return None
+        timeout_s = self.opts.connect_timeout_s + min(self.opts.read_timeout_s, COUNT_READ_S)
+        # no overhead taken off: the BOS its tokenizer adds, its prompt has too
+        return await count_upstream(self.client, kind, self.upstream_model, text, 0, timeout_s)
+
     async def count_output(self, model: str, text: str, local_only: bool) -> int | None:
         """Tokens in generated text: with options.tokenizer (off the loop), else, unless
         `local_only`, through the upstream's /tokenize; None where neither counts."""

@@ -152,6 +152,8 @@ class Job:
         the model's tokenizer for text that came without token ids)."""
         total, cached, counters = 0, {}, set()
         for index, meter in enumerate(self.meters):
+            if index % self.n == 0 and meter.prompt_bound and meter.claim is None:
+                meter.prompt_counted = await self._count_prompt(index)
             tokens, counter = meter.billed(await self._count_text(meter))
             total += tokens
             counters.add(counter)
@@ -162,6 +164,19 @@ class Job:
             self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, 0, delta)
         self.completion_tokens, self.cached_by_prompt = total, cached
         self.counted_by = "gateway" if "gateway" in counters else "engine"
+
+    async def _count_prompt(self, index: int) -> int | None:
+        """A text-bound prompt the backend sent no usage for: its tokens by the upstream's
+        tokenizer where it can count them (else the bound stands)."""
+        if not isinstance(self.backend, OutputCountingBackend):
+            return None
+        try:
+            return await self.backend.count_prompt(
+                self.model, self.requests[index].prompt_token_ids
+            )
+        except Exception:  # the bound stands; the row must still be written
+            log.exception("request %s: counting its prompt failed", self.request_id)
+            return None
 
     async def _count_text(self, meter: ChoiceMeter) -> int | None:
         """The tokenizer's count of the text the choice delivered without token ids; the

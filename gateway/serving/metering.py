@@ -55,8 +55,10 @@ class ChoiceMeter:
     refused: str | None = None  # why the backend's usage was not taken
     finished: bool = False  # the last chunk went out (a finish reason, or a cut)
     # the prompt's length is an upper bound, not a count (a text-bound prompt for an
-    # upstream the gateway cannot tokenize for): the backend's claim settles it
+    # upstream the gateway cannot tokenize for): the backend's claim settles it, else
+    # the upstream tokenizer's count of it where one was made
     prompt_bound: bool = False
+    prompt_counted: int | None = None
 
     @classmethod
     def of(cls, req: GenRequest, backend: Backend) -> ChoiceMeter:
@@ -69,7 +71,11 @@ class ChoiceMeter:
     def prompt(self) -> int:
         """The prompt's tokens as billed: the gateway's count, or the backend's claim
         where the gateway's is only a bound and the claim is within it."""
-        return self.claim.prompt_tokens if self.claim is not None else self.prompt_tokens
+        if self.claim is not None:
+            return self.claim.prompt_tokens
+        if self.prompt_bound and self.prompt_counted is not None:
+            return min(max(self.prompt_counted, 1), self.prompt_tokens)
+        return self.prompt_tokens
 
     @property
     def delivered(self) -> int:

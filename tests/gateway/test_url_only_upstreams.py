@@ -118,10 +118,18 @@ def test_llama_cpp_python_server_from_its_url_alone(tmp_path):
             assert "context length 8192 (assumed" in log, log
             assert "output counted by its /extras/tokenize" in log, log
             (chat_prompt, _, _), (comp_prompt, _, _) = serves_with_exact_quotas(gw, tmp_path)
-            # it sends no usage when streaming: the prompt stays billed at its bound
+            # it sends no usage when streaming: a chat (its template is its own) stays
+            # billed at its bound; a text prompt at its /extras/tokenize's count (BOS too),
+            # what it says it prefilled when it does send usage
             bound = MARGIN + len(json.dumps(QUESTION, separators=(",", ":")).encode())
             assert chat_prompt == bound
-            assert comp_prompt == MARGIN + len(b"The capital of France is")
+            prompt = "The capital of France is"
+            counted = httpx.post(url + "/extras/tokenize", json={"input": prompt}).json()
+            direct = httpx.post(
+                url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60
+            ).json()
+            assert comp_prompt == len(counted["tokens"]) == direct["usage"]["prompt_tokens"]
+            assert comp_prompt < MARGIN + len(prompt.encode())
         finally:
             gw.stop()
 
