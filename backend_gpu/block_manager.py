@@ -9,12 +9,18 @@ findable until the free queue hands them out again, oldest first (LRU eviction).
 With events on, every hash that becomes findable ("stored") or stops being findable
 ("removed") is recorded, so a router outside the engine can mirror the cache
 (vLLM's BlockStored / BlockRemoved).
+
+With a lower tier (backend_gpu.kv_host_tier), an evicted block is written down there
+before its slot is reused, and admission extends the device's run of hits with blocks
+the tier holds: each is loaded into a fresh device block and counts as a hit, cached
+again on the device (a "stored" event). Only a contiguous prefix counts, as on the device.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from backend_gpu.sequence import Sequence
 from engine_api.block_hash import block_salt, hash_blocks
@@ -31,6 +37,18 @@ class KVCacheEvent:
     cache_salt: str | None  # the salt the block was hashed with; None: no salt (shared)
     token_ids: list[int]
     at: float
+
+
+class LowerTier(Protocol):
+    """Where evicted blocks go and come back from (kv_host_tier.HostTier)."""
+
+    def __contains__(self, block_hash: bytes) -> bool: ...
+
+    def write_down(self, block_id: int, block_hash: bytes) -> None: ...
+
+    def take(self, hashes: list[bytes]) -> list[int]: ...
+
+    def load(self, slot: int, block_id: int) -> None: ...
 
 
 class Block:
@@ -86,6 +104,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         enable_kv_events: bool = False,
+        lower_tier: LowerTier | None = None,
     ) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
@@ -95,7 +114,9 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.prefix_queries = 0  # prompt tokens looked up
-        self.prefix_hits = 0  # of those, tokens found in the cache
+        self.prefix_hits = 0  # of those, tokens found in the cache (any tier)
+        self.lower_tier_hits = 0  # of those, tokens loaded back from the lower tier
+        self.lower_tier = lower_tier
         # None when off: an offline user who never drains them must not pile them up
         self.events: list[KVCacheEvent] | None = [] if enable_kv_events else None
 
@@ -114,6 +135,8 @@ class BlockManager:
         block = self.free_queue.popleft()
         if block.hash is not None:  # evict: its old contents are about to be overwritten
             if self.cached.get(block.hash) is block:
+                if self.lower_tier is not None:
+                    self.lower_tier.write_down(block.block_id, block.hash)
                 del self.cached[block.hash]
                 if self.events is not None:
                     self.events.append(
@@ -149,24 +172,59 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def find_lower_tier_hits(self, seq: Sequence, cached: list[Block]) -> list[bytes]:
+        """The hashes of the prompt's blocks after the device's hits `cached` that the
+        lower tier holds (contiguous, within the same bound as find_cached_blocks)."""
+        if self.lower_tier is None or not self._reads_cache(seq):
+            return []
+        max_blocks = (len(seq) - 1) // self.block_size
+        hashes = hash_blocks(
+            seq.token_ids[: max_blocks * self.block_size],
+            self.block_size,
+            seq.cache_salt,
+            seq.shared_prefix_len,
+            cached[-1].hash if cached else None,
+            len(cached),
+        )
+        hits: list[bytes] = []
+        for block_hash in hashes:
+            if block_hash not in self.lower_tier or block_hash in self.cached:
+                break
+            hits.append(block_hash)
+        return hits
+
     def _reads_cache(self, seq: Sequence) -> bool:
         """Whether admitting `seq` looks its prompt up (and counts the query)."""
         return self.enable_prefix_caching and not seq.prompt_logprobs_pending
 
-    def can_allocate(self, seq: Sequence, cached: list[Block], num_new_tokens: int) -> bool:
+    def can_allocate(
+        self,
+        seq: Sequence,
+        cached: list[Block],
+        num_new_tokens: int,
+        lower: list[bytes] | None = None,
+    ) -> bool:
+        """Whether the pool has room for `seq` with its device hits `cached`, its
+        lower-tier hits `lower` (each loaded into a new block) and its first
+        `num_new_tokens` tokens to compute."""
         # cached blocks with no owner sit in the free queue: taking them uses it up too
         num_revived = sum(1 for b in cached if b.ref_count == 0)
-        num_tokens = len(cached) * self.block_size + num_new_tokens
+        num_tokens = (len(cached) + len(lower or ())) * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(cached)
         return num_revived + num_new_blocks <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, cached: list[Block]) -> None:
-        """Give a waiting sequence its prefix-cache hits; its other blocks come from
-        `append_slots`."""
+    def allocate(
+        self, seq: Sequence, cached: list[Block], lower: list[bytes] | None = None
+    ) -> None:
+        """Give a waiting sequence its prefix-cache hits, the device's `cached` then the
+        lower tier's `lower` (loaded back); its other blocks come from `append_slots`."""
         assert not seq.block_table and seq.num_computed_tokens == 0
+        lower = lower or []
+        num_hit = len(cached) + len(lower)
         if self._reads_cache(seq):
             self.prefix_queries += len(seq)
-            self.prefix_hits += len(cached) * self.block_size
+            self.prefix_hits += num_hit * self.block_size
+            self.lower_tier_hits += len(lower) * self.block_size
         for block in cached:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
@@ -174,7 +232,21 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             assert block.hash is not None
             seq.block_hashes.append(block.hash)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+        if lower:  # revived first: a device hit must not be the block a load takes
+            self._load_lower(seq, lower)
+        seq.num_computed_tokens = seq.num_cached_tokens = num_hit * self.block_size
+
+    def _load_lower(self, seq: Sequence, hashes: list[bytes]) -> None:
+        """Load the lower tier's blocks `hashes` into new device blocks, cached again."""
+        assert self.lower_tier is not None
+        slots = self.lower_tier.take(hashes)  # before new blocks' evictions write down
+        for block_hash, slot in zip(hashes, slots, strict=True):
+            block = self._pop_free()
+            self.lower_tier.load(slot, block.block_id)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            self._register(seq, len(seq.block_hashes), block, block_hash, parent)
+            seq.block_table.append(block.block_id)
+            seq.block_hashes.append(block_hash)
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
@@ -205,20 +277,27 @@ class BlockManager:
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and block_hash not in self.cached:
-                block.hash = block_hash
-                self.cached[block_hash] = block
-                if self.events is not None:
-                    self.events.append(
-                        KVCacheEvent(
-                            "stored",
-                            block_hash,
-                            parent,
-                            block_salt(i, bs, seq.cache_salt, seq.shared_prefix_len),
-                            seq.token_ids[i * bs : (i + 1) * bs],
-                            time.time(),
-                        )
-                    )
+                self._register(seq, i, block, block_hash, parent)
             parent = block_hash
+
+    def _register(
+        self, seq: Sequence, i: int, block: Block, block_hash: bytes, parent: bytes | None
+    ) -> None:
+        """Make `block`, block `i` of `seq`, findable under `block_hash`."""
+        bs = self.block_size
+        block.hash = block_hash
+        self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.append(
+                KVCacheEvent(
+                    "stored",
+                    block_hash,
+                    parent,
+                    block_salt(i, bs, seq.cache_salt, seq.shared_prefix_len),
+                    seq.token_ids[i * bs : (i + 1) * bs],
+                    time.time(),
+                )
+            )
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call (empty when events are off)."""

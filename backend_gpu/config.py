@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ class EngineConfig:
     # gpu_memory_utilization leaves, on the CPU a tenth of free RAM, at most 2 GiB
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # GiB of host memory (pinned on CUDA) for blocks the KV cache evicts, loaded back on
+    # a prefix hit instead of recomputed (kv_host_tier.py); 0: none
+    kv_offload_gb: float = 0
     # CUDA: no CUDA graphs, every step eager (vLLM's flag); elsewhere always eager
     enforce_eager: bool = False
     # "dummy": random weights in place of the checkpoint's (vLLM's load format, for
@@ -77,6 +81,16 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self._check_tensor_parallel_size()
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        gb = self.kv_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, int | float) or not math.isfinite(gb):
+            raise ValueError(f"kv_offload_gb must be a finite number >= 0, got {gb!r}")
+        if gb < 0:
+            raise ValueError(f"kv_offload_gb must be >= 0, got {gb!r}")
+        if gb and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_gb does not work with tensor_parallel_size > 1 yet")
 
     def _check_tensor_parallel_size(self) -> None:
         size = self.tensor_parallel_size

@@ -46,6 +46,13 @@ class EngineStats:
     peak_tokens_in_blocks: int = 0
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
+    # the host tier under the KV cache (kv_offload_gb): prompt tokens loaded back from
+    # it at admission, blocks and bytes it holds, blocks written down and loaded back
+    kv_host_hits: int = 0
+    kv_host_blocks: int = 0
+    kv_host_bytes: int = 0
+    kv_host_blocks_written: int = 0
+    kv_host_blocks_loaded: int = 0
     # speculative decoding: acceptance rate = accepted / draft tokens; tokens per
     # verifying step = 1 + accepted / drafts
     num_drafts: int = 0  # decodes that carried proposed tokens

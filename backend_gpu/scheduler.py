@@ -135,14 +135,15 @@ class Scheduler:
             if self.static and seq.request_id not in self.static_batch:
                 break
             cached = bm.find_cached_blocks(seq)
-            num_new = len(seq) - len(cached) * bm.block_size
+            lower = bm.find_lower_tier_hits(seq, cached)
+            num_new = len(seq) - (len(cached) + len(lower)) * bm.block_size
             if not self.chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not bm.can_allocate(seq, cached, num_new):
+            if not bm.can_allocate(seq, cached, num_new, lower):
                 break
             self.waiting.remove(seq)
-            bm.allocate(seq, cached)
+            bm.allocate(seq, cached, lower)
             bm.append_slots(seq, num_new)
             self.ledger.admitted(seq)
             seq.status = SequenceStatus.RUNNING

@@ -192,6 +192,11 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 "spec_decode_num_drafts": s.num_drafts,
                 "spec_decode_num_draft_tokens": s.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "kv_host_hits": s.kv_host_hits,
+                "kv_host_blocks": s.kv_host_blocks,
+                "kv_host_bytes": s.kv_host_bytes,
+                "kv_host_blocks_written": s.kv_host_blocks_written,
+                "kv_host_blocks_loaded": s.kv_host_blocks_loaded,
                 "tenants": {
                     tenant: dataclasses.asdict(share) for tenant, share in s.tenants.items()
                 },
