@@ -53,6 +53,20 @@ class EngineStats:
     kv_host_bytes: int = 0
     kv_host_blocks_written: int = 0
     kv_host_blocks_loaded: int = 0
+    # the disk tier (kv_disk_path), as the host's; rejected: blocks not written (full,
+    # too large) or not used (fingerprint or checksum mismatch); write_errors: failed writes
+    kv_disk_hits: int = 0
+    kv_disk_blocks: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_blocks_written: int = 0
+    kv_disk_rejected: int = 0
+    kv_disk_write_errors: int = 0
+    # the shared store (kv_shared_url): prompt tokens loaded from it, blocks written to
+    # it, blocks rejected as the disk's, failed calls to the store (it is down)
+    kv_shared_hits: int = 0
+    kv_shared_blocks_written: int = 0
+    kv_shared_rejected: int = 0
+    kv_shared_errors: int = 0
     # speculative decoding: acceptance rate = accepted / draft tokens; tokens per
     # verifying step = 1 + accepted / drafts
     num_drafts: int = 0  # decodes that carried proposed tokens
