@@ -144,7 +144,7 @@ class AsyncLLM:
         await asyncio.to_thread(self._thread.join)
         for request_id in list(self._outputs):
             self._abort(request_id)
-        self.engine.runner.close()
+        self.engine.close()
 
     # -- engine thread side ---------------------------------------------------------
 

@@ -10,7 +10,7 @@ With events on, every hash that becomes findable ("stored") or stops being finda
 ("removed") is recorded, so a router outside the engine can mirror the cache
 (vLLM's BlockStored / BlockRemoved).
 
-With a lower tier (backend_gpu.kv_host_tier), an evicted block is written down there
+With a lower tier (backend_gpu.kv_tiers), an evicted block is written down there
 before its slot is reused, and admission extends the device's run of hits with blocks
 the tier holds: each is loaded into a fresh device block and counts as a hit, cached
 again on the device (a "stored" event). Only a contiguous prefix counts, as on the device.
@@ -29,7 +29,10 @@ from engine_api.block_hash import block_salt, hash_blocks
 @dataclass
 class KVCacheEvent:
     """kind "stored": `block_hash` became findable; "removed": it was evicted (then only
-    `block_hash` and `at` are meaningful)."""
+    `block_hash`, `medium` and `at` are meaningful). `medium` is where: "device" (the
+    KV cache) or "lower" (the engine's own tiers below it, host memory and disk; a
+    "lower" event of either kind carries only `block_hash`, `medium` and `at`: the block
+    was "stored" on the device before, with the rest)."""
 
     kind: str
     block_hash: bytes
@@ -37,14 +40,17 @@ class KVCacheEvent:
     cache_salt: str | None  # the salt the block was hashed with; None: no salt (shared)
     token_ids: list[int]
     at: float
+    medium: str = "device"
 
 
 class LowerTier(Protocol):
-    """Where evicted blocks go and come back from (kv_host_tier.HostTier)."""
+    """Where evicted blocks go and come back from (kv_tiers.TierStack)."""
 
-    def __contains__(self, block_hash: bytes) -> bool: ...
+    def leading_hits(self, hashes: list[bytes]) -> int: ...
 
     def write_down(self, block_id: int, block_hash: bytes) -> None: ...
+
+    def computed(self, block_id: int, block_hash: bytes) -> None: ...
 
     def take(self, hashes: list[bytes]) -> list[int]: ...
 
@@ -115,7 +121,6 @@ class BlockManager:
         self.cached: dict[bytes, Block] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found in the cache (any tier)
-        self.lower_tier_hits = 0  # of those, tokens loaded back from the lower tier
         self.lower_tier = lower_tier
         # None when off: an offline user who never drains them must not pile them up
         self.events: list[KVCacheEvent] | None = [] if enable_kv_events else None
@@ -186,12 +191,9 @@ class BlockManager:
             cached[-1].hash if cached else None,
             len(cached),
         )
-        hits: list[bytes] = []
-        for block_hash in hashes:
-            if block_hash not in self.lower_tier or block_hash in self.cached:
-                break
-            hits.append(block_hash)
-        return hits
+        # a block the device holds again ends the run: it must not be loaded twice
+        ends = next((i for i, h in enumerate(hashes) if h in self.cached), len(hashes))
+        return hashes[: self.lower_tier.leading_hits(hashes[:ends])]
 
     def _reads_cache(self, seq: Sequence) -> bool:
         """Whether admitting `seq` looks its prompt up (and counts the query)."""
@@ -224,7 +226,6 @@ class BlockManager:
         if self._reads_cache(seq):
             self.prefix_queries += len(seq)
             self.prefix_hits += num_hit * self.block_size
-            self.lower_tier_hits += len(lower) * self.block_size
         for block in cached:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
@@ -278,6 +279,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and block_hash not in self.cached:
                 self._register(seq, i, block, block_hash, parent)
+                if self.lower_tier is not None:
+                    self.lower_tier.computed(block.block_id, block_hash)
             parent = block_hash
 
     def _register(

@@ -28,9 +28,15 @@ class EngineConfig:
     # gpu_memory_utilization leaves, on the CPU a tenth of free RAM, at most 2 GiB
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    # GiB of host memory (pinned on CUDA) for blocks the KV cache evicts, loaded back on
-    # a prefix hit instead of recomputed (kv_host_tier.py); 0: none
+    # tiers under the KV cache (backend_gpu/kv_tiers): blocks it evicts are written
+    # down, and a prefix hit in any tier is loaded back instead of recomputed.
+    # GiB of host memory (pinned on CUDA); 0: none (a staging area when another tier is on)
     kv_offload_gb: float = 0
+    # a directory of blocks that outlives the engine, and its size in GiB
+    kv_disk_path: str | None = None
+    kv_disk_gb: float = 16
+    # a store shared by engines of the same model: "redis://host:port/db"
+    kv_shared_url: str | None = None
     # CUDA: no CUDA graphs, every step eager (vLLM's flag); elsewhere always eager
     enforce_eager: bool = False
     # "dummy": random weights in place of the checkpoint's (vLLM's load format, for
@@ -83,14 +89,28 @@ class EngineConfig:
         self._check_tensor_parallel_size()
         self._check_kv_offload()
 
+    @property
+    def kv_tiers_on(self) -> bool:
+        """Whether any tier is asked for below the KV cache."""
+        return bool(self.kv_offload_gb or self.kv_disk_path or self.kv_shared_url)
+
     def _check_kv_offload(self) -> None:
-        gb = self.kv_offload_gb
-        if isinstance(gb, bool) or not isinstance(gb, int | float) or not math.isfinite(gb):
-            raise ValueError(f"kv_offload_gb must be a finite number >= 0, got {gb!r}")
-        if gb < 0:
-            raise ValueError(f"kv_offload_gb must be >= 0, got {gb!r}")
-        if gb and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload_gb does not work with tensor_parallel_size > 1 yet")
+        for name in ("kv_offload_gb", "kv_disk_gb"):
+            gb = getattr(self, name)
+            if isinstance(gb, bool) or not isinstance(gb, int | float) or not math.isfinite(gb):
+                raise ValueError(f"{name} must be a finite number >= 0, got {gb!r}")
+            if gb < 0:
+                raise ValueError(f"{name} must be >= 0, got {gb!r}")
+        url = self.kv_shared_url
+        if url is not None and not (
+            isinstance(url, str) and url.startswith(("redis://", "rediss://", "unix://"))
+        ):
+            raise ValueError(f"kv_shared_url must be a redis:// URL, got {url!r}")
+        if self.kv_tiers_on and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "kv_offload_gb, kv_disk_path and kv_shared_url do not work with "
+                "tensor_parallel_size > 1 yet"
+            )
 
     def _check_tensor_parallel_size(self) -> None:
         size = self.tensor_parallel_size

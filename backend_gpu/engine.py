@@ -12,7 +12,7 @@ from backend_gpu.block_manager import BlockManager, KVCacheEvent
 from backend_gpu.config import EngineConfig
 from backend_gpu.detokenizer import IncrementalDetokenizer
 from backend_gpu.guided import hf_grammar_cache
-from backend_gpu.kv_host_tier import GIB, HostTier
+from backend_gpu.kv_tiers import build_tiers
 from backend_gpu.loader import open_model
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.prompt_logprobs import record_prompt_logprobs
@@ -57,20 +57,13 @@ class LLMEngine:
         self.max_model_len = config.context_len(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer)
-        # without prefix caching no block has a hash to be found again by
-        self.host_tier = (
-            HostTier(
-                self.runner.attention_layers, config.block_size, int(config.kv_offload_gb * GIB)
-            )
-            if config.kv_offload_gb and config.enable_prefix_caching
-            else None
-        )
+        self.kv_tiers = build_tiers(config, self.runner.attention_layers, self.max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.enable_kv_events,
-            self.host_tier,
+            self.kv_tiers,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
@@ -137,7 +130,16 @@ class LLMEngine:
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Prefix-cache blocks stored and removed since the last call (needs
         enable_kv_events; else always empty)."""
-        return self.block_manager.take_events()
+        events = self.block_manager.take_events()
+        if self.kv_tiers is not None:
+            events += self.kv_tiers.take_events()
+        return events
+
+    def close(self) -> None:
+        """Write what the tiers have queued, then stop the model's ranks."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -273,13 +275,9 @@ class LLMEngine:
         s.kv_usage = bm.num_used_blocks / bm.num_blocks
         s.prefix_queries, s.prefix_hits = bm.prefix_queries, bm.prefix_hits
         s.preemptions = self.scheduler.num_preemptions
-        if self.host_tier is not None:
-            tier = self.host_tier
-            s.kv_host_hits = bm.lower_tier_hits
-            s.kv_host_blocks = tier.blocks_held
-            s.kv_host_bytes = tier.blocks_held * tier.bytes_per_block
-            s.kv_host_blocks_written = tier.blocks_written
-            s.kv_host_blocks_loaded = tier.blocks_loaded
+        if self.kv_tiers is not None:
+            for name, value in self.kv_tiers.stats().items():
+                setattr(s, name, value)
         if self.speculator is not None:
             sp = self.speculator
             s.num_drafts, s.num_draft_tokens = sp.num_drafts, sp.num_draft_tokens

@@ -105,7 +105,7 @@ def test_kv_offload_gb_must_be_a_finite_number_at_least_zero(gb):
 
 def test_zero_means_no_host_tier(tiny_model_dir):
     llm = _llm(tiny_model_dir, kv_offload_gb=0)
-    assert llm.engine.host_tier is None and llm.engine.block_manager.lower_tier is None
+    assert llm.engine.kv_tiers is None and llm.engine.block_manager.lower_tier is None
 
 
 def test_a_host_tier_smaller_than_a_block_is_refused(tiny_model_dir):

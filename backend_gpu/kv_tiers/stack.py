@@ -1,0 +1,273 @@
+"""The tiers under the KV cache as the block manager sees them (its LowerTier): host
+rows on top, least recently used out, and under them, written through by a thread, a
+disk directory that outlives the engine and a store shared with other engines.
+
+Every tier is keyed by the block's salted chain hash (engine_api.block_hash), the key
+the device pool uses, so tenant isolation holds in each exactly as there: a block
+computed under tenant A's salt sits under a key that tenant B's prompt never produces.
+
+- Down: a block is put on disk and in the shared store as soon as it is computed
+  (`computed`: a copy of it goes to the writer thread, which writes off the step's
+  critical path), so a restart or another engine finds it even if this device never
+  evicts it. A block the device evicts is copied into a host row (kv_tiers.host; on
+  CUDA a side stream); if the tiers below do not have it yet, the row is queued for
+  the writer, and is not reused until written. Past MAX_QUEUED blocks waiting, new
+  ones are not queued (a slow disk never holds up the engine or fills memory).
+- Up: a prefix lookup (`leading_hits`) walks the prompt's block keys past the device's
+  hits: a key in host memory is a hit as it is; one on disk or in the shared store is
+  read, checked (fingerprint, key, checksum: engine_api.kv_records) and put in a host
+  row, then counted. So a block is only ever loaded onto the device from a host row,
+  and a bad one is never a hit: it is recomputed.
+- The rows a lookup found are reserved until the next lookup, and the rows being
+  loaded until their copy, so that the evictions the new blocks cause never take them.
+- The host rows include what was loaded (a block loaded back stays in its row), so a
+  block evicted again from the device costs no second copy.
+
+With events on, a block entering the engine's own lower tiers (host or disk) is
+"stored" with medium "lower", and "removed" when it has left both, so a router can
+rank this replica for a prefix it holds below the device.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+
+from backend_gpu.block_manager import KVCacheEvent
+from backend_gpu.kv_tiers.host import HostRows
+from backend_gpu.kv_tiers.shared import SharedStore
+from engine_api.kv_disk import DiskStore
+
+HOST, DISK, SHARED = "host", "disk", "shared"
+MAX_QUEUED = 4096
+
+
+class TierStack:
+    def __init__(
+        self,
+        rows: HostRows,
+        disk: DiskStore | None = None,
+        shared: SharedStore | None = None,
+        enable_events: bool = False,
+    ) -> None:
+        self.rows = rows
+        self.block_size = rows.block_size
+        self.disk = disk
+        self.shared = shared
+        self.slots: OrderedDict[bytes, int] = OrderedDict()  # key -> row, oldest first
+        self.free_rows = list(range(rows.num_rows))
+        self.reserved: set[int] = set()  # found by the last lookup
+        self.loading: set[int] = set()  # taken, not yet copied up
+        self.writing: set[int] = set()  # queued for the writer thread
+        self.origin: dict[bytes, str] = {}  # key -> the tier it was read from
+        self.hits = {HOST: 0, DISK: 0, SHARED: 0}  # prompt tokens loaded, by tier
+        self.blocks_written = 0  # into host rows
+        self.blocks_loaded = 0  # from host rows onto the device
+        self.lock = threading.Lock()  # the writer's share: `writing` and `events`
+        self.events: list[KVCacheEvent] | None = [] if enable_events else None
+        self.disk_dropped: deque[bytes] = deque()  # keys the disk let go (writer thread)
+        if disk is not None:
+            disk.on_drop = self.disk_dropped.append
+            for key in list(disk.index):  # a restart: what the disk still holds
+                self._event("stored", key)
+        # (key, host row or None, else a snapshot and its CUDA event)
+        self.queue: queue.Queue[tuple | None] = queue.Queue()
+        self.queued: set[bytes] = set()  # keys waiting for the writer
+        self.writer = None
+        if disk is not None or shared is not None:
+            self.writer = threading.Thread(target=self._write_loop, name="kv-tiers", daemon=True)
+            self.writer.start()
+
+    # -- the block manager's side (the engine thread) ----------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.slots or (self.disk is not None and key in self.disk)
+
+    def leading_hits(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, some tier holds: each is then in a host
+        row, reserved for `take`."""
+        self.reserved.clear()
+        found = 0
+        for key in keys:
+            row = self.slots.get(key)
+            if row is None:
+                payload = self.disk.get(key) if self.disk is not None else None
+                if payload is None or not self._promote(key, payload, DISK):
+                    break
+                row = self.slots[key]
+            else:
+                self.slots.move_to_end(key)
+            self.reserved.add(row)
+            found += 1
+        if self.shared is not None and found < len(keys):
+            for key, payload in zip(keys[found:], self.shared.get_many(keys[found:]), strict=True):
+                if payload is None or not self._promote(key, payload, SHARED):
+                    break
+                self.reserved.add(self.slots[key])
+                self._event("stored", key)
+                found += 1
+        return found
+
+    def write_down(self, block_id: int, key: bytes) -> None:
+        """Copy device block `block_id` (about to be overwritten) into a host row and
+        queue it for the tiers below. Dropped when no row can be reused."""
+        if key in self.slots:  # same key, same contents: just fresher
+            self.slots.move_to_end(key)
+            return
+        row = self._acquire_row()
+        if row is None:
+            return
+        self.rows.copy_down(row, block_id)
+        self.slots[key] = row
+        self.blocks_written += 1
+        on_disk = self.disk is not None and key in self.disk
+        if not on_disk:
+            self._event("stored", key)
+        if self._wants(key):
+            with self.lock:
+                self.writing.add(row)
+            self._enqueue((key, row, None, None))
+
+    def computed(self, block_id: int, key: bytes) -> None:
+        """Block `block_id` was just computed under `key`: send a copy of it to the
+        tiers below (nothing when there are none: host rows fill on eviction)."""
+        if self._wants(key):
+            self._enqueue((key, None, *self.rows.snapshot(block_id)))
+
+    def _wants(self, key: bytes) -> bool:
+        """Whether the tiers below lack `key` and nothing is queued for it yet."""
+        if key in self.queued or len(self.queued) >= MAX_QUEUED:
+            return False
+        wanted_by_disk = self.disk is not None and self.disk.writable and key not in self.disk
+        return wanted_by_disk or (self.shared is not None and key not in self.shared.recent)
+
+    def _enqueue(self, item: tuple) -> None:
+        with self.lock:
+            self.queued.add(item[0])
+        self.queue.put(item)
+
+    def take(self, keys: list[bytes]) -> list[int]:
+        """The rows of `keys` (all found by the last lookup), held until `load`."""
+        rows = [self.slots[key] for key in keys]
+        for key in keys:
+            self.hits[self.origin.pop(key, HOST)] += self.block_size
+        self.loading.update(rows)
+        self.reserved.clear()
+        return rows
+
+    def load(self, row: int, block_id: int) -> None:
+        """Copy a taken row up into device block `block_id`."""
+        self.rows.copy_up(row, block_id)
+        self.loading.discard(row)
+        self.blocks_loaded += 1
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def _promote(self, key: bytes, payload: memoryview, origin: str) -> bool:
+        """Put a block read from `origin` into a host row; False when none is free."""
+        row = self._acquire_row()
+        if row is None:
+            return False
+        self.rows.fill(row, payload)
+        self.slots[key] = row
+        self.origin[key] = origin
+        return True
+
+    def _acquire_row(self) -> int | None:
+        """A free row, else the least recently used one nobody holds."""
+        if self.free_rows:
+            return self.free_rows.pop()
+        with self.lock:
+            busy = self.reserved | self.loading | self.writing
+        for key, row in self.slots.items():
+            if row not in busy:
+                del self.slots[key]
+                self.origin.pop(key, None)
+                if self.disk is None or key not in self.disk:
+                    self._event("removed", key)
+                return row
+        return None
+
+    # -- the writer thread ----------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            key, row, snapshot, event = item
+            try:
+                if row is not None:
+                    payload = self.rows.read(row)
+                else:
+                    if event is not None:
+                        event.synchronize()
+                    payload = snapshot.numpy().tobytes()
+                with self.lock:
+                    self.writing.discard(row)
+                if self.disk is not None:
+                    self.disk.put(key, payload)
+                if self.shared is not None:
+                    self.shared.put(key, payload)
+            finally:
+                with self.lock:
+                    self.queued.discard(key)
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every block written down so far is in the tiers below."""
+        if self.writer is not None:
+            self.queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        if self.writer is not None and self.writer.is_alive():
+            self.queue.put(None)
+            self.writer.join()
+
+    # -- events and stats -------------------------------------------------------------------
+
+    def _event(self, kind: str, key: bytes) -> None:
+        if self.events is not None:
+            with self.lock:
+                self.events.append(KVCacheEvent(kind, key, None, None, [], time.time(), "lower"))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        while self.disk_dropped:
+            key = self.disk_dropped.popleft()
+            if key not in self.slots:
+                self._event("removed", key)
+        if self.events is None:
+            return []
+        with self.lock:
+            events, self.events = self.events, []
+        return events
+
+    def stats(self) -> dict[str, int]:
+        """EngineStats' kv_host_*, kv_disk_* and kv_shared_* fields."""
+        out = {
+            "kv_host_hits": self.hits[HOST],
+            "kv_host_blocks": len(self.slots),
+            "kv_host_bytes": len(self.slots) * self.rows.bytes_per_block,
+            "kv_host_blocks_written": self.blocks_written,
+            "kv_host_blocks_loaded": self.blocks_loaded,
+        }
+        if self.disk is not None:
+            d = self.disk
+            out |= {
+                "kv_disk_hits": self.hits[DISK],
+                "kv_disk_blocks": len(d),
+                "kv_disk_bytes": d.bytes,
+                "kv_disk_blocks_written": d.written,
+                "kv_disk_rejected": d.rejected,
+                "kv_disk_write_errors": d.write_errors,
+            }
+        if self.shared is not None:
+            sh = self.shared
+            out |= {
+                "kv_shared_hits": self.hits[SHARED],
+                "kv_shared_blocks_written": sh.written,
+                "kv_shared_rejected": sh.rejected,
+                "kv_shared_errors": sh.errors,
+            }
+        return out
