@@ -118,6 +118,18 @@ class AsyncLLM:
             raise BadRequestError(NOT_A_GENERATOR)
         await asyncio.to_thread(self.engine.grammars.compile, structured)
 
+    async def export_kv(self, req: GenRequest) -> list[bytes]:
+        """Records of the blocks of `req`'s prompt this engine holds, from the first on
+        (LLMEngine.export_kv), for a decode worker to import."""
+        return await self._call(lambda: self.engine.export_kv(self.engine.prompt_keys(req)))
+
+    async def import_kv(self, req: GenRequest, records: list[bytes]) -> int:
+        """Take a prefill worker's records of `req`'s prompt blocks before `req` is
+        generated here (LLMEngine.import_kv); how many blocks were taken."""
+        return await self._call(
+            lambda: self.engine.import_kv(self.engine.prompt_keys(req), records)
+        )
+
     async def abort(self, request_id: str) -> None:
         """Abort a request (its stream ends with finish_reason "abort"); unknown ids are
         ignored."""

@@ -52,7 +52,7 @@ class LowerTier(Protocol):
 
     def computed(self, block_id: int, block_hash: bytes) -> None: ...
 
-    def take(self, hashes: list[bytes]) -> list[int]: ...
+    def take(self, hashes: list[bytes]) -> tuple[list[int], int]: ...
 
     def load(self, slot: int, block_id: int) -> None: ...
 
@@ -233,14 +233,18 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             assert block.hash is not None
             seq.block_hashes.append(block.hash)
+        transferred = 0
         if lower:  # revived first: a device hit must not be the block a load takes
-            self._load_lower(seq, lower)
-        seq.num_computed_tokens = seq.num_cached_tokens = num_hit * self.block_size
+            transferred = self._load_lower(seq, lower)
+        seq.num_computed_tokens = num_hit * self.block_size
+        # blocks another engine computed for this very request are not cached tokens
+        seq.num_cached_tokens = (num_hit - transferred) * self.block_size
 
-    def _load_lower(self, seq: Sequence, hashes: list[bytes]) -> None:
-        """Load the lower tier's blocks `hashes` into new device blocks, cached again."""
+    def _load_lower(self, seq: Sequence, hashes: list[bytes]) -> int:
+        """Load the lower tier's blocks `hashes` into new device blocks, cached again;
+        how many of them another engine computed for this request."""
         assert self.lower_tier is not None
-        slots = self.lower_tier.take(hashes)  # before new blocks' evictions write down
+        slots, transferred = self.lower_tier.take(hashes)  # before evictions write down
         for block_hash, slot in zip(hashes, slots, strict=True):
             block = self._pop_free()
             self.lower_tier.load(slot, block.block_id)
@@ -248,6 +252,7 @@ class BlockManager:
             self._register(seq, len(seq.block_hashes), block, block_hash, parent)
             seq.block_table.append(block.block_id)
             seq.block_hashes.append(block_hash)
+        return transferred
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)

@@ -37,6 +37,9 @@ class EngineConfig:
     kv_disk_gb: float = 16
     # a store shared by engines of the same model: "redis://host:port/db"
     kv_shared_url: str | None = None
+    # blocks sent to and taken from another engine (prefill on one worker, decode on
+    # another): export_kv / import_kv; host rows to stage them
+    kv_transfer: bool = False
     # CUDA: no CUDA graphs, every step eager (vLLM's flag); elsewhere always eager
     enforce_eager: bool = False
     # "dummy": random weights in place of the checkpoint's (vLLM's load format, for
@@ -92,7 +95,9 @@ class EngineConfig:
     @property
     def kv_tiers_on(self) -> bool:
         """Whether any tier is asked for below the KV cache."""
-        return bool(self.kv_offload_gb or self.kv_disk_path or self.kv_shared_url)
+        return bool(
+            self.kv_offload_gb or self.kv_disk_path or self.kv_shared_url or self.kv_transfer
+        )
 
     def _check_kv_offload(self) -> None:
         for name in ("kv_offload_gb", "kv_disk_gb"):

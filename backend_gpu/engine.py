@@ -12,7 +12,7 @@ from backend_gpu.block_manager import BlockManager, KVCacheEvent
 from backend_gpu.config import EngineConfig
 from backend_gpu.detokenizer import IncrementalDetokenizer
 from backend_gpu.guided import hf_grammar_cache
-from backend_gpu.kv_tiers import build_tiers
+from backend_gpu.kv_tiers import TierStack, build_tiers
 from backend_gpu.loader import open_model
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.prompt_logprobs import record_prompt_logprobs
@@ -21,6 +21,7 @@ from backend_gpu.scheduler import Scheduler
 from backend_gpu.sequence import Logprob, Sequence
 from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
+from engine_api.block_hash import hash_blocks
 from engine_api.errors import BadRequestError, PromptTooLongError
 from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
@@ -134,6 +135,39 @@ class LLMEngine:
         if self.kv_tiers is not None:
             events += self.kv_tiers.take_events()
         return events
+
+    # -- prefill on one engine, decode on another (kv_transfer) ---------------------------
+
+    def prompt_keys(self, req: GenRequest) -> list[bytes]:
+        """The keys of the blocks admitting `req` would look up: its prompt's full
+        blocks, leaving one token to compute, under its salt."""
+        n = (len(req.prompt_token_ids) - 1) // self.config.block_size * self.config.block_size
+        return hash_blocks(
+            req.prompt_token_ids[:n], self.config.block_size, req.cache_salt, req.shared_prefix_len
+        )
+
+    def export_kv(self, keys: list[bytes]) -> list[bytes]:
+        """Stored records (engine_api.kv_records) of `keys` from the first on, as far as
+        this engine holds them, for another engine's import_kv."""
+        tiers = self._transfer_tiers()
+        cached = self.block_manager.cached
+
+        def device_block(key: bytes) -> int | None:
+            block = cached.get(key)
+            return None if block is None else block.block_id
+
+        return tiers.export(keys, device_block)
+
+    def import_kv(self, keys: list[bytes], records: list[bytes]) -> int:
+        """Take another engine's records of `keys` (its export_kv's), so that the request
+        admitted next with that prompt loads them instead of computing them; how many
+        leading blocks were taken. They are not that request's cached tokens."""
+        return self._transfer_tiers().import_records(keys, records)
+
+    def _transfer_tiers(self) -> TierStack:
+        if self.kv_tiers is None:
+            raise BadRequestError("this engine was started without kv_transfer")
+        return self.kv_tiers
 
     def close(self) -> None:
         """Write what the tiers have queued, then stop the model's ranks."""

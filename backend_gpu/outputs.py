@@ -67,6 +67,12 @@ class EngineStats:
     kv_shared_blocks_written: int = 0
     kv_shared_rejected: int = 0
     kv_shared_errors: int = 0
+    # blocks between engines (kv_transfer, prefill apart from decode): prompt tokens
+    # loaded that another engine computed, blocks sent and taken, records refused
+    kv_transfer_hits: int = 0
+    kv_transfer_blocks_out: int = 0
+    kv_transfer_blocks_in: int = 0
+    kv_transfer_rejected: int = 0
     # speculative decoding: acceptance rate = accepted / draft tokens; tokens per
     # verifying step = 1 + accepted / drafts
     num_drafts: int = 0  # decodes that carried proposed tokens

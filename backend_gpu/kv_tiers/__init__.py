@@ -40,4 +40,4 @@ def build_tiers(
     )
     shared = SharedStore(config.kv_shared_url, fp) if config.kv_shared_url else None
     rows = HostRows(attention_layers, config.block_size, num_rows)
-    return TierStack(rows, disk, shared, config.enable_kv_events)
+    return TierStack(rows, fp, disk, shared, config.enable_kv_events)

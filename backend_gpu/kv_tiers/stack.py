@@ -34,13 +34,15 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from backend_gpu.block_manager import KVCacheEvent
 from backend_gpu.kv_tiers.host import HostRows
 from backend_gpu.kv_tiers.shared import SharedStore
 from engine_api.kv_disk import DiskStore
+from engine_api.kv_records import decode_record, encode_record
 
-HOST, DISK, SHARED = "host", "disk", "shared"
+HOST, DISK, SHARED, TRANSFER = "host", "disk", "shared", "transfer"
 MAX_QUEUED = 4096
 
 
@@ -48,11 +50,13 @@ class TierStack:
     def __init__(
         self,
         rows: HostRows,
+        fp: bytes,
         disk: DiskStore | None = None,
         shared: SharedStore | None = None,
         enable_events: bool = False,
     ) -> None:
         self.rows = rows
+        self.fp = fp
         self.block_size = rows.block_size
         self.disk = disk
         self.shared = shared
@@ -62,7 +66,10 @@ class TierStack:
         self.loading: set[int] = set()  # taken, not yet copied up
         self.writing: set[int] = set()  # queued for the writer thread
         self.origin: dict[bytes, str] = {}  # key -> the tier it was read from
-        self.hits = {HOST: 0, DISK: 0, SHARED: 0}  # prompt tokens loaded, by tier
+        self.hits = {HOST: 0, DISK: 0, SHARED: 0, TRANSFER: 0}  # prompt tokens loaded, by tier
+        self.blocks_exported = 0  # sent to another engine (prefill apart from decode)
+        self.blocks_imported = 0
+        self.import_rejected = 0
         self.blocks_written = 0  # into host rows
         self.blocks_loaded = 0  # from host rows onto the device
         self.lock = threading.Lock()  # the writer's share: `writing` and `events`
@@ -148,20 +155,66 @@ class TierStack:
             self.queued.add(item[0])
         self.queue.put(item)
 
-    def take(self, keys: list[bytes]) -> list[int]:
-        """The rows of `keys` (all found by the last lookup), held until `load`."""
+    def take(self, keys: list[bytes]) -> tuple[list[int], int]:
+        """The rows of `keys` (all found by the last lookup), held until `load`, and how
+        many of them another engine computed for this request (not cached tokens)."""
         rows = [self.slots[key] for key in keys]
+        transferred = 0
         for key in keys:
-            self.hits[self.origin.pop(key, HOST)] += self.block_size
+            origin = self.origin.pop(key, HOST)
+            self.hits[origin] += self.block_size
+            transferred += origin == TRANSFER
         self.loading.update(rows)
         self.reserved.clear()
-        return rows
+        return rows, transferred
 
     def load(self, row: int, block_id: int) -> None:
         """Copy a taken row up into device block `block_id`."""
         self.rows.copy_up(row, block_id)
         self.loading.discard(row)
         self.blocks_loaded += 1
+
+    # -- another engine's side: prefill on one worker, decode on another ----------------
+
+    def export(self, keys: list[bytes], device_block: Callable[[bytes], int | None]) -> list[bytes]:
+        """Stored records of `keys` from the first on, wherever this engine holds them
+        (the device, `device_block` says where; a host row; the disk); stops at the
+        first key it does not hold."""
+        out = []
+        for key in keys:
+            block_id = device_block(key)
+            if block_id is not None:
+                buf, event = self.rows.snapshot(block_id)
+                if event is not None:
+                    event.synchronize()
+                payload = buf.numpy().tobytes()
+            elif key in self.slots:
+                payload = self.rows.read(self.slots[key])
+            else:
+                payload = self.disk.get(key) if self.disk is not None else None
+            if payload is None:
+                break
+            out.append(encode_record(self.fp, key, payload))
+        self.blocks_exported += len(out)
+        return out
+
+    def import_records(self, keys: list[bytes], records: list[bytes]) -> int:
+        """Put another engine's records of `keys` (in order) in host rows, for the
+        request that asked for them to find; how many were taken. A record that is not
+        a whole block of `keys` under this engine's fingerprint ends the run."""
+        taken = 0
+        for key, record in zip(keys, records, strict=False):
+            payload = decode_record(record, self.fp, key)
+            if payload is None:
+                self.import_rejected += 1
+                break
+            if key in self.slots:
+                self.slots.move_to_end(key)
+            elif not self._promote(key, payload, TRANSFER):
+                break
+            taken += 1
+        self.blocks_imported += taken
+        return taken
 
     # -- rows ---------------------------------------------------------------------------
 
@@ -269,5 +322,12 @@ class TierStack:
                 "kv_shared_blocks_written": sh.written,
                 "kv_shared_rejected": sh.rejected,
                 "kv_shared_errors": sh.errors,
+            }
+        if self.blocks_exported or self.blocks_imported or self.import_rejected:
+            out |= {
+                "kv_transfer_hits": self.hits[TRANSFER],
+                "kv_transfer_blocks_out": self.blocks_exported,
+                "kv_transfer_blocks_in": self.blocks_imported,
+                "kv_transfer_rejected": self.import_rejected,
             }
         return out
