@@ -5,6 +5,7 @@ pooled by `pooling` (None: the GGUF's own, else mean) and L2-normalized if `norm
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ class EngineConfig:
     task: str = "generate"  # "generate" or "embed"
     pooling: str | None = None  # "mean" | "cls" | "last" (embed only); None: the GGUF's own
     normalize: bool = True  # embed only: unit vectors, as llama-server's /v1/embeddings
+    # a directory where prompts' computed prefixes are saved, outliving the engine
+    # (kv_disk_tier.py); None: off. At most kv_disk_gb GiB, least recently used out.
+    kv_disk_path: str | None = None
+    kv_disk_gb: float = 16
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:
@@ -46,6 +51,11 @@ class EngineConfig:
             raise ValueError(f"task must be 'generate' or 'embed', got {self.task!r}")
         if self.pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        gb = self.kv_disk_gb
+        if isinstance(gb, bool) or not isinstance(gb, int | float) or not 0 <= gb < math.inf:
+            raise ValueError(f"kv_disk_gb must be a finite number >= 0, got {gb!r}")
+        if self.kv_disk_path is not None and self.task == "embed":
+            raise ValueError("kv_disk_path keeps generated prefixes; an embedding engine has none")
         if self.n_threads <= 0:
             self.n_threads = default_threads()
 

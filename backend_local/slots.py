@@ -32,6 +32,13 @@ class Slot:
     reused: int = 0  # prompt tokens found cached when the request started
     shared_len: int = 0  # leading tokens of `cached` that are a published prefix
     blocks: list[str] = field(default_factory=list)  # hashes of `cached`'s full blocks
+    # `cached` cannot be cut shorter than this: cells restored from a saved state lack
+    # the sliding-window layers' cells before the window that state ended in
+    floor: int = 0
+    # the disk tier: the prompt length at which to save the sequence's state (0: none)
+    # and the key to save it under
+    save_at: int = 0
+    save_key: bytes | None = None
     # the request's prompt logprobs computed so far, until its first output carries them;
     # None when it did not ask for them
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -84,7 +91,7 @@ def place(
     source, reuse = None, 0
     for s in slots if reuse_cache else []:
         n = reusable_len(s, prompt, salt, shared_prefix_len)
-        if n > reuse:
+        if n > reuse and min(n, len(prompt) - 1) >= s.floor:
             source, reuse = s, n
     # The last prompt token is always computed again: its logits give the first output token.
     reuse = min(reuse, len(prompt) - 1)

@@ -20,3 +20,12 @@ class EngineStats:
     prefix_reused_tokens: int  # of those, found in the KV cells
     prompt_tokens_per_s: float  # over the last RATE_WINDOW_S (engine_api.throughput)
     gen_tokens_per_s: float
+    # the disk tier (kv_disk_path), named as backend_gpu's tiers: prompt tokens restored,
+    # records held (one a saved prefix) and their bytes, records written, files refused
+    # (foreign, cut short, corrupt), failed writes
+    kv_disk_hits: int = 0
+    kv_disk_blocks: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_blocks_written: int = 0
+    kv_disk_rejected: int = 0
+    kv_disk_write_errors: int = 0

@@ -5,6 +5,8 @@ requests (reusing cached prefixes), then build one llama_batch holding the next 
 every generating sequence followed by prompt chunks of the prefilling ones (up to n_batch
 tokens), decode it, and sample each sequence that produced logits with its own sampler.
 A request with prompt logprobs gets logits for every prompt token instead of the last.
+With a disk tier (kv_disk_tier.py) a prompt's prefix is restored from disk when the
+cells hold less of it, and saved there once computed.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from backend_local.config import EngineConfig
 from backend_local.context_thread import ContextThread
 from backend_local.errors import DecodeError
 from backend_local.grammar import GrammarMask
+from backend_local.kv_disk_tier import DiskTier
 from backend_local.model import LlamaModel
-from backend_local.prefix_blocks import BlockLedger, block_hashes
+from backend_local.prefix_blocks import BLOCK_SIZE, BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
 from backend_local.sampling import build_sampler, logit_bias_arrays, token_logprob
 from backend_local.slots import Placement, Slot, place
@@ -55,6 +58,7 @@ class Worker(ContextThread[Request]):
         self.prefix_reused_tokens = 0
         self.ledger = BlockLedger() if config.enable_kv_events else None
         self.grammar_mask = GrammarMask(model.n_vocab)
+        self.disk = DiskTier(model, config, self.ctx) if config.kv_disk_path else None
 
     def stats(self) -> EngineStats:
         busy = [s for s in self.slots if s.request is not None]
@@ -73,6 +77,7 @@ class Worker(ContextThread[Request]):
             prefix_reused_tokens=self.prefix_reused_tokens,
             prompt_tokens_per_s=prompt_rate,
             gen_tokens_per_s=gen_rate,
+            **(self.disk.stats() if self.disk is not None else {}),
         )
 
     # -- the worker thread ---------------------------------------------------------------
@@ -88,6 +93,8 @@ class Worker(ContextThread[Request]):
                 self._drop_cells(slot)
         for request in orphans:
             request.emit(dead)
+        if self.disk is not None:
+            self.disk.close()
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
 
@@ -126,6 +133,7 @@ class Worker(ContextThread[Request]):
             )
 
     def _admit(self) -> None:
+        copied: set[int] = set()  # sequences whose streams a copy reads at the next decode
         while self.waiting and any(s.request is None for s in self.slots):
             request = self.waiting.popleft()
             # prompt logprobs need the logits of every prompt position: no cached cells
@@ -138,7 +146,12 @@ class Worker(ContextThread[Request]):
                 reuse_cache=not scored,
             )
             slot = placement.slot
-            reuse = self._load_prefix(placement)
+            hashes = []  # the prompt's block hashes, for the disk tier
+            if self.disk is not None and not scored:
+                salt, shared = request.cache_salt, request.shared_prefix_len
+                hashes = self.disk.prefix_hashes(request.prompt, salt, shared)
+            reuse = self._take_prefix(placement, hashes, copied)
+            self._plan_save(slot, hashes, reuse)
             slot.cached = request.prompt[:reuse]
             slot.salt = request.cache_salt
             slot.shared_len = request.shared_prefix_len
@@ -156,7 +169,35 @@ class Worker(ContextThread[Request]):
                 self.prefix_query_tokens += len(request.prompt)
             self.prefix_reused_tokens += reuse
 
-    def _load_prefix(self, placement: Placement) -> int:
+    def _take_prefix(self, placement: Placement, hashes: list[bytes], copied: set[int]) -> int:
+        """Leave the placement's slot holding the longest prefix it can have, from the
+        disk tier when that holds a longer one than the cells do; its length."""
+        slot = placement.slot
+        found = self.disk.candidates(hashes, placement.reuse) if hashes else []
+        # (a stream another slot copies from must keep its data until the next decode)
+        if found and slot.seq_id not in copied:
+            llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            restored = self.disk.restore(slot.seq_id, found)
+            if restored:
+                # a state past the sliding window holds only that window's cells
+                cut = llama_cpp.llama_memory_seq_pos_min(self.mem, slot.seq_id) > 0
+                slot.floor = restored if cut else 0
+                return restored
+            if placement.source is slot:  # its cells went with the failed load
+                placement = Placement(slot, None, 0)
+        floor = placement.source.floor if placement.source is not None else 0
+        reuse = self._load_prefix(placement, copied)
+        slot.floor = floor if reuse else 0
+        return reuse
+
+    def _plan_save(self, slot: Slot, hashes: list[bytes], reuse: int) -> None:
+        """Have the slot's state saved when its prefill reaches the prompt's last whole
+        block, if that is still ahead and not stored yet."""
+        at = len(hashes) * BLOCK_SIZE
+        wanted = reuse < at and self.disk.wants(hashes[-1])
+        slot.save_at, slot.save_key = (at, hashes[-1]) if wanted else (0, None)
+
+    def _load_prefix(self, placement: Placement, copied: set[int]) -> int:
         """Leave the placement's slot holding just the reused prefix; its length."""
         slot, reuse = placement.slot, placement.reuse
         if placement.source is slot:
@@ -168,6 +209,7 @@ class Worker(ContextThread[Request]):
             # only whole (the data moves at the next decode): copy, then cut the tail.
             src = placement.source.seq_id
             llama_cpp.llama_memory_seq_cp(self.mem, src, slot.seq_id, -1, -1)
+            copied.add(src)
             llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, reuse, -1)
             # a prefix others copy from (a published one) is in use: evict it last
             placement.source.last_used = time.monotonic()
@@ -190,7 +232,9 @@ class Worker(ContextThread[Request]):
         prompt, start = slot.request.prompt, len(slot.cached)
         every_row = slot.prompt_logprobs is not None
         room = self.config.n_batch - n
-        chunk = prompt[start : start + (min(room, PROMPT_LOGPROBS_ROWS) if every_row else room)]
+        end = start + (min(room, PROMPT_LOGPROBS_ROWS) if every_row else room)
+        # a state to save ends a chunk: it must hold exactly its prefix
+        chunk = prompt[start : min(end, slot.save_at) if start < slot.save_at else end]
         for i, token in enumerate(chunk):
             pos = start + i
             self._add(n + i, token, pos, slot.seq_id, every_row or pos == len(prompt) - 1)
@@ -236,6 +280,9 @@ class Worker(ContextThread[Request]):
             slot.cached.extend(tokens)
             slot.next_token = None
             assert len(slot.cached) <= self.config.n_ctx_per_seq
+            if len(slot.cached) == slot.save_at:
+                self.disk.save(slot.seq_id, slot.save_key)
+                slot.save_at, slot.save_key = 0, None
             if len(slot.cached) == len(slot.request.prompt):  # its prompt is all in cells
                 self._sync_blocks(slot)
         self.throughput.record(n - n_gen, len(outputs))
@@ -327,6 +374,7 @@ class Worker(ContextThread[Request]):
     def _drop_cells(self, slot: Slot) -> None:
         llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
         slot.cached = []
+        slot.floor = 0
         self._sync_blocks(slot)
 
     def _sync_blocks(self, slot: Slot) -> None:

@@ -38,6 +38,7 @@ from gateway.backends.spec import BackendSpec
 ENGINE_OPTIONS = (
     *("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose"),
     *("task", "pooling", "normalize"),
+    *("kv_disk_path", "kv_disk_gb"),
 )
 
 
@@ -152,6 +153,14 @@ class LocalBackend(InProcessBackend[LocalEngine]):
         if self._engine is None:
             return BackendStats(name=self.name, healthy=False)
         s = self._engine.stats()
+        extra = {
+            "n_parallel": s.n_parallel,
+            "free_sequences": s.free,
+            "prompt_tokens_total": s.prompt_tokens_total,
+            "gen_tokens_total": s.gen_tokens_total,
+        }
+        if self._engine.config.kv_disk_path:  # a tier's counters only when it is on
+            extra |= {k: v for k, v in dataclasses.asdict(s).items() if k.startswith("kv_disk_")}
         return BackendStats(
             name=self.name,
             healthy=s.healthy,
@@ -162,10 +171,5 @@ class LocalBackend(InProcessBackend[LocalEngine]):
             prefix_hits=s.prefix_reused_tokens,
             prompt_tokens_per_s=s.prompt_tokens_per_s,
             gen_tokens_per_s=s.gen_tokens_per_s,
-            extra={
-                "n_parallel": s.n_parallel,
-                "free_sequences": s.free,
-                "prompt_tokens_total": s.prompt_tokens_total,
-                "gen_tokens_total": s.gen_tokens_total,
-            },
+            extra=extra,
         )

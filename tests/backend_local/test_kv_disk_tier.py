@@ -1,0 +1,181 @@
+"""The llama.cpp engine's disk tier (kv_disk_path) with the real default model: saved
+prefixes survive a restart as cached tokens, keep tenants apart, and a damaged, foreign
+or unloadable file, or a path that cannot be written, never changes an output."""
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from backend_local import EngineConfig, LocalEngine, SamplingParams
+from backend_local.kv_disk_tier import DiskTier
+from backend_local.prefix_blocks import BLOCK_SIZE
+from engine_api.kv_disk import SUFFIX
+from engine_api.kv_records import decode_record, encode_record, fingerprint
+from gateway.backends import BackendError, BackendSpec, GenRequest, build_backend
+from gateway.backends.default_model import DEFAULT_MODEL_ID
+from tests.backend_local.helpers import assert_same_up_to_near_tie, collect, collect_logprobs
+
+pytestmark = pytest.mark.slow
+
+OPTIONS = {"n_ctx": 4096, "n_parallel": 2, "n_batch": 256, "n_threads": 2}
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+SCORED = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+SLIDING_WINDOW = 512  # Gemma 3's sliding-window layers
+
+
+def engine_on(model_path: str, disk: Path | None) -> LocalEngine:
+    return LocalEngine(EngineConfig(model_path, kv_disk_path=disk and str(disk), **OPTIONS))
+
+
+@pytest.fixture(scope="module")
+def plain(model_path):
+    engine = engine_on(model_path, None)
+    yield engine
+    engine.shutdown()
+
+
+def saved_len(prompt: list[int]) -> int:
+    """What the tier saves of a prompt: its whole blocks, one token left to compute."""
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def record_path(disk: Path, prompt: list[int], salt: str) -> Path:
+    (store,) = disk.iterdir()  # one fingerprint's directory
+    key = DiskTier.prefix_hashes(prompt, salt, 0)[-1]
+    return store / (key.hex() + SUFFIX)
+
+
+async def test_a_restart_serves_a_saved_prefix_as_cached_tokens_to_its_tenant_only(
+    plain, model_path, tmp_path
+):
+    text = "The history of the Roman empire, told in short chapters for students. "
+    prompt = plain.tokenize(text * 40)[:600]  # past the sliding window
+    assert saved_len(prompt) > SLIDING_WINDOW
+    ref_ids, ref_lps, _ = await collect_logprobs(plain, "ref", prompt, SCORED, "ref")
+
+    first = engine_on(model_path, tmp_path)
+    try:
+        cold_ids, cold_lps, out = await collect_logprobs(first, "cold", prompt, SCORED, "a")
+    finally:
+        first.shutdown()
+    assert out.cached_tokens == 0
+    assert_same_up_to_near_tie(ref_ids, ref_lps, cold_ids, cold_lps)  # as without the tier
+    assert first.stats().kv_disk_blocks_written == 1
+    assert record_path(tmp_path, prompt, "a").exists()
+
+    second = engine_on(model_path, tmp_path)
+    try:
+        # another tenant, the same prompt: nothing from tenant a's file
+        _, _, other = await collect(second, "b", prompt, GREEDY, "b")
+        assert other.cached_tokens == 0 and second.stats().kv_disk_hits == 0
+
+        ids, _, out = await collect(second, "warm", prompt, SCORED, "a")
+        assert out.cached_tokens == saved_len(prompt)
+        assert ids == cold_ids  # the very cells the first engine computed
+        stats = second.stats()
+        assert stats.kv_disk_hits == saved_len(prompt)
+        assert stats.prefix_reused_tokens == saved_len(prompt)
+        assert stats.kv_disk_rejected == 0
+
+        # Past the window, restored cells cannot be cut short (the state kept only the
+        # window's sliding-layer cells): a prompt sharing 520 of them is computed anew.
+        part = prompt[:520] + plain.tokenize(" Then the story turns to Egypt.", False)
+        ids, lps, out = await collect_logprobs(second, "part", part, SCORED, "a")
+        fresh_ids, fresh_lps, _ = await collect_logprobs(plain, "part", part, SCORED, "fresh")
+        assert out.cached_tokens == 0
+        assert_same_up_to_near_tie(fresh_ids, fresh_lps, ids, lps)
+    finally:
+        second.shutdown()
+
+
+def damage(disk: Path, prompts: dict[str, list[int]]) -> None:
+    """Spoil each prompt's record as its name says."""
+    corrupt = record_path(disk, prompts["corrupt"], "t")
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    corrupt.write_bytes(data)
+
+    truncated = record_path(disk, prompts["truncated"], "t")
+    truncated.write_bytes(truncated.read_bytes()[:-1000])
+
+    foreign = record_path(disk, prompts["foreign"], "t")
+    fp, key = bytes.fromhex(foreign.parent.name), bytes.fromhex(foreign.stem)
+    payload = decode_record(foreign.read_bytes(), fp, key)
+    assert payload is not None
+    other = fingerprint(model="another-model.gguf")
+    foreign.write_bytes(encode_record(other, key, payload))  # another model's, this name
+
+    # passes every check of its own, but is no llama.cpp state
+    refused = record_path(disk, prompts["refused"], "t")
+    refused.write_bytes(encode_record(fp, bytes.fromhex(refused.stem), b"\x01" * 4096))
+
+
+async def test_damaged_foreign_and_unloadable_files_are_recomputed(plain, model_path, tmp_path):
+    subjects = {"corrupt": "rivers", "truncated": "mountains", "foreign": "deserts"}
+    subjects["refused"] = "oceans"
+    prompts = {
+        name: plain.tokenize(f"A short lecture on the {subject} of the world. " * 12)
+        for name, subject in subjects.items()
+    }
+    first = engine_on(model_path, tmp_path)
+    try:
+        cold = {n: (await collect(first, n, p, GREEDY, "t"))[0] for n, p in prompts.items()}
+    finally:
+        first.shutdown()
+    assert first.stats().kv_disk_blocks_written == 4
+    damage(tmp_path, prompts)
+
+    second = engine_on(model_path, tmp_path)
+    try:
+        for name, prompt in prompts.items():
+            ids, _, out = await collect(second, name, prompt, GREEDY, "t")
+            assert out.cached_tokens == 0, name
+            assert ids == cold[name], name
+        stats = second.stats()
+    finally:
+        second.shutdown()
+    assert stats.kv_disk_hits == 0
+    assert stats.kv_disk_rejected == 4
+    # the spoiled files went; the recomputed prefixes were saved again, except the one
+    # llama.cpp refused under this very fingerprint
+    assert stats.kv_disk_blocks_written == 3
+
+
+async def test_an_unwritable_path_keeps_serving_and_counts_a_write_error(
+    plain, model_path, tmp_path
+):
+    blocker = tmp_path / "kv"
+    blocker.write_text("a file where the tier's directory should be")
+    prompt = plain.tokenize("Three facts about the moon, each in one sentence. " * 6)
+    ref, _, _ = await collect(plain, "ref", prompt, GREEDY, "ref")
+    engine = engine_on(model_path, blocker)
+    try:
+        ids, _, out = await collect(engine, "x", prompt, GREEDY, "t")
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert ids[:2] == ref[:2] and out.finish_reason is not None
+    assert stats.kv_disk_write_errors == 1 and stats.kv_disk_blocks_written == 0
+
+
+async def test_the_gateway_bills_restored_tokens_as_cached_and_reports_the_tier(tmp_path):
+    options = {**OPTIONS, "kv_disk_path": str(tmp_path), "kv_disk_gb": 1}
+    backend = build_backend(BackendSpec(name="local", type="local", options=options))
+    prompt = None
+    try:
+        for round_ in ("cold", "warm"):  # a stop and a start between: a new engine
+            await backend.start()
+            prompt = prompt or backend.engine.tokenize("Name the planets in order. " * 10)
+            request = GenRequest(round_, DEFAULT_MODEL_ID, prompt, GREEDY, "t1", "s1")
+            last = [c async for c in backend.generate(request)][-1]
+            extra = backend.stats().extra
+            await backend.stop()
+        assert last.usage.cached_tokens == saved_len(prompt)
+        assert extra["kv_disk_hits"] == saved_len(prompt)
+        assert extra["kv_disk_blocks"] == 1 and extra["kv_disk_bytes"] > 0
+        assert extra["kv_disk_blocks_written"] == 0  # this engine's: the first wrote it
+        assert extra["kv_disk_rejected"] == extra["kv_disk_write_errors"] == 0
+    finally:
+        with contextlib.suppress(BackendError):
+            await backend.stop()

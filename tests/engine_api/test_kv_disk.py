@@ -1,0 +1,136 @@
+"""The disk tier's store (engine_api.kv_disk) and its records (engine_api.kv_records):
+what comes back is what went in, under the same fingerprint and key only."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine_api.kv_disk import SUFFIX, DiskStore
+from engine_api.kv_records import HEADER_SIZE, decode_record, encode_record, fingerprint
+
+FP = fingerprint(model="m", block_size=16)
+OTHER_FP = fingerprint(model="another", block_size=16)
+BLOCK = bytes(range(256)) * 4  # 1 KiB
+RECORD = HEADER_SIZE + len(BLOCK)
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def store_at(root: Path, blocks: int = 8) -> DiskStore:
+    return DiskStore(root, blocks * RECORD, FP)
+
+
+def test_fingerprint_is_16_bytes_and_tells_parts_apart():
+    assert len(FP) == 16
+    assert fingerprint(block_size=16, model="m") == FP  # order does not matter
+    assert OTHER_FP != FP
+
+
+def test_a_record_decodes_only_under_its_fingerprint_and_key():
+    data = encode_record(FP, key(1), BLOCK)
+    assert bytes(decode_record(data, FP, key(1))) == BLOCK
+    assert decode_record(data, OTHER_FP, key(1)) is None
+    assert decode_record(data, FP, key(2)) is None
+    assert decode_record(data[:-1], FP, key(1)) is None
+    assert decode_record(data + b"\0", FP, key(1)) is None
+    flipped = bytearray(data)
+    flipped[HEADER_SIZE + 10] ^= 1
+    assert decode_record(bytes(flipped), FP, key(1)) is None
+    with pytest.raises(ValueError):
+        encode_record(FP[:8], key(1), BLOCK)
+
+
+def test_round_trip_and_a_second_put_of_a_key_is_not_written(tmp_path):
+    store = store_at(tmp_path)
+    store.put(key(1), BLOCK)
+    store.put(key(1), b"other bytes")
+    assert key(1) in store and len(store) == 1
+    assert bytes(store.get(key(1))) == BLOCK
+    assert store.get(key(2)) is None
+    assert (store.written, store.bytes, store.rejected) == (1, RECORD, 0)
+    assert (tmp_path / FP.hex() / (key(1).hex() + SUFFIX)).is_file()
+
+
+def test_the_least_recently_used_goes_past_the_capacity(tmp_path):
+    store = store_at(tmp_path, blocks=3)
+    for i in range(3):
+        store.put(key(i), BLOCK)
+    store.get(key(0))  # now the most recent
+    store.put(key(3), BLOCK)
+    assert key(1) not in store and {key(0), key(2), key(3)} == set(store.index)
+    assert store.bytes == 3 * RECORD
+    assert sorted(p.name for p in store.dir.iterdir()) == sorted(
+        k.hex() + SUFFIX for k in (key(0), key(2), key(3))
+    )
+    store.put(key(9), BLOCK * 4)  # larger than the whole store: not kept
+    assert key(9) not in store and len(store) == 3
+
+
+def test_a_restart_finds_the_blocks_in_their_order_of_use(tmp_path):
+    store = store_at(tmp_path)
+    for i in range(3):
+        store.put(key(i), BLOCK)
+    for age, i in enumerate((1, 2, 0)):  # 1 used longest ago, 0 last
+        os.utime(store.dir / (key(i).hex() + SUFFIX), (1000 + age, 1000 + age))
+    again = store_at(tmp_path, blocks=2)  # smaller now: the oldest goes
+    assert list(again.index) == [key(2), key(0)]
+    assert bytes(again.get(key(0))) == BLOCK and again.bytes == 2 * RECORD
+
+
+def test_a_restart_removes_what_an_interrupted_write_left(tmp_path):
+    store = store_at(tmp_path)
+    store.put(key(1), BLOCK)
+    leftover = store.dir / (key(2).hex() + ".tmp")
+    leftover.write_bytes(b"half a block")
+    again = store_at(tmp_path)
+    assert not leftover.exists()
+    assert list(again.index) == [key(1)]
+
+
+@pytest.mark.parametrize("spoil", ["corrupt", "truncated", "foreign", "misnamed"])
+def test_a_bad_file_is_rejected_deleted_and_not_served(tmp_path, spoil):
+    store_at(tmp_path).put(key(1), BLOCK)
+    path = tmp_path / FP.hex() / (key(1).hex() + SUFFIX)
+    data = bytearray(path.read_bytes())
+    if spoil == "corrupt":
+        data[-1] ^= 0xFF
+    elif spoil == "truncated":
+        data = data[: len(data) // 2]
+    elif spoil == "foreign":  # another model's block, copied in under this name
+        data = encode_record(OTHER_FP, key(1), BLOCK)
+    else:  # a block of another key, under this one's name
+        data = encode_record(FP, key(2), BLOCK)
+    path.write_bytes(data)
+    store = store_at(tmp_path)
+    assert key(1) in store
+    assert store.get(key(1)) is None
+    assert store.rejected == 1 and key(1) not in store and not path.exists()
+    assert store.bytes == 0
+
+
+def test_a_full_disk_stops_writing_and_reads_go_on(tmp_path, caplog):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    store = store_at(tmp_path)
+    store.put(key(1), BLOCK)
+    # the next write lands on a device that is always full (ENOSPC)
+    (store.dir / (key(2).hex() + ".tmp")).symlink_to("/dev/full")
+    store.put(key(2), BLOCK)
+    assert (store.write_errors, store.writable) == (1, False)
+    assert "no more blocks are written" in caplog.text
+    assert key(2) not in store
+    store.put(key(3), BLOCK)  # stopped: not even tried
+    assert key(3) not in store and store.write_errors == 1
+    assert bytes(store.get(key(1))) == BLOCK
+
+
+def test_an_unwritable_path_counts_a_write_error_and_stores_nothing(tmp_path):
+    blocker = tmp_path / "kv"
+    blocker.write_text("a file where the directory should be")
+    store = store_at(blocker)
+    assert (store.write_errors, store.writable) == (1, False)
+    store.put(key(1), BLOCK)
+    assert key(1) not in store and store.get(key(1)) is None
