@@ -119,6 +119,11 @@ class LLMEngine:
             self.tokenizer, prompt_ids, params.stop
         )
         self.scheduler.add(seq)
+        if self.kv_tiers is not None and req.sampling.prompt_logprobs is None:
+            keys = self.prompt_keys(req)
+            on_device = self.block_manager.cached
+            first_miss = next((i for i, k in enumerate(keys) if k not in on_device), len(keys))
+            self.kv_tiers.prefetch(keys[first_miss:])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; unknown ids are ignored."""

@@ -53,6 +53,8 @@ class EngineStats:
     kv_host_bytes: int = 0
     kv_host_blocks_written: int = 0
     kv_host_blocks_loaded: int = 0
+    # blocks read ahead from the disk or the shared store while their request waited
+    kv_prefetched_blocks: int = 0
     # the disk tier (kv_disk_path), as the host's; rejected: blocks not written (full,
     # too large) or not used (fingerprint or checksum mismatch); write_errors: failed writes
     kv_disk_hits: int = 0

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from engine_api.kv_records import decode_record, encode_record
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvb"
+STALE_TMP_S = 600
 
 
 class DiskStore:
@@ -54,8 +56,11 @@ class DiskStore:
         found = []
         for entry in os.scandir(self.dir):
             name = entry.name
-            if name.endswith(".tmp"):  # a write a crash interrupted
-                os.unlink(entry.path)
+            if name.endswith(".tmp"):
+                # a write a crash interrupted; a young one may be another engine's,
+                # writing into the same directory right now
+                if time.time() - entry.stat().st_mtime > STALE_TMP_S:
+                    os.unlink(entry.path)
             elif name.endswith(SUFFIX):
                 try:
                     key = bytes.fromhex(name[: -len(SUFFIX)])
@@ -89,8 +94,9 @@ class DiskStore:
             payload = None
         with self.lock:
             if payload is None:
-                self.rejected += 1
-                self._drop(key)
+                if key in self.index:  # not counted twice when two threads read it
+                    self.rejected += 1
+                    self._drop(key)
                 return None
             if key in self.index:
                 self.index.move_to_end(key)
@@ -107,7 +113,8 @@ class DiskStore:
         if len(data) > self.capacity_bytes:
             return
         path = self._path(key)
-        tmp = path.with_suffix(".tmp")
+        # a name of this writer's own: engines may share the directory
+        tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -70,9 +70,20 @@ class SharedStore:
         for key, value in zip(keys, values, strict=True):
             payload = None if value is None else decode_record(value, self.fp, key)
             if value is not None and payload is None:
-                self.rejected += 1
+                self._reject(key)
             out.append(payload)
         return out
+
+    def _reject(self, key: bytes) -> None:
+        """Count a value that does not check out and delete it: the block computed
+        again is stored in its place."""
+        with self.lock:
+            self.rejected += 1
+            self.recent.pop(key, None)
+        try:
+            self.client.delete(self._name(key))
+        except redis.RedisError as e:
+            self._failed(e)
 
     def put(self, key: bytes, payload: bytes | memoryview) -> None:
         """Store a block (from the writer thread); a failure only counts."""

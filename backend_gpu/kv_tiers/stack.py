@@ -18,6 +18,10 @@ computed under tenant A's salt sits under a key that tenant B's prompt never pro
   read, checked (fingerprint, key, checksum: engine_api.kv_records) and put in a host
   row, then counted. So a block is only ever loaded onto the device from a host row,
   and a bad one is never a hit: it is recomputed.
+- Ahead of the lookup: when a request arrives, `prefetch` hands its prompt's keys
+  past the device's hits to a second thread, which reads and checks what the disk and
+  the shared store hold while the request waits its turn and other requests' steps
+  run; the lookup then takes those blocks from memory (at most MAX_PREFETCHED held).
 - The rows a lookup found are reserved until the next lookup, and the rows being
   loaded until their copy, so that the evictions the new blocks cause never take them.
 - The host rows include what was loaded (a block loaded back stays in its row), so a
@@ -44,6 +48,7 @@ from engine_api.kv_records import decode_record, encode_record
 
 HOST, DISK, SHARED, TRANSFER = "host", "disk", "shared", "transfer"
 MAX_QUEUED = 4096
+MAX_PREFETCHED = 1024
 
 
 class TierStack:
@@ -83,9 +88,18 @@ class TierStack:
         self.queue: queue.Queue[tuple | None] = queue.Queue()
         self.queued: set[bytes] = set()  # keys waiting for the writer
         self.writer = None
+        # keys to read ahead, and what was read: key -> (payload, tier)
+        self.to_prefetch: queue.Queue[list[bytes] | None] = queue.Queue()
+        self.prefetched: OrderedDict[bytes, tuple[memoryview, str]] = OrderedDict()
+        self.blocks_prefetched = 0
+        self.prefetcher = None
         if disk is not None or shared is not None:
             self.writer = threading.Thread(target=self._write_loop, name="kv-tiers", daemon=True)
             self.writer.start()
+            self.prefetcher = threading.Thread(
+                target=self._prefetch_loop, name="kv-prefetch", daemon=True
+            )
+            self.prefetcher.start()
 
     # -- the block manager's side (the engine thread) ----------------------------------
 
@@ -100,8 +114,11 @@ class TierStack:
         for key in keys:
             row = self.slots.get(key)
             if row is None:
-                payload = self.disk.get(key) if self.disk is not None else None
-                if payload is None or not self._promote(key, payload, DISK):
+                with self.lock:
+                    payload, origin = self.prefetched.pop(key, (None, DISK))
+                if payload is None and self.disk is not None:
+                    payload = self.disk.get(key)
+                if payload is None or not self._promote(key, payload, origin):
                     break
                 row = self.slots[key]
             else:
@@ -173,6 +190,45 @@ class TierStack:
         self.rows.copy_up(row, block_id)
         self.loading.discard(row)
         self.blocks_loaded += 1
+
+    # -- reading ahead (the prefetch thread) ----------------------------------------------
+
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Read the blocks of `keys` (a prompt's, past the device's hits) that the disk
+        or the shared store hold, in the background, for the lookup to come."""
+        if self.prefetcher is not None and keys:
+            self.to_prefetch.put(keys)
+
+    def _prefetch_loop(self) -> None:
+        while (keys := self.to_prefetch.get()) is not None:
+            try:
+                self._read_ahead(keys)
+            finally:
+                self.to_prefetch.task_done()
+        self.to_prefetch.task_done()
+
+    def _read_ahead(self, keys: list[bytes]) -> None:
+        keys = [key for key in keys if key not in self.slots]  # a racy read: only a hint
+        found = 0
+        if self.disk is not None:
+            for key in keys:
+                payload = self.disk.get(key)
+                if payload is None:
+                    break
+                self._keep(key, payload, DISK)
+                found += 1
+        if self.shared is not None and found < len(keys):
+            for key, payload in zip(keys[found:], self.shared.get_many(keys[found:]), strict=True):
+                if payload is None:
+                    break
+                self._keep(key, payload, SHARED)
+
+    def _keep(self, key: bytes, payload: memoryview, origin: str) -> None:
+        with self.lock:
+            self.prefetched[key] = (payload, origin)
+            self.blocks_prefetched += 1
+            while len(self.prefetched) > MAX_PREFETCHED:
+                self.prefetched.popitem(last=False)
 
     # -- another engine's side: prefill on one worker, decode on another ----------------
 
@@ -268,15 +324,19 @@ class TierStack:
         self.queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every block written down so far is in the tiers below."""
+        """Wait until every block written down so far is in the tiers below, and every
+        prefetch asked for so far is done."""
         if self.writer is not None:
             self.queue.join()
+            self.to_prefetch.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the threads."""
         if self.writer is not None and self.writer.is_alive():
             self.queue.put(None)
+            self.to_prefetch.put(None)
             self.writer.join()
+            self.prefetcher.join()
 
     # -- events and stats -------------------------------------------------------------------
 
@@ -304,6 +364,7 @@ class TierStack:
             "kv_host_bytes": len(self.slots) * self.rows.bytes_per_block,
             "kv_host_blocks_written": self.blocks_written,
             "kv_host_blocks_loaded": self.blocks_loaded,
+            "kv_prefetched_blocks": self.blocks_prefetched,
         }
         if self.disk is not None:
             d = self.disk

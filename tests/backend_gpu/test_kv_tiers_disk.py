@@ -174,3 +174,19 @@ def test_lower_tier_events_tell_a_router_what_the_engine_still_holds(long_llama,
     from engine_api.block_hash import hash_blocks
 
     assert lower == set(hash_blocks(_prompt()[:1000], BS, None))
+
+
+def test_a_waiting_requests_blocks_are_read_ahead_from_disk(long_llama, reference, tmp_path):
+    first = _llm(long_llama, tmp_path)
+    _run(first, _prompt())
+    second = _restart(first, long_llama, tmp_path)
+    engine = second.engine
+    engine.add_request(req("read-ahead", _prompt(), GREEDY))
+    engine.kv_tiers.flush()  # the read-ahead is done before the first step looks up
+    assert second.stats().kv_prefetched_blocks == 125
+    tokens, cached = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens, cached = out.token_ids, out.num_cached_tokens
+    assert (list(tokens), cached) == (reference, 1000)
+    assert second.stats().kv_disk_hits == 1000

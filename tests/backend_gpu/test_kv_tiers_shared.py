@@ -95,7 +95,10 @@ def test_a_bad_value_is_recomputed_never_used(tiny_model_dir, redis_url, referen
         value = encode_record(b"another model!!!", key, value[-100:])
     client.set(name, value)
     assert _run(b) == (reference, 5 * BS)
-    assert b.stats().kv_shared_rejected == 1
+    # refused (by the read-ahead, the lookup or both) and replaced by the block
+    # computed again
+    assert b.stats().kv_shared_rejected >= 1
+    assert _run(_llm(tiny_model_dir, url)) == (reference, CACHED)
 
 
 def test_redis_stopped_mid_run_keeps_the_engines_serving(tiny_model_dir, redis_url, reference):

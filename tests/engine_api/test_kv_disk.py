@@ -2,11 +2,13 @@
 what comes back is what went in, under the same fingerprint and key only."""
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from engine_api.kv_disk import SUFFIX, DiskStore
+from engine_api.kv_disk import STALE_TMP_S, SUFFIX, DiskStore
 from engine_api.kv_records import HEADER_SIZE, decode_record, encode_record, fingerprint
 
 FP = fingerprint(model="m", block_size=16)
@@ -83,10 +85,15 @@ def test_a_restart_finds_the_blocks_in_their_order_of_use(tmp_path):
 def test_a_restart_removes_what_an_interrupted_write_left(tmp_path):
     store = store_at(tmp_path)
     store.put(key(1), BLOCK)
-    leftover = store.dir / (key(2).hex() + ".tmp")
+    leftover = store.dir / (key(2).hex() + ".123-456.tmp")
     leftover.write_bytes(b"half a block")
+    old = time.time() - STALE_TMP_S - 1
+    os.utime(leftover, (old, old))
+    # a young one may be another engine's write in progress in the same directory
+    young = store.dir / (key(3).hex() + ".789-1.tmp")
+    young.write_bytes(b"being written")
     again = store_at(tmp_path)
-    assert not leftover.exists()
+    assert not leftover.exists() and young.exists()
     assert list(again.index) == [key(1)]
 
 
@@ -117,7 +124,8 @@ def test_a_full_disk_stops_writing_and_reads_go_on(tmp_path, caplog):
     store = store_at(tmp_path)
     store.put(key(1), BLOCK)
     # the next write lands on a device that is always full (ENOSPC)
-    (store.dir / (key(2).hex() + ".tmp")).symlink_to("/dev/full")
+    tmp = f"{key(2).hex()}.{os.getpid()}-{threading.get_ident()}.tmp"  # this writer's
+    (store.dir / tmp).symlink_to("/dev/full")
     store.put(key(2), BLOCK)
     assert (store.write_errors, store.writable) == (1, False)
     assert "no more blocks are written" in caplog.text
