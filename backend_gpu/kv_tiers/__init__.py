@@ -14,6 +14,8 @@ from engine_api.kv_disk import DiskStore
 
 __all__ = ["TierStack", "build_tiers"]
 
+STAGING_BYTES = 256 << 20
+
 
 def build_tiers(
     config: EngineConfig, attention_layers: list, max_model_len: int
@@ -30,8 +32,10 @@ def build_tiers(
                 f"kv_offload_gb holds {int(config.kv_offload_gb * GIB)} bytes, less than "
                 f"one KV block ({per_block} bytes)"
             )
-    else:  # rows only to stage what the disk or the shared store give back
-        num_rows = -(-max_model_len // config.block_size) + 1
+    else:  # rows only to stage what the disk, the shared store or a transfer give back:
+        # one sequence's worth, within STAGING_BYTES
+        num_rows = min(-(-max_model_len // config.block_size) + 1, STAGING_BYTES // per_block)
+        num_rows = max(num_rows, 1)
     fp = engine_fingerprint(config, attention_layers)
     disk = (
         DiskStore(config.kv_disk_path, int(config.kv_disk_gb * GIB), fp)
@@ -40,4 +44,6 @@ def build_tiers(
     )
     shared = SharedStore(config.kv_shared_url, fp) if config.kv_shared_url else None
     rows = HostRows(attention_layers, config.block_size, num_rows)
-    return TierStack(rows, fp, disk, shared, config.enable_kv_events)
+    return TierStack(
+        rows, fp, disk, shared, config.enable_kv_events, keeps_evicted=bool(config.kv_offload_gb)
+    )

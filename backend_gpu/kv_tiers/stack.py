@@ -59,9 +59,13 @@ class TierStack:
         disk: DiskStore | None = None,
         shared: SharedStore | None = None,
         enable_events: bool = False,
+        keeps_evicted: bool = True,
     ) -> None:
+        """`keeps_evicted`: the rows are a host tier (kv_offload_gb), not only a staging
+        area: a block the device evicts is kept in a row even if the disk has it."""
         self.rows = rows
         self.fp = fp
+        self.keeps_evicted = keeps_evicted
         self.block_size = rows.block_size
         self.disk = disk
         self.shared = shared
@@ -140,15 +144,16 @@ class TierStack:
         if key in self.slots:  # same key, same contents: just fresher
             self.slots.move_to_end(key)
             return
+        if not self.keeps_evicted and not self._wants(key):
+            return  # staging rows only, and the tiers below have it or will
         row = self._acquire_row()
         if row is None:
             return
         self.rows.copy_down(row, block_id)
+        if not self._on_disk(key):
+            self._event("stored", key)
         self.slots[key] = row
         self.blocks_written += 1
-        on_disk = self.disk is not None and key in self.disk
-        if not on_disk:
-            self._event("stored", key)
         if self._wants(key):
             with self.lock:
                 self.writing.add(row)
@@ -158,7 +163,13 @@ class TierStack:
         """Block `block_id` was just computed under `key`: send a copy of it to the
         tiers below (nothing when there are none: host rows fill on eviction)."""
         if self._wants(key):
+            if self.disk is not None and key not in self.slots and not self._on_disk(key):
+                self._event("stored", key)
             self._enqueue((key, None, *self.rows.snapshot(block_id)))
+
+    def _on_disk(self, key: bytes) -> bool:
+        """Whether the disk has `key`, or will once the writer gets to it."""
+        return self.disk is not None and (key in self.disk or key in self.queued)
 
     def _wants(self, key: bytes) -> bool:
         """Whether the tiers below lack `key` and nothing is queued for it yet."""
@@ -294,7 +305,7 @@ class TierStack:
             if row not in busy:
                 del self.slots[key]
                 self.origin.pop(key, None)
-                if self.disk is None or key not in self.disk:
+                if not self._on_disk(key):
                     self._event("removed", key)
                 return row
         return None

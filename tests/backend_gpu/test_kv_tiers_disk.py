@@ -190,3 +190,12 @@ def test_a_waiting_requests_blocks_are_read_ahead_from_disk(long_llama, referenc
             tokens, cached = out.token_ids, out.num_cached_tokens
     assert (list(tokens), cached) == (reference, 1000)
     assert second.stats().kv_disk_hits == 1000
+
+
+def test_a_block_is_lower_from_its_write_to_disk_on(long_llama, tmp_path):
+    llm = _llm(long_llama, tmp_path, enable_kv_events=True)
+    _run(llm, _prompt())
+    events = llm.engine.take_kv_events()
+    lower = [e.block_hash for e in events if e.medium == "lower"]
+    device = [e.block_hash for e in events if e.medium == "device" and e.kind == "stored"]
+    assert lower == device[:125] and all(e.kind == "stored" for e in events)
