@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import struct
 
+from engine_api.records import AdapterRef
+
 
 def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
     h = hashlib.sha256()
@@ -47,3 +49,14 @@ def hash_blocks(
         )
         hashes.append(parent)
     return hashes
+
+
+def adapter_root(adapter: AdapterRef | None) -> bytes | None:
+    """The parent hash of a prompt's first block under LoRA `adapter` (None: the base
+    model): a block computed under one adapter then never serves another adapter or the
+    base model, published (salt-free) prefix blocks included, since the KV differs."""
+    if adapter is None:
+        return None
+    return hashlib.sha256(
+        b"lora\0" + adapter.name.encode() + b"\0" + adapter.path.encode()
+    ).digest()

@@ -22,6 +22,18 @@ PromptInput = str | list[int] | Messages
 
 
 @dataclass
+class AdapterRef(Record):
+    """A LoRA adapter a request runs under: its name (unique in a gateway) and its files:
+    a PEFT directory (adapter_config.json + adapter_model.safetensors) for backend_gpu, a
+    GGUF LoRA file for backend_local."""
+
+    name: str
+    path: str
+
+    wire_error = BadRequestError
+
+
+@dataclass
 class GenRequest(Record):
     request_id: str
     model: str
@@ -36,6 +48,9 @@ class GenRequest(Record):
     # the tenant's fair-share weight (its quota's): a scheduler that shares by tenant
     # serves it in proportion; the gpu engine refuses one that is not > 0
     weight: float = 1.0
+    # the LoRA adapter this request runs under (None: the base model); its blocks are
+    # hashed under the adapter's own chain root (block_hash.adapter_root)
+    adapter: AdapterRef | None = None
 
     wire_error = BadRequestError
 
