@@ -48,6 +48,9 @@ class GenRequest(Record):
     # the tenant's fair-share weight (its quota's): a scheduler that shares by tenant
     # serves it in proportion; the gpu engine refuses one that is not > 0
     weight: float = 1.0
+    # disaggregated prefill: the base URL of a prefill worker that computed this
+    # prompt's blocks; a decode worker pulls them from there first (None: compute here)
+    kv_source: str | None = None
     # the LoRA adapter this request runs under (None: the base model); its blocks are
     # hashed under the adapter's own chain root (block_hash.adapter_root)
     adapter: AdapterRef | None = None

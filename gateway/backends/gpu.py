@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
-from backend_gpu import AsyncLLM, RequestOutput
+from backend_gpu import AsyncLLM, EngineStats, RequestOutput
 from backend_gpu.config import EngineConfig
 from backend_gpu.embed_engine import NOT_A_GENERATOR
 from engine_api.block_hash import hash_blocks
@@ -35,6 +35,10 @@ from gateway.backends.common import check_model, render_off_loop
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+# blocks moved between engines (kv_transfer): taken tokens, blocks out, in, refused
+KV_TRANSFER_STATS = tuple(
+    f.name for f in dataclasses.fields(EngineStats) if f.name.startswith("kv_transfer_")
+)
 
 
 def _architecture(model_type: str) -> str:
@@ -144,6 +148,17 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             out.stop_reason if isinstance(out.stop_reason, str) else None,
         )
 
+    async def export_kv(self, req: GenRequest) -> list[bytes]:
+        """KVTransferBackend: the records of `req`'s prompt blocks the engine holds; a
+        BadRequestError when it was not started with kv_transfer."""
+        check_model(req.model, self.model_id)
+        return await self.engine.export_kv(req)
+
+    async def import_kv(self, req: GenRequest, records: list[bytes]) -> int:
+        """KVTransferBackend: a prefill worker's records, for `req` to continue from."""
+        check_model(req.model, self.model_id)
+        return await self.engine.import_kv(req, records)
+
     def block_hashes(
         self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
     ) -> list[str]:
@@ -197,6 +212,11 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 "kv_host_bytes": s.kv_host_bytes,
                 "kv_host_blocks_written": s.kv_host_blocks_written,
                 "kv_host_blocks_loaded": s.kv_host_blocks_loaded,
+                **{
+                    name: getattr(s, name)
+                    for name in KV_TRANSFER_STATS
+                    if self._engine.engine.config.kv_transfer
+                },
                 "tenants": {
                     tenant: dataclasses.asdict(share) for tenant, share in s.tenants.items()
                 },

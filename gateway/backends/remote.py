@@ -24,8 +24,10 @@ with context_length set for its first health check; one that does not answer is 
 until it does), max_in_flight (requests let through at once, plus under VTC one spare
 for a tenant with nothing in flight; the rest wait in the gateway's fair queue: for an
 upstream that serves in arrival order), task ("embed": an embedding model, served at
-/v1/embeddings through remote_embed.py; a kvgate worker's /v1/models says it). `kvgate worker` (gateway/worker/) serves the
-other side of this HTTP contract.
+/v1/embeddings through remote_embed.py; a kvgate worker's /v1/models says it), role
+(prefill, decode or both: a kvgate worker's part in prefill and decode on different
+workers, gateway/serving/prefill_apart.py; default: what the worker says, else both).
+`kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
 over HTTP), so it routes by prefix like an in-process replica. A third-party upstream
@@ -63,6 +65,7 @@ from gateway.backends.common import (
     decode_off_loop,
     render_off_loop,
 )
+from gateway.backends.kv_transfer import BOTH
 from gateway.backends.remote_discovery import ASSUMED_CONTEXT_LENGTH, LLAMA_SERVER, VLLM
 from gateway.backends.remote_embed import embed_upstream, task_option
 from gateway.backends.remote_health import Monitor
@@ -206,6 +209,18 @@ class RemoteBackend:
         truncatable = self.task == EMBED
         card = ModelCard(self.model_id, self.name, self._context_length() or 0)
         return [dataclasses.replace(card, task=self.task, truncatable=truncatable)]
+
+    @property
+    def role(self) -> str:
+        """prefill | decode | both: options.role, else what the worker says it is."""
+        info = self.monitor.info
+        worker = info.worker if info is not None else None
+        return self.opts.role or (worker.role if worker is not None else BOTH)
+
+    @property
+    def kv_url(self) -> str:
+        """Where a decode worker pulls this prefill worker's blocks from (its root)."""
+        return self.client.endpoint.root
 
     @property
     def _is_worker(self) -> bool:

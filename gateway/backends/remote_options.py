@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.backends.common import check_options
+from gateway.backends.kv_transfer import check_role
 from gateway.backends.remote_http import MAX_RESPONSE_BYTES, Endpoint
 from gateway.backends.spec import BackendSpec
 
@@ -36,6 +37,9 @@ class RemoteOptions:
     max_in_flight: int | None = None
     # "embed": the upstream's model is an embedding model (remote_embed.py)
     task: str | None = None
+    # prefill | decode | both (gateway.backends.kv_transfer); None: what a kvgate
+    # worker's /v1/models says, else both
+    role: str | None = None
 
     @classmethod
     def parse(cls, spec: BackendSpec) -> RemoteOptions:
@@ -61,6 +65,8 @@ class RemoteOptions:
                     f"remote backend {spec.name!r}: {f.name} must be {rule}, got {v!r}"
                 )
             values[f.name] = v
+        if "role" in values:
+            check_role(values["role"], f"remote backend {spec.name!r}")
         if "url" not in values:
             raise ValueError(f"remote backend {spec.name!r} needs options.url or options.urls")
         return cls(**values)

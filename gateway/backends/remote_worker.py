@@ -18,6 +18,7 @@ from typing import Any
 
 from engine_api.errors import BackendError
 from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent
+from gateway.backends.kv_transfer import BOTH, ROLES
 from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
 
 log = logging.getLogger("kvgate.remote")
@@ -31,6 +32,7 @@ class WorkerInfo:
     block_size: int | None
     prefix_events: bool
     epoch: str
+    role: str = BOTH  # prefill | decode | both; a worker from before roles says none
 
     @classmethod
     def parse(cls, data: Any, label: str) -> WorkerInfo:
@@ -41,10 +43,11 @@ class WorkerInfo:
             and (block_size is None or _is_int(block_size) and block_size > 0)
             and isinstance(d.get("prefix_events"), bool)
             and isinstance(d.get("epoch"), str)
+            and d.get("role", BOTH) in ROLES
         )
         if not ok:
             raise BackendError(f"{label} sent an invalid kvgate model entry")
-        return cls(d["backend"], block_size, d["prefix_events"], d["epoch"])
+        return cls(d["backend"], block_size, d["prefix_events"], d["epoch"], d.get("role", BOTH))
 
 
 def _is_int(v: Any) -> bool:

@@ -3,7 +3,8 @@
 Routes (the contract with the gateway's `remote` adapter):
 GET /health, GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/completions,
 POST /v1/embeddings (an embedding model's), POST /kvgate/v1/generate,
-GET /kvgate/v1/stats, GET /kvgate/v1/kv_events.
+GET /kvgate/v1/stats, GET /kvgate/v1/kv_events, POST /kvgate/v1/kv/export (a prefill
+worker's blocks of a prompt, for a decode worker: kv_export.py).
 Every route but /health needs `Authorization: Bearer <worker token>` when the worker
 has one; errors leave OpenAI-shaped, as the gateway's do.
 """
@@ -25,6 +26,8 @@ from gateway.worker.completions import completions
 from gateway.worker.embeddings import embeddings
 from gateway.worker.errors import api_error
 from gateway.worker.generate import generate
+from gateway.worker.kv_export import export_kv
+from gateway.worker.kv_pull import EXPORT_PATH
 from gateway.worker.state import WORKER, WorkerState
 
 MAX_WAIT_S = 30.0  # the longest long poll of /kvgate/v1/kv_events
@@ -57,6 +60,7 @@ async def list_models(request: web.Request) -> web.Response:
         "block_size": state.block_size,
         "prefix_events": state.prefix_events,
         "epoch": state.epoch,
+        "role": state.role,
     }
     created = int(state.started_at)
     data = [model_entry(card, created) | {"kvgate": kvgate} for card in state.backend.models()]
@@ -88,7 +92,10 @@ async def detokenize_route(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return json_response(dataclasses.asdict(request.app[WORKER].backend.stats()))
+    state = request.app[WORKER]
+    stats = state.backend.stats()
+    stats.extra |= state.puller.stats()  # the pulls of a decode worker, beside its engine's
+    return json_response(dataclasses.asdict(stats))
 
 
 async def kv_events(request: web.Request) -> web.Response:
@@ -128,6 +135,7 @@ def create_worker_app(state: WorkerState) -> web.Application:
     app.router.add_post("/kvgate/v1/generate", generate)
     app.router.add_get("/kvgate/v1/stats", stats)
     app.router.add_get("/kvgate/v1/kv_events", kv_events)
+    app.router.add_post(EXPORT_PATH, export_kv)
 
     async def lifecycle(app: web.Application):
         await state.start()

@@ -139,6 +139,22 @@ def add_parser(sub: Any) -> None:
         "--options", type=_json_object, default={}, help='engine options, e.g. {"n_batch": 256}'
     )
     p.add_argument("--worker-token", help="callers must send it (or KVGATE_WORKER_TOKEN)")
+    p.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        default="both",
+        help="prefill: computes long prompts for decode workers; decode: continues from "
+        "their blocks; both (default): serves whole requests (prefill and decode need the "
+        "gpu backend, and paired workers one worker token)",
+    )
+    p.add_argument(
+        "--kv-pull-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a decode worker's bound on pulling a prompt's blocks from a prefill worker; "
+        "past it the prompt is computed here (default %(default)s)",
+    )
     p.add_argument("--cpus", type=_cpu_list, help="run on these CPU cores only, e.g. 0-3 or 0,2")
     p.add_argument("--parent-pid", type=int, help="exit when this process is gone")
 
@@ -163,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
         if len(specs) != 1:
             raise ValueError(f"a worker runs one backend; the configuration has {len(specs)}")
         spec = replace(specs[0], options=specs[0].options | args.options)
+        if args.role != "both":  # the engine keeps host rows to send or take blocks
+            if spec.type != "gpu":
+                raise ValueError(f"--role {args.role} needs the gpu backend, not {spec.type!r}")
+            spec = replace(spec, options=spec.options | {"kv_transfer": True})
         backends = build_backends(spec)
         if len(backends) != 1:
             raise ValueError("a worker is one replica: run one worker per replica")
@@ -170,9 +190,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate worker: bad configuration: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from gateway.worker.kv_pull import KVPuller
     from gateway.worker.state import WorkerState
 
-    state = WorkerState(settings, backends[0], spec.type, token)
+    puller = KVPuller(token, args.kv_pull_timeout)
+    state = WorkerState(settings, backends[0], spec.type, token, args.role, puller)
     try:
         died = _run_loop(_serve(state, args.parent_pid))
     except Exception as e:  # the engine did not start: say why in one line, then exit

@@ -5,11 +5,13 @@ prefix length included: a worker never derives salts). The reply streams the eng
 GenChunks as they come, one JSON object per line. An error before the first line is an
 HTTP error; after it, one last `{"error": ...}` line. A client that hangs up cancels
 this handler (handler_cancellation), which closes the engine's stream: the request is
-aborted and its KV blocks freed.
+aborted and its KV blocks freed. A request with `kv_source` first pulls its prompt's
+blocks from that prefill worker (kv_pull.py), or computes them here if it cannot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,6 +36,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         state.check_request(req)
     except BadRequestError as e:
         raise api_error(e) from None
+    if req.kv_source is not None:
+        await state.puller.pull(state.backend, req)
+        req = dataclasses.replace(req, kv_source=None)
     stream = state.backend.generate(req)
     try:
         first = await first_chunk(stream)

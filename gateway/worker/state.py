@@ -16,9 +16,11 @@ from engine_api.block_hash import hash_blocks
 from engine_api.errors import BadRequestError, PromptTooLongError
 from engine_api.records import GenRequest, ModelCard
 from gateway.backends import Backend, PrefixCachingBackend
+from gateway.backends.kv_transfer import BOTH
 from gateway.config import Settings
 from gateway.http.errors import ApiError
 from gateway.worker.events import EventLog, drain_forever
+from gateway.worker.kv_pull import KVPuller
 
 log = logging.getLogger("kvgate.worker")
 _PROBE_TOKENS = 4096  # longer than any engine's block
@@ -30,6 +32,10 @@ class WorkerState:
     backend: Backend
     kind: str  # fake | gpu | local
     token: str | None  # None: no auth (only allowed on a loopback address)
+    # prefill | decode | both: what a gateway sends it (gateway.backends.kv_transfer)
+    role: str = BOTH
+    # pulls the blocks of a request another worker prefilled (its kv_source)
+    puller: KVPuller = field(default_factory=lambda: KVPuller(None))
     # a restarted worker has a new epoch: readers of its events know its cache is empty
     epoch: str = field(default_factory=lambda: secrets.token_hex(8))
     started_at: float = field(default_factory=time.time)
@@ -56,6 +62,7 @@ class WorkerState:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._drain
         await self.backend.stop(drain=True)
+        await self.puller.close()
 
     def card(self, model: str) -> ModelCard:
         """The served model's card, or 404 as OpenAI words it."""

@@ -132,6 +132,7 @@ async def test_models_describe_the_worker(worker):
         "block_size": None,
         "prefix_events": False,
         "epoch": epoch,
+        "role": "both",
     }
 
 
