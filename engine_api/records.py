@@ -96,6 +96,10 @@ class GenChunk(Record):
     stop_sequence: str | None = None
 
 
+# KVEvent.medium: a replica's KV cache, and the tiers under it that it loads back from
+KV_MEDIA = ("device", "lower")
+
+
 @dataclass
 class KVEvent(Record):
     """A change in which prompt blocks one replica holds in its prefix cache.
@@ -103,6 +107,9 @@ class KVEvent(Record):
     kind: "stored" (the block's KV is computed and findable) or "removed" (evicted).
     block_hash: hex of the backend's chain hash, the same value `block_hashes` returns.
     cache_salt: the salt the block was hashed with; None for a published (shared) block.
+    medium: where in the replica: "device" (its KV cache) or "lower" (its own tiers below
+    it, host memory or disk: loaded back on a hit, not computed). A block may be in both,
+    and a "removed" event says from which. A store shared by replicas sends none.
     """
 
     kind: str
@@ -112,6 +119,7 @@ class KVEvent(Record):
     cache_salt: str | None
     num_tokens: int
     at: float
+    medium: str = "device"
 
 
 @dataclass

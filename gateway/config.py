@@ -56,7 +56,7 @@ class Settings:
     workers: int = 0  # >0: each engine runs as this many `kvgate worker` processes
     router_policy: str = "prefix"  # or "round_robin", "least_loaded"
     # engine settings of the one --backend (a [[backends]] entry has them in its options);
-    # None: the engine's default. Each belongs to one backend type (ENGINE_SETTINGS).
+    # None: the engine's default. Each belongs to the backend types ENGINE_SETTINGS says.
     quantization: str | None = None  # gpu backend: "fp8" or "int8" weights
     kv_cache_dtype: str | None = None  # gpu backend: "auto" or "fp8"
     max_model_len: int | None = None  # gpu backend: tokens per sequence (default: the model's)
@@ -65,6 +65,12 @@ class Settings:
     device: str | None = None  # gpu backend: "auto" (default: CUDA if there), "cuda", "cpu"
     dtype: str | None = None  # gpu backend: "auto" (bfloat16 on CUDA, float32 on the CPU)
     tensor_parallel_size: int | None = None  # gpu backend: ranks the model is split over (1)
+    # gpu backend: tiers under the KV cache (GiB of host memory; a directory and its GiB;
+    # a redis:// store shared by engines of the same model)
+    kv_offload_gb: float | None = None
+    kv_disk_path: str | None = None
+    kv_disk_gb: float | None = None
+    kv_shared_url: str | None = None
     n_ctx: int | None = None  # local backend: KV cells shared by all sequences (16384)
     n_parallel: int | None = None  # local backend: sequences decoded together (4)
     n_threads: int | None = None  # local backend: CPU threads (default: one per core, <= 8)
@@ -136,33 +142,39 @@ class Settings:
         return [BackendSpec(kind, kind, self.model, self.served_model_name, options)]
 
 
-# the engine settings above and the backend type that takes each
-ENGINE_SETTINGS = {
-    "quantization": "gpu",
-    "kv_cache_dtype": "gpu",
-    "max_model_len": "gpu",
-    "max_num_seqs": "gpu",
-    "gpu_memory_utilization": "gpu",
-    "device": "gpu",
-    "dtype": "gpu",
-    "tensor_parallel_size": "gpu",
-    "n_ctx": "local",
-    "n_parallel": "local",
-    "n_threads": "local",
+# the engine settings above and the backend types that take each
+ENGINE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "quantization": ("gpu",),
+    "kv_cache_dtype": ("gpu",),
+    "max_model_len": ("gpu",),
+    "max_num_seqs": ("gpu",),
+    "gpu_memory_utilization": ("gpu",),
+    "device": ("gpu",),
+    "dtype": ("gpu",),
+    "tensor_parallel_size": ("gpu",),
+    "kv_offload_gb": ("gpu",),
+    "kv_disk_path": ("gpu",),
+    "kv_disk_gb": ("gpu",),
+    "kv_shared_url": ("gpu",),
+    "n_ctx": ("local",),
+    "n_parallel": ("local",),
+    "n_threads": ("local",),
 }
 
 
 def _check_engine_settings(engine_options: dict[str, Any], kind: str) -> None:
     """A setting the chosen backend does not take is an error, not silently dropped."""
     errors = []
-    for needed in ("gpu", "local"):
-        wrong = sorted(n for n in engine_options if ENGINE_SETTINGS[n] == needed != kind)
+    for needed in sorted(set(ENGINE_SETTINGS.values())):
+        wrong = sorted(
+            n for n in engine_options if ENGINE_SETTINGS[n] == needed and kind not in needed
+        )
         if not wrong:
             continue
         hint = ""
         if kind == "local" and {"quantization", "kv_cache_dtype"} & set(wrong):
             hint = " (llama.cpp runs the quantization of its GGUF file: pick a quantized GGUF)"
-        errors.append(f"{wrong} need the {needed} backend, not {kind!r}{hint}")
+        errors.append(f"{wrong} need the {' or '.join(needed)} backend, not {kind!r}{hint}")
     if errors:
         raise ValueError("; ".join(errors))
 
@@ -198,6 +210,10 @@ _ENV_FIELDS = {
     "max_num_seqs": int,
     "gpu_memory_utilization": float,
     "tensor_parallel_size": int,
+    "kv_offload_gb": float,
+    "kv_disk_path": str,
+    "kv_disk_gb": float,
+    "kv_shared_url": str,
     "n_ctx": int,
     "n_parallel": int,
     "n_threads": int,

@@ -122,6 +122,7 @@ class DashboardScreen(Screen[None]):
             panel.show(series, board.window_s)
         self.query_one(LatencyPanel).show(board.latency)
         self.query_one(EnginePanel).show(board.engine)
+        self.query_one("#middle").styles.height = EnginePanel.height(board.engine)
         self.query_one(TenantsTable).show(board)
         self.query_one(BackendsTable).show(board.backends)
         self.query_one(ErrorsTable).show(board.errors)

@@ -49,6 +49,20 @@ class Latency:
     e2e_p99_ms: float | None = None
 
 
+# the tiers under an engine's KV cache, in the order the panel lists them
+KV_TIERS = ("host", "disk", "shared")
+
+
+@dataclass
+class TierRow:
+    """One KV tier, summed over the backends that have it on."""
+
+    tier: str
+    hits: int  # prompt tokens loaded from it instead of computed
+    blocks: int
+    bytes: int
+
+
 @dataclass
 class Engine:
     running: int = 0
@@ -56,6 +70,7 @@ class Engine:
     kv_usage: float = 0.0  # the fullest backend's share of KV blocks in use, 0..1
     prefix_hit_rate: float | None = None  # None until a prefix lookup happened
     preemptions: int = 0
+    tiers: list[TierRow] = field(default_factory=list)  # empty: no backend has one on
 
 
 @dataclass
@@ -214,7 +229,21 @@ def engine_state(backends: list[dict[str, Any]]) -> Engine:
         kv_usage=max((_num(b.get("kv_usage")) for b in backends), default=0.0),
         prefix_hit_rate=hits / queries if queries else None,
         preemptions=sum(_int(b.get("preemptions")) for b in backends),
+        tiers=tier_rows(backends),
     )
+
+
+def tier_rows(backends: list[dict[str, Any]]) -> list[TierRow]:
+    """The KV tiers some backend has on (its `kv_tiers`), each summed over the backends."""
+    rows = {}
+    for b in backends:
+        for tier, counts in _dict(b.get("kv_tiers")).items():
+            if tier in KV_TIERS and isinstance(counts, dict):
+                row = rows.setdefault(tier, TierRow(tier, 0, 0, 0))
+                row.hits += _int(counts.get("hits"))
+                row.blocks += _int(counts.get("blocks"))
+                row.bytes += _int(counts.get("bytes"))
+    return [rows[t] for t in KV_TIERS if t in rows]
 
 
 def backend_rows(backends: list[dict[str, Any]]) -> list[BackendRow]:

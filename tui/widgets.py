@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.app import RenderResult
@@ -145,7 +146,23 @@ class EnginePanel(Static):
         table.add_row("KV cache", Text.assemble(kv, f" {fmt.pct(engine.kv_usage):>4}"))
         table.add_row("prefix hits", fmt.pct(engine.prefix_hit_rate))
         table.add_row("preemptions", str(engine.preemptions))
-        self.update(table)
+        if not engine.tiers:
+            self.update(table)
+            return
+        tiers = Table.grid(padding=(0, 2))
+        tiers.add_column()
+        for _ in range(3):
+            tiers.add_column(justify="right")
+        tiers.add_row("KV tier", *(Text(h, "bold") for h in ("hits", "blocks", "bytes")))
+        for t in engine.tiers:
+            tiers.add_row(t.tier, fmt.si(t.hits), fmt.si(t.blocks), f"{fmt.si(t.bytes)}B")
+        self.update(Group(table, tiers))
+
+    @staticmethod
+    def height(engine: Engine) -> int:
+        """Rows the panel takes, its border included: a header and a row per KV tier
+        below the five of every engine, where some tier is on."""
+        return 7 + (1 + len(engine.tiers) if engine.tiers else 0)
 
 
 class TenantsTable(KeyedTable):

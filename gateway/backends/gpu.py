@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator, Callable
 from backend_gpu import AsyncLLM, EngineStats, RequestOutput
 from backend_gpu.config import EngineConfig
 from backend_gpu.embed_engine import NOT_A_GENERATOR
-from engine_api.block_hash import hash_blocks
+from engine_api.block_hash import adapter_root, hash_blocks
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
     EMBED,
+    AdapterRef,
     BackendStats,
     EmbedRequest,
     EmbedResult,
@@ -35,10 +36,22 @@ from gateway.backends.common import check_model, render_off_loop
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+# each KV tier's counters (EngineStats.kv_host_*, ...), passed on under their own names
+KV_TIER_STATS = {
+    tier: tuple(f.name for f in dataclasses.fields(EngineStats) if f.name.startswith(f"kv_{tier}_"))
+    for tier in ("host", "disk", "shared")
+}
 # blocks moved between engines (kv_transfer): taken tokens, blocks out, in, refused
 KV_TRANSFER_STATS = tuple(
     f.name for f in dataclasses.fields(EngineStats) if f.name.startswith("kv_transfer_")
 )
+
+
+def kv_tiers_on(config: EngineConfig) -> list[str]:
+    """The tiers under the KV cache that `config` asks for: only theirs are reported. The
+    host tier stages blocks for the others, so it is on with any of them."""
+    lower = [t for t, on in (("disk", config.kv_disk_path), ("shared", config.kv_shared_url)) if on]
+    return ["host", *lower] if lower or config.kv_offload_gb else []
 
 
 def _architecture(model_type: str) -> str:
@@ -160,16 +173,31 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
         return await self.engine.import_kv(req, records)
 
     def block_hashes(
-        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        shared_prefix_len: int = 0,
+        adapter: AdapterRef | None = None,
     ) -> list[str]:
         if self._engine is None:
             return []
         block_size = self._engine.engine.config.block_size
-        return [h.hex() for h in hash_blocks(token_ids, block_size, cache_salt, shared_prefix_len)]
+        root = adapter_root(adapter)
+        hashes = hash_blocks(token_ids, block_size, cache_salt, shared_prefix_len, root)
+        return [h.hex() for h in hashes]
+
+    async def check_adapter(self, ref: AdapterRef) -> None:
+        """LoraBackend: the engine validates it against its model, off its own thread."""
+        await self.engine.check_adapter(ref)
+
+    async def remove_adapter(self, name: str) -> None:
+        await self.engine.remove_adapter(name)
 
     def kv_events(self) -> list[KVEvent]:
         if self._engine is None:
             return []
+        # a lower tier's event carries no tokens; its blocks are full ones
+        block_size = self._engine.engine.config.block_size
         return [
             KVEvent(
                 e.kind,
@@ -177,8 +205,9 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 e.block_hash.hex(),
                 e.parent_hash.hex() if e.parent_hash else None,
                 e.cache_salt,
-                len(e.token_ids),
+                len(e.token_ids) if e.medium == "device" else block_size,
                 e.at,
+                e.medium,
             )
             for e in self._engine.take_kv_events()
         ]
@@ -207,11 +236,11 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 "spec_decode_num_drafts": s.num_drafts,
                 "spec_decode_num_draft_tokens": s.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
-                "kv_host_hits": s.kv_host_hits,
-                "kv_host_blocks": s.kv_host_blocks,
-                "kv_host_bytes": s.kv_host_bytes,
-                "kv_host_blocks_written": s.kv_host_blocks_written,
-                "kv_host_blocks_loaded": s.kv_host_blocks_loaded,
+                **{
+                    name: getattr(s, name)
+                    for tier in kv_tiers_on(self._engine.engine.config)
+                    for name in KV_TIER_STATS[tier]
+                },
                 **{
                     name: getattr(s, name)
                     for name in KV_TRANSFER_STATS
@@ -220,5 +249,7 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 "tenants": {
                     tenant: dataclasses.asdict(share) for tenant, share in s.tenants.items()
                 },
+                "adapters_loaded": list(getattr(s, "adapters_loaded", [])),
+                "lora_loads": getattr(s, "lora_loads", 0),
             },
         )

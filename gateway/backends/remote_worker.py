@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_api.errors import BackendError
-from engine_api.records import BackendStats, GenChunk, GenRequest, KVEvent
+from engine_api.records import KV_MEDIA, BackendStats, GenChunk, GenRequest, KVEvent
 from gateway.backends.kv_transfer import BOTH, ROLES
 from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
 
@@ -119,7 +119,7 @@ class WorkerEvents:
         self.replica = replica
         self.epoch = ""  # none yet: the first poll is a resync
         self.seq = 0
-        self.held: set[str] = set()
+        self.held: set[tuple[str, str]] = set()  # (medium, block hash)
         self._pending: list[KVEvent] = []
 
     def take(self) -> list[KVEvent]:
@@ -140,19 +140,20 @@ class WorkerEvents:
             events = [KVEvent.from_dict(e) for e in r["events"]]
         except ValueError as e:
             raise BackendError(f"{label} sent an invalid KV event") from e
-        if any(e.kind not in ("stored", "removed") for e in events):
-            raise BackendError(f"{label} sent a KV event of an unknown kind")
+        if any(e.kind not in ("stored", "removed") or e.medium not in KV_MEDIA for e in events):
+            raise BackendError(f"{label} sent a KV event of an unknown kind or medium")
         if r["resync"]:
-            kept = {e.block_hash for e in events if e.kind == "stored"}
+            kept = {(e.medium, e.block_hash) for e in events if e.kind == "stored"}
             now = time.time()
             self._pending += [
-                KVEvent("removed", self.replica, h, None, None, 0, now) for h in self.held - kept
+                KVEvent("removed", self.replica, h, None, None, 0, now, medium)
+                for medium, h in self.held - kept
             ]
             self.held = set()
         for e in events:
             if e.kind == "stored":
-                self.held.add(e.block_hash)
+                self.held.add((e.medium, e.block_hash))
             else:
-                self.held.discard(e.block_hash)
+                self.held.discard((e.medium, e.block_hash))
             self._pending.append(dataclasses.replace(e, replica=self.replica))
         self.epoch, self.seq = r["epoch"], r["seq"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,6 +18,26 @@ SPEC_DECODE_COUNTERS = {
     "spec_decode_num_drafts": "Decode steps that verified proposed tokens",
     "spec_decode_num_draft_tokens": "Proposed tokens verified by the target model",
     "spec_decode_num_accepted_tokens": "Proposed tokens the target model accepted",
+}
+# the KV tiers under an engine's cache: a backend reports a tier's counters in
+# BackendStats.extra as kv_<tier>_<key>, only for the tiers it has on
+KV_TIERS = ("host", "disk", "shared")
+_TIER_ERRORS = ("kv_tier_errors", "Failed writes or calls to a KV tier's store", False)
+# key -> (metric, help, whether a gauge: what the tier holds now; else a counter)
+KV_TIER_METRICS = {
+    "hits": ("kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier, not computed", False),
+    "blocks": ("kv_tier_blocks", "KV blocks a tier holds", True),
+    "bytes": ("kv_tier_bytes", "Bytes of KV blocks a tier holds", True),
+    "blocks_written": ("kv_tier_blocks_written", "KV blocks written down to a tier", False),
+    "blocks_loaded": ("kv_tier_blocks_loaded", "KV blocks loaded back from a tier", False),
+    "rejected": (
+        "kv_tier_rejected_blocks",
+        "KV blocks a tier did not take (full) or would not serve (a mismatch, corrupt)",
+        False,
+    ),
+    # the disk's failed writes and the shared store's failed calls, as one count
+    "write_errors": _TIER_ERRORS,
+    "errors": _TIER_ERRORS,
 }
 _TPOT_UNDER_1S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75)
 _TPOT_BUCKETS = (*_TPOT_UNDER_1S, 1.0, 2.5)
@@ -110,7 +131,9 @@ class _BackendCollector(Collector):
             for key, doc in SPEC_DECODE_COUNTERS.items()
         }
         tenants = _tenant_families()
+        tiers = _tier_families()
         for s in self.backend_stats():
+            _add_tier_samples(tiers, s)
             for tenant, row in s.extra.get("tenants", {}).items():
                 for key, family in tenants.items():
                     family.add_metric([s.name, tenant], row[key])
@@ -124,6 +147,34 @@ class _BackendCollector(Collector):
         yield from gauges.values()
         yield from (family for family in tenants.values() if family.samples)
         yield from (counter for counter in spec.values() if counter.samples)
+        yield from (family for family in tiers.values() if family.samples)
+
+
+def _tier_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
+    """Per backend and tier, one family per metric of KV_TIER_METRICS."""
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    for name, doc, gauge in KV_TIER_METRICS.values():
+        kind = GaugeMetricFamily if gauge else CounterMetricFamily
+        families.setdefault(name, kind(f"kvgate:{name}", doc, labels=["backend", "tier"]))
+    return families
+
+
+def _add_tier_samples(families: dict, s: BackendStats) -> None:
+    for tier, counts in kv_tier_stats(s.extra).items():
+        for key, value in counts.items():
+            families[KV_TIER_METRICS[key][0]].add_metric([s.name, tier], value)
+
+
+def kv_tier_stats(extra: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """tier -> {key: count} of the tiers a backend reports in its BackendStats.extra
+    (none when it has none on); the keys are KV_TIER_METRICS'."""
+    tiers: dict[str, dict[str, int]] = {}
+    for tier in KV_TIERS:
+        for key in KV_TIER_METRICS:
+            value = extra.get(f"kv_{tier}_{key}")
+            if isinstance(value, int) and not isinstance(value, bool):
+                tiers.setdefault(tier, {})[key] = value
+    return tiers
 
 
 def _tenant_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]:

@@ -1,8 +1,11 @@
 """Which replica holds which prompt blocks: the gateway's view of every prefix cache.
 
 Backends report KV events (block stored / removed); the catalog keeps, per replica,
-the blocks it holds (tenant, tokens, hits, last use). The router asks `match` how many
-leading blocks of a prompt a replica already holds. A background task drains the
+the blocks it holds (tenant, tokens, hits, last use). The router asks `match_tiers` how
+many leading blocks of a prompt a replica already holds on its device, and how many in
+it or the tiers under it (an engine's host memory and disk, KVEvent.medium "lower"): a
+block there is loaded back rather than computed, so it counts, below a device hit.
+A background task drains the
 events about every 0.25 s and writes the changed rows to the database in one
 transaction about every second (never one write per token), so the catalog and its hit
 counts survive a restart.
@@ -17,6 +20,12 @@ Gateways sharing one database each keep their own rows: a row's key is
 run a replica "tiny-0" never write the same row, and each loads, and so drops as
 stale, only its own. Within the gateway, and in its reports, a replica keeps its
 backend name.
+
+A row stands for a block its replica holds anywhere, and is deleted once it is gone from
+both media; which medium holds it is kept in memory only (no column): after a restart
+every row is stale until its engine reports the block again, in whichever medium, so a
+stored medium would only be a guess. The reports (`chain`, `hottest`,
+`held_by_tenant`) and `match` count the device's blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select, text
 
+from engine_api.records import KV_MEDIA
 from gateway.backends import Backend, KVEvent, PrefixCachingBackend
 from gateway.db import Database, PrefixBlock
 
@@ -62,6 +72,9 @@ class PrefixCatalog:
         self._prefix = "" if instance is None else instance + "/"  # of this gateway's rows
         self._task: asyncio.Task | None = None
         self.replicas: dict[str, dict[str, BlockEntry]] = {}  # replica -> block hash -> entry
+        # the same, for blocks in the replica's tiers under its device (the same entry
+        # object where a block is in both, so its hits count once)
+        self.lower: dict[str, dict[str, BlockEntry]] = {}
         self.stale: dict[str, dict[str, BlockEntry]] = {}  # loaded, not yet seen again
         self.salt_tenants: dict[str, str] = {}
         self.dirty: set[tuple[str, str]] = set()  # (replica, hash) to upsert
@@ -81,44 +94,66 @@ class PrefixCatalog:
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for ev in events:
-            held = self.replicas.setdefault(ev.replica, {})
+            if ev.medium not in KV_MEDIA:
+                raise ValueError(f"unknown KV event medium {ev.medium!r}")
+            media = self.replicas if ev.medium == "device" else self.lower
+            held = media.setdefault(ev.replica, {})
             key = (ev.replica, ev.block_hash)
             if ev.kind == "stored":
-                entry = held.get(ev.block_hash) or self.stale.get(ev.replica, {}).pop(
-                    ev.block_hash, None
-                )
-                if entry is None:
-                    tenant_id = self.tenant_of(ev.cache_salt)
-                    entry = BlockEntry(ev.parent_hash, tenant_id, ev.num_tokens, ev.at, ev.at)
-                entry.last_used = max(entry.last_used, ev.at)
-                held[ev.block_hash] = entry
+                held[ev.block_hash] = self._stored(ev)
                 self.dirty.add(key)
                 self.removed.discard(key)
             elif ev.kind == "removed":
-                if held.pop(ev.block_hash, None) is not None:
+                # the row goes once the block has left both media
+                if held.pop(ev.block_hash, None) is not None and not self._find(*key):
                     self.dirty.discard(key)
                     self.removed.add(key)
             else:
                 raise ValueError(f"unknown KV event kind {ev.kind!r}")
 
+    def _stored(self, ev: KVEvent) -> BlockEntry:
+        """The stored block's entry: the one it has in the other medium, or its row from
+        the last run (hits kept), or a new one."""
+        entry = self._find(ev.replica, ev.block_hash)
+        if entry is None:
+            entry = self.stale.get(ev.replica, {}).pop(ev.block_hash, None)
+        if entry is None:
+            entry = BlockEntry(ev.parent_hash, self._tenant(ev), ev.num_tokens, ev.at, ev.at)
+        elif ev.medium == "device" and entry.tenant_id == UNKNOWN_TENANT:
+            # first seen in a lower tier, whose events name no salt or parent
+            entry.parent_hash, entry.tenant_id = ev.parent_hash, self._tenant(ev)
+        entry.last_used = max(entry.last_used, ev.at)
+        return entry
+
+    def _tenant(self, ev: KVEvent) -> str | None:
+        """The block's tenant. An engine's lower-tier events carry no salt: unknown (never
+        None, which would make the block a published one)."""
+        if ev.medium == "lower" and ev.cache_salt is None:
+            return UNKNOWN_TENANT
+        return self.tenant_of(ev.cache_salt)
+
+    def _find(self, replica: str, block_hash: str) -> BlockEntry | None:
+        """The block's entry in either medium of the replica."""
+        entry = self.replicas.get(replica, {}).get(block_hash)
+        return entry or self.lower.get(replica, {}).get(block_hash)
+
     def match(self, replica: str, hashes: list[str]) -> int:
-        """How many of the leading `hashes` the replica holds (a prefix stops at a gap)."""
-        held = self.replicas.get(replica)
-        if not held:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        """How many of the leading `hashes` the replica holds on its device (a prefix
+        stops at a gap)."""
+        return _leading(hashes, self.replicas.get(replica, {}))
+
+    def match_tiers(self, replica: str, hashes: list[str]) -> tuple[int, int]:
+        """(anywhere, on the device): how many of the leading `hashes` the replica holds
+        in its KV cache and its lower tiers taken together, and in its KV cache alone."""
+        device = self.replicas.get(replica, {})
+        lower = self.lower.get(replica, {})
+        return _leading(hashes, device, lower), _leading(hashes, device)
 
     def record_hits(self, replica: str, hashes: list[str], cached_tokens: int) -> None:
         """A request on `replica` reused `cached_tokens` of its prompt: credit those blocks."""
-        held = self.replicas.get(replica, {})
         now = time.time()
         for h in hashes:
-            entry = held.get(h)
+            entry = self._find(replica, h)
             if cached_tokens <= 0 or entry is None:
                 break
             saved = min(entry.num_tokens, cached_tokens)
@@ -202,7 +237,7 @@ class PrefixCatalog:
         self.dirty, self.removed = set(), set()
         rows = []
         for replica, h in dirty:
-            e = self.replicas.get(replica, {}).get(h)
+            e = self._find(replica, h)
             if e is not None:
                 key = {"replica": self._prefix + replica, "block_hash": h}
                 rows.append(key | dataclasses.asdict(e))
@@ -262,6 +297,16 @@ class PrefixCatalog:
                     await self.flush()
             except Exception:  # the catalog is advisory: serving goes on without it
                 log.exception("prefix catalog update failed")
+
+
+def _leading(hashes: list[str], *held: dict[str, BlockEntry]) -> int:
+    """How many of the leading `hashes` are in one of `held` (a prefix stops at a gap)."""
+    n = 0
+    for h in hashes:
+        if not any(h in blocks for blocks in held):
+            break
+        n += 1
+    return n
 
 
 def _entry(row: PrefixBlock) -> BlockEntry:

@@ -3,14 +3,15 @@ its leading blocks, unless that replica is much busier than another.
 
 The rule, after SGLang's cache-aware router (cache_threshold, balance_abs_threshold,
 balance_rel_threshold), with the catalog of KV events standing in for its radix tree:
-  1. the best match: the replica holding the most leading blocks of the prompt
-     (catalog.match), ties to the less loaded;
+  1. the best match: the replica holding the most leading blocks of the prompt, on its
+     device or in the tiers under it (catalog.match_tiers: a block there is loaded back,
+     not computed), then the most on its device, then the less loaded;
   2. it wins if it covers at least `cache_threshold` of the prompt's full blocks, unless
      its load (running + waiting) exceeds the least loaded replica's by more than
      `balance_abs` requests AND by more than `balance_rel` times: a long queue costs
      more than the prefill it would save;
-  3. else the least loaded (then the longer match, then least KV in use; equal replicas
-     take turns).
+  3. else the least loaded (then the longer match, then the longer one on the device,
+     then least KV in use; equal replicas take turns).
 "round_robin" and "least_loaded" exist to measure the prefix policy against.
 """
 
@@ -128,14 +129,17 @@ class Router:
         if self.policy == "round_robin":
             return turn % n
         loads = [max(s.running + s.waiting, self.in_flight.get(s.name, 0)) for s in stats]
-        matched = [0] * n
+        # per replica: (leading blocks held in any of its tiers, of those on the device)
+        matched = [(0, 0)] * n
         if self.policy == "prefix" and block_hashes and self.catalog is not None:
-            matched = [self.catalog.match(s.name, block_hashes) for s in stats]
+            matched = [self.catalog.match_tiers(s.name, block_hashes) for s in stats]
+        longer_first = [(-anywhere, -device) for anywhere, device in matched]
         least = min(
-            range(n), key=lambda i: (loads[i], -matched[i], stats[i].kv_usage, (i - turn) % n)
+            range(n), key=lambda i: (loads[i], longer_first[i], stats[i].kv_usage, (i - turn) % n)
         )
         best = max(range(n), key=lambda i: (matched[i], -loads[i], (i - turn) % n))
-        if matched[best] == 0 or matched[best] < self.cache_threshold * len(block_hashes):
+        covered = matched[best][0]
+        if covered == 0 or covered < self.cache_threshold * len(block_hashes):
             return least
         overloaded = (
             loads[best] - loads[least] > self.balance_abs

@@ -131,6 +131,11 @@ class BackendInfo(Body):
     preemptions: int
     prompt_tokens_per_s: float
     gen_tokens_per_s: float
+    kv_tiers: dict[str, dict[str, int]] = Field(
+        description="per tier under the engine's KV cache that is on (host, disk, shared): "
+        "hits (prompt tokens loaded from it), blocks and bytes it holds, blocks_written, "
+        "blocks_loaded, rejected, write_errors or errors, as far as the tier counts them"
+    )
 
 
 class BackendList(Body):

@@ -33,6 +33,8 @@ GPU_DEFAULTS = {
     "device": "auto",
     "dtype": "auto",
     "tensor_parallel_size": 1,
+    "kv_offload_gb": 0,
+    "kv_disk_gb": 16,
 }
 
 
@@ -102,6 +104,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="split the model over N devices (GPUs, or processes on the CPU), one process "
         f"each (default {GPU_DEFAULTS['tensor_parallel_size']})",
+    )
+    tiers = p.add_argument_group(
+        "KV tiers of the gpu backend (blocks the KV cache evicts are kept there and "
+        "loaded back on a prefix hit)"
+    )
+    tiers.add_argument(
+        "--kv-offload-gb",
+        type=float,
+        metavar="GB",
+        help=f"GiB of host memory for them (default {GPU_DEFAULTS['kv_offload_gb']}: none)",
+    )
+    tiers.add_argument(
+        "--kv-disk-path", metavar="DIR", help="a directory for them that outlives restarts"
+    )
+    tiers.add_argument(
+        "--kv-disk-gb",
+        type=float,
+        metavar="GB",
+        help=f"GiB --kv-disk-path may hold (default {GPU_DEFAULTS['kv_disk_gb']})",
+    )
+    tiers.add_argument(
+        "--kv-shared-url",
+        metavar="URL",
+        help="a Redis store shared by the engines of one model, e.g. redis://host:6379/0",
     )
     local = p.add_argument_group("local backend (llama.cpp)")
     local.add_argument(

@@ -28,7 +28,7 @@ log = logging.getLogger("kvgate.worker")
 @dataclass
 class EventsReply:
     """One long poll's answer. resync: `events` is a snapshot (one "stored" event per
-    block held now) and the reader must forget what it knew of this worker first."""
+    block and medium held now) and the reader must forget what it knew of this worker first."""
 
     epoch: str
     seq: int  # the last event's number: the reader's next `after`
@@ -51,17 +51,19 @@ class EventLog:
         self.epoch = epoch
         self.seq = 0
         self._log: deque[KVEvent] = deque(maxlen=capacity)
-        self._stored: dict[str, KVEvent] = {}  # block hash -> the event that stored it
+        # (medium, block hash) -> the event that stored it there
+        self._stored: dict[tuple[str, str], KVEvent] = {}
         self._arrived = asyncio.Event()
 
     def append(self, events: list[KVEvent]) -> None:
         for event in events:
             self.seq += 1
             self._log.append(event)
+            key = (event.medium, event.block_hash)
             if event.kind == "stored":
-                self._stored[event.block_hash] = event
+                self._stored[key] = event
             else:
-                self._stored.pop(event.block_hash, None)
+                self._stored.pop(key, None)
         if events:
             self._arrived.set()
             self._arrived = asyncio.Event()  # the next waiters wait for the next append

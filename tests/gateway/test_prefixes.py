@@ -46,6 +46,56 @@ def test_catalog_match_counts_leading_blocks_per_replica() -> None:
     assert ("r0", "h2") in cat.removed and ("r0", "h2") not in cat.dirty
 
 
+def lower(kind: str, replica: str, h: str) -> KVEvent:
+    """A block entering ("stored") or leaving ("removed") the replica's lower tiers, as
+    the gpu engine says it: no parent, no salt."""
+    return KVEvent(kind, replica, h, None, None, 16, 3.0, "lower")
+
+
+async def test_catalog_keeps_what_the_device_and_the_lower_tiers_hold(tmp_path) -> None:
+    db = Database(f"sqlite+aiosqlite:///{tmp_path / 'cat.db'}")
+    await migrate(db)
+    try:
+        cat = PrefixCatalog(db)
+        cat.note_salt("salt-a", "tenant-a")
+        cat.apply(chain("r0", "salt-a", "h1", "h2", "h3"))
+        # h2 and h3 are written down, then evicted from the device
+        cat.apply([lower("stored", "r0", "h2"), lower("stored", "r0", "h3")])
+        cat.apply([removed("r0", "h2"), removed("r0", "h3")])
+        assert cat.match("r0", ["h1", "h2", "h3", "h4"]) == 1  # the device's
+        assert cat.match_tiers("r0", ["h1", "h2", "h3", "h4"]) == (3, 1)
+        assert cat.match_tiers("r0", ["h2", "h3"]) == (2, 0)  # only down there
+        assert cat.match_tiers("r1", ["h1"]) == (0, 0)
+        assert not cat.removed  # still held: the rows stay
+        # a hit loaded from the tier credits the block; stored again on the device, the
+        # block keeps its entry (one row, its hits)
+        cat.record_hits("r0", ["h1", "h2"], 32)
+        cat.apply([stored("r0", "h2", "h1", "salt-a", at=4.0)])
+        assert cat.replicas["r0"]["h2"] is cat.lower["r0"]["h2"]
+        assert cat.replicas["r0"]["h2"].hits == 1
+        h3 = cat.lower["r0"]["h3"]
+        assert (h3.tenant_id, h3.parent_hash) == ("tenant-a", "h2")  # as the device said
+        # gone from the device and then from the tier: gone
+        cat.apply([removed("r0", "h2"), lower("removed", "r0", "h2")])
+        cat.apply([lower("removed", "r0", "h3")])
+        assert cat.match_tiers("r0", ["h1", "h2"]) == (1, 1)
+        await cat.flush()
+        assert await rows(db) == {("r0", "h1"): (1, 16, "tenant-a")}
+        # a block the tier holds and the device never did (a disk from the last run) is
+        # a row of its own, of no known tenant (never a published one) until the device
+        # stores it and says whose it is
+        cat.apply([lower("stored", "r1", "h1")])
+        await cat.flush()
+        assert set(await rows(db)) == {("r0", "h1"), ("r1", "h1")}
+        assert "r1" not in cat.replicas and cat.lower["r1"]["h1"].tenant_id == UNKNOWN_TENANT
+        cat.apply([stored("r1", "h1", None, "salt-a", at=5.0)])
+        assert cat.replicas["r1"]["h1"].tenant_id == "tenant-a"
+        with pytest.raises(ValueError, match="unknown KV event medium"):
+            cat.apply([KVEvent("stored", "r0", "h9", None, None, 16, 0.0, "tape")])
+    finally:
+        await db.close()
+
+
 def test_catalog_tenants_of_salts() -> None:
     cat = PrefixCatalog()
     cat.note_salt("salt-a", "tenant-a")

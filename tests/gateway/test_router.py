@@ -21,14 +21,18 @@ from tests.gateway.conftest import fake_backends
 HASHES = [f"h{i}" for i in range(8)]
 
 
-def catalog_holding(holdings: dict[str, int]) -> PrefixCatalog:
-    """A catalog where each replica holds the first n of HASHES (applied as KV events)."""
+def catalog_holding(holdings: dict[str, int], lower: dict[str, int] | None = None) -> PrefixCatalog:
+    """A catalog where each replica holds the first n of HASHES (applied as KV events) on
+    its device, and the first n of `lower` in the tiers under it."""
     catalog = PrefixCatalog()
-    for replica, n in holdings.items():
-        catalog.apply(
-            KVEvent("stored", replica, h, HASHES[i - 1] if i else None, "salt", 16, time.time())
-            for i, h in enumerate(HASHES[:n])
-        )
+    for medium, held in (("device", holdings), ("lower", lower or {})):
+        for replica, n in held.items():
+            catalog.apply(
+                KVEvent(
+                    "stored", replica, h, HASHES[i - 1] if i else None, "s", 16, time.time(), medium
+                )
+                for i, h in enumerate(HASHES[:n])
+            )
     return catalog
 
 
@@ -66,6 +70,30 @@ def test_a_small_match_or_none_goes_to_the_least_loaded():
     router = Router([], "prefix", PrefixCatalog())
     picks = {router.choose([stats("r-0"), stats("r-1")], HASHES) for _ in range(4)}
     assert picks == {0, 1}
+
+
+def test_a_prefix_in_a_lower_tier_ranks_below_the_device_and_above_nothing():
+    only_lower = Router([], "prefix", catalog_holding({}, lower={"r-0": 8}))
+    # r-0 holds the prefix in host memory or on disk, r-1 nothing; equal load: r-0, always
+    picks = {only_lower.choose([stats("r-1"), stats("r-0")], HASHES) for _ in range(4)}
+    assert picks == {1}
+    # ... however busy, up to the balance rule, as a device hit would be
+    assert only_lower.choose([stats("r-0", load=5), stats("r-1", load=1)], HASHES) == 0
+    assert only_lower.choose([stats("r-0", load=6), stats("r-1", load=1)], HASHES) == 1
+    # the same blocks on one's device and in the other's lower tier: the device wins
+    both = Router([], "prefix", catalog_holding({"r-1": 8}, lower={"r-0": 8}))
+    assert {both.choose([stats("r-0"), stats("r-1")], HASHES) for _ in range(4)} == {1}
+    assert {both.choose([stats("r-1"), stats("r-0")], HASHES) for _ in range(4)} == {0}
+    # a longer prefix in the tiers beats a shorter one on a device: it saves more prefill
+    longer = Router([], "prefix", catalog_holding({"r-1": 4}, lower={"r-0": 8}))
+    assert longer.choose([stats("r-0"), stats("r-1")], HASHES) == 0
+    # device and tier together: 3 on the device and the next 5 down there cover all 8
+    split = catalog_holding({"r-0": 3, "r-1": 6}, lower={"r-0": 8})
+    assert split.match_tiers("r-0", HASHES) == (8, 3)
+    assert Router([], "prefix", split).choose([stats("r-0"), stats("r-1")], HASHES) == 0
+    # under the threshold, a partial lower-tier match still breaks a tie in load
+    small = Router([], "prefix", catalog_holding({}, lower={"r-0": 2}), cache_threshold=0.5)
+    assert {small.choose([stats("r-1"), stats("r-0")], HASHES) for _ in range(4)} == {1}
 
 
 def test_round_robin_and_least_loaded_ignore_the_catalog():

@@ -191,3 +191,48 @@ def test_served_is_each_tenants_share_of_the_fair_share_service():
     )
     assert [r.served for r in rows] == [0.75, 0.25, 0.0]
     assert tenant_rows([{"id": "x", "name": "x"}])[0].served is None  # no fair engine
+
+
+def with_tiers(snapshots: list[dict]) -> list[dict]:
+    """The recorded snapshots, with every backend reporting a host tier and the first a
+    disk tier as well (as a gateway's admin stats do, `kv_tiers`)."""
+    for snap in snapshots:
+        for i, b in enumerate(snap["backends"]):
+            b["kv_tiers"] = {"host": {"hits": 1500, "blocks": 40, "bytes": 40 << 16}}
+            if i == 0:
+                b["kv_tiers"]["disk"] = {"hits": 64, "blocks": 900, "rejected": 2}
+    return snapshots
+
+
+async def test_the_engine_panel_lists_the_kv_tiers_that_are_on():
+    snapshots = with_tiers(load_replay(DATA))
+    n = len(snapshots[-1]["backends"])
+    app = TopApp(StatsSource(replay=snapshots, replay_name="tiers.jsonl", speed=0.0))
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        panel = app.query_one(EnginePanel)
+        lines = [" ".join(row.strip("│ ").split()) for row in screen_text(panel).splitlines()]
+        assert "KV tier hits blocks bytes" in lines
+        host = f"host {fmt.si(1500 * n)} {fmt.si(40 * n)} {fmt.si((40 << 16) * n)}B"
+        assert host in lines and f"disk {fmt.si(64)} {fmt.si(900)} 0.0B" in lines
+        assert not any(line.startswith("shared") for line in lines)
+        assert lines.index(host) > lines.index("KV tier hits blocks bytes")
+        assert app.query_one("#middle").size.height == 7 + 3  # a header and two tiers
+    app = replay_app()  # no tier on anywhere: the panel as it always was
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        assert "KV tier" not in screen_text(app.query_one(EnginePanel))
+        assert app.query_one("#middle").size.height == 7
+
+
+def test_tier_rows_sum_the_backends_and_skip_what_is_not_a_tier():
+    from tui.view import TierRow, tier_rows
+
+    backends = [
+        {"kv_tiers": {"disk": {"hits": 5, "blocks": 2}, "tape": {"hits": 9}, "host": "x"}},
+        {"kv_tiers": {"host": {"hits": 1, "bytes": 7}, "disk": {"hits": "lots"}}},
+        {"kv_tiers": None},
+        {},
+    ]
+    assert tier_rows(backends) == [TierRow("host", 1, 0, 7), TierRow("disk", 5, 2, 0)]
+    assert tier_rows([{"name": "fake"}]) == []
