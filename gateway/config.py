@@ -65,8 +65,8 @@ class Settings:
     device: str | None = None  # gpu backend: "auto" (default: CUDA if there), "cuda", "cpu"
     dtype: str | None = None  # gpu backend: "auto" (bfloat16 on CUDA, float32 on the CPU)
     tensor_parallel_size: int | None = None  # gpu backend: ranks the model is split over (1)
-    # gpu backend: tiers under the KV cache (GiB of host memory; a directory and its GiB;
-    # a redis:// store shared by engines of the same model)
+    # gpu backend: tiers under the KV cache (GiB of host memory; a directory and its GiB,
+    # which the local backend takes too; a redis:// store shared by engines of one model)
     kv_offload_gb: float | None = None
     kv_disk_path: str | None = None
     kv_disk_gb: float | None = None
@@ -153,8 +153,8 @@ ENGINE_SETTINGS: dict[str, tuple[str, ...]] = {
     "dtype": ("gpu",),
     "tensor_parallel_size": ("gpu",),
     "kv_offload_gb": ("gpu",),
-    "kv_disk_path": ("gpu",),
-    "kv_disk_gb": ("gpu",),
+    "kv_disk_path": ("gpu", "local"),
+    "kv_disk_gb": ("gpu", "local"),
     "kv_shared_url": ("gpu",),
     "n_ctx": ("local",),
     "n_parallel": ("local",),

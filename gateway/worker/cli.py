@@ -107,7 +107,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     tiers = p.add_argument_group(
         "KV tiers of the gpu backend (blocks the KV cache evicts are kept there and "
-        "loaded back on a prefix hit)"
+        "loaded back on a prefix hit); the local backend takes the disk's two"
     )
     tiers.add_argument(
         "--kv-offload-gb",

@@ -76,9 +76,25 @@ def test_tier_settings_from_the_environment_and_a_backends_entry(tmp_path):
     )
 
 
-def test_tier_flags_are_refused_where_the_backend_has_no_such_tier():
+def test_the_disk_flags_set_the_local_backends_tier_too(tmp_path):
+    from backend_local.config import EngineConfig as LocalConfig
+
+    argv = ["--backend", "local", "--kv-disk-path", str(tmp_path), "--kv-disk-gb", "4"]
+    (spec,) = settings_for("worker", *argv).resolved_backends()
+    assert spec.options == {"kv_disk_path": str(tmp_path), "kv_disk_gb": 4.0}
+    config = LocalConfig("model.gguf", **spec.options)
+    assert (config.kv_disk_path, config.kv_disk_gb) == (str(tmp_path), 4.0)
+
+
+def test_tier_flags_are_refused_where_the_backend_has_no_such_tier(tmp_path):
     with pytest.raises(ValueError, match=r"\['kv_shared_url'\] need the gpu backend, not 'fake'"):
         settings_for("serve", "--backend", "fake", "--kv-shared-url", REDIS).resolved_backends()
+    local = settings_for("serve", "--backend", "local", "--kv-offload-gb", "1")
+    with pytest.raises(ValueError, match=r"\['kv_offload_gb'\] need the gpu backend, not 'local'"):
+        local.resolved_backends()
+    fake = settings_for("serve", "--backend", "fake", "--kv-disk-path", str(tmp_path))
+    with pytest.raises(ValueError, match=r"\['kv_disk_path'\] need the gpu or local backend"):
+        fake.resolved_backends()
     with pytest.raises(SystemExit):  # not a number
         build_parser().parse_args(["worker", "--kv-offload-gb", "lots"])
 
