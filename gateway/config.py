@@ -55,6 +55,12 @@ class Settings:
     replicas: int = 1  # engine replicas of the one --backend/--model (else per [[backends]])
     workers: int = 0  # >0: each engine runs as this many `kvgate worker` processes
     router_policy: str = "prefix"  # or "round_robin", "least_loaded"
+    # prefill and decode apart (serving/prefill_apart.py): of the `workers`, this many
+    # prefill long prompts for the rest; a prompt of at least `prefill_threshold` tokens
+    # goes to a prefill replica first, if one is healthy, for at most `prefill_timeout_s`
+    prefill_workers: int = 0
+    prefill_threshold: int = 512
+    prefill_timeout_s: float = 30.0
     # engine settings of the one --backend (a [[backends]] entry has them in its options);
     # None: the engine's default. Each belongs to the backend types ENGINE_SETTINGS says.
     quantization: str | None = None  # gpu backend: "fp8" or "int8" weights
@@ -102,6 +108,13 @@ class Settings:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
+            raise ValueError(
+                f"prefill_workers must be fewer than workers, and >= 0 (the other workers "
+                f"decode): got {self.prefill_workers} of {self.workers}"
+            )
+        if self.prefill_threshold < 1 or self.prefill_timeout_s <= 0:
+            raise ValueError("prefill_threshold must be >= 1 and prefill_timeout_s > 0")
         for spec in self.backends:
             replica_count(spec)  # a bad `replicas` is a configuration error, found here
         if self.router_policy not in ROUTER_POLICIES:
@@ -204,6 +217,9 @@ _ENV_FIELDS = {
     "replicas": int,
     "workers": int,
     "router_policy": str,
+    "prefill_workers": int,
+    "prefill_threshold": int,
+    "prefill_timeout_s": float,
     "quantization": str,
     "kv_cache_dtype": str,
     "max_model_len": int,

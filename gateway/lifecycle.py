@@ -103,7 +103,7 @@ async def _start_backends(state: GatewayState) -> None:
         await state.pins.prefill_all()
 
     specs, state.supervisors = await start_workers(
-        settings.resolved_backends(), settings.workers, on_restart
+        settings.resolved_backends(), settings.workers, on_restart, settings.prefill_workers
     )
     for spec in specs:
         for backend in build_backends(spec):  # one per replica

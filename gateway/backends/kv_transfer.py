@@ -37,6 +37,13 @@ class KVTransferBackend(Protocol):
         ...
 
 
+def role_of(backend: object) -> str:
+    """A replica's role: a remote replica's (its options.role, else what its worker
+    says); an in-process one does both."""
+    role = getattr(backend, "role", BOTH)
+    return role if role in ROLES else BOTH
+
+
 def check_role(role: str, what: str) -> str:
     """`role` if it is one of ROLES, else ValueError naming `what` it is for."""
     if role not in ROLES:

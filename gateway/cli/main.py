@@ -47,6 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
         "split); default: in this process",
     )
     serve.add_argument(
+        "--prefill-workers",
+        type=int,
+        metavar="M",
+        help="of the --workers, M prefill long prompts and the rest decode (default 0: "
+        "every worker does both)",
+    )
+    serve.add_argument(
+        "--prefill-threshold",
+        type=int,
+        metavar="TOKENS",
+        help=f"with prefill workers: prompts this long or longer are prefilled on one "
+        f"(default {Settings.prefill_threshold})",
+    )
+    serve.add_argument(
         "--router-policy",
         metavar="POLICY",
         help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
@@ -129,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             "admin_key": args.admin_key,
             "replicas": args.replicas,
             "workers": args.workers,
+            "prefill_workers": args.prefill_workers,
+            "prefill_threshold": args.prefill_threshold,
             "router_policy": args.router_policy,
         } | worker_cli.engine_overrides(args)
     try:

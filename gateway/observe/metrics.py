@@ -19,6 +19,17 @@ SPEC_DECODE_COUNTERS = {
     "spec_decode_num_draft_tokens": "Proposed tokens verified by the target model",
     "spec_decode_num_accepted_tokens": "Proposed tokens the target model accepted",
 }
+# prefill and decode on different workers: a decode worker's pulls (its BackendStats.extra)
+# and a gpu engine's blocks moved with them
+KV_TRANSFER_COUNTERS = {
+    "kv_transfers": "Prompts whose KV blocks a decode worker pulled from a prefill worker",
+    "kv_transfer_bytes": "Bytes of KV blocks pulled from prefill workers",
+    "kv_transfer_seconds": "Seconds spent pulling KV blocks from prefill workers",
+    "kv_transfer_fallbacks": "Pulls that failed, so that the decode worker computed the prompt",
+    "kv_transfer_blocks_out": "KV blocks a prefill engine exported",
+    "kv_transfer_blocks_in": "KV blocks a decode engine took",
+    "kv_transfer_hits": "Prompt tokens a decode engine took instead of computing them",
+}
 # the KV tiers under an engine's cache: a backend reports a tier's counters in
 # BackendStats.extra as kv_<tier>_<key>, only for the tiers it has on
 KV_TIERS = ("host", "disk", "shared")
@@ -93,6 +104,13 @@ class Metrics:
         self.quota_rejections = Counter(
             "kvgate:quota_rejections", "Requests refused with 429", ["tenant", "limit"], registry=r
         )
+        self.prefill_jobs = Counter(
+            "kvgate:prefill_jobs",
+            "Long prompts sent to a prefill worker: outcome ok, or fallback (it failed or "
+            "timed out, and the decode worker computed the prompt)",
+            ["model", "outcome"],
+            registry=r,
+        )
         r.register(_BackendCollector(backend_stats))
         self._children: dict[tuple, object] = {}
 
@@ -128,7 +146,7 @@ class _BackendCollector(Collector):
         }
         spec = {
             key: CounterMetricFamily(f"kvgate:{key}", doc, labels=["backend"])
-            for key, doc in SPEC_DECODE_COUNTERS.items()
+            for key, doc in (SPEC_DECODE_COUNTERS | KV_TRANSFER_COUNTERS).items()
         }
         tenants = _tenant_families()
         tiers = _tier_families()

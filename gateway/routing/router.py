@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass
 
 from gateway.backends import Backend, BackendError, BackendStats, ModelCard
+from gateway.backends.kv_transfer import PREFILL, role_of
 from gateway.config import ROUTER_POLICIES
 from gateway.routing.catalog import PrefixCatalog
 
@@ -83,6 +84,8 @@ class Router:
         BackendError, with each replica's reason, when there is none."""
         healthy, reasons = [], []
         for b in self.serving.get(model, []):
+            if role_of(b) == PREFILL:  # it takes prefill jobs only (serving/prefill_apart.py)
+                continue
             if b.name in self.broken:
                 reasons.append(self.broken[b.name])
             elif (s := b.stats()).healthy:
@@ -93,6 +96,14 @@ class Router:
             why = "; ".join(dict.fromkeys(reasons)) or "no healthy backend"
             raise BackendError(f"no backend can serve {model!r} right now ({why})")
         return healthy
+
+    def prefill_replicas(self, model: str) -> list[Candidate]:
+        """The healthy prefill-role replicas of `model`, each with its stats."""
+        return [
+            Candidate(b, s)
+            for b in self.serving.get(model, [])
+            if role_of(b) == PREFILL and b.name not in self.broken and (s := b.stats()).healthy
+        ]
 
     def down(self, backends: list[Backend]) -> dict[str, str]:
         """Each of `backends` that cannot serve now, and why."""

@@ -19,6 +19,7 @@ from gateway.observe.stats import Finished
 from gateway.serving.choice_streams import merged, queued
 from gateway.serving.echo import Echo
 from gateway.serving.metering import ChoiceMeter, metered
+from gateway.serving.prefill_apart import prefill_apart
 from gateway.serving.tool_calls import ToolPlan
 from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
@@ -57,6 +58,9 @@ class Job:
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
     echoes: list[Echo] | None = None  # completions with echo: one per prompt
     meters: list[ChoiceMeter] = field(default_factory=list)  # one per choice, per attempt
+    # a long prompt prefilled on a prefill worker first (prefill_apart.py): that job's
+    # cached tokens, per prompt; None until it has been tried
+    prefill_cached: dict[int, int] | None = None
 
     def echo_of(self, choice: int) -> Echo | None:
         return None if self.echoes is None else self.echoes[choice // self.n]
@@ -84,6 +88,10 @@ class Job:
         }
 
     async def events(self) -> AsyncIterator[tuple[int, GenChunk]]:
+        if self.prefill_cached is None:
+            self.requests, self.prefill_cached = await prefill_apart(
+                self.gw, self.backend, self.requests, self.n, self.block_hashes
+            )
         while True:
             try:
                 async for item in self._attempt():
@@ -158,6 +166,9 @@ class Job:
             total += tokens
             counters.add(counter)
             cached.setdefault(index // self.n, meter.cached)
+        for prompt, on_prefill in (self.prefill_cached or {}).items():
+            # as without disaggregation: the blocks found cached where the prompt ran
+            cached[prompt] = max(cached.get(prompt, 0), on_prefill)
         p = self.principal
         delta = total - self.completion_tokens
         if delta:

@@ -15,16 +15,24 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from gateway.backends import BackendSpec
-from gateway.worker_pool.supervisor import WorkerSupervisor
+from gateway.backends.kv_transfer import DECODE, PREFILL
+from gateway.worker_pool.supervisor import WorkerStartError, WorkerSupervisor
 
 IN_PROCESS = ("fake", "gpu", "local")
 
 
 async def start_workers(
-    specs: list[BackendSpec], workers: int, on_restart: Callable[[str], Awaitable[None]]
+    specs: list[BackendSpec],
+    workers: int,
+    on_restart: Callable[[str], Awaitable[None]],
+    prefill_workers: int = 0,
 ) -> tuple[list[BackendSpec], list[WorkerSupervisor]]:
     """The specs to build, with each in-process engine spec replaced by a remote one in
-    front of its started workers; and the supervisors, for `stop_workers`."""
+    front of its started workers (two with `prefill_workers`: the prefill workers' and
+    the decode workers', each entry's role in its options); and the supervisors, for
+    `stop_workers`."""
+    if prefill_workers and any(s.type in IN_PROCESS and s.type != "gpu" for s in specs):
+        raise WorkerStartError("--prefill-workers needs the gpu backend (it moves KV blocks)")
     if workers <= 0:
         return specs, []
     out: list[BackendSpec] = []
@@ -34,12 +42,23 @@ async def start_workers(
             if spec.type not in IN_PROCESS:
                 out.append(spec)
                 continue
-            supervisor = WorkerSupervisor(spec, workers, on_restart=on_restart)
+            supervisor = WorkerSupervisor(
+                spec, workers, on_restart=on_restart, prefill=prefill_workers
+            )
             await supervisor.start()
             supervisors.append(supervisor)
             options = supervisor.remote_options()
             model = await _served_model(supervisor.urls[0], supervisor.token)
-            out.append(BackendSpec(spec.name, "remote", model, "", options))
+            if not prefill_workers:
+                out.append(BackendSpec(spec.name, "remote", model, "", options))
+                continue
+            for role in (PREFILL, DECODE):
+                urls = supervisor.urls_of(role)
+                out.append(
+                    BackendSpec(
+                        spec.name, "remote", model, "", options | {"urls": urls, "role": role}
+                    )
+                )
     except BaseException:
         await stop_workers(supervisors)
         raise

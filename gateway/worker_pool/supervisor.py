@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from gateway.backends import BackendSpec
+from gateway.backends.kv_transfer import BOTH, DECODE, PREFILL
 from gateway.worker_pool.placement import Placement, place_workers, visible_gpus
 
 log = logging.getLogger("kvgate.supervisor")
@@ -44,6 +45,7 @@ class WorkerStartError(RuntimeError):
 class Worker:
     index: int
     placement: Placement
+    role: str = BOTH  # prefill | decode | both (`kvgate worker --role`)
     port: int = 0  # 0 until the first start picks one
     proc: asyncio.subprocess.Process | None = None
     epoch: str = ""
@@ -60,6 +62,7 @@ class WorkerSupervisor:
         n: int,
         *,
         on_restart: Callable[[str], Awaitable[None]] | None = None,
+        prefill: int = 0,  # the first `prefill` workers prefill, the rest decode
         start_timeout_s: float = 600.0,  # loading a large model takes minutes
         grace_s: float = 10.0,
         backoff_s: tuple[float, float] = (0.5, 30.0),  # first delay, longest delay
@@ -74,7 +77,9 @@ class WorkerSupervisor:
         self.backoff_s, self.stable_s = backoff_s, stable_s
         cpus = sorted(os.sched_getaffinity(0))
         placements = place_workers(spec, n, cpus, visible_gpus(spec))
-        self.workers = [Worker(i, p) for i, p in enumerate(placements)]
+        roles = [PREFILL] * prefill + [DECODE] * (n - prefill) if prefill else [BOTH] * n
+        pairs = zip(placements, roles, strict=True)
+        self.workers = [Worker(i, p, role) for i, (p, role) in enumerate(pairs)]
         self._monitors: list[asyncio.Task] = []
         self._stopping = False
 
@@ -85,6 +90,9 @@ class WorkerSupervisor:
     @property
     def urls(self) -> list[str]:
         return [self.url(w) for w in self.workers]
+
+    def urls_of(self, role: str) -> list[str]:
+        return [self.url(w) for w in self.workers if w.role == role]
 
     def remote_options(self) -> dict[str, object]:
         """`options` for a `remote` backend spec that reaches these workers."""
@@ -144,7 +152,7 @@ class WorkerSupervisor:
         options |= w.placement.options
         cmd = [sys.executable, "-m", "gateway.cli", "worker", "--host", "127.0.0.1"]
         cmd += ["--port", str(w.port), "--backend", spec.type, "--options", json.dumps(options)]
-        cmd += ["--parent-pid", str(os.getpid())]
+        cmd += ["--parent-pid", str(os.getpid()), "--role", w.role]
         if spec.model:
             cmd += ["--model", spec.model]
         if spec.served_model_name:

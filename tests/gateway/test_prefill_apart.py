@@ -8,15 +8,25 @@ slows the first tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import random
+import signal
+import sqlite3
+import time
 
+import httpx
 import pytest
 
 from engine_api.kv_records import HEADER_SIZE
 from engine_api.records import GenChunk
-from gateway.backends.kv_transfer import pack_records, unpack_records
+from gateway.backends import BackendSpec
+from gateway.backends.kv_transfer import pack_records, role_of, unpack_records
+from gateway.backends.remote_options import RemoteOptions
 from gateway.backends.remote_worker import parse_stats
+from gateway.cli import build_parser
+from gateway.config import Settings, load_settings
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.gateway.test_worker import gen_body, http, start_worker
 
@@ -26,9 +36,9 @@ OPTIONS = json.dumps({"block_size": BS, "max_model_len": 512})
 pytestmark = pytest.mark.slow
 
 
-def prompt(seed: int = 35) -> list[int]:
+def prompt(seed: int = 35, length: int = PROMPT_LEN) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(4, 384) for _ in range(PROMPT_LEN)]
+    return [rng.randrange(4, 384) for _ in range(length)]
 
 
 def test_records_frame_and_unframe():
@@ -132,3 +142,137 @@ async def test_a_worker_that_moves_no_blocks_says_so(tmp_path, pair):
 def test_a_role_needs_the_gpu_backend(tmp_path):
     with pytest.raises(RuntimeError, match="--role prefill needs the gpu backend"):
         start_worker(tmp_path, "--backend", "fake", "--role", "prefill")
+
+
+# -- through a gateway: serve --workers 2 --prefill-workers 1 ---------------------------
+
+
+@pytest.fixture
+async def apart(make_gateway, tmp_path):
+    model = save_tiny_model("llama", str(tmp_path))
+    options = json.loads(OPTIONS) | {"device": "cpu", "dtype": "float32"}
+    spec = BackendSpec("tiny", "gpu", model, "tiny", options)
+    return await make_gateway([spec], workers=2, prefill_workers=1, prefill_threshold=64)
+
+
+async def complete(gw, key: str, seed: int, **fields) -> dict:
+    body = {"model": "tiny", "prompt": prompt(seed), "max_tokens": 6, "temperature": 0}
+    body |= {"ignore_eos": True} | fields
+    r = await gw.post("/v1/completions", key, body)
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+def jobs(gw, outcome: str) -> float:
+    m = gw.state.metrics
+    return m.child(m.prefill_jobs, "tiny", outcome)._value.get()
+
+
+def worker_of(gw, role: str) -> tuple[str, str]:
+    (supervisor,) = gw.state.supervisors
+    (url,) = supervisor.urls_of(role)
+    return url.removesuffix("/v1"), supervisor.token
+
+
+async def usage_rows(gw, tmp_path, count: int) -> list[tuple]:
+    sql = "SELECT tenant_id, prompt_tokens, completion_tokens, cached_tokens FROM usage_records"
+    deadline = time.monotonic() + 30
+    while True:
+        with sqlite3.connect(tmp_path / "gw.db") as conn:
+            rows = conn.execute(sql).fetchall()
+        if len(rows) >= count or time.monotonic() > deadline:
+            return rows
+        await asyncio.sleep(0.1)
+
+
+async def test_apart_or_not_the_output_and_the_usage_row_are_the_same(apart, tmp_path):
+    gw = apart
+    assert sorted(role_of(b) for b in gw.state.backends) == ["decode", "prefill"]
+    (a, key_a), (b, key_b), (c, key_c) = [await gw.tenant(n) for n in "abc"]
+    together = await complete(gw, key_a, 1)  # 201 tokens >= 64: prefilled apart
+    assert jobs(gw, "ok") == 1 and jobs(gw, "fallback") == 0
+    url, token = worker_of(gw, "decode")
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as h:
+        extra = (await h.get(url + "/kvgate/v1/stats")).json()["extra"]
+    assert extra["kv_transfers"] == 1 and extra["kv_transfer_hits"] == 200
+    gw.state.settings.prefill_threshold = 10**6  # the same prompt, prefilled where it decodes
+    alone = await complete(gw, key_b, 1)
+    assert jobs(gw, "ok") == 1
+    gw.state.settings.prefill_threshold = 64
+    # tenant c's prompt, apart again: nothing of a's blocks is taken (its salt differs)
+    isolated = await complete(gw, key_c, 1)
+    assert jobs(gw, "ok") == 2
+    for out in (alone, isolated):
+        assert out["choices"][0]["text"] == together["choices"][0]["text"]
+        assert out["usage"] == together["usage"]
+    assert together["usage"]["prompt_tokens"] == PROMPT_LEN
+    assert together["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # one request, one usage row: the prefill jobs have none
+    rows = await usage_rows(gw, tmp_path, 3)
+    assert sorted(rows) == sorted((t["id"], PROMPT_LEN, 6, 0) for t in (a, b, c))
+
+
+async def test_a_prefill_worker_killed_under_load_only_slows_first_tokens(apart):
+    gw = apart
+    _, key = await gw.tenant("load")
+    gw.state.settings.prefill_threshold = 10**6
+    reference = [
+        (await complete(gw, key, seed, user="ref"))["choices"][0]["text"] for seed in range(6)
+    ]
+    gw.state.settings.prefill_threshold = 64
+    (supervisor,) = gw.state.supervisors
+    prefill = next(w for w in supervisor.workers if w.role == "prefill")
+    _, key = await gw.tenant("load-2")  # another salt: nothing cached from the reference
+    tasks = [asyncio.ensure_future(complete(gw, key, seed)) for seed in range(6)]
+    os.kill(prefill.proc.pid, signal.SIGKILL)
+    outs = await asyncio.gather(*tasks)
+    assert [o["choices"][0]["text"] for o in outs] == reference
+    prefill_replica = next(b for b in gw.state.backends if role_of(b) == "prefill")
+    # each request either fell back, or found the prefill replica already down
+    assert jobs(gw, "fallback") >= 1 or not prefill_replica.stats().healthy
+
+
+async def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_event(apart, tmp_path):
+    gw = apart
+    _, key = await gw.tenant("streams")
+    (supervisor,) = gw.state.supervisors
+    decode = next(w for w in supervisor.workers if w.role == "decode")
+    # 72 tokens: apart; 180 more to stream (the tiny model's context is 256)
+    body = {"model": "tiny", "prompt": prompt(3, 72), "max_tokens": 180, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
+    events: list[dict] = []
+    r = await gw.post("/v1/completions", key, body)
+    assert r.status == 200, await r.text()
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        events.append(json.loads(line.removeprefix("data: ")))
+        if len(events) == 1:  # output went out: the decode worker continues from kv_source
+            os.kill(decode.proc.pid, signal.SIGKILL)
+    assert jobs(gw, "ok") == 1
+    assert events[-1]["error"]["message"] and len(events) < 180
+    (row,) = await usage_rows(gw, tmp_path, 1)
+    delivered = sum(1 for e in events if e.get("choices"))
+    assert row[1:] == (72, delivered, 0)
+
+
+def test_prefill_workers_are_fewer_than_workers():
+    args = build_parser().parse_args(
+        ["serve", "--workers", "3", "--prefill-workers", "1", "--prefill-threshold", "100"]
+    )
+    settings = load_settings(
+        None,
+        {"workers": args.workers}
+        | {"prefill_workers": args.prefill_workers, "prefill_threshold": args.prefill_threshold},
+        environ={},
+    )
+    assert (settings.prefill_workers, settings.prefill_threshold) == (1, 100)
+    assert load_settings(None, environ={}).prefill_workers == 0  # every worker does both
+    for workers, prefill in [(2, 2), (0, 1), (3, -1)]:
+        with pytest.raises(ValueError, match="prefill_workers must be fewer than workers"):
+            Settings(workers=workers, prefill_workers=prefill)
+    with pytest.raises(ValueError, match="role must be one of prefill, decode, both"):
+        RemoteOptions.parse(
+            BackendSpec("r", "remote", "m", "", {"url": "http://h/v1", "role": "x"})
+        )
