@@ -12,8 +12,8 @@
 #    models on CUDA equal to transformers' on the CPU under the near-tie rule, with CUDA
 #    graphs and without, the memory profile, W8A8 against bfloat16, an embedding
 #    model's vectors on CUDA against the CPU's; and
-#    test_triton_attention.py's kernels at model sizes against the torch path), at most
-#    TEST_S seconds: OUTDIR/pytest.log, OUTDIR/pytest.xml;
+#    test_triton_attention.py's and test_triton_lora.py's kernels at model sizes against
+#    the torch path), at most TEST_S seconds: OUTDIR/pytest.log, OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
 #    kvgate bfloat16 against transformers' continuous batching, bfloat16 against FP8,
 #    batch-1 decode against the memory bandwidth), at most BENCH_S seconds:
@@ -45,7 +45,8 @@ print("triton", triton.__version__, "transformers", transformers.__version__)'
 # the tests first: they say whether the numbers after them mean anything
 timeout -k 10 "$test_s" "$python" -m pytest -q -rfEs -m cuda -p no:cacheprovider \
     --junitxml="$out/pytest.xml" \
-    tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py 2>&1 |
+    tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
+    tests/backend_gpu/test_triton_lora.py 2>&1 |
     tee "$out/pytest.log"
 tests=${PIPESTATUS[0]}
 echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
@@ -53,4 +54,10 @@ echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
 timeout -k 10 $((bench_s + 30)) "$python" -m studies.gpu_check --out "$out" \
     --budget-s "$bench_s" 2>&1 | tee "$out/gpu_check.log"
 echo "gpu_check.sh: bench exited ${PIPESTATUS[0]}" | tee -a "$out/gpu_check.log"
+# issue 34: python -m studies.lora_kernels (a mixed-adapter batch through the LoRA
+# kernels on one projection, against a per-adapter torch loop and the base matmul
+# alone), at most LORA_S seconds: OUTDIR/lora_kernels.json, OUTDIR/lora_kernels.log
+timeout -k 10 "${LORA_S:-60}" "$python" -m studies.lora_kernels --out "$out" 2>&1 |
+    tee "$out/lora_kernels.log"
+echo "gpu_check.sh: lora kernels exited ${PIPESTATUS[0]}" | tee -a "$out/lora_kernels.log"
 exit "$tests"
