@@ -13,6 +13,7 @@ from gateway.config import Settings
 from gateway.http.middleware import openai_errors, refuse_control_characters
 from gateway.http.util import SETTINGS, json_response
 from gateway.lifecycle import start_gateway, stop_gateway
+from gateway.routes import adapters as adapter_api
 from gateway.routes import admin as admin_api
 from gateway.routes import embeddings, guards, openapi, responses_api
 from gateway.routes import messages as messages_api
@@ -83,6 +84,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     embeddings.add_routes(app)
     admin_api.add_routes(app)
+    adapter_api.add_routes(app)
     prefix_api.add_routes(app)
     openapi.add_routes(app)
 

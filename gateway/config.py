@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.backends import BackendSpec, replica_count
+from gateway.backends.spec import LoraModule, parse_lora_modules
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
 from gateway.tenancy.quota.prices import FREE, Price, parse_prices
 
@@ -80,6 +81,15 @@ class Settings:
     n_ctx: int | None = None  # local backend: KV cells shared by all sequences (16384)
     n_parallel: int | None = None  # local backend: sequences decoded together (4)
     n_threads: int | None = None  # local backend: CPU threads (default: one per core, <= 8)
+    # LoRA adapters (vLLM's names): served at all (any adapter given implies it), resident
+    # on the device at once, the largest rank, kept in host memory (gpu; local: the first two)
+    enable_lora: bool | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
+    # public adapters over the one --backend's model: "NAME=PATH" or vLLM's JSON form
+    # (a [[backends]] entry has its own `lora_modules`)
+    lora_modules: list[str] = field(default_factory=list)
     # how tenants share a backend: "vtc" (the Virtual Token Counter: the gpu engine's
     # scheduler, and the gateway's queue before other backends) or "fcfs"; None: vtc
     fairness: str | None = None
@@ -133,6 +143,8 @@ class Settings:
         if self.backends and not self.model and self.backend in ("", "auto"):
             if self.replicas != 1:  # it would be ignored: one count for which entry?
                 engine_options["replicas"] = self.replicas
+            if self.lora_modules:
+                engine_options["lora_modules"] = self.lora_modules
             if engine_options:
                 raise ValueError(
                     f"{sorted(engine_options)} with [[backends]]: set them in an entry's options"
@@ -152,7 +164,16 @@ class Settings:
         options |= engine_options
         if self.fairness is not None and kind == "gpu":  # the engine's own scheduler
             options["fairness"] = self.fairness
-        return [BackendSpec(kind, kind, self.model, self.served_model_name, options)]
+        spec = BackendSpec(kind, kind, self.model, self.served_model_name, options)
+        return [with_lora(spec, parse_lora_modules(self.lora_modules, "--lora-modules"))]
+
+
+def with_lora(spec: BackendSpec, modules: list[LoraModule]) -> BackendSpec:
+    """The spec serving `modules`: an engine given adapters has LoRA enabled."""
+    options = spec.options
+    if modules and spec.type in ("gpu", "local"):
+        options = {"enable_lora": True} | options
+    return replace(spec, options=options, lora_modules=modules)
 
 
 # the engine settings above and the backend types that take each
@@ -172,6 +193,10 @@ ENGINE_SETTINGS: dict[str, tuple[str, ...]] = {
     "n_ctx": ("local",),
     "n_parallel": ("local",),
     "n_threads": ("local",),
+    "enable_lora": ("gpu", "local"),
+    "max_loras": ("gpu", "local"),
+    "max_lora_rank": ("gpu",),
+    "max_cpu_loras": ("gpu",),
 }
 
 
@@ -233,6 +258,11 @@ _ENV_FIELDS = {
     "n_ctx": int,
     "n_parallel": int,
     "n_threads": int,
+    "enable_lora": lambda v: v.lower() in ("1", "true", "yes"),
+    "max_loras": int,
+    "max_lora_rank": int,
+    "max_cpu_loras": int,
+    "lora_modules": lambda v: v.split(),
     "fairness": str,
 }
 
@@ -272,15 +302,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
             name, kind = entry.pop("name"), entry.pop("type")
         except KeyError as e:
             raise ValueError(f"{path}: each [[backends]] entry needs {e.args[0]!r}") from None
-        specs.append(
-            BackendSpec(
-                name=name,
-                type=kind,
-                model=str(entry.pop("model", "")),
-                served_model_name=entry.pop("served_model_name", ""),
-                options=entry.pop("options", {}) | entry,
-            )
+        spec = BackendSpec(
+            name=name,
+            type=kind,
+            model=str(entry.pop("model", "")),
+            served_model_name=entry.pop("served_model_name", ""),
+            options=entry.pop("options", {}) | entry,
         )
+        modules = spec.options.pop("lora_modules", [])
+        specs.append(with_lora(spec, parse_lora_modules(modules, f"{path}: backend {name!r}")))
     if specs:
         values["backends"] = specs
         values.setdefault("backend", "")

@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import time
 
-from gateway.backends import Backend, build_backends
+from gateway.backends import Backend, ModelCard, build_backends
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
+from gateway.routing.adapters import AdapterRegistry
 from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.fair_queue import FairQueue
 from gateway.routing.pins import PinService
@@ -55,9 +56,11 @@ async def start_gateway(settings: Settings) -> GatewayState:
         secret=secret,
         catalog=catalog,
         pins=PinService(db, router, catalog, secret),
+        adapters=AdapterRegistry(db, router),
         generated_admin_key=generated,
     )
     await _start_backends(state)
+    await state.adapters.load()
     # the engines start empty: prefill the pinned prefixes, so the first request hits
     await state.pins.load()
     await state.pins.prefill_all()
@@ -102,11 +105,14 @@ async def _start_backends(state: GatewayState) -> None:
         log.info("worker %s restarted with an empty cache: prefilling the pins again", url)
         await state.pins.prefill_all()
 
+    configured = settings.resolved_backends()
     specs, state.supervisors = await start_workers(
-        settings.resolved_backends(), settings.workers, on_restart, settings.prefill_workers
+        configured, settings.workers, on_restart, settings.prefill_workers
     )
+    built: dict[str, list[Backend]] = {}  # entry name -> its replicas
     for spec in specs:
         for backend in build_backends(spec):  # one per replica
+            built.setdefault(spec.name, []).append(backend)
             state.backends.append(backend)
             state.backend_types[backend.name] = spec.type
             router.backends.append(backend)
@@ -118,10 +124,22 @@ async def _start_backends(state: GatewayState) -> None:
                 log.debug("backend %s failed to start", backend.name, exc_info=True)
                 router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
                 _keep_models(router, backend)
+    for spec in configured:  # public adapters over each entry's model
+        for module in spec.lora_modules:
+            models = [c.id for b in built.get(spec.name, [])[:1] for c in _cards(b)]
+            base = module.base_model or (models[0] if models else "")
+            await state.adapters.add_configured(module.name, module.path, base)
     for backend in state.backends:
         slots = getattr(backend, "max_in_flight", None)
         if slots is not None:
             state.queues[backend.name] = FairQueue(slots, settings.fairness or "vtc")
+
+
+def _cards(backend: Backend) -> list[ModelCard]:
+    try:
+        return backend.models()
+    except Exception:  # unstarted, and it cannot tell: its adapters have no base model
+        return []
 
 
 def _keep_models(router: Router, backend: Backend) -> None:
@@ -134,6 +152,7 @@ def _keep_models(router: Router, backend: Backend) -> None:
 
 
 async def stop_gateway(state: GatewayState) -> None:
+    await state.adapters.stop()
     for backend in state.backends:
         try:
             await backend.stop(drain=True)

@@ -15,12 +15,14 @@ from gateway.db import Database
 from gateway.http.errors import ApiError
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
+from gateway.routing.adapters import AdapterRegistry
 from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.fair_queue import FairQueue
 from gateway.routing.pins import PinService
 from gateway.routing.router import Router
 from gateway.tenancy.auth import Authenticator, AuthError, Principal
 from gateway.tenancy.quota import QuotaStore
+from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.tenants import TenantService
 from gateway.tenancy.usage import UsageRecorder
 from gateway.worker_pool.supervisor import WorkerSupervisor
@@ -40,6 +42,7 @@ class GatewayState:
     secret: str
     catalog: PrefixCatalog
     pins: PinService
+    adapters: AdapterRegistry
     backends: list[Backend] = field(default_factory=list)
     backend_types: dict[str, str] = field(default_factory=dict)
     generated_admin_key: str | None = None
@@ -60,6 +63,12 @@ class GatewayState:
         if scope not in principal.scopes:
             raise ApiError(403, f"This API key does not have the {scope!r} scope.")
         return principal
+
+    def price_of(self, model: str) -> Price:
+        """The model's prices; an adapter without its own, its base model's."""
+        if model not in self.settings.prices and (base := self.adapters.base_of(model)):
+            return self.settings.price_of(base)
+        return self.settings.price_of(model)
 
 
 def with_queue(stats: BackendStats, queues: dict[str, FairQueue]) -> BackendStats:

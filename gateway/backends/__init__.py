@@ -13,6 +13,7 @@ from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
 from engine_api.records import (
     EMBED,
     GENERATE,
+    AdapterRef,
     BackendStats,
     EmbedRequest,
     EmbedResult,
@@ -27,6 +28,7 @@ from engine_api.sampling import SamplingParams
 from gateway.backends.base import (
     Backend,
     EmbeddingBackend,
+    LoraBackend,
     OutputCountingBackend,
     PrefixCachingBackend,
 )
@@ -36,6 +38,7 @@ from gateway.backends.spec import BackendSpec, replica_count
 __all__ = [
     "EMBED",
     "GENERATE",
+    "AdapterRef",
     "Backend",
     "BackendError",
     "BackendSpec",
@@ -47,6 +50,7 @@ __all__ = [
     "GenChunk",
     "GenRequest",
     "KVEvent",
+    "LoraBackend",
     "ModelCard",
     "OutputCountingBackend",
     "PrefixCachingBackend",

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
 from engine_api.records import (
+    AdapterRef,
     BackendStats,
     EmbedRequest,
     EmbedResult,
@@ -75,6 +76,23 @@ class PrefixCachingBackend(Backend, Protocol):
 
     def kv_events(self) -> list[KVEvent]:
         """Drain the events since the last call (never blocks)."""
+        ...
+
+
+@runtime_checkable
+class LoraBackend(Backend, Protocol):
+    """A backend that serves LoRA adapters over its base model: a request whose
+    `GenRequest.adapter` is set runs under that adapter (loaded on demand), and its stats'
+    `extra["adapters_loaded"]` names the adapters resident now (the router prefers those)."""
+
+    async def check_adapter(self, ref: AdapterRef) -> None:
+        """Raise BadRequestError naming what is wrong with the adapter for this replica's
+        model (no such path, another base model's shapes, a rank above the limit, an
+        unknown target module, LoRA not enabled); return if it would serve."""
+        ...
+
+    async def remove_adapter(self, name: str) -> None:
+        """Forget the adapter (its requests in flight have finished)."""
         ...
 
 

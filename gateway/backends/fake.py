@@ -14,6 +14,11 @@ truncatable, default false: whether `dimensions` may shorten its vectors): each 
 vector is a deterministic unit vector drawn from its token ids, so the gateway's
 admission, quotas, usage and prices for embeddings can be tested and measured alone.
 The vectors mean nothing; real ones are the engine's, tested against it.
+
+LoRA adapters: it accepts any adapter whose path exists (check_adapter), "loads" one when
+a request names it (stats' adapters_loaded; `adapter_requests` counts requests per
+adapter) and words its output by the adapter's name too, so the gateway's registry,
+visibility, routing and metering of adapters can be tested alone.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import random
 import re
 import time
@@ -28,10 +34,12 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator
 
+from engine_api.block_hash import adapter_root
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
     EMBED,
     GENERATE,
+    AdapterRef,
     BackendStats,
     EmbedRequest,
     EmbedResult,
@@ -125,6 +133,9 @@ class FakeBackend:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._generated_per_s: deque[list[float]] = deque()  # [second, tokens]
+        self.adapters_loaded: list[str] = []
+        self.adapter_requests: dict[str, int] = {}  # adapter name -> requests run under it
+        self.removed_adapters: list[str] = []
 
     async def start(self) -> None:
         self.started = True
@@ -190,6 +201,15 @@ class FakeBackend:
         known = range(WORD_ID_BASE, WORD_ID_BASE + len(WORDS))
         return await decode_off_loop(_words, token_ids, known)
 
+    async def check_adapter(self, ref: AdapterRef) -> None:
+        if not await asyncio.to_thread(os.path.exists, ref.path):
+            raise BadRequestError(f"LoRA adapter {ref.name!r}: no such path {ref.path!r}")
+
+    async def remove_adapter(self, name: str) -> None:
+        self.removed_adapters.append(name)
+        if name in self.adapters_loaded:
+            self.adapters_loaded.remove(name)
+
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         return self._generate(req)
 
@@ -201,7 +221,13 @@ class FakeBackend:
         sp = req.sampling
         if sp.prompt_logprobs is not None:  # its prompt ids are hashes of words: no model
             raise BadRequestError("the fake backend has no prompt logprobs (echo with logprobs)")
-        cached = self._match_prefix(req.prompt_token_ids, req.cache_salt)
+        if req.adapter is not None:
+            await self.check_adapter(req.adapter)
+            name = req.adapter.name
+            self.adapter_requests[name] = self.adapter_requests.get(name, 0) + 1
+            if name not in self.adapters_loaded:
+                self.adapters_loaded.append(name)
+        cached = self._match_prefix(req.prompt_token_ids, req.cache_salt, req.adapter)
         self.running += 1
         finished = False
         emitted = 0
@@ -269,6 +295,7 @@ class FakeBackend:
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             gen_tokens_per_s=recent / 10,
+            extra={"adapters_loaded": list(self.adapters_loaded)} if self.adapters_loaded else {},
         )
 
     def _pick(self, start: int, i: int) -> int:
@@ -276,11 +303,12 @@ class FakeBackend:
 
     def _start(self, req: GenRequest) -> int:
         seed = req.sampling.seed if req.sampling.temperature > 0 else None
-        return zlib.crc32(f"{req.prompt_token_ids[-8:]}|{seed}".encode())
+        key = f"{req.prompt_token_ids[-8:]}|{seed}"
+        return zlib.crc32((key + f"|{req.adapter.name}" if req.adapter else key).encode())
 
-    def _match_prefix(self, ids: list[int], salt: str | None) -> int:
-        """Full prompt blocks seen before under the same salt count as cached."""
-        parent, cached, hit = (salt or "").encode(), 0, True
+    def _match_prefix(self, ids: list[int], salt: str | None, adapter: AdapterRef | None) -> int:
+        """Full prompt blocks seen before under the same salt and adapter count as cached."""
+        parent, cached, hit = (salt or "").encode() + (adapter_root(adapter) or b""), 0, True
         for start in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
             parent = hashlib.blake2b(parent + str(ids[start : start + BLOCK]).encode()).digest()
             if hit and parent in self.cached_blocks:

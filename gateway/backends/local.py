@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Callable
 
 from backend_local import EngineConfig, LocalEngine, ModelLoadError, RequestOutput
 from backend_local.engine import NOT_A_GENERATOR
-from backend_local.prefix_blocks import block_hashes
+from backend_local.prefix_blocks import BLOCK_SIZE
+from engine_api.block_hash import adapter_root, hash_blocks
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
     EMBED,
+    AdapterRef,
     BackendStats,
     EmbedRequest,
     EmbedResult,
@@ -39,6 +41,7 @@ ENGINE_OPTIONS = (
     *("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose"),
     *("task", "pooling", "normalize"),
     *("kv_disk_path", "kv_disk_gb"),
+    *("enable_lora", "max_loras"),
 )
 
 
@@ -134,9 +137,22 @@ class LocalBackend(InProcessBackend[LocalEngine]):
         )
 
     def block_hashes(
-        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        shared_prefix_len: int = 0,
+        adapter: AdapterRef | None = None,
     ) -> list[str]:
-        return block_hashes(token_ids, cache_salt, shared_prefix_len)
+        root = adapter_root(adapter)
+        hashes = hash_blocks(token_ids, BLOCK_SIZE, cache_salt, shared_prefix_len, root)
+        return [h.hex() for h in hashes]
+
+    async def check_adapter(self, ref: AdapterRef) -> None:
+        """LoraBackend: the engine reads the GGUF adapter's header, off the event loop."""
+        await asyncio.to_thread(self.engine.check_adapter, ref)
+
+    async def remove_adapter(self, name: str) -> None:
+        self.engine.remove_adapter(name)
 
     def kv_events(self) -> list[KVEvent]:
         events, self._last_events = self._last_events, []
@@ -159,6 +175,8 @@ class LocalBackend(InProcessBackend[LocalEngine]):
             "prompt_tokens_total": s.prompt_tokens_total,
             "gen_tokens_total": s.gen_tokens_total,
         }
+        if self._engine.config.enable_lora:
+            extra |= {"adapters_loaded": list(s.adapters_loaded), "lora_loads": s.lora_loads}
         if self._engine.config.kv_disk_path:  # a tier's counters only when it is on
             extra |= {k: v for k, v in dataclasses.asdict(s).items() if k.startswith("kv_disk_")}
         return BackendStats(

@@ -34,6 +34,11 @@ over HTTP), so it routes by prefix like an in-process replica. A third-party ups
 gets streamed /v1/completions (a text-bound chat: /v1/chat/completions); its
 `block_hashes` and `kv_events` come from a record of the prompts this gateway sent it
 (remote_sent.py: approximate prefix routing).
+
+LoRA adapters: a worker's engine loads them (the request carries the adapter's name and
+path; check_adapter and remove_adapter are its /kvgate/v1/adapters calls). A third-party
+upstream (vLLM, SGLang) serves adapters it loaded itself: the gateway's adapter's path is
+the upstream's name for it, sent as the request's `model`, and nothing is checked.
 """
 
 from __future__ import annotations
@@ -45,11 +50,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine_api.block_hash import hash_blocks
+from engine_api.block_hash import adapter_root, hash_blocks
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import (
     EMBED,
     GENERATE,
+    AdapterRef,
     BackendStats,
     EmbedRequest,
     EmbedResult,
@@ -82,6 +88,8 @@ from gateway.backends.remote_text import carried_prompt, marked, text_bound
 from gateway.backends.remote_tokenize import count as count_upstream
 from gateway.backends.remote_tokenize import tokenize as upstream_tokenize
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
+from gateway.backends.remote_worker import check_adapter as worker_check_adapter
+from gateway.backends.remote_worker import remove_adapter as worker_remove_adapter
 from gateway.backends.remote_worker import worker_stream
 from gateway.backends.spec import BackendSpec
 
@@ -318,6 +326,8 @@ class RemoteBackend:
         if self.monitor.info is None:
             raise BackendError(f"{self.label}: the upstream has not answered yet")
         upstream_req = dataclasses.replace(req, model=self.upstream_model)
+        if req.adapter is not None and not self._is_worker:  # by its upstream name
+            upstream_req = dataclasses.replace(req, model=req.adapter.path)
         self._inflight += 1
         self.monitor.progress()
         try:
@@ -335,6 +345,16 @@ class RemoteBackend:
             raise
         finally:
             self._inflight -= 1
+
+    async def check_adapter(self, ref: AdapterRef) -> None:
+        """LoraBackend: a worker's engine judges it; a third-party upstream is trusted to
+        serve the adapter it was configured with."""
+        if self._is_worker:
+            await worker_check_adapter(self.client, ref)
+
+    async def remove_adapter(self, name: str) -> None:
+        if self._is_worker:
+            await worker_remove_adapter(self.client, name)
 
     async def embed(self, req: EmbedRequest) -> EmbedResult:
         """The upstream's /v1/embeddings (remote_embed.py), within first_token_timeout_s."""
@@ -414,34 +434,40 @@ class RemoteBackend:
         if tok is not None:  # else the upstream's own tokenizer judges (vLLM: a 400)
             req.sampling.check_vocab(len(tok.tokenizer))
         if self.text_bound and marked(req.prompt_token_ids):
-            resp = await open_text_completion(self.client, req, self.upstream_model)
-        else:
+            resp = await open_text_completion(self.client, req, req.model)
+        else:  # req.model: the upstream's id (of the model, or of the adapter)
             resp, self._takes_ids = await open_completion(
-                self.client, req, self.upstream_model, self._takes_ids, tok and tok.prompt_text
+                self.client, req, req.model, self._takes_ids, tok and tok.prompt_text
             )
-        # the upstream took the prompt: its blocks are likely in its cache now
-        hashes = self.sent.hashes(req.prompt_token_ids, req.cache_salt, req.shared_prefix_len)
-        self.sent.record(hashes, req.cache_salt, req.shared_prefix_len)
+        # the upstream took the prompt: its blocks are likely in its cache now (an
+        # adapter's are keyed apart upstream: not recorded)
+        if req.adapter is None:
+            hashes = self.sent.hashes(req.prompt_token_ids, req.cache_salt, req.shared_prefix_len)
+            self.sent.record(hashes, req.cache_salt, req.shared_prefix_len)
         chunks = completion_chunks(self.client, resp, req.sampling.logprobs or 0)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
 
     def block_hashes(
-        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        shared_prefix_len: int = 0,
+        adapter: AdapterRef | None = None,
     ) -> list[str]:
-        """As the worker's engine keys its cache; for an upstream without events, as the
-        record of what this gateway sent it keys its blocks."""
+        """As the worker's engine keys its cache (under the adapter's chain root); for an
+        upstream without events, as the record of what this gateway sent it keys its
+        blocks (an adapter's prompts are not recorded: none is routed by it)."""
         info = self.monitor.info
         worker = info.worker if info else None
         if info is not None and worker is None:
-            return self.sent.hashes(token_ids, cache_salt, shared_prefix_len)
+            return [] if adapter else self.sent.hashes(token_ids, cache_salt, shared_prefix_len)
         if worker is None or not worker.prefix_events or not worker.block_size:
             return []
-        return [
-            h.hex()
-            for h in hash_blocks(token_ids, worker.block_size, cache_salt, shared_prefix_len)
-        ]
+        root = adapter_root(adapter)
+        size = worker.block_size
+        return [h.hex() for h in hash_blocks(token_ids, size, cache_salt, shared_prefix_len, root)]
 
     def kv_events(self) -> list[KVEvent]:
         return self.monitor.events.take() + self.sent.take()

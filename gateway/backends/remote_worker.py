@@ -1,5 +1,6 @@
 """The kvgate-worker side of the remote adapter: what a worker says about itself, its
-native generate stream, its stats, and its KV events turned into the catalog's.
+native generate stream, its LoRA adapter calls, its stats, and its KV events turned into
+the catalog's.
 
 A worker speaks engine_api's records (GenRequest out, GenChunk lines back), so nothing
 is translated but errors; its KV events carry its own replica name and arrive through
@@ -15,9 +16,10 @@ import typing
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from engine_api.errors import BackendError
-from engine_api.records import KV_MEDIA, BackendStats, GenChunk, GenRequest, KVEvent
+from engine_api.records import KV_MEDIA, AdapterRef, BackendStats, GenChunk, GenRequest, KVEvent
 from gateway.backends.kv_transfer import BOTH, ROLES
 from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
 
@@ -83,6 +85,17 @@ async def worker_stream(client: UpstreamClient, req: GenRequest) -> AsyncIterato
             resp.release()  # complete: the connection goes back to the pool
         else:
             resp.close()  # the worker sees the connection close and aborts the request
+
+
+async def check_adapter(client: UpstreamClient, ref: AdapterRef) -> None:
+    """The worker's engine validates the adapter; its BadRequestError's words come back."""
+    url = client.endpoint.root + "/kvgate/v1/adapters/check"
+    await client.json("POST", url, ref.to_dict(), relay=True)
+
+
+async def remove_adapter(client: UpstreamClient, name: str) -> None:
+    url = client.endpoint.root + "/kvgate/v1/adapters/" + quote(name, safe="")
+    await client.json("DELETE", url, relay=True)
 
 
 _STAT_TYPES = typing.get_type_hints(BackendStats)

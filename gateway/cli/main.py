@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gateway.cli import adapters as cli_adapters
 from gateway.cli import admin as cli_admin
 from gateway.config import Settings, load_settings
 from gateway.worker import cli as worker_cli
@@ -72,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         "messages, the workers' output) and the traceback of a backend that fails to start",
     )
     worker_cli.add_engine_args(serve)
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="public LoRA adapters over the model (vLLM's flag): NAME=PATH, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
 
     worker_cli.add_parser(sub)
     sub.add_parser("models", help="list the models kvgate can serve and where they live")
@@ -79,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="benchmarks against any OpenAI-compatible server", add_help=False)
     sub.add_parser("chat", help="chat with a model in the terminal", add_help=False)
     cli_admin.add_commands(sub)
+    cli_adapters.add_commands(sub)
     _accept_global_args_anywhere(parser)
     return parser
 
@@ -132,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
         return worker_cli.run(args)
+    if args.command == "adapters":
+        return cli_adapters.run(args)
     overrides = {
         "database_url": args.database_url,
         "database_schema": args.database_schema,
@@ -146,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_workers": args.prefill_workers,
             "prefill_threshold": args.prefill_threshold,
             "router_policy": args.router_policy,
+            "lora_modules": args.lora_modules,
         } | worker_cli.engine_overrides(args)
     try:
         settings = load_settings(args.config, overrides)

@@ -195,3 +195,17 @@ class PinnedPrefix(Base):
     created_by: Mapped[str] = mapped_column(String(64))
 
     __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+
+class LoraAdapter(Base):
+    """A LoRA adapter registered through the admin API (gateway.routing.adapters): served
+    on the replicas of `base_model`; a tenant's (NULL: public) is that tenant's alone."""
+
+    __tablename__ = "lora_adapters"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    base_model: Mapped[str] = mapped_column(String(200))
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    created_at: Mapped[float] = mapped_column(Float)
+    created_by: Mapped[str] = mapped_column(String(64))

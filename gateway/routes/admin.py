@@ -85,6 +85,7 @@ async def delete_tenant(request: web.Request) -> web.Response:
     await gw.tenants.delete_tenant(tenant_id, actor.key_id)
     gw.auth.forget_tenant(tenant_id)
     gw.pins.forget_tenant(tenant_id)
+    gw.adapters.forget_tenant(tenant_id)
     return json_response({"id": tenant_id, "object": "tenant", "deleted": True})
 
 

@@ -32,6 +32,7 @@ from gateway.schemas.inference import (
     TokenizeRequest,
 )
 from gateway.schemas.openai_format import (
+    adapter_entry,
     chat_choice,
     chunk_body,
     completion_choice,
@@ -39,7 +40,7 @@ from gateway.schemas.openai_format import (
     response_body,
     usage_chunk,
 )
-from gateway.serving.admission import model_card, prepare, rendered_tokens
+from gateway.serving.admission import model_card, prepare, rendered_tokens, served_model
 from gateway.serving.echo import Echo
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
@@ -74,6 +75,10 @@ async def list_models(request: web.Request) -> web.Response:
         for card in gw.router.cards.values()
         if principal.may_use(card.id)
     ]
+    for adapter in gw.adapters.usable(principal.tenant_id):  # a tenant's own and the public
+        base = gw.router.cards.get(adapter.base_model)
+        if base is not None and principal.may_use(adapter.name):
+            data.append(adapter_entry(adapter.name, base, created))
     return json_response({"object": "list", "data": data})
 
 
@@ -94,7 +99,8 @@ async def detokenize(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, DetokenizeRequest)
     model_card(gw, principal, body.model)
-    text = await on_a_replica(gw, body.model, lambda b: b.detokenize(body.model, body.tokens))
+    served = served_model(gw, principal, body.model)  # an adapter's: its base model's
+    text = await on_a_replica(gw, served, lambda b: b.detokenize(served, body.tokens))
     return json_response({"prompt": text})
 
 

@@ -26,6 +26,7 @@ from gateway.schemas import responses as m
 from gateway.schemas import responses_admin as a
 from gateway.schemas import responses_api as r
 from gateway.schemas import responses_api_bodies as rb
+from gateway.schemas.adapters import AdapterCreate
 from gateway.schemas.admin import (
     AdminPinCreate,
     KeyCreate,
@@ -61,6 +62,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     e.EmbeddingRequest,
     MessagesRequest,
     CountTokensRequest,
+    AdapterCreate,
 )
 _ERRORS = {
     400: "The request is malformed or breaks a rule (the body, a parameter, the URL).",
@@ -121,6 +123,9 @@ _SUMMARIES = {
     "get /admin/prefixes": "Hot cached prefixes, the pins and per-tenant hits.",
     "post /admin/prefixes/pins": "Pin a prefix for a tenant, or publish one for all.",
     "delete /admin/prefixes/pins/{pin_id}": "Unpin or unpublish a prefix.",
+    "post /admin/adapters": "Register a LoRA adapter (checked by its base model's replicas).",
+    "get /admin/adapters": "All LoRA adapters.",
+    "delete /admin/adapters/{name}": "Delete a LoRA adapter (its requests in flight finish).",
 }
 # http.middleware.refuse_control_characters answers 400 to a URL that holds a control character
 _TEXT_PARAM = {"type": "string", "pattern": NO_CONTROL}
@@ -128,7 +133,7 @@ _PATH_PARAMS = {
     "tenant_id": "The tenant's id (t_...).",
     "key_id": "The key's id (key_...).",
     "pin_id": "The prefix's id (pfx_...).",
-    "name": "The pin's name.",
+    "name": "The pin's or the LoRA adapter's name.",
 }
 # request bodies the examples phase of a fuzzer starts from; "model" becomes a served one
 _STREAM = {"stream": True, "stream_options": {"include_usage": True}}
@@ -155,6 +160,7 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
         _ANTHROPIC | {"max_tokens": 8, "stream": True},
     ),
     CountTokensRequest: (_ANTHROPIC | {"system": "Be brief."},),
+    AdapterCreate: ({"name": "sql-lora", "path": "/srv/adapters/sql", "base_model": "base"},),
     e.EmbeddingRequest: (
         {"model": "", "input": "The food was delicious."},
         {"model": "", "input": ["first", "second"], "encoding_format": "base64"},
@@ -251,6 +257,9 @@ def _admin_routes() -> list[Route]:
         Route("get /admin/prefixes", _json(a.PrefixReport), errors=LOOKUP, query=report),
         Route("post /admin/prefixes/pins", _json(a.PrefixCreated), AdminPinCreate, 201, PIN),
         Route("delete /admin/prefixes/pins/{pin_id}", _json(a.PrefixDeleted), errors=LOOKUP),
+        Route("post /admin/adapters", _json(a.Adapter), AdapterCreate, 201, (*LOOKUP, *BODY, 503)),
+        Route("get /admin/adapters", _json(a.AdapterList)),
+        Route("delete /admin/adapters/{name}", _json(a.AdapterDeleted), errors=LOOKUP),
     ]
 
 

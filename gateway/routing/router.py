@@ -12,6 +12,10 @@ balance_rel_threshold), with the catalog of KV events standing in for its radix 
      more than the prefill it would save;
   3. else the least loaded (then the longer match, then the longer one on the device,
      then least KV in use; equal replicas take turns).
+A request under a LoRA adapter prefers the replicas that have it loaded
+(BackendStats.extra["adapters_loaded"]), as llm-d routes by adapter: among equal matches
+in 1, and in 3 the least loaded of them wins over the least loaded of all unless rule 2's
+balance says it is overloaded (a load costs less than a long queue).
 "round_robin" and "least_loaded" exist to measure the prefix policy against.
 """
 
@@ -119,12 +123,15 @@ class Router:
         """The replica for a prompt whose full blocks hash to `block_hashes`."""
         return self.pick_from(self.candidates(model), block_hashes or [])
 
-    def pick_from(self, candidates: list[Candidate], block_hashes: list[str]) -> Backend:
+    def pick_from(
+        self, candidates: list[Candidate], block_hashes: list[str], adapter: str | None = None
+    ) -> Backend:
         """Like `pick`, among candidates already read (a request reads them once to
-        render its prompt, then picks by that prompt's blocks)."""
+        render its prompt, then picks by that prompt's blocks and its LoRA adapter)."""
         if len(candidates) == 1:
             return candidates[0].backend
-        return candidates[self.choose([c.stats for c in candidates], block_hashes)].backend
+        stats = [c.stats for c in candidates]
+        return candidates[self.choose(stats, block_hashes, adapter)].backend
 
     def claim(self, backend: Backend) -> None:
         """A request was sent its way (count it until `release`)."""
@@ -133,7 +140,9 @@ class Router:
     def release(self, backend: Backend) -> None:
         self.in_flight[backend.name] -= 1
 
-    def choose(self, stats: list[BackendStats], block_hashes: list[str]) -> int:
+    def choose(
+        self, stats: list[BackendStats], block_hashes: list[str], adapter: str | None = None
+    ) -> int:
         """Index into `stats` (one per healthy replica) of the replica to use."""
         turn = next(self._turn)
         n = len(stats)
@@ -145,13 +154,25 @@ class Router:
         if self.policy == "prefix" and block_hashes and self.catalog is not None:
             matched = [self.catalog.match_tiers(s.name, block_hashes) for s in stats]
         longer_first = [(-anywhere, -device) for anywhere, device in matched]
+        loaded = [False] * n  # has the request's adapter loaded
+        if self.policy == "prefix" and adapter is not None:
+            loaded = [adapter in s.extra.get("adapters_loaded", ()) for s in stats]
         least = min(
-            range(n), key=lambda i: (loads[i], longer_first[i], stats[i].kv_usage, (i - turn) % n)
+            range(n),
+            key=lambda i: (
+                loads[i],
+                longer_first[i],
+                not loaded[i],
+                stats[i].kv_usage,
+                (i - turn) % n,
+            ),
         )
-        best = max(range(n), key=lambda i: (matched[i], -loads[i], (i - turn) % n))
+        best = max(range(n), key=lambda i: (matched[i], loaded[i], -loads[i], (i - turn) % n))
         covered = matched[best][0]
         if covered == 0 or covered < self.cache_threshold * len(block_hashes):
-            return least
+            if not any(loaded):
+                return least
+            best = min((i for i in range(n) if loaded[i]), key=lambda i: (loads[i], least != i))
         overloaded = (
             loads[best] - loads[least] > self.balance_abs
             and loads[best] > self.balance_rel * loads[least]

@@ -24,6 +24,12 @@ def model_entry(card: ModelCard, created: int) -> dict[str, Any]:
     return entry
 
 
+def adapter_entry(name: str, base: ModelCard, created: int) -> dict[str, Any]:
+    """A LoRA adapter in /v1/models: its base model's entry under its own id, with vLLM's
+    `parent` (the base model's id)."""
+    return model_entry(base, created) | {"id": name, "parent": base.id}
+
+
 def usage_body(u: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,

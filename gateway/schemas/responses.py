@@ -189,6 +189,7 @@ class ModelCard(Body):
     # an embedding model's only: its vectors' size, and whether `dimensions` may cut them
     embedding_size: int | None = None
     truncatable: bool | None = None
+    parent: str | None = Field(None, description="a LoRA adapter's base model (vLLM's)")
 
 
 class ModelList(Body):

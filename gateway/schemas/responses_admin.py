@@ -305,3 +305,24 @@ class PrefixReport(Body):
     prefixes: list[CachedPrefix]
     pins: list[PinReport]
     tenants: list[TenantPrefixUse]
+
+
+class Adapter(Body):
+    object: Literal["adapter"]
+    name: str
+    path: str
+    base_model: str
+    tenant_id: str | None = Field(description="null: every tenant may use it")
+    created_at: float
+    created_by: str = Field(description='the admin key that registered it; "config": lora_modules')
+
+
+class AdapterList(Body):
+    object: Literal["list"]
+    data: list[Adapter]
+
+
+class AdapterDeleted(Body):
+    name: str
+    object: Literal["adapter"]
+    deleted: Literal[True]

@@ -8,17 +8,23 @@ settles an admitted one. `model_card` (the model a principal may use) serves /to
 and /detokenize too, and `sampling` (a body's options for one choice) the worker's own
 /v1/completions. Embeddings (gateway.serving.embedding) are admitted with the same
 pieces: `tenant_of`, `require_task`, `render_on_a_replica` and `admit`.
+
+A LoRA adapter's name (gateway.routing.adapters) is a model to the client: its card, its
+replicas and its rendering are its base model's (`served_model`), while the allowed
+models, the price and the usage row name the adapter; each GenRequest carries it, and
+the prompt's blocks are hashed under its chain root.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
 
-from engine_api.records import PromptInput
+from engine_api.records import AdapterRef, PromptInput
 from engine_api.structured import StructuredOutput
 from gateway.backends import (
     EMBED,
@@ -61,6 +67,7 @@ async def prepare(
     tenant_id = tenant_of(principal)
     card = model_card(gw, principal, body.model)
     require_task(gw, principal, card, GENERATE)
+    served, adapter = card.id, _adapter(gw, principal, body.model)
     salt = tenant_cache_salt(gw.secret, tenant_id)
     gw.catalog.note_salt(salt, tenant_id)
     candidates, renderer, prompts = await _render(gw, principal, body)
@@ -68,19 +75,22 @@ async def prepare(
     if isinstance(body, CompletionRequest) and body.echo:
         with _backend_errors(gw, principal, body.model):
             sent, with_logprobs = body.prompts(), body.logprobs is not None
-            echo = await echoes(renderer, body.model, sent, prompts, with_logprobs)
+            echo = await echoes(renderer, served, sent, prompts, with_logprobs)
     structured = structured_output(body)
     if structured is not None:  # compiled before admission: a bad schema costs nothing
         # the replica that rendered compiles it (its engine caches it)
         with _backend_errors(gw, principal, body.model):
-            await renderer.check_structured(body.model, structured)
+            await renderer.check_structured(served, structured)
     plan, worst = _plan(gw, principal, body, card, prompts, chat)
     reservation = await admit(gw, principal, plan.reserve, plan.choices, worst)
     backend, block_hashes, shared_lens = await _place(
-        gw, body.model, candidates, renderer, prompts, salt, reservation
+        gw, served, candidates, renderer, prompts, salt, reservation, adapter
     )
     request_id = (id_prefix or ("chatcmpl-" if chat else "cmpl-")) + os.urandom(12).hex()
     requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens, structured)
+    if adapter is not None:
+        requests = [dataclasses.replace(r, model=served, adapter=adapter) for r in requests]
+        gw.adapters.acquire(adapter.name)  # released when the Job finishes
     gw.traffic.request_started(tenant_id, principal.tenant_name)
     return Job(
         gw,
@@ -98,6 +108,7 @@ async def prepare(
         [c.backend for c in candidates if c.backend is not backend],
         tools=ToolPlan.of(body) if isinstance(body, ChatCompletionRequest) else ToolPlan(),
         echoes=echo,
+        adapter=adapter.name if adapter else None,
     )
 
 
@@ -122,7 +133,7 @@ def _plan(
     )
     # the worst case: no prompt token cached, every choice generating all its max_tokens
     prompt_tokens = sum(len(p) for p in prompts)
-    price = gw.settings.price_of(body.model)
+    price = gw.price_of(body.model)
     worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
     check_spend(worst, principal.limits)
     return plan, worst
@@ -136,6 +147,7 @@ async def _place(
     prompts: list[list[int]],
     salt: str,
     reservation: Reservation,
+    adapter: AdapterRef | None = None,
 ) -> tuple[Backend, list[str], list[int]]:
     """The replica to serve it, claimed until the Job finishes, with the first prompt's
     block hashes it was picked by and each prompt's published prefix length. If picking
@@ -145,8 +157,9 @@ async def _place(
         shared_lens = [gw.pins.shared_prefix_len(model, p) for p in prompts]
         block_hashes = []
         if isinstance(renderer, PrefixCachingBackend):
-            block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0])
-        backend = gw.router.pick_from(candidates, block_hashes)
+            block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0], adapter)
+        name = adapter.name if adapter else None
+        backend = gw.router.pick_from(candidates, block_hashes, name)
         gw.router.claim(backend)  # released when the Job finishes
     except BaseException:
         await gw.quota.settle(reservation, 0, count_request=False)
@@ -181,6 +194,7 @@ async def render_on_a_replica(
     """The healthy replicas of `model`, and the token ids of every input from the first
     of them that can render them all; a 400 or 503 for the client as _backend_errors
     says."""
+    model = served_model(gw, principal, model)
     with _backend_errors(gw, principal, model):
         candidates = gw.router.candidates(model)  # each replica's stats, read once
         for candidate in candidates[:-1]:
@@ -270,12 +284,15 @@ def _requests(
 
 
 def model_card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
-    """The model's card, if it exists and the principal's tenant may use it; else a 404
-    or 403 that says what it may use."""
-    card = gw.router.card(model)
+    """The model's card (an adapter's: its base model's), if it exists for the principal's
+    tenant and it may use it; else a 404 or 403 that says what it may use. Another
+    tenant's adapter is as unknown as a model that does not exist."""
+    card = gw.router.card(served_model(gw, principal, model))
     if card is None:
         # name what this tenant can use instead (GET /v1/models lists the same)
-        usable = ", ".join(m for m in gw.router.cards if principal.may_use(m)) or "none"
+        adapters = [a.name for a in gw.adapters.usable(principal.tenant_id)]
+        names = [*gw.router.cards, *adapters]
+        usable = ", ".join(m for m in names if principal.may_use(m)) or "none"
         raise ApiError(
             404, f"The model `{model}` does not exist. Available: {usable}.", code="model_not_found"
         )
@@ -284,6 +301,17 @@ def model_card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
             403, f"Your tenant may not use the model `{model}`.", code="model_not_allowed"
         )
     return card
+
+
+def served_model(gw: GatewayState, principal: Principal, model: str) -> str:
+    """The model whose replicas serve `model`: an adapter's base model, else itself."""
+    adapter = gw.adapters.visible(model, principal.tenant_id)
+    return adapter.base_model if adapter else model
+
+
+def _adapter(gw: GatewayState, principal: Principal, model: str) -> AdapterRef | None:
+    adapter = gw.adapters.visible(model, principal.tenant_id)
+    return adapter.ref if adapter else None
 
 
 def tenant_of(principal: Principal) -> str:

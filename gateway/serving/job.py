@@ -57,6 +57,7 @@ class Job:
     finished: bool = False
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
     echoes: list[Echo] | None = None  # completions with echo: one per prompt
+    adapter: str | None = None  # the LoRA adapter `model` names (its requests carry it)
     meters: list[ChoiceMeter] = field(default_factory=list)  # one per choice, per attempt
     # a long prompt prefilled on a prefill worker first (prefill_apart.py): that job's
     # cached tokens, per prompt; None until it has been tried
@@ -182,9 +183,8 @@ class Job:
         if not isinstance(self.backend, OutputCountingBackend):
             return None
         try:
-            return await self.backend.count_prompt(
-                self.model, self.requests[index].prompt_token_ids
-            )
+            req = self.requests[index]  # its model: the replica's (an adapter's base)
+            return await self.backend.count_prompt(req.model, req.prompt_token_ids)
         except Exception:  # the bound stands; the row must still be written
             log.exception("request %s: counting its prompt failed", self.request_id)
             return None
@@ -196,7 +196,7 @@ class Job:
             return None
         try:
             return await self.backend.count_output(
-                self.model, "".join(meter.text), local_only=meter.plausible()
+                self.requests[0].model, "".join(meter.text), local_only=meter.plausible()
             )
         except Exception:  # the meter's own count stands; the row must still be written
             log.exception("request %s: counting its output failed", self.request_id)
@@ -225,6 +225,8 @@ class Job:
         assert not self.finished
         self.finished = True
         self.gw.router.release(self.backend)
+        if self.adapter is not None:
+            self.gw.adapters.release(self.adapter)
         # Shielded: a client that goes away must not lose the row.
         await asyncio.shield(self._record(status, finish_reason, error, delivered))
 
@@ -247,7 +249,7 @@ class Job:
     ) -> UsageRow:
         """The request's row, with its spend and the quota settlement that commits with it."""
         gw, p, ttft = self.gw, self.principal, self.ttft
-        price = gw.settings.price_of(self.model)
+        price = gw.price_of(self.model)
         spend = price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
         # settled with the row: in memory at once, on PostgreSQL in the row's commit
         settlement = gw.quota.settlement(

@@ -4,7 +4,8 @@ Routes (the contract with the gateway's `remote` adapter):
 GET /health, GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/completions,
 POST /v1/embeddings (an embedding model's), POST /kvgate/v1/generate,
 GET /kvgate/v1/stats, GET /kvgate/v1/kv_events, POST /kvgate/v1/kv/export (a prefill
-worker's blocks of a prompt, for a decode worker: kv_export.py).
+worker's blocks of a prompt, for a decode worker: kv_export.py),
+POST /kvgate/v1/adapters/check and DELETE /kvgate/v1/adapters/{name} (LoRA: adapters.py).
 Every route but /health needs `Authorization: Bearer <worker token>` when the worker
 has one; errors leave OpenAI-shaped, as the gateway's do.
 """
@@ -22,6 +23,7 @@ from gateway.http.middleware import openai_errors
 from gateway.http.util import SETTINGS, json_response, parse_body
 from gateway.schemas.inference import DetokenizeRequest, TokenizeRequest
 from gateway.schemas.openai_format import model_entry
+from gateway.worker import adapters
 from gateway.worker.completions import completions
 from gateway.worker.embeddings import embeddings
 from gateway.worker.errors import api_error
@@ -136,6 +138,7 @@ def create_worker_app(state: WorkerState) -> web.Application:
     app.router.add_get("/kvgate/v1/stats", stats)
     app.router.add_get("/kvgate/v1/kv_events", kv_events)
     app.router.add_post(EXPORT_PATH, export_kv)
+    adapters.add_routes(app)
 
     async def lifecycle(app: web.Application):
         await state.start()

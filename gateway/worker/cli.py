@@ -36,6 +36,7 @@ GPU_DEFAULTS = {
     "kv_offload_gb": 0,
     "kv_disk_gb": 16,
 }
+LORA_DEFAULTS = {"max_loras": 4, "max_lora_rank": 64}  # both engines' max_loras
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -128,6 +129,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-shared-url",
         metavar="URL",
         help="a Redis store shared by the engines of one model, e.g. redis://host:6379/0",
+    )
+    lora = p.add_argument_group(
+        "LoRA adapters (vLLM's flags; gpu backend, and --enable-lora and --max-loras for local)"
+    )
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters over the model (implied by any adapter given)",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        metavar="N",
+        help=f"adapters resident at once, the rest loaded on demand (default {LORA_DEFAULTS['max_loras']})",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        metavar="N",
+        help=f"the largest rank an adapter may have (default {LORA_DEFAULTS['max_lora_rank']})",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        metavar="N",
+        help="adapters kept in host memory (default: twice --max-loras)",
     )
     local = p.add_argument_group("local backend (llama.cpp)")
     local.add_argument(
