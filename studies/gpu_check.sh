@@ -54,6 +54,7 @@ echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
 timeout -k 10 $((bench_s + 30)) "$python" -m studies.gpu_check --out "$out" \
     --budget-s "$bench_s" 2>&1 | tee "$out/gpu_check.log"
 echo "gpu_check.sh: bench exited ${PIPESTATUS[0]}" | tee -a "$out/gpu_check.log"
+
 # issue 34: python -m studies.lora_kernels (a mixed-adapter batch through the LoRA
 # kernels on one projection, against a per-adapter torch loop and the base matmul
 # alone), at most LORA_S seconds: OUTDIR/lora_kernels.json, OUTDIR/lora_kernels.log
