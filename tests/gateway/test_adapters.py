@@ -21,6 +21,7 @@ from gateway.db import AuditLog, LoraAdapter
 from gateway.routing.router import Router
 from tests.conftest import ADMIN_KEY, PG_URL
 from tests.gateway.conftest import fake_backends
+from tests.gateway.test_url_only_upstreams import UPSTREAM_ID, BareUpstream
 
 
 @pytest.fixture
@@ -303,3 +304,20 @@ def test_the_router_prefers_a_replica_with_the_adapter_loaded():
     assert (
         Router([], "least_loaded").choose([_stats("r-0"), _stats("r-1", 1, ("a",))], [], "a") == 0
     )
+
+
+async def test_a_third_party_upstream_gets_the_adapters_upstream_name(make_gateway):
+    async with BareUpstream() as up:
+        spec = BackendSpec("up", "remote", "gemma", "", {"urls": [up.url]})
+        spec.lora_modules = [LoraModule("sql", "sql-lora-upstream")]
+        gw = await make_gateway([spec])
+        (remote,) = gw.state.backends
+        while not remote.stats().healthy:  # the health watch's first answer
+            await asyncio.sleep(0.05)
+        _, key = await gw.tenant()
+        assert (await models_of(gw, key))["sql"]["parent"] == "gemma"
+        r = await gw.chat(key, model="sql", max_tokens=2)
+        assert r.status == 200 and (await r.json())["model"] == "sql"
+        r = await gw.chat(key, model="gemma", max_tokens=2)
+        assert r.status == 200
+        assert [b["model"] for b in up.bodies] == ["sql-lora-upstream", UPSTREAM_ID]
