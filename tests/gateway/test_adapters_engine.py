@@ -1,6 +1,6 @@
 """LoRA adapters end to end on a real engine: a tiny random Llama on the gpu engine (on the
 CPU) with random PEFT adapters, through the `openai` client, in process and through a
-`kvgate worker` process. Registration is refused with the engine's reason for each kind of
+`kvgate worker` process; and a random GGUF LoRA on the llama.cpp backend's default model. Registration is refused with the engine's reason for each kind of
 bad adapter; an adapter changes the output; tenant B cannot see or use tenant A's adapter;
 a prompt under an adapter shares no cached blocks with the base model, and the gateway's
 block hashes for it are the engine's (the catalog matches them)."""
@@ -20,9 +20,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine_api.records import AdapterRef
 from gateway.backends import BackendSpec
+from gateway.backends.default_model import DEFAULT_MODEL_ID, default_model_path
 from gateway.routing.salts import tenant_cache_salt
 from tests.backend_gpu.lora_adapters import save_random_adapter
 from tests.backend_gpu.tiny_models import VOCAB, save_tiny_model
+from tests.backend_local.lora_files import write_lora, write_peft_dir
 from tests.gateway.test_worker import TOKEN, start_worker
 
 pytestmark = pytest.mark.slow
@@ -69,10 +71,10 @@ def client(gw, key: str) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
 
 
-async def complete(gw, key: str, model: str) -> tuple[str, int]:
-    """Greedy text of PROMPT under `model`, and its cached prompt tokens."""
+async def complete(gw, key: str, model: str, prompt: str = PROMPT) -> tuple[str, int]:
+    """Greedy text of `prompt` under `model`, and its cached prompt tokens."""
     answer = await client(gw, key).completions.create(
-        model=model, prompt=PROMPT, max_tokens=8, temperature=0
+        model=model, prompt=prompt, max_tokens=8, temperature=0
     )
     return answer.choices[0].text, answer.usage.prompt_tokens_details.cached_tokens
 
@@ -166,3 +168,23 @@ async def test_adapters_through_a_worker(make_gateway, files, tmp_path):
             assert "a-lora" not in (await r.json())["extra"]["adapters_loaded"]
     finally:
         worker.stop()
+
+
+async def test_gguf_adapters_on_the_llama_cpp_backend(make_gateway, tmp_path):
+    model_path = str(default_model_path())
+    lora = write_lora(tmp_path / "acme.gguf", model_path, seed=3, rank=4, std=0.5)
+    options = {"enable_lora": True, "n_ctx": 1024, "n_parallel": 2}
+    gw = await make_gateway([BackendSpec("local", "local", "", "", options)])
+    _, key = await gw.tenant("a")
+    status, body = await gw.admin(
+        "POST",
+        "/admin/adapters",
+        {"name": "peft", "path": write_peft_dir(tmp_path / "peft"), "base_model": DEFAULT_MODEL_ID},
+    )
+    assert status == 400 and "convert_lora_to_gguf" in body["error"]["message"]
+    body = {"name": "acme", "path": lora, "base_model": DEFAULT_MODEL_ID, "tenant": "a"}
+    assert (await gw.admin("POST", "/admin/adapters", body))[0] == 201
+    base, _ = await complete(gw, key, DEFAULT_MODEL_ID, "The capital of France is")
+    under, _ = await complete(gw, key, "acme", "The capital of France is")
+    assert under != base
+    assert "acme" in gw.backend("local").stats().extra["adapters_loaded"]
