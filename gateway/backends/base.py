@@ -69,9 +69,14 @@ class PrefixCachingBackend(Backend, Protocol):
     """A backend (one replica) that reports its prefix cache to the gateway's catalog."""
 
     def block_hashes(
-        self, token_ids: list[int], cache_salt: str | None, shared_prefix_len: int = 0
+        self,
+        token_ids: list[int],
+        cache_salt: str | None,
+        shared_prefix_len: int = 0,
+        adapter: AdapterRef | None = None,
     ) -> list[str]:
-        """Hex chain hashes of the prompt's full blocks, as this backend keys its cache."""
+        """Hex chain hashes of the prompt's full blocks, as this backend keys its cache
+        (under a LoRA adapter: from its chain root, engine_api.block_hash.adapter_root)."""
         ...
 
     def kv_events(self) -> list[KVEvent]:

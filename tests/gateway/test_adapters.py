@@ -7,6 +7,7 @@ lora_modules, the CLI, persistence (SQLite and PostgreSQL), and the router's pre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from gateway.cli.main import build_parser
 from gateway.config import load_settings
 from gateway.db import AuditLog, LoraAdapter
 from gateway.routing.router import Router
+from gateway.worker.cli import LORA_DEFAULTS
 from tests.conftest import ADMIN_KEY, PG_URL
 from tests.gateway.conftest import fake_backends
 from tests.gateway.test_url_only_upstreams import UPSTREAM_ID, BareUpstream
@@ -321,3 +323,14 @@ async def test_a_third_party_upstream_gets_the_adapters_upstream_name(make_gatew
         r = await gw.chat(key, model="gemma", max_tokens=2)
         assert r.status == 200
         assert [b["model"] for b in up.bodies] == ["sql-lora-upstream", UPSTREAM_ID]
+
+
+def test_lora_flag_defaults_are_the_engines():
+    from backend_gpu.config import EngineConfig as GpuConfig
+    from backend_local.config import EngineConfig as LocalConfig
+
+    gpu = {f.name: f.default for f in dataclasses.fields(GpuConfig)}
+    local = {f.name: f.default for f in dataclasses.fields(LocalConfig)}
+    assert {k: gpu[k] for k in LORA_DEFAULTS} == LORA_DEFAULTS
+    assert local["max_loras"] == LORA_DEFAULTS["max_loras"]
+    assert (gpu["enable_lora"], local["enable_lora"]) == (False, False)
