@@ -26,7 +26,6 @@ from sqlalchemy.exc import IntegrityError
 from gateway.backends import (
     GENERATE,
     AdapterRef,
-    Backend,
     BackendError,
     BadRequestError,
     LoraBackend,
@@ -148,17 +147,18 @@ class AdapterRegistry:
             raise AdapterError(f"no base model {adapter.base_model!r} is served here")
         if card.task != GENERATE:
             raise AdapterError(f"the model {adapter.base_model!r} does not generate text")
-        replicas = self.router.serving.get(adapter.base_model, [])
-        for backend in replicas:
+        replicas: list[LoraBackend] = []
+        for backend in self.router.serving.get(adapter.base_model, []):
             if not isinstance(backend, LoraBackend):
                 raise AdapterError(
                     f"the backend {backend.name} of {card.id!r} serves no LoRA adapters"
                 )
-        healthy = [b for b in replicas if b.name not in self.router.broken and b.stats().healthy]
-        if not healthy and require_healthy:
+            if backend.name not in self.router.broken and backend.stats().healthy:
+                replicas.append(backend)
+        if not replicas and require_healthy:
             raise BackendError(f"no replica of {card.id!r} is up to check the adapter")
         # every replica says yes before anything is stored (one engine's limits may differ)
-        await asyncio.gather(*(b.check_adapter(adapter.ref) for b in healthy))  # type: ignore[attr-defined]
+        await asyncio.gather(*(b.check_adapter(adapter.ref) for b in replicas))
 
     async def delete(self, name: str, actor: str) -> Adapter:
         """Hide the adapter now; unload it from its replicas once its requests end."""
@@ -182,7 +182,8 @@ class AdapterRegistry:
         if idle is not None:
             await idle.wait()
         for backend in self.router.serving.get(adapter.base_model, []):
-            await _remove(backend, adapter.name)
+            if isinstance(backend, LoraBackend):
+                await _remove(backend, adapter.name)
 
     def forget_tenant(self, tenant_id: str) -> None:
         """Drop a deleted tenant's adapters (the database cascade removed their rows)."""
@@ -206,8 +207,8 @@ class AdapterRegistry:
             await asyncio.gather(*self._unloads, return_exceptions=True)
 
 
-async def _remove(backend: Backend, name: str) -> None:
+async def _remove(backend: LoraBackend, name: str) -> None:
     try:
-        await backend.remove_adapter(name)  # type: ignore[attr-defined]
+        await backend.remove_adapter(name)
     except Exception as e:  # the adapter is gone from the registry either way
         log.warning("adapter %s: %s could not drop it: %s", name, backend.name, e)
