@@ -31,7 +31,14 @@ from backend_gpu.engine import LLMEngine
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.pooling import is_embedding_model
 from engine_api.errors import BadRequestError, EngineDeadError
-from engine_api.records import EMBED, GENERATE, EmbedRequest, EmbedResult, GenRequest
+from engine_api.records import (
+    EMBED,
+    GENERATE,
+    AdapterRef,
+    EmbedRequest,
+    EmbedResult,
+    GenRequest,
+)
 from engine_api.structured import StructuredOutput
 
 
@@ -117,6 +124,19 @@ class AsyncLLM:
         if self.task == EMBED:
             raise BadRequestError(NOT_A_GENERATOR)
         await asyncio.to_thread(self.engine.grammars.compile, structured)
+
+    async def check_adapter(self, ref: AdapterRef) -> None:
+        """Accept LoRA adapter `ref` or raise BadRequestError naming the problem; reads
+        its files in a worker thread (not the engine's), which the request then finds
+        checked."""
+        if self.task == EMBED:
+            raise BadRequestError(NOT_A_GENERATOR)
+        await asyncio.to_thread(self.engine.check_adapter, ref)
+
+    async def remove_adapter(self, name: str) -> None:
+        """Forget LoRA adapter `name` once its running requests finish."""
+        if self.task == GENERATE:
+            await self._call(lambda: self.engine.remove_adapter(name))
 
     async def export_kv(self, req: GenRequest) -> list[bytes]:
         """Records of the blocks of `req`'s prompt this engine holds, from the first on

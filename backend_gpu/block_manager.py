@@ -169,6 +169,7 @@ class BlockManager:
             self.block_size,
             seq.cache_salt,
             seq.shared_prefix_len,
+            seq.hash_root,
         )
         for block_hash in hashes:
             block = self.cached.get(block_hash)
@@ -188,7 +189,7 @@ class BlockManager:
             self.block_size,
             seq.cache_salt,
             seq.shared_prefix_len,
-            cached[-1].hash if cached else None,
+            cached[-1].hash if cached else seq.hash_root,
             len(cached),
         )
         # a block the device holds again ends the run: it must not be loaded twice
@@ -248,7 +249,7 @@ class BlockManager:
         for block_hash, slot in zip(hashes, slots, strict=True):
             block = self._pop_free()
             self.lower_tier.load(slot, block.block_id)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
             self._register(seq, len(seq.block_hashes), block, block_hash, parent)
             seq.block_table.append(block.block_id)
             seq.block_hashes.append(block_hash)
@@ -270,7 +271,7 @@ class BlockManager:
             return
         bs = self.block_size
         first = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
         new = hash_blocks(
             seq.token_ids[: seq.num_computed_tokens],
             bs,

@@ -10,6 +10,8 @@ import torch
 from backend_gpu.quantization import KV_CACHE_DTYPES, QUANTIZE_PER_CHANNEL
 from backend_gpu.spec_decode.config import SpeculativeConfig
 
+MAX_LORA_RANK = 128  # the LoRA kernels' (layers/triton_lora.py)
+
 
 def auto_device() -> str:
     """What device "auto" means: CUDA when torch sees a GPU, else the CPU."""
@@ -62,6 +64,13 @@ class EngineConfig:
     # ranks the model is split over (Megatron-style, tp_shards.py), one process and one
     # device each: GPUs device, device + 1, ... on CUDA; on the CPU, processes sharing it
     tensor_parallel_size: int = 1
+    # LoRA adapters per request (backend_gpu/lora, vLLM's names): max_loras resident on
+    # the device at once, ranks up to max_lora_rank, max_cpu_loras kept in host memory
+    # (None: 2 * max_loras), each least recently used out
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZE_PER_CHANNEL:
@@ -91,6 +100,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self._check_tensor_parallel_size()
         self._check_kv_offload()
+        self._check_lora()
 
     @property
     def kv_tiers_on(self) -> bool:
@@ -116,6 +126,22 @@ class EngineConfig:
                 "kv_offload_gb, kv_disk_path and kv_shared_url do not work with "
                 "tensor_parallel_size > 1 yet"
             )
+
+    def _check_lora(self) -> None:
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = 2 * self.max_loras
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not work with tensor_parallel_size > 1 yet")
 
     def _check_tensor_parallel_size(self) -> None:
         size = self.tensor_parallel_size

@@ -14,16 +14,17 @@ from backend_gpu.detokenizer import IncrementalDetokenizer
 from backend_gpu.guided import hf_grammar_cache
 from backend_gpu.kv_tiers import TierStack, build_tiers
 from backend_gpu.loader import open_model
+from backend_gpu.lora import BaseShapes, LoRAManager
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.prompt_logprobs import record_prompt_logprobs
 from backend_gpu.sampler import Sampler
 from backend_gpu.scheduler import Scheduler
-from backend_gpu.sequence import Logprob, Sequence
+from backend_gpu.sequence import Logprob, Sequence, SequenceStatus
 from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
-from engine_api.block_hash import hash_blocks
+from engine_api.block_hash import adapter_root, hash_blocks
 from engine_api.errors import BadRequestError, PromptTooLongError
-from engine_api.records import GenRequest
+from engine_api.records import AdapterRef, GenRequest
 from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
 
@@ -66,7 +67,20 @@ class LLMEngine:
             config.enable_kv_events,
             self.kv_tiers,
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.lora = (
+            LoRAManager(
+                BaseShapes.of(hf_config),
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras or 2 * config.max_loras,
+                self.runner.write_lora,
+            )
+            if config.enable_lora
+            else None
+        )
+        # requests whose adapter's tensors are being read: queued once they are at hand
+        self.lora_waiting: list[Sequence] = []
+        self.scheduler = Scheduler(config, self.block_manager, self.lora)
         self.sampler = Sampler(self.runner.device, config.seed, self.eos_token_ids)
         self.grammars = hf_grammar_cache(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
@@ -110,6 +124,8 @@ class LLMEngine:
         # within max_model_len fits it alone
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_ids), params.max_tokens, self.max_model_len)
+        if req.adapter is not None:
+            self.check_adapter(req.adapter)
         # compiled (or found compiled) before the request takes anything
         grammar = self.grammars.matcher(params.structured) if params.structured else None
         seq = Sequence(req)
@@ -118,7 +134,15 @@ class LLMEngine:
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop
         )
-        self.scheduler.add(seq)
+        if (
+            self.lora is not None
+            and req.adapter is not None
+            and not self.lora.ready(req.adapter.name)
+        ):
+            self.lora.start_loading(req.adapter.name)
+            self.lora_waiting.append(seq)
+        else:
+            self.scheduler.add(seq)
         if self.kv_tiers is not None and req.sampling.prompt_logprobs is None:
             keys = self.prompt_keys(req)
             on_device = self.block_manager.cached
@@ -130,8 +154,57 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        if seq in self.lora_waiting:
+            self._finish_unqueued(seq, "abort")
+        else:
+            self.scheduler.finish(seq, "abort")
         return self._output(seq, [])
+
+    # -- LoRA adapters (backend_gpu.lora) -------------------------------------------------
+
+    def check_adapter(self, ref: AdapterRef) -> None:
+        """Accept adapter `ref` (its files fit the base model) or raise BadRequestError
+        naming the problem; reads files only, so any thread may call it."""
+        if self.lora is None:
+            raise BadRequestError(
+                f"adapter {ref.name!r}: this engine was started without enable_lora"
+            )
+        self.lora.check(ref)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter `name`; running requests under it finish first."""
+        if self.lora is not None:
+            self.lora.remove(name)
+
+    def _queue_loaded(self) -> list[RequestOutput]:
+        """Queue the requests whose adapter's tensors are now at hand; a failed read
+        aborts the requests waiting for it."""
+        if self.lora is None or not (self.lora_waiting or self.lora.loading):
+            return []
+        queued = [*self.lora_waiting, *self.scheduler.waiting]
+        wanted = {seq.adapter.name for seq in queued if seq.adapter is not None}
+        failed = {name for name, error in self.lora.poll(wanted).items() if error is not None}
+        outputs = []
+        for seq in queued:
+            if seq.adapter is not None and seq.adapter.name in failed:
+                if seq in self.lora_waiting:
+                    self._finish_unqueued(seq, "abort")
+                else:
+                    self.scheduler.finish(seq, "abort")
+                outputs.append(self._output(seq, []))
+        for seq in list(self.lora_waiting):
+            name = seq.adapter.name
+            if self.lora.ready(name):
+                self.lora_waiting.remove(seq)
+                self.scheduler.add(seq)
+            else:  # removed meanwhile, or pushed out of host memory: read again
+                self.lora.start_loading(name)
+        return outputs
+
+    def _finish_unqueued(self, seq: Sequence, reason: str) -> None:
+        self.lora_waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """Prefix-cache blocks stored and removed since the last call (needs
@@ -148,7 +221,11 @@ class LLMEngine:
         blocks, leaving one token to compute, under its salt."""
         n = (len(req.prompt_token_ids) - 1) // self.config.block_size * self.config.block_size
         return hash_blocks(
-            req.prompt_token_ids[:n], self.config.block_size, req.cache_salt, req.shared_prefix_len
+            req.prompt_token_ids[:n],
+            self.config.block_size,
+            req.cache_salt,
+            req.shared_prefix_len,
+            adapter_root(req.adapter),
         )
 
     def export_kv(self, keys: list[bytes]) -> list[bytes]:
@@ -178,18 +255,23 @@ class LLMEngine:
         """Write what the tiers have queued, then stop the model's ranks."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        if self.lora is not None:
+            self.lora.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.lora_waiting)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.sampler, self.max_model_len)
+        outputs = self._queue_loaded()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            if self.lora is not None and self.lora.loading:  # nothing to run but reads
+                self.lora.wait(0.05)
+            return outputs
         step = self.runner.run(batch)
         logits, sampled = step.logits, step.sampled
         if step.prompt_logprobs is not None:
@@ -206,7 +288,6 @@ class LLMEngine:
         new_tokens = self._sample(logits, sampled_seqs) if sampled_seqs else []
         for seq in batch.seqs:
             self.block_manager.cache_full_blocks(seq)
-        outputs = []
         generated = 0
         for seq, tokens in zip(sampled_seqs, new_tokens, strict=True):
             seq.spec_token_ids = []
@@ -322,6 +403,9 @@ class LLMEngine:
             s.num_drafts, s.num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
             s.num_accepted_tokens = sp.num_accepted_tokens
         s.prompt_tokens_per_s, s.gen_tokens_per_s = self.throughput.rates()
+        if self.lora is not None:
+            s.adapters_loaded, s.lora_loads = self.lora.resident(), self.lora.loads
+        s.waiting += len(self.lora_waiting)
         s.tenants = self.scheduler.tenant_stats()  # a new dict: the copy below shares it
         return EngineStats(**vars(s))
 

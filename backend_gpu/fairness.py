@@ -209,6 +209,10 @@ class VtcQueue:
     def __len__(self) -> int:
         return self._len
 
+    def __iter__(self) -> Iterator[Sequence]:
+        """Every queued request, a tenant's line at a time (not in admission order)."""
+        return (seq for queue in self._queues.values() for seq in queue)
+
     def add(self, seq: Sequence) -> None:
         _insert(self._queues.setdefault(seq.tenant_id, deque()), seq)
         self._len += 1

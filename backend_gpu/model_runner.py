@@ -31,6 +31,7 @@ from backend_gpu.cuda_graphs import DecodeGraphs, capture_sizes
 from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
 from backend_gpu.loader import Checkpoint, build_model
+from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.prompt_logprobs import (
     PromptLogprobs,
@@ -122,6 +123,18 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 tp,
+            )
+        # LoRA adapters' slots, before the memory profile and the graphs: both run them
+        self.lora: LoRAStacks | None = None
+        if config.enable_lora:
+            self.lora = LoRAStacks(
+                self.model,
+                BaseShapes.of(hf_config),
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_num_batched_tokens,
+                self.dtype,
+                self.device,
             )
         # the one switch between attention paths: CUDA runs the Triton kernels, which read
         # the cache through the block tables; elsewhere the torch spans gather it
@@ -319,6 +332,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         return (None if logits is None else logits.float()), scored
 
+    def write_lora(self, slot: int, weights: AdapterWeights | None) -> None:
+        """Put an adapter in LoRA slot `slot` (None: clear it), between steps."""
+        assert self.lora is not None
+        self.lora.write(slot, weights)
+
     def check_alive(self) -> None:
         """Raise EngineDeadError if another tensor-parallel rank has exited."""
         if self.ranks is not None:
@@ -377,6 +395,7 @@ class ModelRunner:
             self.scratch_slot,
             graph_size is not None,
             prompt_rows,
+            [s.lora_slot for s in batch.seqs] if self.lora is not None else [],
         )
         if self.ranks is not None:
             self.ranks.send(step)
@@ -392,6 +411,8 @@ class ModelRunner:
         buffers.begin()
         buffers.fill(step, self.block_size)
         buffers.upload(num_tokens, len(step.sample_rows), num_seqs)
+        if self.lora is not None:
+            self.lora.set_step(step.lora_slots, step.num_new)
         dev = buffers.dev
         if self.paged_kernels:
             meta = buffers.paged_metadata(num_tokens, num_seqs, max(step.num_new), self.block_size)

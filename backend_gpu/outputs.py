@@ -83,5 +83,8 @@ class EngineStats:
     # over the last RATE_WINDOW_S seconds (engine_api.throughput), counted per step
     prompt_tokens_per_s: float = 0.0
     gen_tokens_per_s: float = 0.0
+    # LoRA (enable_lora): adapters resident on the device, and loads onto it so far
+    adapters_loaded: list[str] = field(default_factory=list)
+    lora_loads: int = 0
     # fair share: per tenant id (the offline API's requests are tenant "")
     tenants: dict[str, TenantStats] = field(default_factory=dict)

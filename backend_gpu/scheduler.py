@@ -11,17 +11,30 @@ which waiting request goes next, which running one gets the budget first and whi
 preempted depend on how much each tenant was served. `fairness="fcfs"` (and the static
 policy) serve first come, first served instead. Under VTC one seat beyond max_num_seqs
 is kept for a tenant becoming active, so a newcomer does not wait for a seat.
+
+A request under a LoRA adapter is admitted only with a device slot for its adapter
+(`adapters`, backend_gpu.lora's manager): a slot is pinned while a running sequence
+uses it, so a step never holds more distinct adapters than there are slots.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from backend_gpu.block_manager import BlockManager
 from backend_gpu.config import EngineConfig
 from backend_gpu.fairness import FcfsQueue, Ledger, TenantStats, VtcQueue
 from backend_gpu.prompt_logprobs import PromptSpan, prompt_spans
 from backend_gpu.sequence import Sequence, SequenceStatus
+
+
+class AdapterSlots(Protocol):
+    """The LoRA manager's side the scheduler uses (backend_gpu.lora.LoRAManager)."""
+
+    def acquire(self, name: str) -> int | None: ...
+
+    def release(self, slot: int) -> None: ...
 
 
 @dataclass
@@ -37,12 +50,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        adapters: AdapterSlots | None = None,
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.static = config.scheduling_policy == "static"
         self.block_manager = block_manager
+        self.adapters = adapters
         # counted under either policy, so that fcfs reports the shares it gives too
         self.ledger = Ledger()
         self.fair = config.fairness == "vtc" and not self.static
@@ -142,6 +161,8 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not bm.can_allocate(seq, cached, num_new, lower):
                 break
+            if not self._take_adapter_slot(seq):
+                break
             self.waiting.remove(seq)
             bm.allocate(seq, cached, lower)
             bm.append_slots(seq, num_new)
@@ -159,7 +180,26 @@ class Scheduler:
         weights still divide the service."""
         return int(self.fair and self.ledger.is_newcomer(seq))
 
+    def _take_adapter_slot(self, seq: Sequence) -> bool:
+        """Pin a slot holding `seq`'s adapter (none needed without one); False while its
+        weights are not at hand or every slot is pinned by other adapters."""
+        if seq.adapter is None:
+            return True
+        assert self.adapters is not None  # the engine refuses adapters without LoRA
+        slot = self.adapters.acquire(seq.adapter.name)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_adapter_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            assert self.adapters is not None
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
+        self._release_adapter_slot(seq)
         self.block_manager.free(seq)
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
@@ -172,6 +212,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish or abort a sequence wherever it is and give its blocks back."""
         if seq.status is SequenceStatus.RUNNING:
+            self._release_adapter_slot(seq)
             self.running.remove(seq)
             self.ledger.finished(seq, was_running=True)
         elif seq.status is SequenceStatus.WAITING:

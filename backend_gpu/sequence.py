@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+from engine_api.block_hash import adapter_root
 from engine_api.records import GenRequest
 
 if TYPE_CHECKING:
@@ -41,6 +42,11 @@ class Sequence:
         self.cache_salt = req.cache_salt
         # leading prompt tokens that are a published prefix: hashed without the salt
         self.shared_prefix_len = req.shared_prefix_len
+        # its LoRA adapter (None: the base model); its blocks' hash chain starts at the
+        # adapter's root, so no other adapter's (or the base model's) blocks serve it
+        self.adapter = req.adapter
+        self.hash_root = adapter_root(req.adapter)
+        self.lora_slot = -1  # the adapter's device slot while running (backend_gpu.lora)
         self.priority = req.priority
         # fair share (backend_gpu.fairness): whose service this is, and its weight
         self.tenant_id = req.tenant_id

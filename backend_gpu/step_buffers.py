@@ -150,3 +150,5 @@ class StepRows:
     # row ranges whose logits score prompt logprobs (backend_gpu.prompt_logprobs): every
     # rank runs the LM head on them too, as the logits' gather is collective
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    # per sequence, its LoRA adapter's slot (-1: none; backend_gpu.lora); empty: none at all
+    lora_slots: list[int] = field(default_factory=list)

@@ -44,6 +44,7 @@ class DraftProposer:
             speculative_config=None,
             enable_prefix_caching=False,
             tensor_parallel_size=1,
+            enable_lora=False,  # adapter requests are not drafted for (speculator.py)
             gpu_memory_utilization=config.gpu_memory_utilization * DRAFT_MEMORY_SHARE,
         )
         self.runner = ModelRunner(draft_config, hf_config, weights, tokenizer)

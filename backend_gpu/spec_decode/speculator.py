@@ -34,6 +34,9 @@ class Speculator:
         spec = config.speculative_config
         assert spec is not None
         self.k = spec.num_speculative_tokens
+        # a draft model has no adapters: its guesses for an adapter's request would be
+        # the base model's, so those requests decode one token a step
+        self.drafts_adapters = spec.method == "ngram"
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
@@ -55,6 +58,8 @@ class Speculator:
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 max_model_len - len(seq) - 1,
             )
+            if seq.adapter is not None and not self.drafts_adapters:
+                continue
             if k > 0 and len(seq) - seq.num_computed_tokens == 1 and can_speculate(seq):
                 seqs.append(seq)
                 ks.append(k)

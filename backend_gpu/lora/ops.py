@@ -1,0 +1,92 @@
+"""The LoRA delta of one projection for a whole step: y += scale * (x @ A^T) @ B^T, each
+token under its own sequence's adapter slot (or none). The one place that picks the
+path: on CUDA the Triton kernels (layers/triton_lora.py: one launch per op whatever the
+mix of adapters, and no host sync, so decodes stay in CUDA graphs); elsewhere torch,
+one matmul pair per adapter present in the step (its tokens gathered), not per token.
+Both round as PEFT's lora_B(lora_A(x)) * scaling does: the shrink in x's dtype, its
+result rounded to B's dtype, then scaled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# a step's tokens of one adapter slot: a slice when they are one run, else their indices
+Rows = slice | torch.Tensor
+
+
+@dataclass
+class StepSlots:
+    """Which adapter slot each token of the step runs under."""
+
+    kernels: bool  # CUDA: the Triton path reads `idx` and `groups` on the device
+    idx: torch.Tensor  # [capacity] int32, -1: no adapter; a persistent buffer (graphs)
+    host_groups: list[tuple[int, Rows]] = field(default_factory=list)  # the torch path's
+    groups: object = None  # the kernels' AdapterGroups of this forward (kernels only)
+
+
+def group_rows(seq_slots: list[int], num_new: list[int]) -> list[tuple[int, Rows]]:
+    """(slot, rows) per adapter slot present, from each sequence's slot and token count."""
+    runs: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for slot, n in zip(seq_slots, num_new, strict=True):
+        if slot >= 0:
+            runs.setdefault(slot, []).append((start, start + n))
+        start += n
+    groups: list[tuple[int, Rows]] = []
+    for slot, spans in runs.items():
+        if len(spans) == 1 or all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)):
+            groups.append((slot, slice(spans[0][0], spans[-1][1])))
+        else:
+            groups.append((slot, torch.cat([torch.arange(a, b) for a, b in spans])))
+    return groups
+
+
+def regroup(step: StepSlots, num_tokens: int, num_slots: int) -> None:
+    """At the start of a forward (inside a CUDA graph's capture too): the kernels' grouping
+    of the step's tokens, made once and shared by every projection."""
+    if step.kernels:
+        from backend_gpu.layers.triton_lora import group_by_adapter
+
+        step.groups = group_by_adapter(step.idx[:num_tokens], num_slots)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    step: StepSlots,
+    host: SlotsOnHost,
+) -> None:
+    """y [T, N] (a column range of the projection's output) += the delta of x [T, K]
+    under stacks a [S, R, K] and b [S, N, R], scale [S] float32."""
+    if step.kernels:
+        from backend_gpu.layers.triton_lora import lora_expand, lora_shrink
+
+        idx = step.idx[: x.shape[0]]
+        t = lora_shrink(x, a, idx, step.groups)
+        lora_expand(y, t, b, idx, scale, step.groups)
+        return
+    for slot, rows in step.host_groups:
+        rank = host.ranks[slot]
+        if rank == 0:  # this adapter leaves this projection alone
+            continue
+        t = x[rows] @ a[slot, :rank].T
+        delta = (t.to(b.dtype) @ b[slot, :, :rank].T) * host.scales[slot]
+        if isinstance(rows, slice):
+            y[rows] += delta.to(y.dtype)
+        else:
+            y.index_add_(0, rows, delta.to(y.dtype))
+
+
+@dataclass
+class SlotsOnHost:
+    """One projection's per-slot rank (0: not adapted) and scale, read by the torch path
+    without a device sync."""
+
+    ranks: list[int]
+    scales: list[float]

@@ -1,0 +1,128 @@
+"""The resident adapters on the device: per layer and per projection, a stack of
+`max_loras` slots of A [R, in] and B [out, R] (R = max_lora_rank, a smaller rank padded
+with zeros), allocated once at start so their addresses never move (CUDA graphs read
+them where they were captured); and the model's projections wrapped to add each token's
+slot's delta to the base output.
+
+The engine fuses q/k/v and gate/up into one matmul each (layers/linear.py): an adapter's
+q, k and v go to their own column ranges of that output, each a shrink and expand of
+its own. Writing a slot copies one adapter from host memory; clearing it zeroes it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend_gpu.lora.ops import SlotsOnHost, StepSlots, add_lora, group_rows, regroup
+from backend_gpu.lora.peft_files import PROJECTIONS, AdapterWeights, BaseShapes
+
+
+class ProjectionStack:
+    """One projection's slots in one layer."""
+
+    def __init__(
+        self, fan_in: int, fan_out: int, slots: int, rank: int, dtype, device: torch.device
+    ) -> None:
+        self.a = torch.zeros(slots, rank, fan_in, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, fan_out, rank, dtype=dtype, device=device)
+        self.scale = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.host = SlotsOnHost([0] * slots, [0.0] * slots)
+
+    def write(
+        self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, scale: float
+    ) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        if a is None or b is None:
+            self.scale[slot] = 0.0
+            self.host.ranks[slot], self.host.scales[slot] = 0, 0.0
+            return
+        rank = a.shape[0]
+        self.a[slot, :rank].copy_(a)
+        self.b[slot, :, :rank].copy_(b)
+        self.scale[slot] = scale
+        self.host.ranks[slot], self.host.scales[slot] = rank, scale
+
+
+class LoRALinear(nn.Module):
+    """A projection (plain, packed or 8-bit) plus the step's adapters' deltas over its
+    column ranges: `subs` holds (stack, columns) per adapted sub-projection."""
+
+    def __init__(
+        self, base: nn.Module, subs: list[tuple[ProjectionStack, slice]], step: StepSlots
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.subs = subs
+        self.step = step
+        if hasattr(base, "split"):  # a packed projection's callers split its output
+            self.split = base.split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if self.step.kernels or self.step.host_groups:
+            for stack, cols in self.subs:
+                add_lora(out[:, cols], x, stack.a, stack.b, stack.scale, self.step, stack.host)
+        return out
+
+
+class LoRAStacks:
+    """Every adapted projection's slots in a model, and the step's per-token slots."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        shapes: BaseShapes,
+        slots: int,
+        rank: int,
+        max_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = slots
+        self.step = StepSlots(
+            kernels=device.type == "cuda",
+            idx=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
+        )
+        self.stacks: dict[tuple[int, str], ProjectionStack] = {}
+        for i, layer in enumerate(model.model.layers):
+            for proj in PROJECTIONS:
+                fan_in, fan_out = shapes.features[proj]
+                self.stacks[i, proj] = ProjectionStack(fan_in, fan_out, slots, rank, dtype, device)
+            for owner in (layer.self_attn, layer.mlp):
+                self._wrap(owner, i)
+        # the kernels group the step's tokens once per forward, inside a graph's capture too
+        model.model.register_forward_pre_hook(
+            lambda _module, args: regroup(self.step, args[0].shape[0], slots)
+        )
+
+    def _wrap(self, owner: nn.Module, layer: int) -> None:
+        for module_name in {m for m, _ in PROJECTIONS.values()}:
+            base = getattr(owner, module_name, None)
+            if base is None:
+                continue
+            subs = []
+            for proj, (name, shard) in PROJECTIONS.items():
+                if name == module_name:
+                    cols = base.shard_slices[shard] if shard else slice(None)
+                    subs.append((self.stacks[layer, proj], cols))
+            setattr(owner, module_name, LoRALinear(base, subs, self.step))
+
+    def write(self, slot: int, weights: AdapterWeights | None) -> None:
+        """Put `weights` in `slot` (None: clear it)."""
+        scale = 0.0 if weights is None else weights.info.scale
+        for key, stack in self.stacks.items():
+            pair = None if weights is None else weights.tensors.get(key)
+            stack.write(slot, *(pair or (None, None)), scale)
+
+    def set_step(self, seq_slots: list[int], num_new: list[int]) -> None:
+        """The step's sequences' slots (-1: none) and their token counts; the tokens past
+        them (a graph's padding) run under none."""
+        num_tokens = sum(num_new)
+        if self.step.kernels:
+            per_token = [s for s, n in zip(seq_slots, num_new, strict=True) for _ in range(n)]
+            self.step.idx.fill_(-1)
+            self.step.idx[:num_tokens].copy_(torch.tensor(per_token, dtype=torch.int32))
+        else:
+            self.step.host_groups = group_rows(seq_slots, num_new)
