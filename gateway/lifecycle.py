@@ -61,6 +61,7 @@ async def start_gateway(settings: Settings) -> GatewayState:
     )
     await _start_backends(state)
     await state.adapters.load()
+    state.adapters.start()
     # the engines start empty: prefill the pinned prefixes, so the first request hits
     await state.pins.load()
     await state.pins.prefill_all()

@@ -10,7 +10,8 @@ Registration asks every replica of the base model to check the adapter first
 (`LoraBackend.check_adapter`: the engine reads its files against its model), so a bad
 one is refused whole with the engine's reason and nothing is stored. Deletion hides the
 adapter at once; its requests in flight finish, and only then are the replicas told to
-drop it (`remove_adapter`).
+drop it (`remove_adapter`). On PostgreSQL, where other gateways register and delete
+adapters too, the table is read again every REFRESH_S.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from gateway.tenancy.tenants import NotFound, _audit
 
 log = logging.getLogger("kvgate.adapters")
 CONFIGURED = "config"  # created_by of the adapters the config names (lora_modules)
+REFRESH_S = 2.0
 
 
 class AdapterError(ValueError):
@@ -68,20 +70,44 @@ class AdapterRegistry:
         self._idle: dict[str, asyncio.Event] = {}  # set while an adapter has no requests
         self._changing = asyncio.Lock()  # a name is checked and stored as one step
         self._unloads: set[asyncio.Task] = set()
+        self._shadowed: set[str] = set()  # stored names the config's lora_modules took
+        self._refresh: asyncio.Task | None = None
 
     async def load(self) -> None:
-        """The stored adapters (after the configured ones, which win a name)."""
-        async with self.db.session() as s:
-            rows = (await s.scalars(select(LoraAdapter))).all()
-        for row in rows:
-            if row.name in self.adapters:
-                log.warning(
-                    "adapter %s: the config's lora_modules names it too; theirs wins", row.name
-                )
-                continue
-            self.adapters[row.name] = Adapter(
-                **{f.name: getattr(row, f.name) for f in fields(Adapter)}
-            )
+        """The stored adapters as the table has them now (a configured one wins a name);
+        those gone from it (another gateway deleted them) are unloaded here too. Read
+        under the lock: a registration here is in the table or not begun."""
+        async with self._changing:
+            async with self.db.session() as s:
+                rows = (await s.scalars(select(LoraAdapter))).all()
+            stored = {
+                r.name: Adapter(**{f.name: getattr(r, f.name) for f in fields(Adapter)})
+                for r in rows
+            }
+            for adapter in list(self.adapters.values()):
+                if adapter.created_by != CONFIGURED and adapter.name not in stored:
+                    del self.adapters[adapter.name]
+                    self._unload_later(adapter)
+            for name, adapter in stored.items():
+                known = self.adapters.setdefault(name, adapter)
+                if known.created_by == CONFIGURED and name not in self._shadowed:
+                    self._shadowed.add(name)
+                    log.warning(
+                        "adapter %s: the config's lora_modules names it too; theirs wins", name
+                    )
+
+    def start(self) -> None:
+        """On PostgreSQL, read the table again every REFRESH_S (other gateways' changes)."""
+        if self.db.is_postgres:
+            self._refresh = asyncio.create_task(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            try:
+                await self.load()
+            except Exception as e:  # the database away: the adapters known stay served
+                log.warning("LoRA adapters not read again: %s", e)
 
     async def add_configured(self, name: str, path: str, base_model: str) -> None:
         """A public adapter from the config, checked on the base model's healthy replicas;
@@ -172,10 +198,13 @@ class AdapterRegistry:
                 await s.execute(delete(LoraAdapter).where(LoraAdapter.name == name))
                 s.add(_audit(actor, "adapter.delete", name, {"tenant_id": adapter.tenant_id}))
             del self.adapters[name]
+        self._unload_later(adapter)
+        return adapter
+
+    def _unload_later(self, adapter: Adapter) -> None:
         task = asyncio.create_task(self._unload(adapter))
         self._unloads.add(task)
         task.add_done_callback(self._unloads.discard)
-        return adapter
 
     async def _unload(self, adapter: Adapter) -> None:
         idle = self._idle.get(adapter.name)
@@ -203,6 +232,10 @@ class AdapterRegistry:
 
     async def stop(self) -> None:
         """Wait for the unloads under way (a stopping gateway drains its requests first)."""
+        if self._refresh is not None:
+            self._refresh.cancel()
+            await asyncio.gather(self._refresh, return_exceptions=True)
+            self._refresh = None
         if self._unloads:
             await asyncio.gather(*self._unloads, return_exceptions=True)
 

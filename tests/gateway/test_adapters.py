@@ -190,6 +190,15 @@ async def test_adapters_survive_a_restart(make_gateway, adapter_dir, tmp_path):
     assert (adapter.name, adapter.path, adapter.base_model) == ("a-lora", adapter_dir, "fake-model")
 
 
+async def eventually(check) -> bool:
+    """check(), polled until it holds, for at most 10 s."""
+    for _ in range(200):
+        if check():
+            return True
+        await asyncio.sleep(0.05)
+    return check()
+
+
 @pytest.mark.pg
 async def test_the_registry_on_postgresql(pg_schema, make_gateway, adapter_dir):
     db = {"database_url": PG_URL, "database_schema": pg_schema}
@@ -200,6 +209,12 @@ async def test_the_registry_on_postgresql(pg_schema, make_gateway, adapter_dir):
     assert (await gw.chat(key, model="a-lora")).status == 200
     second = await make_gateway(**db)  # another gateway on the same database loads it
     assert [a.name for a in second.state.adapters.all()] == ["a-lora"]
+    # and reads the table again: what the first registers or deletes reaches it
+    assert (await register(gw, "public", adapter_dir))[0] == 201
+    assert await eventually(lambda: second.state.adapters.visible("public", None) is not None)
+    assert (await gw.admin("DELETE", "/admin/adapters/public"))[0] == 200
+    assert await eventually(lambda: second.state.adapters.visible("public", None) is None)
+    assert await eventually(lambda: second.backend("fake").removed_adapters == ["public"])
     # deleting the tenant drops its adapters (the rows cascade)
     status, _ = await gw.admin("DELETE", f"/admin/tenants/{(await gw.tenant('b'))[0]['id']}")
     assert status == 200
