@@ -249,7 +249,7 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 "tenants": {
                     tenant: dataclasses.asdict(share) for tenant, share in s.tenants.items()
                 },
-                "adapters_loaded": list(getattr(s, "adapters_loaded", [])),
-                "lora_loads": getattr(s, "lora_loads", 0),
+                "adapters_loaded": list(s.adapters_loaded),
+                "lora_loads": s.lora_loads,
             },
         )
