@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine_api.records import AdapterRef
 from gateway.backends import BackendSpec
-from gateway.backends.default_model import DEFAULT_MODEL_ID, default_model_path
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from gateway.routing.salts import tenant_cache_salt
 from tests.backend_gpu.lora_adapters import save_random_adapter
 from tests.backend_gpu.tiny_models import VOCAB, save_tiny_model
@@ -171,10 +171,9 @@ async def test_adapters_through_a_worker(make_gateway, files, tmp_path):
 
 
 async def test_gguf_adapters_on_the_llama_cpp_backend(make_gateway, tmp_path):
-    model_path = str(default_model_path())
-    lora = write_lora(tmp_path / "acme.gguf", model_path, seed=3, rank=4, std=0.5)
     options = {"enable_lora": True, "n_ctx": 1024, "n_parallel": 2}
     gw = await make_gateway([BackendSpec("local", "local", "", "", options)])
+    lora = write_lora(tmp_path / "acme.gguf", gw.backend("local").engine.model, seed=3)
     _, key = await gw.tenant("a")
     status, body = await gw.admin(
         "POST",
