@@ -106,11 +106,12 @@ async def test_adapters_on_the_gpu_engine(make_gateway, files):
 
     base, base_cached = await complete(gw, key_a, "tiny")
     under_a, a_cached = await complete(gw, key_a, "a-lora")
-    under_b, _ = await complete(gw, key_a, "b-lora")
+    under_b, b_cached = await complete(gw, key_a, "b-lora")
     assert len({base, under_a, under_b}) == 3  # each adapter changes the greedy output
     assert (await complete(gw, key_a, "a-lora"))[0] == under_a
-    # the base model's cached blocks never serve the adapter: its first call computed all
-    assert (base_cached, a_cached) == (0, 0)
+    # no cached block of the base model or another adapter serves an adapter: each first
+    # call computed the whole prompt
+    assert (base_cached, a_cached, b_cached) == (0, 0, 0)
     assert (await complete(gw, key_a, "a-lora"))[1] > 0  # its own blocks, the second time
 
     # the gateway hashes the adapter's prompt as the engine does: the catalog holds them
