@@ -18,22 +18,23 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from engine_api.kv_records import HEADER_SIZE
-from engine_api.records import GenChunk
+from engine_api.records import BackendStats, GenChunk
 from gateway.backends import BackendSpec
 from gateway.backends.kv_transfer import pack_records, role_of, unpack_records
 from gateway.backends.remote_options import RemoteOptions
 from gateway.backends.remote_worker import parse_stats
 from gateway.cli import build_parser
 from gateway.config import Settings, load_settings
+from gateway.observe.metrics import Metrics
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.gateway.test_worker import gen_body, http, start_worker
 
 BS = 8
 PROMPT_LEN = 201  # 25 full blocks, one token left to compute
 OPTIONS = json.dumps({"block_size": BS, "max_model_len": 512})
-pytestmark = pytest.mark.slow
 
 
 def prompt(seed: int = 35, length: int = PROMPT_LEN) -> list[int]:
@@ -80,6 +81,7 @@ async def pulls(w) -> dict:
     return stats.extra
 
 
+@pytest.mark.slow
 async def test_a_decode_worker_continues_from_a_prefill_workers_blocks(pair):
     prefill, decode = pair
     # the reference: computed on the decode worker under a salt no one else uses
@@ -97,6 +99,7 @@ async def test_a_decode_worker_continues_from_a_prefill_workers_blocks(pair):
     assert (await pulls(prefill))["kv_transfer_blocks_out"] == 25
 
 
+@pytest.mark.slow
 async def test_another_tenants_request_takes_nothing_from_its_blocks(pair):
     prefill, decode = pair
     reference = await run(decode, gen_body(prompt(7), 4, model="tiny", cache_salt="ref"))
@@ -109,6 +112,7 @@ async def test_another_tenants_request_takes_nothing_from_its_blocks(pair):
     assert after["kv_transfer_hits"] == before["kv_transfer_hits"]  # nothing taken
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["dead", "refusing"])
 async def test_a_failed_pull_computes_the_prompt_here(pair, source, tmp_path):
     prefill, decode = pair
@@ -123,6 +127,7 @@ async def test_a_failed_pull_computes_the_prompt_here(pair, source, tmp_path):
     assert after["kv_transfers"] == before["kv_transfers"]
 
 
+@pytest.mark.slow
 async def test_a_worker_that_moves_no_blocks_says_so(tmp_path, pair):
     fake = start_worker(tmp_path, "--backend", "fake")
     try:
@@ -139,6 +144,7 @@ async def test_a_worker_that_moves_no_blocks_says_so(tmp_path, pair):
         assert (await c.get("/v1/models")).json()["data"][0]["kvgate"]["role"] == "prefill"
 
 
+@pytest.mark.slow
 def test_a_role_needs_the_gpu_backend(tmp_path):
     with pytest.raises(RuntimeError, match="--role prefill needs the gpu backend"):
         start_worker(tmp_path, "--backend", "fake", "--role", "prefill")
@@ -185,6 +191,7 @@ async def usage_rows(gw, tmp_path, count: int) -> list[tuple]:
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow
 async def test_apart_or_not_the_output_and_the_usage_row_are_the_same(apart, tmp_path):
     gw = apart
     assert sorted(role_of(b) for b in gw.state.backends) == ["decode", "prefill"]
@@ -212,6 +219,7 @@ async def test_apart_or_not_the_output_and_the_usage_row_are_the_same(apart, tmp
     assert sorted(rows) == sorted((t["id"], PROMPT_LEN, 6, 0) for t in (a, b, c))
 
 
+@pytest.mark.slow
 async def test_a_prefill_worker_killed_under_load_only_slows_first_tokens(apart):
     gw = apart
     _, key = await gw.tenant("load")
@@ -232,6 +240,7 @@ async def test_a_prefill_worker_killed_under_load_only_slows_first_tokens(apart)
     assert jobs(gw, "fallback") >= 1 or not prefill_replica.stats().healthy
 
 
+@pytest.mark.slow
 async def test_a_decode_worker_dying_mid_stream_ends_it_with_an_error_event(apart, tmp_path):
     gw = apart
     _, key = await gw.tenant("streams")
@@ -276,3 +285,21 @@ def test_prefill_workers_are_fewer_than_workers():
         RemoteOptions.parse(
             BackendSpec("r", "remote", "m", "", {"url": "http://h/v1", "role": "x"})
         )
+
+
+def test_transfer_counters_reach_metrics():
+    extra = {"kv_transfers": 2, "kv_transfer_bytes": 4096, "kv_transfer_seconds": 0.25}
+    extra |= {"kv_transfer_fallbacks": 1, "kv_transfer_blocks_in": 50}
+    metrics = Metrics(lambda: [BackendStats(name="d", extra=extra)])
+    metrics.child(metrics.prefill_jobs, "tiny", "fallback").inc()
+    text = generate_latest(metrics.registry).decode()
+    for sample in (
+        'kvgate:kv_transfers_total{backend="d"} 2.0',
+        'kvgate:kv_transfer_bytes_total{backend="d"} 4096.0',
+        'kvgate:kv_transfer_seconds_total{backend="d"} 0.25',
+        'kvgate:kv_transfer_fallbacks_total{backend="d"} 1.0',
+        'kvgate:kv_transfer_blocks_in_total{backend="d"} 50.0',
+        'kvgate:prefill_jobs_total{model="tiny",outcome="fallback"} 1.0',
+    ):
+        assert sample in text, sample
+    assert "kv_transfer_blocks_out" not in text  # what a backend does not report
