@@ -140,8 +140,6 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora does not work with tensor_parallel_size > 1 yet")
 
     def _check_tensor_parallel_size(self) -> None:
         size = self.tensor_parallel_size

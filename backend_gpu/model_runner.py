@@ -46,7 +46,7 @@ from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.span_metadata import span_metadata
 from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
-from backend_gpu.tp_shards import local_heads
+from backend_gpu.tp_shards import CheckpointShards, local_heads
 from engine_api.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,22 @@ class OtherRanks(Protocol):
     """Rank 0's handle on the other tensor-parallel ranks (tp_ranks.RankProcesses, which
     starts runners: a protocol here, so that the runner never imports what starts it)."""
 
-    def send(self, step: StepRows) -> None: ...
+    def send(self, step: StepRows | LoRASlot) -> None: ...
 
     def check(self) -> None: ...
 
     def failure(self, exc: BaseException) -> EngineDeadError: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class LoRASlot:
+    """Rank 0 to the other ranks, between steps: put `weights` in LoRA slot `slot` (None:
+    clear it); each rank keeps its own share (LoRAStacks)."""
+
+    slot: int
+    weights: AdapterWeights | None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,6 +144,7 @@ class ModelRunner:
                 config.max_num_batched_tokens,
                 self.dtype,
                 self.device,
+                CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None,
             )
         # the one switch between attention paths: CUDA runs the Triton kernels, which read
         # the cache through the block tables; elsewhere the torch spans gather it
@@ -333,8 +343,11 @@ class ModelRunner:
         return (None if logits is None else logits.float()), scored
 
     def write_lora(self, slot: int, weights: AdapterWeights | None) -> None:
-        """Put an adapter in LoRA slot `slot` (None: clear it), between steps."""
+        """Put an adapter in LoRA slot `slot` (None: clear it), between steps; rank 0
+        hands it to the other ranks first."""
         assert self.lora is not None
+        if self.ranks is not None:
+            self.ranks.send(LoRASlot(slot, weights))
         self.lora.write(slot, weights)
 
     def check_alive(self) -> None:

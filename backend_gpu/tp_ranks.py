@@ -27,7 +27,7 @@ import torch.distributed as dist
 from backend_gpu.config import EngineConfig
 from backend_gpu.distributed import join_group, rank_device
 from backend_gpu.loader import Checkpoint
-from backend_gpu.model_runner import ModelRunner
+from backend_gpu.model_runner import LoRASlot, ModelRunner
 from backend_gpu.step_buffers import StepRows
 from backend_gpu.tp_shards import check_divisible
 from engine_api.errors import EngineDeadError
@@ -105,8 +105,9 @@ class RankProcesses:
                     )
                 time.sleep(0.05)
 
-    def send(self, step: StepRows) -> None:
-        """Hand a step to every other rank; EngineDeadError if one is gone."""
+    def send(self, step: StepRows | LoRASlot) -> None:
+        """Hand a step (or a LoRA slot's weights) to every other rank; EngineDeadError if
+        one is gone."""
         self.check()
         try:
             for pipe in self.pipes:
@@ -183,4 +184,7 @@ def _rank_main(
             return
         if step is None:
             return
-        runner.execute(step)
+        if isinstance(step, LoRASlot):
+            runner.write_lora(step.slot, step.weights)
+        else:
+            runner.execute(step)

@@ -7,6 +7,11 @@ slot's delta to the base output.
 The engine fuses q/k/v and gate/up into one matmul each (layers/linear.py): an adapter's
 q, k and v go to their own column ranges of that output, each a shrink and expand of
 its own. Writing a slot copies one adapter from host memory; clearing it zeroes it.
+
+Under tensor parallelism (tp_shards.py) a rank holds its share of each adapter as it
+holds its share of the layer: a column-parallel projection's B by output rows (A whole),
+a row-parallel one's A by input columns (B whole): each rank's delta is then a partial
+sum like its base output's, and the layer's one all-reduce adds both.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from torch import nn
 
 from backend_gpu.lora.ops import SlotsOnHost, StepSlots, add_lora, group_rows, regroup
 from backend_gpu.lora.peft_files import PROJECTIONS, AdapterWeights, BaseShapes
+from backend_gpu.tp_shards import CheckpointShards, ShardRead
+
+
+def _shard_of(shards: CheckpointShards | None, proj: str) -> ShardRead | None:
+    """What this rank holds of projection `proj` (None: all of it)."""
+    return None if shards is None else shards(f"model.layers.0.{proj}.weight")
 
 
 class ProjectionStack:
@@ -79,8 +90,10 @@ class LoRAStacks:
         max_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        shards: CheckpointShards | None = None,
     ) -> None:
         self.num_slots = slots
+        self.shards = shards
         self.step = StepSlots(
             kernels=device.type == "cuda",
             idx=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
@@ -89,6 +102,11 @@ class LoRAStacks:
         for i, layer in enumerate(model.model.layers):
             for proj in PROJECTIONS:
                 fan_in, fan_out = shapes.features[proj]
+                read = _shard_of(shards, proj)
+                if read is not None and read.dim == 0:  # column-parallel: output rows
+                    fan_out = read.stop - read.start
+                elif read is not None:  # row-parallel: input columns
+                    fan_in = read.stop - read.start
                 self.stacks[i, proj] = ProjectionStack(fan_in, fan_out, slots, rank, dtype, device)
             for owner in (layer.self_attn, layer.mlp):
                 self._wrap(owner, i)
@@ -114,7 +132,14 @@ class LoRAStacks:
         scale = 0.0 if weights is None else weights.info.scale
         for key, stack in self.stacks.items():
             pair = None if weights is None else weights.tensors.get(key)
-            stack.write(slot, *(pair or (None, None)), scale)
+            a, b = pair or (None, None)
+            read = _shard_of(self.shards, key[1])
+            if a is not None and b is not None and read is not None:
+                if read.dim == 0:
+                    b = b[read.start : read.stop]
+                else:
+                    a = a[:, read.start : read.stop]
+            stack.write(slot, a, b, scale)
 
     def set_step(self, seq_slots: list[int], num_new: list[int]) -> None:
         """The step's sequences' slots (-1: none) and their token counts; the tokens past

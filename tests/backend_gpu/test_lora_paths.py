@@ -171,3 +171,21 @@ async def test_async_check_and_remove(llama_adapter, tmp_path):
         assert engine.engine.stats().adapters_loaded == []
     finally:
         await engine.shutdown()
+
+
+def test_two_ranks_apply_adapters_as_one_does(llama_adapter, tmp_path):
+    """Column-parallel (q, v, gate, up) and row-parallel (o, down) projections: each rank
+    holds its share of the adapter, and the all-reduce adds the deltas' partial sums."""
+    model, ref = llama_adapter
+    other = AdapterRef("all", str(tmp_path / "all"))
+    save_random_adapter(model, other.path, r=4, targets="all-linear", rslora=True, seed=3)
+    requests = [greedy("a", ref), greedy("b", other), greedy("base", None)]
+    kwargs = dict(enable_lora=True, max_loras=2, kv_cache_memory_bytes=1 << 23)
+    one = run(LLM(model, **kwargs).engine, requests)
+    two_ranks = LLM(model, tensor_parallel_size=2, **kwargs).engine
+    try:
+        two = run(two_ranks, [greedy(r.request_id, r.adapter) for r in requests])
+    finally:
+        two_ranks.close()
+    assert {k: v.token_ids for k, v in two.items()} == {k: v.token_ids for k, v in one.items()}
+    assert len({tuple(v.token_ids) for v in one.values()}) == 3
