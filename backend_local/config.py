@@ -39,6 +39,10 @@ class EngineConfig:
     # (kv_disk_tier.py); None: off. At most kv_disk_gb GiB, least recently used out.
     kv_disk_path: str | None = None
     kv_disk_gb: float = 16
+    # LoRA adapters (GGUF LoRA files, lora.py): requests may name one; at most max_loras
+    # stay loaded, least recently used out
+    enable_lora: bool = False
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:
@@ -56,6 +60,10 @@ class EngineConfig:
             raise ValueError(f"kv_disk_gb must be a finite number >= 0, got {gb!r}")
         if self.kv_disk_path is not None and self.task == "embed":
             raise ValueError("kv_disk_path keeps generated prefixes; an embedding engine has none")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.enable_lora and self.task == "embed":
+            raise ValueError("enable_lora serves generation; an embedding engine has no adapters")
         if self.n_threads <= 0:
             self.n_threads = default_threads()
 

@@ -9,6 +9,10 @@
 Closing a `generate` iterator early (or cancelling the task reading it) aborts the request:
 the worker frees its sequence before its next decode step.
 
+With `EngineConfig(enable_lora=True)` a request may name a GGUF LoRA adapter
+(`GenRequest.adapter`, backend_local.lora): loaded on demand, checked ahead by
+`check_adapter`, freed by `remove_adapter`.
+
 With `EngineConfig(task="embed")` the engine embeds instead (an EmbedWorker owns the
 context): `await engine.embed(EmbedRequest(...))`; `generate` is a BadRequestError.
 """
@@ -28,11 +32,12 @@ from backend_local.requests import Request, RequestOutput
 from backend_local.stats import EngineStats
 from backend_local.worker import Worker
 from engine_api.errors import BadRequestError, PromptTooLongError
-from engine_api.records import EmbedRequest, EmbedResult, GenRequest
+from engine_api.records import AdapterRef, EmbedRequest, EmbedResult, GenRequest
 from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
 
 NOT_A_GENERATOR = "this is an embedding model: it embeds text and does not generate it"
+NO_LORA = "this engine serves no LoRA adapters (enable_lora is off)"
 # An embed request of more tokens than this is checked in a worker thread: 2048 inputs of
 # thousands of ids each would stall the event loop for seconds.
 LARGE_EMBED_TOKENS = 1 << 16
@@ -110,6 +115,8 @@ class LocalEngine:
             raise BadRequestError(NOT_A_GENERATOR)
         request_id, params, shared_prefix_len = req.request_id, req.sampling, req.shared_prefix_len
         self.check_request(req.prompt_token_ids, params, shared_prefix_len)
+        if req.adapter is not None and not self.config.enable_lora:
+            raise BadRequestError(NO_LORA)
         if request_id in self._active:
             raise BadRequestError(f"request id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
@@ -123,6 +130,7 @@ class LocalEngine:
         request = Request(
             request_id, list(req.prompt_token_ids), params, req.cache_salt, emit, shared_prefix_len
         )
+        request.adapter = req.adapter
         if params.structured is not None:  # compiled before the worker sees it
             request.grammar = self.grammars.matcher(params.structured)
         self._worker.submit(request)
@@ -196,6 +204,21 @@ class LocalEngine:
             if not done.done() or done.cancelled():
                 self._worker.abort(req.request_id)
         return EmbedResult(vectors, sum(len(i) for i in req.inputs))
+
+    def check_adapter(self, ref: AdapterRef) -> None:
+        """Raise BadRequestError naming what is wrong with the adapter for this model (no
+        such file, a PEFT directory, not a GGUF LoRA, another architecture, tensors that
+        do not fit); blocking (it loads a copy): call it off the event loop."""
+        if self.pooling is not None:
+            raise BadRequestError(NOT_A_GENERATOR)
+        if not self.config.enable_lora:
+            raise BadRequestError(NO_LORA)
+        self._worker.adapters.check(ref)
+
+    def remove_adapter(self, name: str) -> None:
+        """Free the adapter once no running request uses it; never blocks."""
+        if self.config.enable_lora:
+            self._worker.remove_adapter(name)
 
     def abort(self, request_id: str) -> None:
         self._worker.abort(request_id)

@@ -7,8 +7,9 @@ llama.cpp has no blocks, but it saves and restores one sequence's cells
 exactly a prompt's longest prefix of whole 16-token blocks (one token is left to
 compute: its logits give the first output token), kept in engine_api.kv_disk's
 DiskStore under the salted chain hash of the prefix's last block, as backend_gpu keys
-its tiers. That hash fixes every token before it and the salt, so a tenant only finds
-its own prefixes and published ones.
+its tiers. That hash fixes every token before it, the salt and the LoRA adapter (the
+chain's root), so a tenant only finds its own prefixes and published ones, computed
+under the same adapter.
 
 The state is taken where the prefix ends, never cut from a longer one: llama.cpp writes
 only the sliding-window layers' last window of cells, which is right for resuming at
@@ -34,9 +35,10 @@ import llama_cpp
 from backend_local.config import EngineConfig
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BLOCK_SIZE
-from engine_api.block_hash import hash_blocks
+from engine_api.block_hash import adapter_root, hash_blocks
 from engine_api.kv_disk import DiskStore
 from engine_api.kv_records import fingerprint
+from engine_api.records import AdapterRef
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -98,10 +100,17 @@ class DiskTier:
         self._writer.start()
 
     @staticmethod
-    def prefix_hashes(prompt: list[int], salt: str | None, shared_prefix_len: int) -> list[bytes]:
-        """The chain hashes of the prompt's whole blocks that leave at least one token."""
+    def prefix_hashes(
+        prompt: list[int],
+        salt: str | None,
+        shared_prefix_len: int,
+        adapter: AdapterRef | None = None,
+    ) -> list[bytes]:
+        """The chain hashes of the prompt's whole blocks that leave at least one token,
+        computed under `adapter`."""
         usable = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-        return hash_blocks(prompt[:usable], BLOCK_SIZE, salt, shared_prefix_len)
+        root = adapter_root(adapter)
+        return hash_blocks(prompt[:usable], BLOCK_SIZE, salt, shared_prefix_len, root)
 
     def candidates(self, hashes: list[bytes], beyond: int) -> list[tuple[int, bytes]]:
         """(length, key) of the stored prefixes longer than `beyond` tokens, longest first."""

@@ -15,14 +15,21 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine_api.block_hash import block_salt, hash_blocks
+from engine_api.block_hash import adapter_root, block_salt, hash_blocks
+from engine_api.records import AdapterRef
 
 BLOCK_SIZE = 16
 
 
-def block_hashes(token_ids: list[int], salt: str | None, shared_prefix_len: int = 0) -> list[str]:
-    """Hex chain hashes of the full blocks of `token_ids`."""
-    return [h.hex() for h in hash_blocks(token_ids, BLOCK_SIZE, salt, shared_prefix_len)]
+def block_hashes(
+    token_ids: list[int],
+    salt: str | None,
+    shared_prefix_len: int = 0,
+    adapter: AdapterRef | None = None,
+) -> list[str]:
+    """Hex chain hashes of the full blocks of `token_ids`, computed under `adapter`."""
+    root = adapter_root(adapter)
+    return [h.hex() for h in hash_blocks(token_ids, BLOCK_SIZE, salt, shared_prefix_len, root)]
 
 
 @dataclass

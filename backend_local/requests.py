@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend_local.sampling import TokenLogprob
+from engine_api.records import AdapterRef
 from engine_api.sampling import SamplingParams
 
 
@@ -43,3 +44,4 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     # a structured output's llguidance matcher (backend_local.grammar), made at submission
     grammar: Any = None
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model

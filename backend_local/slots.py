@@ -3,7 +3,9 @@
 A slot keeps the tokens its sequence holds in the KV cells after its request ends, so the
 next request with the same prefix and the same cache salt starts from there instead of
 computing them again. Cells are reused between requests with different salts only within
-a published prefix: tokens that both requests mark as shared (`shared_prefix_len`).
+a published prefix: tokens that both requests mark as shared (`shared_prefix_len`), and
+never between requests under different LoRA adapters (or one under an adapter and one
+under the base model): the adapter changes every cell.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from backend_local.requests import Request
 from backend_local.sampling import TokenLogprob
 from backend_local.text_stream import TextStream
+from engine_api.records import AdapterRef
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Slot:
     # the request's prompt logprobs computed so far, until its first output carries them;
     # None when it did not ask for them
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    adapter: AdapterRef | None = None  # the LoRA adapter `cached` was computed under
 
     @property
     def prefilling(self) -> bool:
@@ -63,10 +67,19 @@ class Placement:
     reuse: int  # prompt tokens to take from `source`
 
 
-def reusable_len(slot: Slot, prompt: list[int], salt: str | None, shared_prefix_len: int) -> int:
-    """Leading prompt tokens whose cells `slot` holds and the request may use: all of a
-    common prefix under the same salt; under another salt only the published prefix
-    that both mark as shared, so a tenant's own tokens are never reused by another."""
+def reusable_len(
+    slot: Slot,
+    prompt: list[int],
+    salt: str | None,
+    shared_prefix_len: int,
+    adapter: AdapterRef | None = None,
+) -> int:
+    """Leading prompt tokens whose cells `slot` holds and the request may use: none
+    under another adapter; all of a common prefix under the same salt; under another
+    salt only the published prefix that both mark as shared, so a tenant's own tokens
+    are never reused by another."""
+    if slot.adapter != adapter:
+        return 0
     n = common_prefix_len(slot.cached, prompt)
     return n if slot.salt == salt else min(n, slot.shared_len, shared_prefix_len)
 
@@ -82,6 +95,7 @@ def place(
     salt: str | None,
     shared_prefix_len: int = 0,
     reuse_cache: bool = True,
+    adapter: AdapterRef | None = None,
 ) -> Placement:
     """Pick a free slot for `prompt` and the slot holding its longest reusable prefix;
     without `reuse_cache` (a request that needs every prompt position computed, as for
@@ -90,7 +104,7 @@ def place(
     assert free, "place() needs a free slot"
     source, reuse = None, 0
     for s in slots if reuse_cache else []:
-        n = reusable_len(s, prompt, salt, shared_prefix_len)
+        n = reusable_len(s, prompt, salt, shared_prefix_len, adapter)
         if n > reuse and min(n, len(prompt) - 1) >= s.floor:
             source, reuse = s, n
     # The last prompt token is always computed again: its logits give the first output token.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,3 +29,6 @@ class EngineStats:
     kv_disk_blocks_written: int = 0
     kv_disk_rejected: int = 0
     kv_disk_write_errors: int = 0
+    # LoRA (enable_lora): the names of the adapters loaded now, and loads so far
+    adapters_loaded: list[str] = field(default_factory=list)
+    lora_loads: int = 0

@@ -6,7 +6,8 @@ every generating sequence followed by prompt chunks of the prefilling ones (up t
 tokens), decode it, and sample each sequence that produced logits with its own sampler.
 A request with prompt logprobs gets logits for every prompt token instead of the last.
 With a disk tier (kv_disk_tier.py) a prompt's prefix is restored from disk when the
-cells hold less of it, and saved there once computed.
+cells hold less of it, and saved there once computed. With LoRA adapters a step decodes
+the sequences of one adapter only, the adapters' groups taking turns (lora_groups.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from backend_local.context_thread import ContextThread
 from backend_local.errors import DecodeError
 from backend_local.grammar import GrammarMask
 from backend_local.kv_disk_tier import DiskTier
+from backend_local.lora import AdapterCache
+from backend_local.lora_groups import LoraGroups
 from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BLOCK_SIZE, BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
@@ -59,6 +62,9 @@ class Worker(ContextThread[Request]):
         self.ledger = BlockLedger() if config.enable_kv_events else None
         self.grammar_mask = GrammarMask(model.n_vocab)
         self.disk = DiskTier(model, config, self.ctx) if config.kv_disk_path else None
+        self.adapters = AdapterCache(model, self.ctx, config.max_loras)
+        self.lora = LoraGroups(self.adapters) if config.enable_lora else None
+        self._removals: set[str] = set()  # adapters to free once no sequence runs them
 
     def stats(self) -> EngineStats:
         busy = [s for s in self.slots if s.request is not None]
@@ -78,7 +84,16 @@ class Worker(ContextThread[Request]):
             prompt_tokens_per_s=prompt_rate,
             gen_tokens_per_s=gen_rate,
             **(self.disk.stats() if self.disk is not None else {}),
+            adapters_loaded=self.adapters.names(),
+            lora_loads=self.adapters.loads,
         )
+
+    def remove_adapter(self, name: str) -> None:
+        """Free the adapter `name` (and the cells computed under it) once no running
+        request uses it; a later request naming it loads it again."""
+        with self._cond:
+            self._removals.add(name)
+            self._cond.notify()
 
     # -- the worker thread ---------------------------------------------------------------
 
@@ -97,6 +112,7 @@ class Worker(ContextThread[Request]):
             self.disk.close()
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
+        self.adapters.close()
 
     def _has_work(self) -> bool:
         return bool(self.waiting) or any(s.request is not None for s in self.slots)
@@ -104,20 +120,28 @@ class Worker(ContextThread[Request]):
     def _step(self) -> bool:
         """One decode step; False when the loop should end."""
         with self._cond:
-            while not (self._inbox or self._aborts or self._stopping or self._has_work()):
+            # (a removal waits only for a running request, so it never spins here)
+            while not (
+                self._inbox or self._aborts or self._stopping or self._has_work() or self._removals
+            ):
                 self._cond.wait()
             self.waiting.extend(self._inbox)
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
+            removals, self._removals = self._removals, set()
             stopping, drain = self._stopping, self._drain
         if stopping and not drain:
             aborts |= {r.request_id for r in self.waiting}
             aborts |= {s.request.request_id for s in self.slots if s.request is not None}
         self._apply_aborts(aborts)
+        if removals:
+            self._remove_adapters(removals)
         if stopping and not self._has_work():
             return False
         self._admit()
         self._decode_step()
+        if self.lora is not None:  # past max_loras, the adapters no request runs under
+            self.lora.trim(self.slots)
         return True
 
     def _apply_aborts(self, request_ids: set[str]) -> None:
@@ -136,24 +160,21 @@ class Worker(ContextThread[Request]):
         copied: set[int] = set()  # sequences whose streams a copy reads at the next decode
         while self.waiting and any(s.request is None for s in self.slots):
             request = self.waiting.popleft()
+            if self.lora is not None and not self.lora.load(request):
+                continue
             # prompt logprobs need the logits of every prompt position: no cached cells
             scored = request.params.prompt_logprobs is not None
-            placement = place(
-                self.slots,
-                request.prompt,
-                request.cache_salt,
-                request.shared_prefix_len,
-                reuse_cache=not scored,
-            )
+            salt, shared, adapter = request.cache_salt, request.shared_prefix_len, request.adapter
+            placement = place(self.slots, request.prompt, salt, shared, not scored, adapter)
             slot = placement.slot
             hashes = []  # the prompt's block hashes, for the disk tier
             if self.disk is not None and not scored:
-                salt, shared = request.cache_salt, request.shared_prefix_len
-                hashes = self.disk.prefix_hashes(request.prompt, salt, shared)
+                hashes = self.disk.prefix_hashes(request.prompt, salt, shared, adapter)
             reuse = self._take_prefix(placement, hashes, copied)
             self._plan_save(slot, hashes, reuse)
             slot.cached = request.prompt[:reuse]
             slot.salt = request.cache_salt
+            slot.adapter = adapter
             slot.shared_len = request.shared_prefix_len
             self._sync_blocks(slot)
             slot.request = request
@@ -168,6 +189,16 @@ class Worker(ContextThread[Request]):
             if not scored:  # as in vLLM, a request that skips the cache does not query it
                 self.prefix_query_tokens += len(request.prompt)
             self.prefix_reused_tokens += reuse
+
+    def _remove_adapters(self, names: set[str]) -> None:
+        for name in names:
+            idle = self.lora.remove(name, self.slots) if self.lora is not None else []
+            if idle is None:  # a request runs under it: again at a later step
+                with self._cond:
+                    self._removals.add(name)
+                continue
+            for slot in idle:
+                self._drop_cells(slot)
 
     def _take_prefix(self, placement: Placement, hashes: list[bytes], copied: set[int]) -> int:
         """Leave the placement's slot holding the longest prefix it can have, from the
@@ -244,6 +275,8 @@ class Worker(ContextThread[Request]):
         busy = [s for s in self.slots if s.request is not None]
         if not busy:
             return
+        if self.lora is not None:
+            busy = self.lora.this_turn(busy)
         n = 0
         added: list[tuple[Slot, list[int]]] = []
         outputs: list[tuple[Slot, int]] = []  # slot, batch index of its logits
@@ -381,7 +414,7 @@ class Worker(ContextThread[Request]):
         """Report the slot's full blocks of cached tokens as they are now."""
         if self.ledger is None:
             return
-        blocks = block_hashes(slot.cached, slot.salt, slot.shared_len)
+        blocks = block_hashes(slot.cached, slot.salt, slot.shared_len, slot.adapter)
         self.ledger.replace(slot.blocks, blocks, slot.salt, slot.shared_len)
         slot.blocks = blocks
 
