@@ -64,6 +64,16 @@ class TierRow:
 
 
 @dataclass
+class Transfers:
+    """Decode workers' pulls of prefill workers' blocks, summed over the backends."""
+
+    pulls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    fallbacks: int = 0  # pulls that failed: the prompt computed on the decode worker
+
+
+@dataclass
 class Engine:
     running: int = 0
     waiting: int = 0
@@ -71,6 +81,7 @@ class Engine:
     prefix_hit_rate: float | None = None  # None until a prefix lookup happened
     preemptions: int = 0
     tiers: list[TierRow] = field(default_factory=list)  # empty: no backend has one on
+    transfers: Transfers | None = None  # None: no backend pulls blocks
 
 
 @dataclass
@@ -230,6 +241,20 @@ def engine_state(backends: list[dict[str, Any]]) -> Engine:
         prefix_hit_rate=hits / queries if queries else None,
         preemptions=sum(_int(b.get("preemptions")) for b in backends),
         tiers=tier_rows(backends),
+        transfers=transfers(backends),
+    )
+
+
+def transfers(backends: list[dict[str, Any]]) -> Transfers | None:
+    """The pulls of the backends that report them (`kv_transfer`), summed."""
+    reported = [t for b in backends if (t := _dict(b.get("kv_transfer")))]
+    if not reported:
+        return None
+    return Transfers(
+        pulls=sum(_int(t.get("pulls")) for t in reported),
+        bytes=sum(_int(t.get("bytes")) for t in reported),
+        seconds=sum(_num(t.get("seconds")) for t in reported),
+        fallbacks=sum(_int(t.get("fallbacks")) for t in reported),
     )
 
 

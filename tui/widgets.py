@@ -146,23 +146,29 @@ class EnginePanel(Static):
         table.add_row("KV cache", Text.assemble(kv, f" {fmt.pct(engine.kv_usage):>4}"))
         table.add_row("prefix hits", fmt.pct(engine.prefix_hit_rate))
         table.add_row("preemptions", str(engine.preemptions))
-        if not engine.tiers:
-            self.update(table)
-            return
-        tiers = Table.grid(padding=(0, 2))
-        tiers.add_column()
-        for _ in range(3):
-            tiers.add_column(justify="right")
-        tiers.add_row("KV tier", *(Text(h, "bold") for h in ("hits", "blocks", "bytes")))
-        for t in engine.tiers:
-            tiers.add_row(t.tier, fmt.si(t.hits), fmt.si(t.blocks), f"{fmt.si(t.bytes)}B")
-        self.update(Group(table, tiers))
+        if engine.transfers is not None:  # a decode worker's pulls of prefilled blocks
+            t = engine.transfers
+            table.add_row("block pulls", f"{fmt.si(t.pulls)} ({t.fallbacks} failed)")
+            table.add_row("pulled", f"{fmt.si(t.bytes)}B in {t.seconds:.1f} s")
+        parts = [table]
+        if engine.tiers:
+            tiers = Table.grid(padding=(0, 2))
+            tiers.add_column()
+            for _ in range(3):
+                tiers.add_column(justify="right")
+            tiers.add_row("KV tier", *(Text(h, "bold") for h in ("hits", "blocks", "bytes")))
+            for t in engine.tiers:
+                tiers.add_row(t.tier, fmt.si(t.hits), fmt.si(t.blocks), f"{fmt.si(t.bytes)}B")
+            parts.append(tiers)
+        self.update(Group(*parts))
 
     @staticmethod
     def height(engine: Engine) -> int:
-        """Rows the panel takes, its border included: a header and a row per KV tier
-        below the five of every engine, where some tier is on."""
-        return 7 + (1 + len(engine.tiers) if engine.tiers else 0)
+        """Rows the panel takes, its border included: the five of every engine, two of
+        block pulls where a decode worker pulls them, then a header and a row per KV
+        tier where some tier is on."""
+        tiers = 1 + len(engine.tiers) if engine.tiers else 0
+        return 7 + 2 * (engine.transfers is not None) + tiers
 
 
 class TenantsTable(KeyedTable):

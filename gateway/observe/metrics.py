@@ -183,6 +183,28 @@ def _add_tier_samples(families: dict, s: BackendStats) -> None:
             families[KV_TIER_METRICS[key][0]].add_metric([s.name, tier], value)
 
 
+# a decode worker's pulls of a prefill worker's blocks (gateway/worker/kv_pull.py) and
+# the tokens its engine took from them
+KV_TRANSFER_KEYS = {
+    "kv_transfers": "pulls",
+    "kv_transfer_bytes": "bytes",
+    "kv_transfer_seconds": "seconds",
+    "kv_transfer_fallbacks": "fallbacks",
+    "kv_transfer_hits": "hits",
+}
+
+
+def kv_transfer_stats(extra: dict[str, Any]) -> dict[str, float]:
+    """{pulls, bytes, seconds, fallbacks, hits} of a backend that pulls blocks from
+    prefill workers (empty for one that does not)."""
+    out = {}
+    for key, name in KV_TRANSFER_KEYS.items():
+        value = extra.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
 def kv_tier_stats(extra: dict[str, Any]) -> dict[str, dict[str, int]]:
     """tier -> {key: count} of the tiers a backend reports in its BackendStats.extra
     (none when it has none on); the keys are KV_TIER_METRICS'."""

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway.http.errors import ApiError
 from gateway.http.util import json_response, parse_body, sse
-from gateway.observe.metrics import kv_tier_stats
+from gateway.observe.metrics import kv_tier_stats, kv_transfer_stats
 from gateway.routes import guards
 from gateway.schemas.admin import KeyCreate, KeyUpdate, Limits, TenantCreate, TenantUpdate
 from gateway.state import GW, GatewayState, with_queue
@@ -232,6 +232,7 @@ def _backends(gw: GatewayState) -> list[dict]:
                 "prompt_tokens_per_s": s.prompt_tokens_per_s,
                 "gen_tokens_per_s": s.gen_tokens_per_s,
                 "kv_tiers": kv_tier_stats(s.extra),
+                "kv_transfer": kv_transfer_stats(s.extra),
             }
         )
     return out

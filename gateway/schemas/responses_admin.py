@@ -136,6 +136,11 @@ class BackendInfo(Body):
         "hits (prompt tokens loaded from it), blocks and bytes it holds, blocks_written, "
         "blocks_loaded, rejected, write_errors or errors, as far as the tier counts them"
     )
+    kv_transfer: dict[str, float] = Field(
+        description="a decode worker's pulls of prefill workers' blocks, where it pulls: "
+        "pulls, bytes, seconds, fallbacks (pulls that failed: the prompt computed "
+        "here) and hits (prompt tokens taken instead of computed)"
+    )
 
 
 class BackendList(Body):

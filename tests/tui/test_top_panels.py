@@ -236,3 +236,32 @@ def test_tier_rows_sum_the_backends_and_skip_what_is_not_a_tier():
     ]
     assert tier_rows(backends) == [TierRow("host", 1, 0, 7), TierRow("disk", 5, 2, 0)]
     assert tier_rows([{"name": "fake"}]) == []
+
+
+async def test_the_engine_panel_shows_the_pulls_of_prefill_workers_blocks():
+    snapshots = load_replay(DATA)
+    for snap in snapshots:
+        for b in snap["backends"]:
+            b["kv_transfer"] = {"pulls": 3, "bytes": 3 << 20, "seconds": 0.25, "fallbacks": 1}
+    n = len(snapshots[-1]["backends"])
+    app = TopApp(StatsSource(replay=snapshots, replay_name="pulls.jsonl", speed=0.0))
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        panel = app.query_one(EnginePanel)
+        lines = [" ".join(row.strip("│ ").split()) for row in screen_text(panel).splitlines()]
+        assert f"block pulls {fmt.si(3 * n)} ({n} failed)" in lines
+        assert f"pulled {fmt.si((3 << 20) * n)}B in {0.25 * n:.1f} s" in lines
+        assert app.query_one("#middle").size.height == 7 + 2
+
+
+def test_transfers_sum_the_backends_that_pull():
+    from tui.view import Transfers, transfers
+
+    backends = [
+        {"kv_transfer": {"pulls": 2, "bytes": 10, "seconds": 0.5, "fallbacks": 1}},
+        {"kv_transfer": {"pulls": 1, "bytes": "x"}},
+        {"kv_transfer": {}},
+        {},
+    ]
+    assert transfers(backends) == Transfers(3, 10, 0.5, 1)
+    assert transfers([{"name": "fake"}, {"kv_transfer": {}}]) is None
