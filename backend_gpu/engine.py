@@ -139,7 +139,7 @@ class LLMEngine:
             and req.adapter is not None
             and not self.lora.ready(req.adapter.name)
         ):
-            self.lora.start_loading(req.adapter.name)
+            self.lora.start_loading(req.adapter)
             self.lora_waiting.append(seq)
         else:
             self.scheduler.add(seq)
@@ -197,8 +197,8 @@ class LLMEngine:
             if self.lora.ready(name):
                 self.lora_waiting.remove(seq)
                 self.scheduler.add(seq)
-            else:  # removed meanwhile, or pushed out of host memory: read again
-                self.lora.start_loading(name)
+            else:  # removed meanwhile: read again
+                self.lora.start_loading(seq.adapter)
         return outputs
 
     def _finish_unqueued(self, seq: Sequence, reason: str) -> None:

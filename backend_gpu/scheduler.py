@@ -27,12 +27,13 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.fairness import FcfsQueue, Ledger, TenantStats, VtcQueue
 from backend_gpu.prompt_logprobs import PromptSpan, prompt_spans
 from backend_gpu.sequence import Sequence, SequenceStatus
+from engine_api.records import AdapterRef
 
 
 class AdapterSlots(Protocol):
     """The LoRA manager's side the scheduler uses (backend_gpu.lora.LoRAManager)."""
 
-    def acquire(self, name: str) -> int | None: ...
+    def acquire(self, ref: AdapterRef) -> int | None: ...
 
     def release(self, slot: int) -> None: ...
 
@@ -186,7 +187,7 @@ class Scheduler:
         if seq.adapter is None:
             return True
         assert self.adapters is not None  # the engine refuses adapters without LoRA
-        slot = self.adapters.acquire(seq.adapter.name)
+        slot = self.adapters.acquire(seq.adapter)
         if slot is None:
             return False
         seq.lora_slot = slot

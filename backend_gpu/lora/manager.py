@@ -66,11 +66,12 @@ class LoRAManager:
         """Whether a sequence of adapter `name` may be queued: its weights are at hand."""
         return name in self.host or name in self.slot_names
 
-    def start_loading(self, name: str) -> None:
-        """Read `name`'s tensors in the background unless they are at hand or on the way."""
-        if self.ready(name) or name in self.loading:
+    def start_loading(self, ref: AdapterRef) -> None:
+        """Read `ref`'s tensors in the background unless they are at hand or on the way
+        (checked again there if it was removed meanwhile: its error fails the read)."""
+        if self.ready(ref.name) or ref.name in self.loading:
             return
-        self.loading[name] = self.reader.submit(read, self.checked[name])
+        self.loading[ref.name] = self.reader.submit(lambda: read(self.check(ref)))
 
     def poll(self, wanted: set[str]) -> dict[str, BaseException | None]:
         """The reads finished since the last call: name -> None, or the error it raised.
@@ -82,9 +83,14 @@ class LoRAManager:
             del self.loading[name]
             error = future.exception()
             done[name] = error
-            if error is None and name in self.checked:  # not removed meanwhile
+            if error is None and self._current(future.result().info):
                 self._keep_on_host(future.result(), wanted)
         return done
+
+    def _current(self, info: AdapterInfo) -> bool:
+        """Whether `info` is still what its name means (not removed while it was read)."""
+        with self._lock:
+            return self.checked.get(info.ref.name) is info
 
     def wait(self, timeout: float) -> None:
         """Block until some read finishes (or `timeout` seconds): nothing else to run."""
@@ -104,13 +110,14 @@ class LoRAManager:
         for victim in spare[: max(0, len(self.host) - self.max_cpu)]:
             del self.host[victim]
 
-    def acquire(self, name: str) -> int | None:
-        """A slot holding `name`, pinned for one more running sequence; None when it is not
+    def acquire(self, ref: AdapterRef) -> int | None:
+        """A slot holding `ref`, pinned for one more running sequence; None when it is not
         at hand yet (its read is started) or every slot is pinned by other adapters."""
+        name = ref.name
         if name in self.slot_names:
             slot = self.slot_names.index(name)
         elif name not in self.host:
-            self.start_loading(name)
+            self.start_loading(ref)
             return None
         else:
             free = [i for i, n in enumerate(self.slot_names) if n is None and not self.pins[i]]

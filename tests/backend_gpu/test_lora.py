@@ -152,3 +152,9 @@ def test_remove_adapter_then_reload(adapters):
     assert engine.stats().adapters_loaded == []
     assert run(engine, [request("2", PROMPTS[1], a)])["2"] == first["1"]
     assert engine.stats().lora_loads == 2
+    # removed again while its next request waits for its read: read again, served alike
+    engine.remove_adapter(a.name)
+    engine.add_request(request("3", PROMPTS[1], a))
+    engine.remove_adapter(a.name)
+    assert run(engine, [])["3"] == first["1"]
+    assert engine.stats().lora_loads == 3
