@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -82,7 +83,7 @@ class Recorder:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 
-def _arg_type(arg) -> str:
+def arg_type(arg) -> str:
     if isinstance(arg, torch.Tensor):
         return "*" + TRITON_TYPES[arg.dtype]
     if isinstance(arg, float):
@@ -93,7 +94,7 @@ def _arg_type(arg) -> str:
 
 def source(kernel: triton.JITFunction, args: tuple, constexprs: dict) -> ASTSource:
     names = kernel.arg_names
-    signature = {name: _arg_type(arg) for name, arg in zip(names, args, strict=False)}
+    signature = {name: arg_type(arg) for name, arg in zip(names, args, strict=False)}
     signature |= {name: "constexpr" for name in constexprs}
     indexed = {(names.index(name),): value for name, value in constexprs.items()}
     return ASTSource(kernel, signature, constexprs=indexed)
@@ -121,50 +122,64 @@ def run_wrappers(ta: ModuleType, shape: Shape) -> None:
         )
 
 
-def launches() -> dict[tuple[str, str, str], tuple[triton.JITFunction, tuple, dict]]:
-    """Every distinct launch the wrappers make over SHAPES, by (shape, kernel, what
-    varies: argument types and constexprs)."""
-    # here, not at the top: the test imports this module's tables into a process where
-    # the kernels must stay interpreted
-    from backend_gpu.layers import triton_attention as ta
+Launches = dict[tuple[str, str, str], tuple[triton.JITFunction, tuple, dict]]
 
-    recorders = {name: Recorder(getattr(ta, name)) for name in KERNELS}
-    found = {}
-    for shape in SHAPES:
+
+def record_launches(
+    module: ModuleType, kernels: tuple[str, ...], cases: list, run: Callable
+) -> Launches:
+    """Every distinct launch `run(module, case)` makes of `module`'s `kernels` over
+    `cases` (each with a `name`), by (case, kernel, what varies: argument types and
+    constexprs)."""
+    recorders = {name: Recorder(getattr(module, name)) for name in kernels}
+    found: Launches = {}
+    for case in cases:
         for name, recorder in recorders.items():
-            setattr(ta, name, recorder)
+            setattr(module, name, recorder)
         try:
-            run_wrappers(ta, shape)
+            run(module, case)
         finally:
             for name, recorder in recorders.items():
-                setattr(ta, name, recorder.kernel)
+                setattr(module, name, recorder.kernel)
         for name, recorder in recorders.items():
             for args, constexprs in recorder.launches:
-                types = tuple(_arg_type(a) for a in args)
-                key = (shape.name, name, f"{types} {sorted(constexprs.items())}")
+                types = tuple(arg_type(a) for a in args)
+                key = (case.name, name, f"{types} {sorted(constexprs.items())}")
                 found.setdefault(key, (recorder.kernel, args, constexprs))
             recorder.launches.clear()
     return found
 
 
-def main() -> None:
-    shapes = {shape.name: shape for shape in SHAPES}
-    for (shape, name, variant), (kernel, args, constexprs) in launches().items():
+def print_compiled(launches: Launches, runs_on: Callable[[str, int], bool] = lambda *_: True):
+    """Compile each launch for each target it runs on (`runs_on(case, capability)`),
+    one JSON line each: its shared memory, or its error (reported, not raised: every
+    failure shows at once)."""
+    for (case, name, variant), (kernel, args, constexprs) in launches.items():
         for target, (capability, shared_limit) in TARGETS.items():
-            if not shapes[shape].runs_on(capability):
+            if not runs_on(case, capability):
                 continue
-            row = {"shape": shape, "kernel": name, "variant": variant, "target": target}
+            row = {"shape": case, "kernel": name, "variant": variant, "target": target}
             row["shared_limit"] = shared_limit
             try:
                 compiled = triton.compile(
                     source(kernel, args, constexprs), target=GPUTarget("cuda", capability, 32)
                 )
-            except Exception as e:  # reported, not raised: every failure shows at once
+            except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
             else:
                 row["shared"] = compiled.metadata.shared
                 row["cubin_bytes"] = len(compiled.asm["cubin"])
             print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    # here, not at the top: the test imports this module's tables into a process where
+    # the kernels must stay interpreted
+    from backend_gpu.layers import triton_attention
+
+    shapes = {shape.name: shape for shape in SHAPES}
+    launches = record_launches(triton_attention, KERNELS, SHAPES, run_wrappers)
+    print_compiled(launches, lambda shape, capability: shapes[shape].runs_on(capability))
 
 
 if __name__ == "__main__":

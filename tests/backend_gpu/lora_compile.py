@@ -11,15 +11,12 @@ function.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
 
-from tests.backend_gpu.kernel_compile import TARGETS, Recorder, source
+from tests.backend_gpu.kernel_compile import print_compiled, record_launches
 
 KERNELS = ("_shrink_kernel", "_expand_kernel")
 TOKENS = (1, 512)  # a decode (16-row tiles) and a prefill chunk (64-row tiles)
@@ -61,45 +58,12 @@ def run_wrappers(tl_lora, case: Case) -> None:
         tl_lora.lora_expand(y, t, b, idx, scale)
 
 
-def launches() -> dict[tuple[str, str, str], tuple[triton.JITFunction, tuple, dict]]:
-    """Every distinct launch the wrappers make over CASES, by (case, kernel, variant)."""
+def main() -> None:
     # here, not at the top: the test imports this module's tables into a process where
     # the kernels must stay interpreted
     from backend_gpu.layers import triton_lora
 
-    recorders = {name: Recorder(getattr(triton_lora, name)) for name in KERNELS}
-    found = {}
-    for case in CASES:
-        for name, recorder in recorders.items():
-            setattr(triton_lora, name, recorder)
-        try:
-            run_wrappers(triton_lora, case)
-        finally:
-            for name, recorder in recorders.items():
-                setattr(triton_lora, name, recorder.kernel)
-        for name, recorder in recorders.items():
-            for args, constexprs in recorder.launches:
-                types = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else "int" for a in args)
-                key = (case.name, name, f"{types} {sorted(constexprs.items())}")
-                found.setdefault(key, (recorder.kernel, args, constexprs))
-            recorder.launches.clear()
-    return found
-
-
-def main() -> None:
-    for (case, name, variant), (kernel, args, constexprs) in launches().items():
-        for target, (capability, shared_limit) in TARGETS.items():
-            row = {"shape": case, "kernel": name, "variant": variant, "target": target}
-            row["shared_limit"] = shared_limit
-            try:
-                compiled = triton.compile(
-                    source(kernel, args, constexprs), target=GPUTarget("cuda", capability, 32)
-                )
-            except Exception as e:  # reported, not raised: every failure shows at once
-                row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            else:
-                row["shared"] = compiled.metadata.shared
-            print(json.dumps(row), flush=True)
+    print_compiled(record_launches(triton_lora, KERNELS, CASES, run_wrappers))
 
 
 if __name__ == "__main__":

@@ -7,47 +7,28 @@ may have there. The interpreter tests check what the kernels compute; this check
 the compiler takes them (Triton as installed here; the H200 machine's 3.6 was checked by
 hand when this was written).
 
-In a subprocess: the interpreter tests turn TRITON_INTERPRET on for this process before
-the kernels are defined, and interpreted kernels cannot be compiled."""
+In a subprocess (tests/backend_gpu/compile_checks.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.backend_gpu.compile_checks import compile_in_subprocess, failures, over_shared_memory
 
 pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.backend_gpu.kernel_compile"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return [json.loads(line) for line in run.stdout.splitlines()]
+    return compile_in_subprocess("tests.backend_gpu.kernel_compile")
 
 
 def test_every_launch_compiles_for_each_target(compiled):
-    failed = [
-        f"{r['target']} {r['shape']} {r['kernel']} {r['variant']}: {r['error']}"
-        for r in compiled
-        if "error" in r
-    ]
-    assert not failed, "\n".join(failed)
+    assert not failures(compiled), "\n".join(failures(compiled))
 
 
 def test_every_kernel_fits_the_targets_shared_memory(compiled):
-    over = [r for r in compiled if r.get("shared", 0) > r["shared_limit"]]
-    assert not over, over
+    assert not over_shared_memory(compiled)
 
 
 def test_each_kernel_was_launched_for_each_shape_and_target(compiled):

@@ -6,47 +6,28 @@ memory a block may have there (tests/backend_gpu/lora_compile.py). The interpret
 (test_triton_lora.py) check what the kernels compute; this checks that the compiler
 takes them.
 
-In a subprocess: the interpreter tests turn TRITON_INTERPRET on for this process before
-the kernels are defined, and interpreted kernels cannot be compiled."""
+In a subprocess (tests/backend_gpu/compile_checks.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.backend_gpu.compile_checks import compile_in_subprocess, failures, over_shared_memory
 
 pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.backend_gpu.lora_compile"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return [json.loads(line) for line in run.stdout.splitlines()]
+    return compile_in_subprocess("tests.backend_gpu.lora_compile")
 
 
 def test_every_launch_compiles_for_each_target(compiled):
-    failed = [
-        f"{r['target']} {r['shape']} {r['kernel']} {r['variant']}: {r['error']}"
-        for r in compiled
-        if "error" in r
-    ]
-    assert not failed, "\n".join(failed)
+    assert not failures(compiled), "\n".join(failures(compiled))
 
 
 def test_every_kernel_fits_the_targets_shared_memory(compiled):
-    over = [r for r in compiled if r.get("shared", 0) > r["shared_limit"]]
-    assert not over, over
+    assert not over_shared_memory(compiled)
 
 
 def test_each_kernel_was_launched_for_each_case_and_target(compiled):
