@@ -28,14 +28,20 @@ from gateway.worker.state import WORKER
 NDJSON = "application/x-ndjson"
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    state = request.app[WORKER]
+async def read_request(request: web.Request) -> GenRequest:
+    """The body's GenRequest, checked against this worker's model (else a 400)."""
     body = await parse_body(request, JsonObject)
     try:
         req = GenRequest.from_dict(body.root)
-        state.check_request(req)
+        request.app[WORKER].check_request(req)
     except BadRequestError as e:
         raise api_error(e) from None
+    return req
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[WORKER]
+    req = await read_request(request)
     if req.kv_source is not None:
         await state.puller.pull(state.backend, req)
         req = dataclasses.replace(req, kv_source=None)

@@ -12,23 +12,16 @@ from __future__ import annotations
 from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
-from engine_api.records import GenRequest
 from gateway.backends.kv_transfer import FRAMED, KVTransferBackend, pack_records
 from gateway.http.errors import ApiError
-from gateway.http.util import parse_body
 from gateway.worker.errors import api_error
-from gateway.worker.schemas import JsonObject
+from gateway.worker.generate import read_request
 from gateway.worker.state import WORKER
 
 
 async def export_kv(request: web.Request) -> web.Response:
     state = request.app[WORKER]
-    body = await parse_body(request, JsonObject)
-    try:
-        req = GenRequest.from_dict(body.root)
-        state.check_request(req)
-    except BadRequestError as e:
-        raise api_error(e) from None
+    req = await read_request(request)
     if not isinstance(state.backend, KVTransferBackend):
         raise ApiError(
             400,
