@@ -1,8 +1,11 @@
 """The LoRA delta of one projection for a whole step: y += scale * (x @ A^T) @ B^T, each
 token under its own sequence's adapter slot (or none). The one place that picks the
 path: on CUDA the Triton kernels (layers/triton_lora.py: one launch per op whatever the
-mix of adapters, and no host sync, so decodes stay in CUDA graphs); elsewhere torch,
-one matmul pair per adapter present in the step (its tokens gathered), not per token.
+mix of adapters, and no host sync, so decodes stay in CUDA graphs); elsewhere torch:
+the step's tokens gathered by adapter, then one batched matmul pair over all the
+adapters present where their groups are about the same size (decodes: on a CPU a
+matmul per adapter costs more in calls than in arithmetic), else one matmul pair per
+adapter; never one per token.
 Both round as PEFT's lora_B(lora_A(x)) * scaling does: the shrink in x's dtype, its
 result rounded to B's dtype, then scaled.
 """
@@ -24,7 +27,40 @@ class StepSlots:
     kernels: bool  # CUDA: the Triton path reads `idx` and `groups` on the device
     idx: torch.Tensor  # [capacity] int32, -1: no adapter; a persistent buffer (graphs)
     host_groups: list[tuple[int, Rows]] = field(default_factory=list)  # the torch path's
+    batched: Batched | None = None  # the torch path's groups padded to one shape
     groups: object = None  # the kernels' AdapterGroups of this forward (kernels only)
+
+
+@dataclass
+class Batched:
+    """The torch path's groups as one batch: G adapters' rows padded to M each."""
+
+    slots: torch.Tensor  # [G] the groups' slots
+    index: torch.Tensor  # [G, M] rows of the step, padding rows repeating a real one
+    rows: torch.Tensor  # the real rows, in the order of index's real entries
+    real: torch.Tensor | None  # [G * M] which entries of index are real; None: all
+    slot_list: list[int]
+
+    @classmethod
+    def of(cls, groups: list[tuple[int, Rows]]) -> Batched | None:
+        """None where one group, or padding would more than double the work."""
+        lists = [
+            list(range(r.start, r.stop)) if isinstance(r, slice) else r.tolist() for _, r in groups
+        ]
+        if len(groups) < 2:
+            return None
+        width = max(map(len, lists))
+        if width * len(groups) > 2 * sum(map(len, lists)):
+            return None
+        index = torch.tensor([rows + [rows[0]] * (width - len(rows)) for rows in lists])
+        real = torch.tensor([[i < len(rows) for i in range(width)] for rows in lists]).flatten()
+        return cls(
+            torch.tensor([slot for slot, _ in groups]),
+            index,
+            torch.tensor([r for rows in lists for r in rows]),
+            None if bool(real.all()) else real,
+            [slot for slot, _ in groups],
+        )
 
 
 def group_rows(seq_slots: list[int], num_new: list[int]) -> list[tuple[int, Rows]]:
@@ -71,6 +107,9 @@ def add_lora(
         t = lora_shrink(x, a, idx, step.groups)
         lora_expand(y, t, b, idx, scale, step.groups)
         return
+    if step.batched is not None:
+        _add_batched(y, x, a, b, scale, step.batched, host)
+        return
     for slot, rows in step.host_groups:
         rank = host.ranks[slot]
         if rank == 0:  # this adapter leaves this projection alone
@@ -81,6 +120,28 @@ def add_lora(
             y[rows] += delta.to(y.dtype)
         else:
             y.index_add_(0, rows, delta.to(y.dtype))
+
+
+def _add_batched(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    batched: Batched,
+    host: SlotsOnHost,
+) -> None:
+    """The torch path's delta for all groups at once: one bmm pair at the largest rank
+    present (a smaller rank's padding is zeros)."""
+    rank = max(host.ranks[slot] for slot in batched.slot_list)
+    if rank == 0:
+        return
+    t = torch.bmm(x[batched.index], a[batched.slots, :rank].transpose(1, 2))
+    delta = torch.bmm(t.to(b.dtype), b[batched.slots, :, :rank].transpose(1, 2))
+    delta = (delta * scale[batched.slots].view(-1, 1, 1)).flatten(0, 1)
+    if batched.real is not None:
+        delta = delta[batched.real]
+    y.index_add_(0, batched.rows, delta.to(y.dtype))
 
 
 @dataclass

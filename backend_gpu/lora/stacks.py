@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend_gpu.lora.ops import SlotsOnHost, StepSlots, add_lora, group_rows, regroup
+from backend_gpu.lora.ops import Batched, SlotsOnHost, StepSlots, add_lora, group_rows, regroup
 from backend_gpu.lora.peft_files import PROJECTIONS, AdapterWeights, BaseShapes
 from backend_gpu.tp_shards import CheckpointShards, ShardRead
 
@@ -151,3 +151,4 @@ class LoRAStacks:
             self.step.idx[:num_tokens].copy_(torch.tensor(per_token, dtype=torch.int32))
         else:
             self.step.host_groups = group_rows(seq_slots, num_new)
+            self.step.batched = Batched.of(self.step.host_groups)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from backend_gpu.async_engine import AsyncLLM
 from backend_gpu.engine import LLM
 from backend_gpu.layers.triton_lora import lora_expand_ref, lora_shrink_ref
-from backend_gpu.lora.ops import SlotsOnHost, StepSlots, add_lora, group_rows, regroup
+from backend_gpu.lora.ops import Batched, SlotsOnHost, StepSlots, add_lora, group_rows, regroup
 from engine_api.errors import BadRequestError
 from engine_api.records import AdapterRef, GenRequest
 from engine_api.sampling import SamplingParams
@@ -108,8 +108,12 @@ def _stacks(slots: int, rank: int, k: int, n: int):
     return a, b, scale, SlotsOnHost(ranks, scale.tolist())
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton-interpreter"])
-def test_torch_path_and_kernels_compute_the_reference(kernels):
+@pytest.mark.parametrize(
+    ("kernels", "batched"),
+    [(False, False), (False, True), (True, False)],
+    ids=["torch-per-adapter", "torch-batched", "triton-interpreter"],
+)
+def test_torch_path_and_kernels_compute_the_reference(kernels, batched):
     seq_slots, num_new = [2, -1, 0, 2, 1, -1], [5, 1, 3, 1, 4, 2]  # slot 2 in two runs
     a, b, scale, host = _stacks(3, 8, 32, 24)
     x = torch.randn(sum(num_new), 32)
@@ -119,7 +123,11 @@ def test_torch_path_and_kernels_compute_the_reference(kernels):
     wide = torch.randn(len(x), 40)
     expected = wide.clone()
     lora_expand_ref(expected[:, 8:32], lora_shrink_ref(x, a, idx), b, idx, scale)
-    step = StepSlots(kernels=kernels, idx=idx, host_groups=group_rows(seq_slots, num_new))
+    groups = group_rows(seq_slots, num_new)
+    step = StepSlots(kernels=kernels, idx=idx, host_groups=groups)
+    if batched:  # the groups padded to one shape (slot 1's rows padded, slot 2's in two runs)
+        step.batched = Batched.of(groups)
+        assert step.batched is not None and step.batched.real is not None
     regroup(step, len(x), 3)
     add_lora(wide[:, 8:32], x, a, b, scale, step, host)  # a column range, as q, k or v
     torch.testing.assert_close(wide, expected)
