@@ -426,7 +426,9 @@ class LLM:
         prompts: str | list[int] | list[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        adapter: AdapterRef | None = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt, under LoRA `adapter` if given (enable_lora)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -439,7 +441,9 @@ class LLM:
                 ids.append(str(self._next_id))
                 self._next_id += 1
                 prompt_ids = self.engine.tokenize(prompt)
-                self.engine.add_request(GenRequest(ids[-1], "", prompt_ids, params))
+                self.engine.add_request(
+                    GenRequest(ids[-1], "", prompt_ids, params, adapter=adapter)
+                )
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from backend_gpu.lora.peft_files import AdapterInfo, AdapterWeights, BaseShapes, inspect, read
@@ -94,9 +95,7 @@ class LoRAManager:
 
     def wait(self, timeout: float) -> None:
         """Block until some read finishes (or `timeout` seconds): nothing else to run."""
-        for future in list(self.loading.values()):
-            future.exception(timeout)
-            return
+        futures.wait(list(self.loading.values()), timeout, futures.FIRST_COMPLETED)
 
     def _keep_on_host(self, weights: AdapterWeights, wanted: set[str]) -> None:
         """Keep `weights`, pushing out the least recently used copies beyond max_cpu; but

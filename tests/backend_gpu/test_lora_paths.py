@@ -136,9 +136,13 @@ def test_torch_path_and_kernels_compute_the_reference(kernels, batched):
 
 def test_fp8_base_weights_with_an_adapter(llama_adapter):
     model, ref = llama_adapter
-    engine = LLM(model, quantization="fp8", enable_lora=True, kv_cache_memory_bytes=1 << 23).engine
+    llm = LLM(model, quantization="fp8", enable_lora=True, kv_cache_memory_bytes=1 << 23)
+    engine = llm.engine
     outs = run(engine, [greedy("a", ref), greedy("base", None)])
     assert outs["a"].token_ids != outs["base"].token_ids
+    # the offline API takes the adapter too
+    (offline,) = llm.generate([PROMPT], greedy("", None).sampling, adapter=ref)
+    assert offline.token_ids == outs["a"].token_ids
     # layer 0's fused qkv: the 8-bit projection's output plus exactly PEFT's delta on q, v
     qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
     x = torch.randn(3, 64)
