@@ -17,7 +17,11 @@
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
 #    kvgate bfloat16 against transformers' continuous batching, bfloat16 against FP8,
 #    batch-1 decode against the memory bandwidth), at most BENCH_S seconds:
-#    OUTDIR/gpu_check.json, OUTDIR/gpu_check.log.
+#    OUTDIR/gpu_check.json, OUTDIR/gpu_check.log;
+# 3. python -m studies.kv_tiers_copy (issue 33: KV blocks device to host and back through
+#    the host tier's HostRows, blocks/s and GB/s, against one plain pinned non_blocking
+#    torch copy of the same bytes), at most COPY_S seconds: OUTDIR/kv_tiers_copy.json,
+#    OUTDIR/kv_tiers_copy.log.
 # OUTDIR/env.txt says what the machine had. Exit status: the tests' (0 when all passed).
 set -u -o pipefail
 out=${1:?usage: bash studies/gpu_check.sh OUTDIR}
@@ -25,6 +29,7 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 test_s=${TEST_S:-150}
 bench_s=${BENCH_S:-250}
+copy_s=${COPY_S:-40}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -54,6 +59,10 @@ echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
 timeout -k 10 $((bench_s + 30)) "$python" -m studies.gpu_check --out "$out" \
     --budget-s "$bench_s" 2>&1 | tee "$out/gpu_check.log"
 echo "gpu_check.sh: bench exited ${PIPESTATUS[0]}" | tee -a "$out/gpu_check.log"
+
+timeout -k 10 "$copy_s" "$python" -m studies.kv_tiers_copy --out "$out" 2>&1 |
+    tee "$out/kv_tiers_copy.log"
+echo "gpu_check.sh: kv tiers copy exited ${PIPESTATUS[0]}" | tee -a "$out/kv_tiers_copy.log"
 
 # issue 34: python -m studies.lora_kernels (a mixed-adapter batch through the LoRA
 # kernels on one projection, against a per-adapter torch loop and the base matmul
