@@ -33,33 +33,41 @@ class StepSlots:
 
 @dataclass
 class Batched:
-    """The torch path's groups as one batch: G adapters' rows padded to M each."""
+    """The torch path's groups as one batch over the slot range [first, first + count):
+    each slot's rows padded to M (a slot of the range with no rows: all padding), so the
+    stacks' slots are a view, not a gather (a copy of every B, as large as the reads)."""
 
-    slots: torch.Tensor  # [G] the groups' slots
-    index: torch.Tensor  # [G, M] rows of the step, padding rows repeating a real one
+    first: int
+    count: int
+    index: torch.Tensor  # [count, M] rows of the step; padding repeats row 0
     rows: torch.Tensor  # the real rows, in the order of index's real entries
-    real: torch.Tensor | None  # [G * M] which entries of index are real; None: all
+    real: torch.Tensor | None  # [count * M] which entries of index are real; None: all
     slot_list: list[int]
 
     @classmethod
     def of(cls, groups: list[tuple[int, Rows]]) -> Batched | None:
         """None where one group, or padding would more than double the work."""
-        lists = [
-            list(range(r.start, r.stop)) if isinstance(r, slice) else r.tolist() for _, r in groups
-        ]
         if len(groups) < 2:
             return None
+        by_slot = {
+            slot: list(range(r.start, r.stop)) if isinstance(r, slice) else r.tolist()
+            for slot, r in groups
+        }
+        first, last = min(by_slot), max(by_slot)
+        lists = [by_slot.get(slot, []) for slot in range(first, last + 1)]
         width = max(map(len, lists))
-        if width * len(groups) > 2 * sum(map(len, lists)):
+        real_rows = [r for rows in lists for r in rows]
+        if width * len(lists) > 2 * len(real_rows):
             return None
-        index = torch.tensor([rows + [rows[0]] * (width - len(rows)) for rows in lists])
+        index = torch.tensor([rows + [0] * (width - len(rows)) for rows in lists])
         real = torch.tensor([[i < len(rows) for i in range(width)] for rows in lists]).flatten()
         return cls(
-            torch.tensor([slot for slot, _ in groups]),
+            first,
+            len(lists),
             index,
-            torch.tensor([r for rows in lists for r in rows]),
+            torch.tensor(real_rows),
             None if bool(real.all()) else real,
-            [slot for slot, _ in groups],
+            list(by_slot),
         )
 
 
@@ -136,9 +144,10 @@ def _add_batched(
     rank = max(host.ranks[slot] for slot in batched.slot_list)
     if rank == 0:
         return
-    t = torch.bmm(x[batched.index], a[batched.slots, :rank].transpose(1, 2))
-    delta = torch.bmm(t.to(b.dtype), b[batched.slots, :, :rank].transpose(1, 2))
-    delta = (delta * scale[batched.slots].view(-1, 1, 1)).flatten(0, 1)
+    slots = slice(batched.first, batched.first + batched.count)
+    t = torch.bmm(x[batched.index], a[slots, :rank].transpose(1, 2))
+    delta = torch.bmm(t.to(b.dtype), b[slots, :, :rank].transpose(1, 2))
+    delta = (delta * scale[slots].view(-1, 1, 1)).flatten(0, 1)
     if batched.real is not None:
         delta = delta[batched.real]
     y.index_add_(0, batched.rows, delta.to(y.dtype))

@@ -101,10 +101,10 @@ def test_bad_adapters_refused_by_name_and_change_nothing(llama_adapter, tmp_path
 def _stacks(slots: int, rank: int, k: int, n: int):
     torch.manual_seed(0)
     a, b = torch.randn(slots, rank, k), torch.randn(slots, n, rank)
-    ranks = [rank, rank // 2, rank]
+    ranks = [rank, rank // 2, rank, rank // 4]
     for slot, r in enumerate(ranks):  # a smaller rank is padded with zeros
         a[slot, r:], b[slot, :, r:] = 0, 0
-    scale = torch.tensor([0.5, 2.0, 1.5])
+    scale = torch.tensor([0.5, 2.0, 1.5, 3.0])
     return a, b, scale, SlotsOnHost(ranks, scale.tolist())
 
 
@@ -114,8 +114,9 @@ def _stacks(slots: int, rank: int, k: int, n: int):
     ids=["torch-per-adapter", "torch-batched", "triton-interpreter"],
 )
 def test_torch_path_and_kernels_compute_the_reference(kernels, batched):
-    seq_slots, num_new = [2, -1, 0, 2, 1, -1], [5, 1, 3, 1, 4, 2]  # slot 2 in two runs
-    a, b, scale, host = _stacks(3, 8, 32, 24)
+    # slot 3 in two runs; slot 1 unused (in the batched path's slot range: all padding)
+    seq_slots, num_new = [3, -1, 0, 3, 2, -1], [5, 1, 3, 1, 4, 2]
+    a, b, scale, host = _stacks(4, 8, 32, 24)
     x = torch.randn(sum(num_new), 32)
     idx = torch.tensor(
         [s for s, n in zip(seq_slots, num_new, strict=True) for _ in range(n)], dtype=torch.int32
@@ -125,10 +126,10 @@ def test_torch_path_and_kernels_compute_the_reference(kernels, batched):
     lora_expand_ref(expected[:, 8:32], lora_shrink_ref(x, a, idx), b, idx, scale)
     groups = group_rows(seq_slots, num_new)
     step = StepSlots(kernels=kernels, idx=idx, host_groups=groups)
-    if batched:  # the groups padded to one shape (slot 1's rows padded, slot 2's in two runs)
+    if batched:  # the groups padded to one shape
         step.batched = Batched.of(groups)
         assert step.batched is not None and step.batched.real is not None
-    regroup(step, len(x), 3)
+    regroup(step, len(x), 4)
     add_lora(wide[:, 8:32], x, a, b, scale, step, host)  # a column range, as q, k or v
     torch.testing.assert_close(wide, expected)
     assert not torch.equal(wide, torch.randn(len(x), 40))
