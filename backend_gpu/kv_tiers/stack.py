@@ -22,6 +22,8 @@ computed under tenant A's salt sits under a key that tenant B's prompt never pro
   past the device's hits to a second thread, which reads and checks what the disk and
   the shared store hold while the request waits its turn and other requests' steps
   run; the lookup then takes those blocks from memory (at most MAX_PREFETCHED held).
+  A lookup that reaches a key the read-ahead has not got to yet waits for it (at most
+  READ_WAIT_S) rather than reading the same file a second time.
 - The rows a lookup found are reserved until the next lookup, and the rows being
   loaded until their copy, so that the evictions the new blocks cause never take them.
 - The host rows include what was loaded (a block loaded back stays in its row), so a
@@ -34,6 +36,7 @@ rank this replica for a prefix it holds below the device.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -46,9 +49,11 @@ from backend_gpu.kv_tiers.shared import SharedStore
 from engine_api.kv_disk import DiskStore
 from engine_api.kv_records import decode_record, encode_record
 
+log = logging.getLogger(__name__)
 HOST, DISK, SHARED, TRANSFER = "host", "disk", "shared", "transfer"
 MAX_QUEUED = 4096
 MAX_PREFETCHED = 1024
+READ_WAIT_S = 5.0
 
 
 class TierStack:
@@ -95,6 +100,8 @@ class TierStack:
         # keys to read ahead, and what was read: key -> (payload, tier)
         self.to_prefetch: queue.Queue[list[bytes] | None] = queue.Queue()
         self.prefetched: OrderedDict[bytes, tuple[memoryview, str]] = OrderedDict()
+        self.unread: dict[bytes, int] = {}  # keys asked for, not yet read: how many asks
+        self.arrived = threading.Condition(self.lock)  # a key was read or given up
         self.blocks_prefetched = 0
         self.prefetcher = None
         if disk is not None or shared is not None:
@@ -118,8 +125,7 @@ class TierStack:
         for key in keys:
             row = self.slots.get(key)
             if row is None:
-                with self.lock:
-                    payload, origin = self.prefetched.pop(key, (None, DISK))
+                payload, origin = self._prefetched(key)
                 if payload is None and self.disk is not None:
                     payload = self.disk.get(key)
                 if payload is None or not self._promote(key, payload, origin):
@@ -208,13 +214,32 @@ class TierStack:
         """Read the blocks of `keys` (a prompt's, past the device's hits) that the disk
         or the shared store hold, in the background, for the lookup to come."""
         if self.prefetcher is not None and keys:
+            with self.lock:
+                for key in keys:
+                    self.unread[key] = self.unread.get(key, 0) + 1
             self.to_prefetch.put(keys)
+
+    def _prefetched(self, key: bytes) -> tuple[memoryview | None, str]:
+        """What the read-ahead got of `key`, waiting for it while it is still to read."""
+        with self.arrived:
+            self.arrived.wait_for(
+                lambda: key in self.prefetched or key not in self.unread, READ_WAIT_S
+            )
+            return self.prefetched.pop(key, (None, DISK))
 
     def _prefetch_loop(self) -> None:
         while (keys := self.to_prefetch.get()) is not None:
             try:
                 self._read_ahead(keys)
+            except Exception:  # a read-ahead is only a hint: the lookup reads what is missing
+                log.exception("KV tiers: reading ahead failed")
             finally:
+                with self.arrived:
+                    for key in keys:
+                        left = self.unread.pop(key, 1) - 1
+                        if left:
+                            self.unread[key] = left
+                    self.arrived.notify_all()
                 self.to_prefetch.task_done()
         self.to_prefetch.task_done()
 
@@ -235,11 +260,12 @@ class TierStack:
                 self._keep(key, payload, SHARED)
 
     def _keep(self, key: bytes, payload: memoryview, origin: str) -> None:
-        with self.lock:
+        with self.arrived:
             self.prefetched[key] = (payload, origin)
             self.blocks_prefetched += 1
             while len(self.prefetched) > MAX_PREFETCHED:
                 self.prefetched.popitem(last=False)
+            self.arrived.notify_all()
 
     # -- another engine's side: prefill on one worker, decode on another ----------------
 
@@ -328,8 +354,11 @@ class TierStack:
                     self.disk.put(key, payload)
                 if self.shared is not None:
                     self.shared.put(key, payload)
+            except Exception:  # one block lost to the tiers below; the engine goes on
+                log.exception("KV tiers: writing a block down failed")
             finally:
                 with self.lock:
+                    self.writing.discard(row)
                     self.queued.discard(key)
                 self.queue.task_done()
         self.queue.task_done()
