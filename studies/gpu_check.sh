@@ -70,4 +70,14 @@ echo "gpu_check.sh: kv tiers copy exited ${PIPESTATUS[0]}" | tee -a "$out/kv_tie
 timeout -k 10 "${LORA_S:-60}" "$python" -m studies.lora_kernels --out "$out" 2>&1 |
     tee "$out/lora_kernels.log"
 echo "gpu_check.sh: lora kernels exited ${PIPESTATUS[0]}" | tee -a "$out/lora_kernels.log"
+
+# issue 34: python -m studies.lora_throughput on CUDA (8 adapters of rank 16 mixed over
+# 16 streams against the base model alone, a random Llama of hidden 2048 and 8 layers
+# in bfloat16; goal 0.8x), at most LORA_MIX_S seconds: OUTDIR/lora_throughput.json,
+# OUTDIR/lora_throughput.png, OUTDIR/lora_throughput.log
+timeout -k 10 "${LORA_MIX_S:-90}" "$python" -m studies.lora_throughput --out "$out" \
+    --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --heads 16 --vocab 32000 \
+    --per-stream 2 --kv-cache-mib 4096 --arms base mixed cold 2>&1 |
+    tee "$out/lora_throughput.log"
+echo "gpu_check.sh: lora throughput exited ${PIPESTATUS[0]}" | tee -a "$out/lora_throughput.log"
 exit "$tests"
