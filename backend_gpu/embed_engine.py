@@ -175,3 +175,7 @@ class EmbeddingEngine:
         s.waiting = len(self.pending)
         s.prompt_tokens_per_s, s.gen_tokens_per_s = self.throughput.rates()
         return EngineStats(**vars(s))
+
+    def close(self) -> None:
+        """Let go of the model (AsyncLLM.shutdown closes either engine this way)."""
+        self.runner.close()
