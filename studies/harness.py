@@ -243,3 +243,15 @@ def toml_backend(name: str, kind: str, served: str, model: str = "", **options: 
     lines.append("[backends.options]")
     lines += [f"{key} = {json.dumps(value)}" for key, value in options.items()]
     return "\n".join(lines) + "\n"
+
+
+def device_environment(device: str) -> dict:
+    """What a kernel or copy study ran on: torch, Python, the device (and the GPU's name)."""
+    import platform
+
+    import torch
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    return env

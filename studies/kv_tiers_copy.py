@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import torch
 
 from backend_gpu.kv_tiers.host import HostRows
 from bench.options import DefaultsHelpFormatter
+from studies.harness import device_environment
 
 # (layers, KV heads, head dim, dtype); "tiny" runs on a CPU in a second (a smoke test)
 SHAPES = {
@@ -124,13 +124,6 @@ def measure(shape: str, num_blocks: int, block_size: int, device: str, repeats: 
     return result
 
 
-def environment(device: str) -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
-    if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
@@ -146,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    result = {"env": environment(args.device), "config": vars(args)}
+    result = {"env": device_environment(args.device), "config": vars(args)}
     result |= measure(args.shape, args.blocks, args.block_size, args.device, args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch
 
 from backend_gpu.layers.triton_lora import lora_expand, lora_expand_ref, lora_shrink
 from bench.options import DefaultsHelpFormatter
+from studies.harness import device_environment
 
 
 @dataclass(frozen=True)
@@ -121,13 +121,6 @@ def measure(shape: Shape, tokens: int, device: str, iters: int, repeats: int) ->
     }
 
 
-def environment(device: str) -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
-    if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
@@ -145,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = SHAPES[args.shape]
     iters, repeats = (1, 1) if args.device == "cpu" else (args.iters, args.repeats)
     config = asdict(shape) | {"dtype": str(shape.dtype), "shape": args.shape}
-    result: dict = {"env": environment(args.device), "config": config, "runs": []}
+    result: dict = {"env": device_environment(args.device), "config": config, "runs": []}
     for tokens in shape.tokens:
         result["runs"].append(measure(shape, tokens, args.device, iters, repeats))
     out = Path(args.out)
