@@ -15,6 +15,7 @@ from gateway.http.util import SETTINGS, json_response
 from gateway.lifecycle import start_gateway, stop_gateway
 from gateway.routes import adapters as adapter_api
 from gateway.routes import admin as admin_api
+from gateway.routes import audit as audit_api
 from gateway.routes import embeddings, guards, openapi, responses_api
 from gateway.routes import messages as messages_api
 from gateway.routes import prefixes as prefix_api
@@ -84,6 +85,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     embeddings.add_routes(app)
     admin_api.add_routes(app)
+    audit_api.add_routes(app)
     adapter_api.add_routes(app)
     prefix_api.add_routes(app)
     openapi.add_routes(app)

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.cli import admin as cli_admin
+from gateway.cli.output import print_rows
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -60,5 +60,5 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"kvgate: {status}: {reply['error']['message']}", file=sys.stderr)
         return 1
     rows: Any = reply["data"] if args.adapters_command == "list" else reply
-    cli_admin._print(rows, args.json)  # the admin commands' tables
+    print_rows(rows, args.json)  # the admin commands' tables
     return 0

@@ -1,4 +1,4 @@
-"""`kvgate tenants|keys|usage|db`: administration straight on the database;
+"""`kvgate tenants|keys|usage|audit|db`: administration straight on the database;
 `kvgate prefixes` asks a running gateway (its prefix catalog lives in memory).
 
 They work with or without a running gateway; every running gateway on the database sees
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -18,6 +17,10 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
+from gateway.cli import audit as cli_audit
+from gateway.cli.audit import cli_actor
+from gateway.cli.output import cell as _cell
+from gateway.cli.output import print_rows as _print
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.schemas.admin import KeyUpdate, TenantUpdate
@@ -71,6 +74,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     usage.add_argument("--tenant", help=TENANT_HELP)
     usage.add_argument("--since", help="YYYY-MM-DD")
     usage.add_argument("--until", help="YYYY-MM-DD")
+    cli_audit.add_command(sub)
 
     prefixes = sub.add_parser(
         "prefixes", help="a running gateway's hottest cached prefixes, pins and hits per tenant"
@@ -157,6 +161,8 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
             await _keys(args, service)
         elif args.command == "usage":
             await _usage(args, service)
+        elif args.command == "audit":
+            await cli_audit.show(args, service)
         return 0
     finally:
         await db.close()
@@ -165,16 +171,17 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
 async def _tenants(args: argparse.Namespace, service: TenantService) -> None:
     cmd = args.tenants_command
     if cmd == "create":
-        _print(await service.create_tenant(args.name, _quota_values(args, "tenant")), args.json)
+        quota = _quota_values(args, "tenant")
+        _print(await service.create_tenant(args.name, quota, cli_actor()), args.json)
     elif cmd == "list":
         _print(await service.list_tenants(), args.json)
     elif cmd == "update":
         changes = _quota_values(args, "tenant") | ({"name": args.name} if args.name else {})
         tenant_id = await service.tenant_id_of(args.tenant_id)
-        _print(await service.update_tenant(tenant_id, changes), args.json)
+        _print(await service.update_tenant(tenant_id, changes, cli_actor()), args.json)
     elif cmd == "delete":
         tenant_id = await service.tenant_id_of(args.tenant_id)
-        await service.delete_tenant(tenant_id)
+        await service.delete_tenant(tenant_id, cli_actor())
         if args.json:
             _print({"id": tenant_id, "object": "tenant", "deleted": True}, True)
         else:
@@ -191,7 +198,9 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         if bad:
             raise ValueError(f"unknown scopes {sorted(bad)}; use inference and/or admin")
         limits = _quota_values(args, "key")
-        record, key = await service.create_key(tenant, args.name, scopes, expires, limits=limits)
+        record, key = await service.create_key(
+            tenant, args.name, scopes, expires, cli_actor(), limits=limits
+        )
         if args.json:
             _print(record | {"key": key}, True)
         else:
@@ -205,9 +214,9 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
     elif cmd == "update":
         changes = _quota_values(args, "key")
         changes |= {"name": args.name} if args.name is not None else {}
-        _print(await service.update_key(args.key_id, changes), args.json)
+        _print(await service.update_key(args.key_id, changes, cli_actor()), args.json)
     elif cmd == "revoke":
-        _print(await service.revoke_key(args.key_id), args.json)
+        _print(await service.revoke_key(args.key_id, cli_actor()), args.json)
 
 
 def _print_new_key(record: dict[str, Any], key: str, tenant_name: str | None) -> None:
@@ -343,30 +352,3 @@ def _tenant_cache_row(t: dict) -> dict:
         "blocks_held": t["blocks_held"],
         "tokens_held": t["tokens_held"],
     }
-
-
-def _print(data: Any, as_json: bool) -> None:
-    """JSON for scripts; else a table for people (a record is a table of one row)."""
-    if as_json:
-        print(json.dumps(data, indent=2))
-        return
-    if isinstance(data, dict):
-        data = [data]
-    if not data:
-        print("(none)")
-        return
-    cols = [c for c in data[0] if c != "object"]  # the same word on every row
-    widths = [max(len(c), *(len(_cell(r[c])) for r in data)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
-    for r in data:
-        print("  ".join(_cell(r[c]).ljust(w) for c, w in zip(cols, widths, strict=True)))
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float) and v > 1e9:  # a timestamp
-        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(v))
-    if isinstance(v, list):
-        return ",".join(map(str, v))
-    return str(v)

@@ -144,14 +144,19 @@ class QuotaLease(Base):
 
 
 class AuditLog(Base):
+    """One admin change (gateway.tenancy.audit): who (the admin credential's id), what (an
+    action on a target, the tenant it concerns) and the object before and after (JSON)."""
+
     __tablename__ = "audit_log"
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    ts: Mapped[float] = mapped_column(Float)
+    ts: Mapped[float] = mapped_column(Float, index=True)
     actor: Mapped[str] = mapped_column(String(64))
     action: Mapped[str] = mapped_column(String(64))
-    target: Mapped[str] = mapped_column(String(64))
-    detail: Mapped[str] = mapped_column(Text, default="")
+    target: Mapped[str] = mapped_column(String(200))  # an adapter's name is up to 200
+    tenant_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    before: Mapped[dict | None] = mapped_column(JSON(none_as_null=True))
+    after: Mapped[dict | None] = mapped_column(JSON(none_as_null=True))
 
 
 class ServerSetting(Base):

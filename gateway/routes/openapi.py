@@ -103,7 +103,7 @@ _SUMMARIES = {
     "get /v1/prefixes": "The tenant's pins and the published ones.",
     "delete /v1/prefixes/{name}": "Unpin one of the tenant's prefixes.",
     "get /health": "Liveness.",
-    "get /ready": "Readiness: 503, with the same body, while no backend is up.",
+    "get /ready": "Readiness: 503, with the same body, while no backend is up or it drains.",
     "get /metrics": "Prometheus metrics; the admin key (or metrics_token) if metrics_auth.",
     "get /openapi.json": "This document.",
     "post /admin/tenants": "Create a tenant.",
@@ -126,6 +126,8 @@ _SUMMARIES = {
     "post /admin/adapters": "Register a LoRA adapter (checked by its base model's replicas).",
     "get /admin/adapters": "All LoRA adapters.",
     "delete /admin/adapters/{name}": "Delete a LoRA adapter (its requests in flight finish).",
+    "post /admin/reload": "Read the config file again and apply it; 400 naming what is wrong.",
+    "get /admin/audit": "The audit log of admin changes, newest first, a page at a time.",
 }
 # http.middleware.refuse_control_characters answers 400 to a URL that holds a control character
 _TEXT_PARAM = {"type": "string", "pattern": NO_CONTROL}
@@ -260,7 +262,24 @@ def _admin_routes() -> list[Route]:
         Route("post /admin/adapters", _json(a.Adapter), AdapterCreate, 201, (*LOOKUP, *BODY, 503)),
         Route("get /admin/adapters", _json(a.AdapterList)),
         Route("delete /admin/adapters/{name}", _json(a.AdapterDeleted), errors=LOOKUP),
+        Route("post /admin/reload", _json(a.Reloaded)),
+        Route("get /admin/audit", _json(a.AuditList), query=_audit_query()),
     ]
+
+
+def _audit_query() -> tuple[tuple[str, dict[str, Any], str], ...]:
+    when = {"type": "string", "pattern": NO_CONTROL}
+    page = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}
+    cursor = {"type": "integer", "minimum": 1}
+    return (
+        ("action", _TEXT_PARAM, "One action (key.revoke), or a family with no dot (key)."),
+        ("target", _TEXT_PARAM, "Only changes to this id or name."),
+        ("tenant_id", _TEXT_PARAM, "Only changes that concern this tenant."),
+        ("since", when, "UNIX seconds or ISO 8601 (UTC unless it says), inclusive."),
+        ("until", when, "UNIX seconds or ISO 8601, exclusive."),
+        ("limit", page, "How many rows."),
+        ("cursor", cursor, "The next_cursor of the page before."),
+    )
 
 
 def _response_models() -> list[type[BaseModel]]:

@@ -33,7 +33,8 @@ from gateway.backends import (
 )
 from gateway.db import Database, LoraAdapter, Tenant
 from gateway.routing.router import Router
-from gateway.tenancy.tenants import NotFound, _audit
+from gateway.tenancy.audit import audit_row
+from gateway.tenancy.tenants import NotFound
 
 log = logging.getLogger("kvgate.adapters")
 CONFIGURED = "config"  # created_by of the adapters the config names (lora_modules)
@@ -154,8 +155,8 @@ class AdapterRegistry:
                     if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
                         raise NotFound(f"no tenant {tenant_id!r}")
                     s.add(LoraAdapter(**asdict(adapter)))
-                    detail = {"tenant_id": tenant_id, "path": path, "base_model": base_model}
-                    s.add(_audit(actor, "adapter.create", name, detail))
+                    after = adapter.public()
+                    s.add(audit_row(actor, "adapter.create", name, tenant_id, None, after))
             except IntegrityError:  # another gateway on this database stored it first
                 raise AdapterError(f"the name {name!r} is taken by another adapter") from None
             self.adapters[name] = adapter
@@ -196,7 +197,8 @@ class AdapterRegistry:
                 raise AdapterError(f"the adapter {name!r} is set in the config (lora_modules)")
             async with self.db.session() as s, s.begin():
                 await s.execute(delete(LoraAdapter).where(LoraAdapter.name == name))
-                s.add(_audit(actor, "adapter.delete", name, {"tenant_id": adapter.tenant_id}))
+                before = adapter.public()
+                s.add(audit_row(actor, "adapter.delete", name, adapter.tenant_id, before, None))
             del self.adapters[name]
         self._unload_later(adapter)
         return adapter

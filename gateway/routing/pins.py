@@ -25,7 +25,8 @@ from gateway.db import Database, PinnedPrefix, Tenant
 from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.router import Router
 from gateway.routing.salts import tenant_cache_salt
-from gateway.tenancy.tenants import Conflict, NotFound, _audit
+from gateway.tenancy.audit import audit_row, text_digest
+from gateway.tenancy.tenants import Conflict, NotFound
 
 log = logging.getLogger("kvgate.prefix")
 
@@ -53,6 +54,10 @@ class Pin:
 
     def public(self) -> dict:
         return {"object": "prefix"} | asdict(self)
+
+    def audited(self) -> dict:
+        """As the audit log keeps it: the text (a tenant's prompt) by its digest only."""
+        return self.public() | {"text": text_digest(self.text)}
 
 
 class PinService:
@@ -113,8 +118,7 @@ class PinService:
                     ):  # NULLs never collide in a unique constraint
                         raise Conflict(f"a published prefix named {name!r} already exists")
                     s.add(PinnedPrefix(**asdict(pin)))
-                    detail = {"tenant_id": tenant_id, "name": name, "model": model}
-                    s.add(_audit(actor, "prefix.pin", pin.id, detail))
+                    s.add(audit_row(actor, "prefix.pin", pin.id, tenant_id, None, pin.audited()))
             except IntegrityError:
                 raise Conflict(f"a prefix named {name!r} already exists") from None
             self.pins[pin.id] = pin
@@ -146,7 +150,7 @@ class PinService:
             raise NotFound(f"no prefix named {name!r}")
         async with self.db.session() as s, s.begin():
             await s.execute(delete(PinnedPrefix).where(PinnedPrefix.id == pin.id))
-            s.add(_audit(actor, "prefix.unpin", pin.id, {"tenant_id": tenant_id, "name": name}))
+            s.add(audit_row(actor, "prefix.unpin", pin.id, tenant_id, pin.audited(), None))
         del self.pins[pin.id]
         self.tokens.pop(pin.id, None)
         self.published.get(pin.model, {}).pop(pin.id, None)

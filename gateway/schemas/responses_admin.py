@@ -245,7 +245,18 @@ class Health(Body):
 
 class Readiness(Body):
     ready: bool
+    draining: bool = Field(description="true from SIGTERM on: the requests in flight finish")
     backends: dict[str, bool]
+
+
+class Reloaded(Body):
+    """POST /admin/reload: what the config file's new reading changed."""
+
+    reloaded: Literal[True]
+    changed: list[str] = Field(description="the settings that changed")
+    added: list[str] = Field(description="backend entries started, then routed to")
+    removed: list[str] = Field(description="entries routed to no more; stopped once drained")
+    replaced: list[str] = Field(description="entries whose spec changed: both of the above")
 
 
 class Prefix(Body):
@@ -331,3 +342,23 @@ class AdapterDeleted(Body):
     name: str
     object: Literal["adapter"]
     deleted: Literal[True]
+
+
+class AuditEntry(Body):
+    id: int
+    object: Literal["audit_entry"]
+    ts: float
+    actor: str = Field(
+        description="the admin key's id (key_...); cli:USER for the command line; bootstrap"
+    )
+    action: str = Field(description="tenant.create, key.revoke, prefix.pin, adapter.delete, ...")
+    target: str = Field(description="the id (or an adapter's name) of what changed")
+    tenant_id: str | None = Field(description="the tenant the change concerns, if one")
+    before: dict[str, Any] | None = Field(description="the object before; null: it was created")
+    after: dict[str, Any] | None = Field(description="the object after; null: it was deleted")
+
+
+class AuditList(Body):
+    object: Literal["list"]
+    data: list[AuditEntry]
+    next_cursor: int | None = Field(description="the cursor of the next page; null: no more")

@@ -4,7 +4,6 @@ epoch in its transaction, so every running gateway drops its cached keys (gatewa
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -14,11 +13,11 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway.db import (
     ApiKey,
-    AuditLog,
     Quota,
     ServerSetting,
     Tenant,
 )
+from gateway.tenancy.audit import audit_row
 from gateway.tenancy.auth import bump_epoch, generate_key, hash_key, visible_prefix
 from gateway.tenancy.quota.limits import LIMIT_FIELDS, SPEND_FIELDS
 from gateway.tenancy.quota.prices import to_nanos, to_usd
@@ -93,7 +92,8 @@ class TenantService(UsageQueries):
         try:
             async with self.db.session() as s, s.begin():
                 s.add(tenant)
-                s.add(_audit(actor, "tenant.create", tenant.id, {"name": name, **quota}))
+                after = tenant_dict(tenant)
+                s.add(audit_row(actor, "tenant.create", tenant.id, tenant.id, None, after))
         except IntegrityError:
             raise Conflict(f"a tenant named {name!r} already exists") from None
         return tenant_dict(tenant)
@@ -129,15 +129,17 @@ class TenantService(UsageQueries):
                 tenant = await s.get(Tenant, tenant_id)
                 if tenant is None:
                     raise NotFound(f"no tenant {tenant_id!r}")
+                before = tenant_dict(tenant)
                 if "name" in changes:
                     tenant.name = changes["name"]
                 for f in QUOTA_FIELDS:
                     if f in changes:
                         setattr(tenant.quota, f, _api_to_stored_value(f, changes[f]))
-                s.add(_audit(actor, "tenant.update", tenant_id, changes))
+                after = tenant_dict(tenant)
+                s.add(audit_row(actor, "tenant.update", tenant_id, tenant_id, before, after))
                 await bump_epoch(s)
                 await s.flush()
-                return tenant_dict(tenant)
+                return after
         except IntegrityError:
             raise Conflict(f"a tenant named {changes.get('name')!r} already exists") from None
 
@@ -146,9 +148,11 @@ class TenantService(UsageQueries):
             tenant = await s.get(Tenant, tenant_id)
             if tenant is None:
                 raise NotFound(f"no tenant {tenant_id!r}")
+            keys = await s.scalars(select(ApiKey.id).where(ApiKey.tenant_id == tenant_id))
+            before = tenant_dict(tenant) | {"key_ids": list(keys)}  # deleted with it
             await s.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))
             await s.delete(tenant)
-            s.add(_audit(actor, "tenant.delete", tenant_id, {"name": tenant.name}))
+            s.add(audit_row(actor, "tenant.delete", tenant_id, tenant_id, before, None))
             await bump_epoch(s)
 
     async def create_key(
@@ -182,8 +186,7 @@ class TenantService(UsageQueries):
             if tenant_id is not None and await s.get(Tenant, tenant_id) is None:
                 raise NotFound(f"no tenant {tenant_id!r}")
             s.add(record)
-            detail = {"tenant_id": tenant_id, "name": name} | limits
-            s.add(_audit(actor, "key.create", record.id, detail))
+            s.add(audit_row(actor, "key.create", record.id, tenant_id, None, key_dict(record)))
         return key_dict(record), key
 
     async def update_key(self, key_id: str, changes: dict[str, Any], actor: str = "cli") -> dict:
@@ -193,15 +196,17 @@ class TenantService(UsageQueries):
             key = await s.get(ApiKey, key_id)
             if key is None:
                 raise NotFound(f"no key {key_id!r}")
+            before = key_dict(key)
             limits = {f: v for f, v in changes.items() if f in LIMIT_FIELDS}
             _check_limits(key.tenant_id, {f: v for f, v in limits.items() if v is not None})
             for f, value in _api_to_stored(limits).items():
                 setattr(key, f, value)
             if "name" in changes:
                 key.name = changes["name"] or ""  # null: no name, as a key made without
-            s.add(_audit(actor, "key.update", key_id, changes))
+            after = key_dict(key)
+            s.add(audit_row(actor, "key.update", key_id, key.tenant_id, before, after))
             await bump_epoch(s)
-            return key_dict(key)
+            return after
 
     async def list_keys(self, tenant_id: str | None = None) -> list[dict]:
         query = select(ApiKey).order_by(ApiKey.created_at)
@@ -223,8 +228,10 @@ class TenantService(UsageQueries):
             if key is None:
                 raise NotFound(f"no key {key_id!r}")
             if key.revoked_at is None:
+                before = key_dict(key)
                 key.revoked_at = time.time()
-                s.add(_audit(actor, "key.revoke", key_id, {}))
+                after = key_dict(key)
+                s.add(audit_row(actor, "key.revoke", key_id, key.tenant_id, before, after))
                 await bump_epoch(s)
             return key_dict(key)
 
@@ -259,9 +266,3 @@ class TenantService(UsageQueries):
 def _check_limits(tenant_id: str | None, limits: dict[str, Any]) -> None:
     if tenant_id is None and limits:
         raise ValueError("an admin key belongs to no tenant: it cannot have limits")
-
-
-def _audit(actor: str, action: str, target: str, detail: dict[str, Any]) -> AuditLog:
-    return AuditLog(
-        ts=time.time(), actor=actor, action=action, target=target, detail=json.dumps(detail)
-    )
