@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 16, in one run of under 8 minutes on one H200:
+# The GPU check (issue 16 and the GPU goals of later issues) on one H200:
 #
 #     bash studies/gpu_check.sh OUTDIR
 #
@@ -18,18 +18,21 @@
 #    kvgate bfloat16 against transformers' continuous batching, bfloat16 against FP8,
 #    batch-1 decode against the memory bandwidth), at most BENCH_S seconds:
 #    OUTDIR/gpu_check.json, OUTDIR/gpu_check.log;
-# 3. python -m studies.kv_tiers_copy (issue 33: KV blocks device to host and back through
-#    the host tier's HostRows, blocks/s and GB/s, against one plain pinned non_blocking
-#    torch copy of the same bytes), at most COPY_S seconds: OUTDIR/kv_tiers_copy.json,
-#    OUTDIR/kv_tiers_copy.log.
+# 3. the measurements of later issues, each a `step` below with its own time limit and
+#    OUTDIR/NAME.log (and the files its study writes), in the order they appear.
+# STEPS="tests bench NAME ..." runs only those (default: all), so that the whole check can
+# be split over two commands where one command's time is limited (600 s on the device
+# tool): STEPS="tests bench" first, then the step names.
 # OUTDIR/env.txt says what the machine had. Exit status: the tests' (0 when all passed).
 set -u -o pipefail
 out=${1:?usage: bash studies/gpu_check.sh OUTDIR}
 mkdir -p "$out"
 python=${PYTHON:-python3}
-test_s=${TEST_S:-150}
-bench_s=${BENCH_S:-250}
-copy_s=${COPY_S:-40}
+test_s=${TEST_S:-120}
+bench_s=${BENCH_S:-200}
+copy_s=${COPY_S:-30}
+steps=" ${STEPS:-all} "
+wanted() { [[ $steps == " all " || $steps == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -48,36 +51,44 @@ print("triton", triton.__version__, "transformers", transformers.__version__)'
 } >"$out/env.txt" 2>&1
 
 # the tests first: they say whether the numbers after them mean anything
-timeout -k 10 "$test_s" "$python" -m pytest -q -rfEs -m cuda -p no:cacheprovider \
-    --junitxml="$out/pytest.xml" \
-    tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
-    tests/backend_gpu/test_triton_lora.py 2>&1 |
-    tee "$out/pytest.log"
-tests=${PIPESTATUS[0]}
-echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
+tests=0
+if wanted tests; then
+    timeout -k 10 "$test_s" "$python" -m pytest -q -rfEs -m cuda -p no:cacheprovider \
+        --junitxml="$out/pytest.xml" \
+        tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
+        tests/backend_gpu/test_triton_lora.py 2>&1 |
+        tee "$out/pytest.log"
+    tests=${PIPESTATUS[0]}
+    echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
+fi
 
-timeout -k 10 $((bench_s + 30)) "$python" -m studies.gpu_check --out "$out" \
-    --budget-s "$bench_s" 2>&1 | tee "$out/gpu_check.log"
-echo "gpu_check.sh: bench exited ${PIPESTATUS[0]}" | tee -a "$out/gpu_check.log"
+if wanted bench; then
+    timeout -k 10 $((bench_s + 30)) "$python" -m studies.gpu_check --out "$out" \
+        --budget-s "$bench_s" 2>&1 | tee "$out/gpu_check.log"
+    echo "gpu_check.sh: bench exited ${PIPESTATUS[0]}" | tee -a "$out/gpu_check.log"
+fi
 
-timeout -k 10 "$copy_s" "$python" -m studies.kv_tiers_copy --out "$out" 2>&1 |
-    tee "$out/kv_tiers_copy.log"
-echo "gpu_check.sh: kv tiers copy exited ${PIPESTATUS[0]}" | tee -a "$out/kv_tiers_copy.log"
+# step NAME SECONDS CMD...: one measurement after the tests, cut at SECONDS, its output
+# in OUTDIR/NAME.log; a step that fails or runs out is reported and the next one runs
+step() {
+    local name=$1 seconds=$2
+    shift 2
+    wanted "$name" || return 0
+    timeout -k 10 "$seconds" "$@" 2>&1 | tee "$out/$name.log"
+    echo "gpu_check.sh: $name exited ${PIPESTATUS[0]}" | tee -a "$out/$name.log"
+}
 
-# issue 34: python -m studies.lora_kernels (a mixed-adapter batch through the LoRA
-# kernels on one projection, against a per-adapter torch loop and the base matmul
-# alone), at most LORA_S seconds: OUTDIR/lora_kernels.json, OUTDIR/lora_kernels.log
-timeout -k 10 "${LORA_S:-60}" "$python" -m studies.lora_kernels --out "$out" 2>&1 |
-    tee "$out/lora_kernels.log"
-echo "gpu_check.sh: lora kernels exited ${PIPESTATUS[0]}" | tee -a "$out/lora_kernels.log"
-
-# issue 34: python -m studies.lora_throughput on CUDA (8 adapters of rank 16 mixed over
-# 16 streams against the base model alone, a random Llama of hidden 2048 and 8 layers
-# in bfloat16; goal 0.8x), at most LORA_MIX_S seconds: OUTDIR/lora_throughput.json,
-# OUTDIR/lora_throughput.png, OUTDIR/lora_throughput.log
-timeout -k 10 "${LORA_MIX_S:-90}" "$python" -m studies.lora_throughput --out "$out" \
+# issue 33: KV blocks device to host and back through the host tier's HostRows, blocks/s
+# and GB/s, against one plain pinned non_blocking torch copy of the same bytes
+step kv_tiers_copy "$copy_s" "$python" -m studies.kv_tiers_copy --out "$out"
+# issue 34: a mixed-adapter batch through the LoRA kernels on one projection, against a
+# per-adapter torch loop and the base matmul alone
+step lora_kernels "${LORA_S:-45}" "$python" -m studies.lora_kernels --out "$out"
+# issue 34: 8 adapters of rank 16 mixed over 16 streams against the base model alone (goal
+# 0.8x) and against merged models swapped on demand, a random Llama of hidden 2048 and 8
+# layers in bfloat16, and a cold adapter's added TTFT
+step lora_throughput "${LORA_MIX_S:-100}" "$python" -m studies.lora_throughput --out "$out" \
     --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --heads 16 --vocab 32000 \
-    --per-stream 2 --kv-cache-mib 4096 --arms base mixed cold 2>&1 |
-    tee "$out/lora_throughput.log"
-echo "gpu_check.sh: lora throughput exited ${PIPESTATUS[0]}" | tee -a "$out/lora_throughput.log"
+    --per-stream 2 --kv-cache-mib 4096 --arms base mixed naive cold
+# new steps above this line
 exit "$tests"

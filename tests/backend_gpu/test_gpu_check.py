@@ -5,6 +5,7 @@ one, studies/gpu_check.sh)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -50,6 +51,20 @@ def test_the_script_runs_files_that_exist():
     assert "tests/backend_gpu/test_cuda.py" in files
     assert all((ROOT / f).is_file() for f in files)
     assert "-m studies.gpu_check" in script and "-m cuda" in script
+    steps = re.findall(r"^step (\w+) .* -m studies\.(\w+)", script, re.M)
+    assert steps and all((ROOT / f"studies/{module}.py").is_file() for _, module in steps)
+
+
+def test_steps_picks_the_parts_to_run(tmp_path):
+    """STEPS splits the check over commands: only the named steps run (python is `echo`
+    here, so each step's log holds the command it would have run)."""
+    env = dict(os.environ, STEPS="lora_kernels", PYTHON="echo")
+    script = ROOT / "studies/gpu_check.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path)], env=env, cwd=ROOT)
+    assert done.returncode == 0
+    logs = sorted(p.name for p in tmp_path.glob("*.log"))
+    assert logs == ["lora_kernels.log"]
+    assert "-m studies.lora_kernels --out" in (tmp_path / "lora_kernels.log").read_text()
 
 
 def test_every_part_runs_on_a_tiny_shape(tmp_path):
