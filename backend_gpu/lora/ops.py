@@ -153,6 +153,33 @@ def _add_batched(
     y.index_add_(0, batched.rows, delta.to(y.dtype))
 
 
+def add_lora_packed(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    parts: list[tuple[torch.Tensor, slice]],
+    scale: torch.Tensor,
+    batched: Batched,
+    rank: int,
+) -> None:
+    """The torch path's deltas of a packed projection's sub-projections (q/k/v, gate/up),
+    which share their input: one gather of x and one shrink for all of them over a [S, R,
+    n, K] (the subs' A interleaved by rank, so the first `rank` rows of every sub are one
+    view), then an expand per sub into its columns and one add. y [T, N] is the whole
+    packed output; parts are (B [S, N_i, R], columns) in column order, covering y."""
+    slots = slice(batched.first, batched.first + batched.count)
+    shrink = a[slots, :rank].flatten(1, 2)  # [count, rank * n, K]
+    t = torch.bmm(x[batched.index], shrink.transpose(1, 2)).unflatten(2, (rank, len(parts)))
+    deltas = [
+        torch.bmm(t[..., i].to(b.dtype), b[slots, :, :rank].transpose(1, 2))
+        for i, (b, _) in enumerate(parts)
+    ]
+    delta = (torch.cat(deltas, dim=2) * scale[slots].view(-1, 1, 1)).flatten(0, 1)
+    if batched.real is not None:
+        delta = delta[batched.real]
+    y.index_add_(0, batched.rows, delta.to(y.dtype))
+
+
 @dataclass
 class SlotsOnHost:
     """One projection's per-slot rank (0: not adapted) and scale, read by the torch path

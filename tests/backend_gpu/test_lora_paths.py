@@ -15,7 +15,16 @@ from safetensors.torch import load_file, save_file
 from backend_gpu.async_engine import AsyncLLM
 from backend_gpu.engine import LLM
 from backend_gpu.layers.triton_lora import lora_expand_ref, lora_shrink_ref
-from backend_gpu.lora.ops import Batched, SlotsOnHost, StepSlots, add_lora, group_rows, regroup
+from backend_gpu.lora.ops import (
+    Batched,
+    SlotsOnHost,
+    StepSlots,
+    add_lora,
+    add_lora_packed,
+    group_rows,
+    regroup,
+)
+from backend_gpu.lora.stacks import PackedA
 from engine_api.errors import BadRequestError
 from engine_api.records import AdapterRef, GenRequest
 from engine_api.sampling import SamplingParams
@@ -133,6 +142,31 @@ def test_torch_path_and_kernels_compute_the_reference(kernels, batched):
     add_lora(wide[:, 8:32], x, a, b, scale, step, host)  # a column range, as q, k or v
     torch.testing.assert_close(wide, expected)
     assert not torch.equal(wide, torch.randn(len(x), 40))
+
+
+def test_packed_subs_shrink_at_once_as_each_alone():
+    """q/k/v through one gather and one shrink (add_lora_packed) equal each sub through
+    add_lora, with ragged ranks, a sub an adapter leaves alone, and padded groups."""
+    seq_slots, num_new = [3, -1, 0, 3, 2, -1], [1, 1, 1, 1, 2, 1]
+    groups = group_rows(seq_slots, num_new)
+    batched = Batched.of(groups)
+    assert batched is not None and batched.real is not None
+    step = StepSlots(kernels=False, idx=torch.empty(0), host_groups=groups, batched=batched)
+    x, widths = torch.randn(sum(num_new), 32), [24, 8, 8]
+    packed = PackedA(32, len(widths), slots=4, rank=8, dtype=torch.float32, device="cpu")
+    parts, expected, start = [], torch.randn(len(x), sum(widths)), 0
+    out = expected.clone()
+    for i, width in enumerate(widths):
+        a, b, scale, host = _stacks(4, 8, 32, width)
+        if i == 1:  # the adapter in slot 0 leaves k alone
+            a[0], b[0], host.ranks[0] = 0, 0, 0
+        packed.view(i).copy_(a)
+        cols = slice(start, start + width)
+        add_lora(expected[:, cols], x, a, b, scale, step, host)
+        parts.append((b, cols))
+        start += width
+    add_lora_packed(out, x, packed.a, parts, scale, batched, rank=8)
+    torch.testing.assert_close(out, expected)
 
 
 def test_fp8_base_weights_with_an_adapter(llama_adapter):
