@@ -4,10 +4,12 @@ buffers allocated once (step_buffers.py); on CUDA, decodes replay CUDA graphs
 (cuda_graphs.py).
 
 The KV cache takes what is left: on CUDA gpu_memory_utilization of the GPU's memory,
-less what is already used (the weights, other processes) and the activations' peak,
-measured by one profiling forward of max_num_batched_tokens tokens; on the CPU a share
+less what is already used (the weights, other processes), the activations' peak,
+measured by one profiling forward of max_num_batched_tokens tokens, and the CUDA
+graphs' pool (estimated: they are captured after the cache); on the CPU a share
 of free RAM; kv_cache_memory_bytes, when set, on any device. A cache that cannot hold
 one sequence of max_model_len tokens is an error, not a silently useless engine.
+The sums are memory.py's, which `kvgate plan` calls too.
 
 Under tensor parallelism every rank has a runner over its part of the model
 (tp_shards.py) and of the KV cache (its KV heads, the same block ids on every rank).
@@ -32,6 +34,18 @@ from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
+from backend_gpu.memory import (
+    MIB,
+    KVShape,
+    cpu_kv_budget,
+    device_kv_budget,
+    graph_batch,
+    graph_pool_bytes,
+    kv_cache_size,
+    logit_rows,
+    parameter_bytes,
+    step_shape_of,
+)
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.prompt_logprobs import (
     PromptLogprobs,
@@ -75,7 +89,6 @@ class LoRASlot:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MIB = 1 << 20
 
 
 def _size(num_bytes: int) -> str:
@@ -117,7 +130,8 @@ class ModelRunner:
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, tp)
         self.model.eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = parameter_bytes(self.model)
+        self.hf_config = hf_config
         self.attention_layers = [layer.self_attn for layer in self.model.model.layers]
         self.max_model_len = config.context_len(hf_config)
         self.hidden_size = hf_config.hidden_size
@@ -151,7 +165,7 @@ class ModelRunner:
         self.paged_kernels = self.device.type == "cuda"
         # rows of vocabulary-wide logits a step holds at once: what it samples (a row per
         # seat), or a slice of prompt logprobs; the memory profile measures this many
-        self.logit_rows = min(config.max_num_seqs + 1, config.max_num_batched_tokens)
+        self.logit_rows = logit_rows(config.max_num_seqs, config.max_num_batched_tokens)
         capacity = Capacity(
             tokens=config.max_num_batched_tokens,
             # under VTC one seat beyond max_num_seqs (scheduler.py); each has a token
@@ -159,32 +173,32 @@ class ModelRunner:
             width=-(-self.max_model_len // self.block_size),
         )
         self.buffers = StepBuffers(capacity, self.device)
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graph_max_seqs = graph_batch(config.max_num_seqs, config.max_num_batched_tokens)
         self._allocate_kv_cache(config)
         self.k_workspace = self.v_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
         self.graphs: DecodeGraphs | None = None
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        self.graph_max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.num_graph_steps = 0  # decode steps that replayed a graph
         if self.use_graphs:
             self._capture_graphs()
 
     def _allocate_kv_cache(self, config: EngineConfig) -> None:
-        bytes_per_block = (
-            2 * len(self.attention_layers) * self.block_size * self.kv_row
-        ) * self.kv_dtype.itemsize
         if self.device.type == "cuda":
             # free the unquantized weights and the calibration's scratch before sizing
             torch.cuda.empty_cache()
-        budget = self._kv_budget(config)
-        if config.kv_cache_memory_bytes is None and self.device.type == "cpu":
-            # no point holding more than every sequence at full length
-            budget = min(
-                budget,
-                config.max_num_seqs * self.max_model_len * bytes_per_block // self.block_size,
-            )
+        size = kv_cache_size(
+            KVShape(len(self.attention_layers), *self.kv_shape, self.kv_dtype.itemsize),
+            self.block_size,
+            self._kv_budget(config),
+            self.max_model_len,
+            # the CPU's default budget: no more than every sequence at full length
+            config.max_num_seqs
+            if config.kv_cache_memory_bytes is None and self.device.type == "cpu"
+            else None,
+        )
+        budget, bytes_per_block, needed = size.budget, size.bytes_per_block, size.blocks_per_seq
         # every rank holds the same block ids: as many as the tightest rank's budget
-        self.num_blocks = self.tp.min_over_ranks(max(0, budget // bytes_per_block))
-        needed = -(-self.max_model_len // self.block_size)
+        self.num_blocks = self.tp.min_over_ranks(size.num_blocks)
         if self.num_blocks < needed:
             raise ValueError(
                 f"the KV cache budget ({_size(budget)}) holds {self.num_blocks} "
@@ -216,22 +230,28 @@ class ModelRunner:
             return config.kv_cache_memory_bytes
         if self.device.type == "cuda":
             activations = self._profile_activations(config)
+            graph_pool = graph_pool_bytes(
+                step_shape_of(self.hf_config, self.tp.size, self.dtype.itemsize),
+                self.graph_max_seqs if self.use_graphs else 0,
+            )
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free  # the weights, the CUDA context, other processes
-            budget = int(total * config.gpu_memory_utilization) - used - activations
+            budget = device_kv_budget(
+                total, config.gpu_memory_utilization, used, activations, graph_pool
+            )
             log.info(
                 "KV cache budget %.0f MiB: %.0f%% of %.0f MiB, less %.0f MiB in use "
-                "(weights %.0f MiB) and %.0f MiB of activations",
+                "(weights %.0f MiB), %.0f MiB of activations and %.0f MiB of CUDA graphs",
                 budget / MIB,
                 100 * config.gpu_memory_utilization,
                 total / MIB,
                 used / MIB,
                 self.weight_bytes / MIB,
                 activations / MIB,
+                graph_pool / MIB,
             )
             return budget
-        free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return min(2 << 30, free_ram // 10)
+        return cpu_kv_budget(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
     @torch.inference_mode()
     def _profile_activations(self, config: EngineConfig) -> int:

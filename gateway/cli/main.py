@@ -7,7 +7,7 @@ import sys
 
 from gateway.cli import adapters as cli_adapters
 from gateway.cli import admin as cli_admin
-from gateway.cli.output import print_rows
+from gateway.cli import plan as cli_plan
 from gateway.config import Settings, load_settings
 from gateway.worker import cli as worker_cli
 
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker_cli.add_parser(sub)
     sub.add_parser("models", help="list the models kvgate can serve and where they live")
+    cli_plan.add_parser(sub)
     sub.add_parser("top", help="live dashboard of a running gateway", add_help=False)
     sub.add_parser("bench", help="benchmarks against any OpenAI-compatible server", add_help=False)
     sub.add_parser("chat", help="chat with a model in the terminal", add_help=False)
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker_cli.run(args)
     if args.command == "adapters":
         return cli_adapters.run(args)
+    if args.command == "plan":
+        return cli_plan.run(args)
     overrides = {
         "database_url": args.database_url,
         "database_schema": args.database_schema,
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 def _models(as_json: bool) -> int:
     from gateway.backends.default_model import list_models
 
-    print_rows(list_models(), as_json)
+    cli_admin._print(list_models(), as_json)
     return 0
 
 

@@ -1,0 +1,282 @@
+"""What a model needs of a GPU before it is loaded, for `kvgate plan`: weight bytes in
+each format the engine serves, KV bytes per token, and the KV blocks, concurrent
+sequences and smallest tensor-parallel size that a device leaves room for.
+
+Every sum is the engine's own (memory.py, which the engine's memory profile calls);
+only the inputs the engine measures are computed here instead: the weights are the
+engine's model classes built on the meta device (no memory, exact shapes; the 8-bit
+formats the layout quantize_model gives them), the activations' peak and the CUDA
+context are estimates. INT4 (GPTQ/AWQ layout) is sized by arithmetic: packed 4-bit weights of
+the decoder's linear layers plus a 16-bit scale and a 4-bit zero per group of inputs,
+the embeddings, norms and LM head kept in 16 bits, as such checkpoints ship them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from backend_gpu.distributed import ParallelGroup
+from backend_gpu.layers.linear import TABLE_GROUP
+from backend_gpu.memory import (
+    MIB,
+    KVCacheSize,
+    device_kv_budget,
+    graph_batch,
+    graph_pool_bytes,
+    kv_cache_size,
+    kv_shape_of,
+    logit_rows,
+    parameter_bytes,
+    step_activation_bytes,
+    step_shape_of,
+)
+from backend_gpu.models import model_class
+from backend_gpu.tp_shards import check_divisible
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+WEIGHT_FORMATS = ("16-bit", "fp8", "int8", "int4")
+KV_ITEMSIZE = {"auto": None, "fp8": 1}  # None: the model's dtype
+# what a CUDA context and PyTorch's own allocations take before the weights (an estimate;
+# the engine measures what is in use instead)
+CUDA_CONTEXT_BYTES = 512 * MIB
+TP_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    name: str
+    total_bytes: int
+    in_use_bytes: int  # before the model loads: the CUDA context, other processes
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The engine settings a plan is for (EngineConfig's names and defaults on CUDA)."""
+
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "bfloat16"
+    quantization: str | None = None  # None, "fp8", "int8", "int4"
+    int4_group_size: int = 128
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enforce_eager: bool = False
+    tensor_parallel_size: int | None = None  # None: the smallest that fits
+    kv_cache_memory_bytes: int | None = None  # the engine's option: no budget sums
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "fp8", "int8", "int4"):
+            raise ValueError(f"quantization must be fp8, int8 or int4, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_ITEMSIZE:
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.int4_group_size < 1:
+            raise ValueError(f"int4 group size must be >= 1, got {self.int4_group_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's memory at one tensor-parallel size."""
+
+    tp_size: int
+    weight_bytes: int
+    activation_bytes: int
+    graph_pool_bytes: int
+    kv: KVCacheSize
+    max_concurrent_seqs: int  # sequences of max_model_len tokens the blocks hold
+
+    @property
+    def fits(self) -> bool:
+        return self.kv.num_blocks >= self.kv.blocks_per_seq
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    architecture: str
+    device: PlanDevice
+    settings: PlanSettings
+    max_model_len: int
+    parameters: int
+    weight_bytes: dict[str, int]  # format -> bytes of the whole model (one rank at TP 1)
+    kv_bytes_per_token: dict[str, int]  # kv_cache_dtype -> bytes, the whole model
+    sliding_window: int | None
+    sliding_layers: int
+    num_layers: int
+    kv_bytes_per_seq_windowed: int  # a window-aware cache's bytes for one full sequence
+    ranks: list[RankPlan] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> RankPlan | None:
+        """The smallest tensor-parallel size that holds one sequence of max_model_len."""
+        return next((r for r in self.ranks if r.fits), None)
+
+
+def load_model_config(path: str):
+    """The text model's transformers config of an HF directory, a GGUF file or a bare
+    config.json (no weights read)."""
+    from transformers import AutoConfig
+
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+        directory, name = os.path.split(os.path.abspath(path))
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        if config.model_type == "gemma3_text":  # as backend_gpu.gguf_loader converts it
+            config.architectures = ["Gemma3ForCausalLM"]
+    elif path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+        if "model_type" not in values:
+            raise ValueError(f"{path}: a config.json names its model_type")
+        config = AutoConfig.for_model(**values)
+    elif os.path.isdir(path):
+        config = AutoConfig.from_pretrained(path)
+    else:
+        raise FileNotFoundError(f"model {path!r} is not a directory, a .gguf or a .json file")
+    text = getattr(config, "text_config", None)
+    if text is not None and not getattr(text, "architectures", None):
+        text.architectures = config.architectures
+    return text or config
+
+
+def meta_model(hf_config, dtype: str, tp_size: int) -> nn.Module:
+    """Rank 0's part of the engine's model of `hf_config` on the meta device."""
+    cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
+    with torch.device("meta"):
+        return cls(hf_config, ParallelGroup(rank=0, size=tp_size)).to(getattr(torch, dtype))
+
+
+def format_bytes(model: nn.Module, fmt: str, dtype_bytes: int, group_size: int) -> int:
+    """Bytes of a (meta) model's weights in format `fmt` (WEIGHT_FORMATS)."""
+    if fmt in ("fp8", "int8"):
+        return eight_bit_bytes(model)
+    if fmt == "int4":
+        return int4_bytes(model, dtype_bytes, group_size)
+    return parameter_bytes(model)
+
+
+def eight_bit_bytes(model: nn.Module) -> int:
+    """What quantize_model leaves (its shapes; running it on the meta device takes a
+    minute for a 7B model): every linear layer's weight in 8 bits with a float32 scale
+    per output row, the token table (and an untied LM head's) in INT8 with a float32
+    scale per TABLE_GROUP values; norms and biases as they are."""
+    total = parameter_bytes(model)
+    tables = {id(model.model.embed_tokens.weight): model.model.embed_tokens.weight}
+    tables[id(model.lm_head.weight)] = model.lm_head.weight
+    for table in tables.values():
+        total -= table.numel() * table.element_size()
+        total += table.numel() + table.numel() // TABLE_GROUP * 4
+    for module in model.model.layers.modules():
+        if isinstance(module, nn.Linear):
+            rows, cols = module.weight.shape
+            total -= module.weight.numel() * module.weight.element_size()
+            total += rows * cols + rows * 4
+    return total
+
+
+def int4_bytes(model: nn.Module, dtype_bytes: int, group_size: int) -> int:
+    """The decoder layers' linear weights in 4 bits with a 16-bit scale and a 4-bit zero
+    per `group_size` inputs of a row (GPTQ's and AWQ's layout); the rest as it is."""
+    total = parameter_bytes(model)
+    for module in model.model.layers.modules():
+        if isinstance(module, nn.Linear):
+            rows, cols = module.weight.shape
+            groups = -(-cols // group_size)
+            total -= rows * cols * dtype_bytes
+            total += rows * cols // 2 + rows * groups * 2 + -(-rows * groups // 2)
+    return total
+
+
+def windowed_seq_bytes(hf_config, bytes_per_token: int, length: int) -> tuple[int | None, int, int]:
+    """(window, sliding layers, bytes of one `length`-token sequence in a cache that
+    keeps only the window of sliding layers). kvgate's cache keeps every layer in full."""
+    from backend_gpu.models.llama import sliding_window_of
+
+    layers = hf_config.num_hidden_layers
+    windows = [sliding_window_of(hf_config, i) for i in range(layers)]
+    sliding = [w for w in windows if w]
+    per_layer = bytes_per_token // layers
+    tokens = sum(min(w, length) if w else length for w in windows)
+    return (max(sliding) if sliding else None), len(sliding), per_layer * tokens
+
+
+def plan_rank(
+    hf_config, device: PlanDevice, s: PlanSettings, tp_size: int, length: int
+) -> RankPlan:
+    """One rank's plan at `tp_size`: the engine's budget sums on computed inputs."""
+    dtype_bytes = DTYPE_BYTES[s.dtype]
+    model = meta_model(hf_config, s.dtype, tp_size)
+    weights = format_bytes(model, s.quantization or "16-bit", dtype_bytes, s.int4_group_size)
+    step = step_shape_of(hf_config, tp_size, dtype_bytes)
+    activations = step_activation_bytes(
+        step, s.max_num_batched_tokens, logit_rows(s.max_num_seqs, s.max_num_batched_tokens)
+    )
+    graphs = 0 if s.enforce_eager else graph_batch(s.max_num_seqs, s.max_num_batched_tokens)
+    pool = graph_pool_bytes(step, graphs)
+    budget = s.kv_cache_memory_bytes
+    if budget is None:
+        in_use = device.in_use_bytes + weights
+        budget = device_kv_budget(
+            device.total_bytes, s.gpu_memory_utilization, in_use, activations, pool
+        )
+    itemsize = KV_ITEMSIZE[s.kv_cache_dtype] or dtype_bytes
+    kv = kv_cache_size(kv_shape_of(hf_config, tp_size, itemsize), s.block_size, budget, length)
+    return RankPlan(tp_size, weights, activations, pool, kv, kv.num_blocks // kv.blocks_per_seq)
+
+
+def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> MemoryPlan:
+    """The plan of the model at `path` on `device` under `settings`."""
+    hf_config = load_model_config(path)
+    dtype = settings.dtype
+    max_positions = hf_config.max_position_embeddings
+    length = min(settings.max_model_len or max_positions, max_positions)  # context_len's
+    model = meta_model(hf_config, dtype, 1)
+    formats = {
+        fmt: format_bytes(model, fmt, DTYPE_BYTES[dtype], settings.int4_group_size)
+        for fmt in WEIGHT_FORMATS
+    }
+    formats[dtype] = formats.pop("16-bit")
+    per_token = {
+        kv_dtype: kv_shape_of(hf_config, 1, size or DTYPE_BYTES[dtype]).bytes_per_token
+        for kv_dtype, size in KV_ITEMSIZE.items()
+    }
+    chosen_per_token = per_token[settings.kv_cache_dtype]
+    window, sliding, windowed = windowed_seq_bytes(hf_config, chosen_per_token, length)
+    sizes = [settings.tensor_parallel_size] if settings.tensor_parallel_size else TP_SIZES
+    ranks = []
+    for size in sizes:
+        try:
+            check_divisible(hf_config, size)
+        except ValueError:
+            if settings.tensor_parallel_size:
+                raise
+            continue
+        ranks.append(plan_rank(hf_config, device, settings, size, length))
+    return MemoryPlan(
+        model=path,
+        architecture=(hf_config.architectures or [hf_config.model_type])[0],
+        device=device,
+        settings=settings,
+        max_model_len=length,
+        parameters=sum(p.numel() for p in model.parameters()),
+        weight_bytes=formats,
+        kv_bytes_per_token=per_token,
+        sliding_window=window,
+        sliding_layers=sliding,
+        num_layers=hf_config.num_hidden_layers,
+        kv_bytes_per_seq_windowed=windowed,
+        ranks=ranks,
+    )
