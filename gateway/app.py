@@ -11,8 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.config import Settings
 from gateway.http.middleware import openai_errors, refuse_control_characters
+from gateway.http.traced import traced_requests
 from gateway.http.util import SETTINGS, json_response
 from gateway.lifecycle import start_gateway, stop_gateway
+from gateway.observe.tracing import Tracing, trace_export
 from gateway.routes import adapters as adapter_api
 from gateway.routes import admin as admin_api
 from gateway.routes import audit as audit_api
@@ -30,6 +32,8 @@ from gateway.state import GW
 from gateway.tenancy.auth import AuthError, bearer_token
 
 log = logging.getLogger("kvgate")
+# probes and scrapes: frequent, and noise in a trace store
+UNTRACED = frozenset({"/health", "/ready", "/metrics"})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -73,6 +77,9 @@ def create_app(settings: Settings) -> web.Application:
         middlewares=[openai_errors, refuse_control_characters],
     )
     app[SETTINGS] = settings
+    export = trace_export(settings.otlp_traces_endpoint, "kvgate")
+    if export is not None:  # outermost; off, not even a middleware
+        app.middlewares.insert(0, traced_requests(lambda a: a[GW].tracing, UNTRACED))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     responses_api.add_routes(app)
@@ -93,9 +100,12 @@ def create_app(settings: Settings) -> web.Application:
     async def lifecycle(app: web.Application):
         state = await start_gateway(settings)
         state.url = f"http://{settings.host}:{settings.port}"
+        state.tracing = None if export is None else Tracing(export)
         app[GW] = state
         yield
         await stop_gateway(state)
+        if state.tracing is not None:  # the last requests' spans go out before the exit
+            await state.tracing.close()
 
     app.cleanup_ctx.append(lifecycle)
     return app

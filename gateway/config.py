@@ -13,6 +13,7 @@ from typing import Any
 from gateway.backends import BackendSpec, replica_count
 from gateway.backends.spec import LoraModule, parse_lora_modules
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
+from gateway.observe.tracing import trace_export
 from gateway.tenancy.quota.prices import FREE, Price, parse_prices
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
@@ -40,6 +41,9 @@ class Settings:
     # /metrics names tenants: it needs the admin key, or `metrics_token` for a scraper
     metrics_auth: bool = True
     metrics_token: str | None = None
+    # OpenTelemetry traces to this OTLP endpoint (vLLM's --otlp-traces-endpoint); unset,
+    # the standard OTEL_EXPORTER_OTLP_* variables decide (gateway/observe/tracing.py)
+    otlp_traces_endpoint: str | None = None
     # slow or idle clients must not hold connections: caps on time and on their number
     max_connections: int = 4096
     header_timeout_s: float = 10.0  # from connect (or the last response) to full headers
@@ -230,6 +234,7 @@ _ENV_FIELDS = {
     "key_cache_ttl_s": float,
     "metrics_auth": lambda v: v.lower() in ("1", "true", "yes"),
     "metrics_token": str,
+    "otlp_traces_endpoint": str,
     "max_connections": int,
     "header_timeout_s": float,
     "body_timeout_s": float,
@@ -288,7 +293,10 @@ def load_settings(
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown settings: {sorted(unknown)}")
-    return Settings(**values)
+    settings = Settings(**values)
+    # an OTEL_* trace export kvgate cannot send is a configuration error, found here
+    trace_export(settings.otlp_traces_endpoint, "kvgate", environ)
+    return settings
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from gateway.db import Database
 from gateway.http.errors import ApiError
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
+from gateway.observe.tracing import TENANT, Tracing, step
 from gateway.routing.adapters import AdapterRegistry
 from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.fair_queue import FairQueue
@@ -51,8 +52,17 @@ class GatewayState:
     # backend name -> the gateway's fair queue, for backends whose scheduler is not
     # kvgate's (an adapter with `max_in_flight`)
     queues: dict[str, FairQueue] = field(default_factory=dict)
+    # OpenTelemetry traces (gateway/observe/tracing.py); None: off, and no span is made
+    tracing: Tracing | None = None
 
     async def authenticate(self, request: web.Request, scope: str = "inference") -> Principal:
+        with step(self.tracing, "kvgate.authenticate") as span:
+            principal = await self._authenticate(request, scope)
+            if span is not None and principal.tenant_id is not None:
+                span.set_attribute(TENANT, principal.tenant_id)
+            return principal
+
+    async def _authenticate(self, request: web.Request, scope: str) -> Principal:
         try:
             authorization = request.headers.get("Authorization")
             if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients

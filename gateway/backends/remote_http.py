@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import aiohttp
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from yarl import URL
 
 from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
@@ -39,6 +40,8 @@ YIELD_EVERY_LINES = 64  # the line reader gives the event loop a turn this often
 MAX_RELAYED_CHARS = 500  # a kvgate worker's 400 message, passed on to the client
 # bodies of these statuses are the client's fault (vLLM and FastAPI send 422 for schema)
 BAD_REQUEST_STATUSES = (400, 413, 422)
+# writes the W3C traceparent of the task's current span (none while tracing is off)
+_W3C = TraceContextTextMapPropagator()
 
 
 class UpstreamUnreachable(BackendError):
@@ -126,13 +129,17 @@ class UpstreamClient:
     ) -> aiohttp.ClientResponse:
         """The response, whatever its status (the caller reads or closes it); never a
         redirect followed, never a compressed body. `body`: JSON, or bytes of it."""
-        extra: dict[str, Any] = {}
+        # a traced request's span (gateway/serving/traces.py): the upstream's spans join it
+        headers: dict[str, str] = {}
+        _W3C.inject(headers)
+        extra: dict[str, Any] = {"headers": headers}
         if timeout_s is not None:  # a short call (health) or a long poll, not a stream
             extra["timeout"] = aiohttp.ClientTimeout(
                 total=timeout_s, sock_connect=self.connect_timeout_s
             )
         if isinstance(body, bytes):  # JSON the caller encoded (off the loop, when large)
-            extra |= {"data": body, "headers": {"Content-Type": "application/json"}}
+            extra["data"] = body
+            headers["Content-Type"] = "application/json"
         else:
             extra["json"] = body
         try:

@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {Settings.prefill_threshold})",
     )
     serve.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send OpenTelemetry traces to this OTLP endpoint (vLLM's flag; or "
+        "KVGATE_OTLP_TRACES_ENDPOINT, or the standard OTEL_EXPORTER_OTLP_* variables)",
+    )
+    serve.add_argument(
         "--router-policy",
         metavar="POLICY",
         help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
@@ -161,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_workers": args.prefill_workers,
             "prefill_threshold": args.prefill_threshold,
             "router_policy": args.router_policy,
+            "otlp_traces_endpoint": args.otlp_traces_endpoint,
             "lora_modules": args.lora_modules,
         } | worker_cli.engine_overrides(args)
     try:

@@ -29,6 +29,14 @@ from gateway.backends.kv_transfer import PREFILL, role_of
 from gateway.config import ROUTER_POLICIES
 from gateway.routing.catalog import PrefixCatalog
 
+# why a replica was picked (the rules above)
+ONLY_ONE = "the only healthy replica"
+ROUND_ROBIN = "round robin"
+LEAST_LOADED = "least loaded (no replica holds enough of the prompt)"
+CACHED_PREFIX = "holds the longest cached prefix"
+ADAPTER_LOADED = "has the adapter loaded"
+OVERLOADED = "least loaded (the best match is overloaded)"
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -128,10 +136,17 @@ class Router:
     ) -> Backend:
         """Like `pick`, among candidates already read (a request reads them once to
         render its prompt, then picks by that prompt's blocks and its LoRA adapter)."""
+        return self.pick_why(candidates, block_hashes, adapter)[0]
+
+    def pick_why(
+        self, candidates: list[Candidate], block_hashes: list[str], adapter: str | None = None
+    ) -> tuple[Backend, str]:
+        """`pick_from`'s replica and why it won (a trace's routing span tells it)."""
         if len(candidates) == 1:
-            return candidates[0].backend
+            return candidates[0].backend, ONLY_ONE
         stats = [c.stats for c in candidates]
-        return candidates[self.choose(stats, block_hashes, adapter)].backend
+        index, why = self.decide(stats, block_hashes, adapter)
+        return candidates[index].backend, why
 
     def claim(self, backend: Backend) -> None:
         """A request was sent its way (count it until `release`)."""
@@ -144,10 +159,16 @@ class Router:
         self, stats: list[BackendStats], block_hashes: list[str], adapter: str | None = None
     ) -> int:
         """Index into `stats` (one per healthy replica) of the replica to use."""
+        return self.decide(stats, block_hashes, adapter)[0]
+
+    def decide(
+        self, stats: list[BackendStats], block_hashes: list[str], adapter: str | None = None
+    ) -> tuple[int, str]:
+        """`choose`'s index, and which of the rules above picked it."""
         turn = next(self._turn)
         n = len(stats)
         if self.policy == "round_robin":
-            return turn % n
+            return turn % n, ROUND_ROBIN
         loads = [max(s.running + s.waiting, self.in_flight.get(s.name, 0)) for s in stats]
         # per replica: (leading blocks held in any of its tiers, of those on the device)
         matched = [(0, 0)] * n
@@ -169,12 +190,14 @@ class Router:
         )
         best = max(range(n), key=lambda i: (matched[i], loaded[i], -loads[i], (i - turn) % n))
         covered = matched[best][0]
+        why = CACHED_PREFIX
         if covered == 0 or covered < self.cache_threshold * len(block_hashes):
             if not any(loaded):
-                return least
+                return least, LEAST_LOADED
             best = min((i for i in range(n) if loaded[i]), key=lambda i: (loads[i], least != i))
+            why = ADAPTER_LOADED
         overloaded = (
             loads[best] - loads[least] > self.balance_abs
             and loads[best] > self.balance_rel * loads[least]
         )
-        return least if overloaded else best
+        return (least, OVERLOADED) if overloaded else (best, why)

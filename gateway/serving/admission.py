@@ -23,6 +23,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 from engine_api.records import AdapterRef, PromptInput
 from engine_api.structured import StructuredOutput
@@ -38,6 +39,7 @@ from gateway.backends import (
     is_text_bound,
 )
 from gateway.http.errors import ApiError
+from gateway.observe.tracing import REPLICA, current_span, step
 from gateway.routing.router import Candidate
 from gateway.routing.salts import tenant_cache_salt
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
@@ -46,6 +48,7 @@ from gateway.serving.job import Job
 from gateway.serving.sampling import sampling, structured_output
 from gateway.serving.token_plan import TokenPlan, check_spend, plan_tokens
 from gateway.serving.tool_calls import ToolPlan
+from gateway.serving.traces import request_attributes
 from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.quota import QuotaExceeded, Reservation
@@ -92,6 +95,9 @@ async def prepare(
         requests = [dataclasses.replace(r, model=served, adapter=adapter) for r in requests]
         gw.adapters.acquire(adapter.name)  # released when the Job finishes
     gw.traffic.request_started(tenant_id, principal.tenant_name)
+    span = current_span(gw.tracing)  # the request's server span, while tracing is on
+    if span is not None:
+        span.set_attributes(request_attributes(chat, body.model, tenant_id, plan.choices))
     return Job(
         gw,
         principal,
@@ -109,6 +115,7 @@ async def prepare(
         tools=ToolPlan.of(body) if isinstance(body, ChatCompletionRequest) else ToolPlan(),
         echoes=echo,
         adapter=adapter.name if adapter else None,
+        span=span,
     )
 
 
@@ -153,14 +160,25 @@ async def _place(
     block hashes it was picked by and each prompt's published prefix length. If picking
     fails, the admitted quota is given back."""
     try:
-        # a published prefix's length per prompt: its blocks are hashed without the salt
-        shared_lens = [gw.pins.shared_prefix_len(model, p) for p in prompts]
-        block_hashes = []
-        if isinstance(renderer, PrefixCachingBackend):
-            block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0], adapter)
-        name = adapter.name if adapter else None
-        backend = gw.router.pick_from(candidates, block_hashes, name)
-        gw.router.claim(backend)  # released when the Job finishes
+        with step(gw.tracing, "kvgate.route") as span:
+            # a published prefix's length per prompt: its blocks are hashed without the salt
+            shared_lens = [gw.pins.shared_prefix_len(model, p) for p in prompts]
+            block_hashes = []
+            if isinstance(renderer, PrefixCachingBackend):
+                block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0], adapter)
+            name = adapter.name if adapter else None
+            backend, why = gw.router.pick_why(candidates, block_hashes, name)
+            gw.router.claim(backend)  # released when the Job finishes
+            if span is not None:
+                span.set_attributes(
+                    {
+                        REPLICA: backend.name,
+                        "kvgate.route.reason": why,
+                        "kvgate.route.policy": gw.router.policy,
+                        "kvgate.route.candidates": len(candidates),
+                        "kvgate.route.prompt_blocks": len(block_hashes),
+                    }
+                )
     except BaseException:
         await gw.quota.settle(reservation, 0, count_request=False)
         raise
@@ -195,7 +213,7 @@ async def render_on_a_replica(
     of them that can render them all; a 400 or 503 for the client as _backend_errors
     says."""
     model = served_model(gw, principal, model)
-    with _backend_errors(gw, principal, model):
+    with step(gw.tracing, "kvgate.render"), _backend_errors(gw, principal, model):
         candidates = gw.router.candidates(model)  # each replica's stats, read once
         for candidate in candidates[:-1]:
             with contextlib.suppress(BackendError):
@@ -349,12 +367,22 @@ async def admit(
     """The quota taken for `requests` requests (and as many concurrency slots), `tokens`
     tokens and `spend` nanodollars, or a 429 that says which limit."""
     tenant_id = tenant_of(principal)
-    try:
-        return await gw.quota.admit(
-            tenant_id, principal.limits, tokens, time.time(), requests=requests, spend=spend
-        )
-    except QuotaExceeded as e:
-        m = gw.metrics
-        m.child(m.quota_rejections, principal.tenant_name, e.kind).inc()
-        gw.traffic.rejected(principal.tenant_id, principal.tenant_name)
-        raise ApiError(429, str(e), code="rate_limit_exceeded", headers=e.headers()) from None
+    with step(gw.tracing, "kvgate.admission") as span:
+        if span is not None:
+            span.set_attributes({"kvgate.quota.tokens": tokens, "kvgate.quota.requests": requests})
+        try:
+            return await gw.quota.admit(
+                tenant_id, principal.limits, tokens, time.time(), requests=requests, spend=spend
+            )
+        except QuotaExceeded as e:
+            if span is not None:
+                span.set_attribute("kvgate.quota.limit", e.kind)
+            _refused(gw, principal, e)
+
+
+def _refused(gw: GatewayState, principal: Principal, e: QuotaExceeded) -> NoReturn:
+    """The 429 for a request over a limit, counted in the metrics and the dashboard."""
+    m = gw.metrics
+    m.child(m.quota_rejections, principal.tenant_name, e.kind).inc()
+    gw.traffic.rejected(principal.tenant_id, principal.tenant_name)
+    raise ApiError(429, str(e), code="rate_limit_exceeded", headers=e.headers()) from None

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from gateway.backends import GenChunk, GenRequest
 from gateway.routing.fair_queue import CACHED_TOKEN_COST, FairQueue
@@ -16,13 +17,21 @@ from gateway.serving.metering import ChoiceMeter
 
 
 async def queued(
-    queue: FairQueue, req: GenRequest, stream: AsyncIterator[GenChunk], meter: ChoiceMeter
+    queue: FairQueue,
+    req: GenRequest,
+    stream: AsyncIterator[GenChunk],
+    meter: ChoiceMeter,
+    slot_given: Callable[[int], None] | None = None,
 ) -> AsyncIterator[GenChunk]:
     """Wait for a slot in line with the tenant's other requests, then stream, charging
     the tenant for the service as it is given: the meter's count (the backend's usage
-    only where the meter took it)."""
+    only where the meter took it). `slot_given` hears when the wait began (time.time_ns)
+    once it ends: a trace's span of the wait."""
     tenant = req.tenant_id
+    asked = time.time_ns()
     async with queue.slot(tenant, req.weight):
+        if slot_given is not None:
+            slot_given(asked)
         queue.charge(tenant, len(req.prompt_token_ids))
         charged = 0
         try:

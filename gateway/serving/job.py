@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+from opentelemetry.trace import Span
 
 from gateway.backends import Backend, BackendError, GenChunk, GenRequest, OutputCountingBackend
 from gateway.observe.stats import Finished
@@ -21,6 +23,7 @@ from gateway.serving.echo import Echo
 from gateway.serving.metering import ChoiceMeter, metered
 from gateway.serving.prefill_apart import prefill_apart
 from gateway.serving.tool_calls import ToolPlan
+from gateway.serving.traces import traced_call, usage_attributes
 from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.quota import Reservation
@@ -62,6 +65,7 @@ class Job:
     # a long prompt prefilled on a prefill worker first (prefill_apart.py): that job's
     # cached tokens, per prompt; None until it has been tried
     prefill_cached: dict[int, int] | None = None
+    span: Span | None = None  # the request's server span while tracing is on
 
     def echo_of(self, choice: int) -> Echo | None:
         return None if self.echoes is None else self.echoes[choice // self.n]
@@ -110,11 +114,23 @@ class Job:
                 )
 
     def _generate(self, req: GenRequest, meter: ChoiceMeter) -> AsyncIterator[GenChunk]:
+        """The backend's stream for one choice, in its span while tracing is on."""
+        tracing = self.gw.tracing
+        if tracing is None:
+            return self._stream(req, meter)
+        return traced_call(
+            *(tracing, self.span, self.chat, self.model, self.backend.name, req, meter),
+            lambda traced, slot_given: self._stream(traced, meter, slot_given),
+        )
+
+    def _stream(
+        self, req: GenRequest, meter: ChoiceMeter, slot_given: Callable[[int], None] | None = None
+    ) -> AsyncIterator[GenChunk]:
         """The backend's stream for one choice, through its meter; through the gateway's
         fair queue when the backend has one (its scheduler is not kvgate's)."""
         stream = metered(self.backend.generate(req), meter)
         queue = self.gw.queues.get(self.backend.name)
-        return stream if queue is None else queued(queue, req, stream, meter)
+        return stream if queue is None else queued(queue, req, stream, meter, slot_given)
 
     async def _attempt(self) -> AsyncIterator[tuple[int, GenChunk]]:
         self.meters = [ChoiceMeter.of(r, self.backend) for r in self.requests]
@@ -240,6 +256,17 @@ class Job:
             else:
                 self.completion_tokens, self.cached_by_prompt = 0, {}
             row = self._usage_row(status, finish_reason, prompt_tokens, end)
+            if self.span is not None:
+                self.span.set_attributes(
+                    usage_attributes(
+                        self.request_id,
+                        prompt_tokens,
+                        self.completion_tokens,
+                        self.cached_tokens,
+                        self.ttft,
+                        finish_reason,
+                    )
+                )
             await self.gw.usage.submit(row)
         finally:
             self._count(status, prompt_tokens, end, error)

@@ -20,6 +20,7 @@ from aiohttp import web
 from engine_api.errors import BackendError, BadRequestError
 from gateway.http.errors import ApiError
 from gateway.http.middleware import openai_errors
+from gateway.http.traced import traced_requests
 from gateway.http.util import SETTINGS, json_response, parse_body
 from gateway.schemas.inference import DetokenizeRequest, TokenizeRequest
 from gateway.schemas.openai_format import model_entry
@@ -33,6 +34,10 @@ from gateway.worker.kv_pull import EXPORT_PATH
 from gateway.worker.state import WORKER, WorkerState
 
 MAX_WAIT_S = 30.0  # the longest long poll of /kvgate/v1/kv_events
+# probes, stats and the KV events' long polls: frequent, and noise in a trace store
+UNTRACED = frozenset(
+    {"/health", "/ready", "/v1/models", "/kvgate/v1/stats", "/kvgate/v1/kv_events"}
+)
 
 
 @web.middleware
@@ -127,6 +132,8 @@ def create_worker_app(state: WorkerState) -> web.Application:
         client_max_size=state.settings.max_body_bytes, middlewares=[openai_errors, require_token]
     )
     app[WORKER] = state
+    if state.tracing is not None:  # outermost; off, not even a middleware
+        app.middlewares.insert(0, traced_requests(lambda a: a[WORKER].tracing, UNTRACED))
     app[SETTINGS] = state.settings
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)

@@ -211,6 +211,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--cpus", type=_cpu_list, help="run on these CPU cores only, e.g. 0-3 or 0,2")
     p.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send OpenTelemetry traces to this OTLP endpoint (or the standard "
+        "OTEL_EXPORTER_OTLP_* variables); a gateway's traceparent continues its trace",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.backends import build_backends
 
     overrides = {"host": args.host, "port": args.port, "replicas": 1} | engine_overrides(args)
+    overrides["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     try:
         settings = load_settings(args.config, overrides)
         specs = settings.resolved_backends()
@@ -244,11 +251,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate worker: bad configuration: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from gateway.observe.tracing import Tracing, trace_export
     from gateway.worker.kv_pull import KVPuller
     from gateway.worker.state import WorkerState
 
     puller = KVPuller(token, args.kv_pull_timeout)
     state = WorkerState(settings, backends[0], spec.type, token, args.role, puller)
+    if export := trace_export(settings.otlp_traces_endpoint, "kvgate-worker"):
+        state.tracing = Tracing(export)
     try:
         died = _run_loop(_serve(state, args.parent_pid))
     except Exception as e:  # the engine did not start: say why in one line, then exit

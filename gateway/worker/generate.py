@@ -21,6 +21,8 @@ from aiohttp import web
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest
 from gateway.http.util import parse_body
+from gateway.observe.tracing import current_span, step
+from gateway.serving.traces import recorded
 from gateway.worker.errors import api_error
 from gateway.worker.schemas import JsonObject
 from gateway.worker.state import WORKER
@@ -43,9 +45,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     req = await read_request(request)
     if req.kv_source is not None:
-        await state.puller.pull(state.backend, req)
+        with step(state.tracing, "kvgate.kv_pull"):
+            await state.puller.pull(state.backend, req)
         req = dataclasses.replace(req, kv_source=None)
     stream = state.backend.generate(req)
+    if (span := current_span(state.tracing)) is not None:  # the request's server span
+        stream = recorded(span, req, stream)
     try:
         first = await first_chunk(stream)
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})

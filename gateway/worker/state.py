@@ -19,6 +19,7 @@ from gateway.backends import Backend, PrefixCachingBackend
 from gateway.backends.kv_transfer import BOTH
 from gateway.config import Settings
 from gateway.http.errors import ApiError
+from gateway.observe.tracing import Tracing
 from gateway.worker.events import EventLog, drain_forever
 from gateway.worker.kv_pull import KVPuller
 
@@ -40,6 +41,8 @@ class WorkerState:
     epoch: str = field(default_factory=lambda: secrets.token_hex(8))
     started_at: float = field(default_factory=time.time)
     block_size: int | None = None  # how the engine keys its cache; None: no prefix events
+    # OpenTelemetry traces (gateway/observe/tracing.py); None: off, and no span is made
+    tracing: Tracing | None = None
     events: EventLog = field(init=False)
     _drain: asyncio.Task | None = field(default=None, init=False)
 
@@ -63,6 +66,8 @@ class WorkerState:
                 await self._drain
         await self.backend.stop(drain=True)
         await self.puller.close()
+        if self.tracing is not None:  # the last requests' spans go out before the exit
+            await self.tracing.close()
 
     def card(self, model: str) -> ModelCard:
         """The served model's card, or 404 as OpenAI words it."""

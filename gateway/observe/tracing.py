@@ -1,0 +1,199 @@
+"""OpenTelemetry traces: whether they are sent and where, a process's own tracer, and
+spans that cost nothing when tracing is off.
+
+Tracing is on when an OTLP endpoint is configured: `--otlp-traces-endpoint` (vLLM's
+flag; `otlp_traces_endpoint` in the config file, KVGATE_OTLP_TRACES_ENDPOINT), or the
+standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT. The protocol
+is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf, the
+standard's default, or grpc), the service OTEL_SERVICE_NAME; OTEL_SDK_DISABLED=true or
+OTEL_TRACES_EXPORTER=none turn it off. The exporters read the other OTEL_EXPORTER_OTLP_*
+variables (headers, timeout, certificates, compression) themselves, the provider
+OTEL_TRACES_SAMPLER, the batch processor OTEL_BSP_*.
+
+Each gateway and each worker owns a TracerProvider, held in its state, instead of
+setting OpenTelemetry's process-global one: two gateways in one process (as in tests)
+export apart, and a library that sets the global provider cannot take kvgate's spans.
+What is shared is OpenTelemetry's context, a contextvar per task: the current span, which
+is how a step finds its parent and how the remote adapter finds the traceparent it
+sends upstream.
+
+Off, there is no Tracing (None): `step` hands out one shared null context, the request
+middleware is not installed, and no span object is made. A span never holds a key, a
+prompt or a completion: an exception is recorded by its type or HTTP status only, since
+its message may quote what the client sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+HTTP_PROTOBUF, GRPC = "http/protobuf", "grpc"
+PROTOCOLS = (HTTP_PROTOBUF, GRPC)
+
+# OpenTelemetry's GenAI semantic conventions, where they name what kvgate knows
+GEN_AI_OPERATION = "gen_ai.operation.name"  # chat | text_completion | embeddings
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_TOP_P = "gen_ai.request.top_p"
+GEN_AI_CHOICES = "gen_ai.request.choice.count"
+GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+GEN_AI_TTFT = "gen_ai.latency.time_to_first_token"  # seconds; vLLM's name (none standard)
+# kvgate's own
+TENANT = "kvgate.tenant.id"
+REPLICA = "kvgate.replica"
+
+_W3C = TraceContextTextMapPropagator()  # stateless: reads and writes traceparent/tracestate
+_OFF: AbstractContextManager[None] = contextlib.nullcontext()  # reusable, holds nothing
+
+
+@dataclass(frozen=True)
+class TraceExport:
+    """Where spans go. endpoint None: the exporter reads OTEL_EXPORTER_OTLP_*ENDPOINT."""
+
+    endpoint: str | None
+    protocol: str
+    service_name: str
+
+
+def trace_export(
+    endpoint: str | None, service: str, environ: Mapping[str, str] | None = None
+) -> TraceExport | None:
+    """The export `endpoint` (the flag's, or None) and the OTEL_* variables ask for, or
+    None when tracing is off; ValueError for a protocol kvgate cannot send."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return None
+    configured = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if not (endpoint or configured):
+        return None
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or HTTP_PROTOBUF
+    ).strip()
+    if protocol not in PROTOCOLS:
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be one of {', '.join(PROTOCOLS)}, "
+            f"got {protocol!r}"
+        )
+    return TraceExport(endpoint or None, protocol, env.get("OTEL_SERVICE_NAME") or service)
+
+
+class Tracing:
+    """One process's tracer, with its own provider and OTLP exporter (see above)."""
+
+    def __init__(self, export: TraceExport) -> None:
+        # the SDK is imported only when tracing is on: off, no start-up cost either
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self.export = export
+        resource = Resource.create({SERVICE_NAME: export.service_name})
+        self.provider = TracerProvider(resource=resource)
+        self.provider.add_span_processor(BatchSpanProcessor(_exporter(export)))
+        self.tracer = self.provider.get_tracer("kvgate")
+
+    def server_span(
+        self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]
+    ) -> AbstractContextManager[Span]:
+        """A request's span, made current while the handler runs: a child of the caller's
+        span when its W3C traceparent says so, else a new trace."""
+        span = self.tracer.start_span(name, _W3C.extract(headers), SpanKind.SERVER, attributes)
+        return _current(span)
+
+    def step(
+        self, name: str, attributes: dict[str, Any] | None = None
+    ) -> AbstractContextManager[Span]:
+        """A child of the current span, current itself while the block runs."""
+        return _current(self.tracer.start_span(name, attributes=attributes))
+
+    def start(
+        self,
+        name: str,
+        parent: Span | None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: dict[str, Any] | None = None,
+        start_time: int | None = None,
+    ) -> Span:
+        """A span the caller ends, under `parent` (else the current span). Not made
+        current: one that lives across a stream's yields would leak into its reader."""
+        context = None if parent is None else trace.set_span_in_context(parent)
+        return self.tracer.start_span(name, context, kind, attributes, start_time=start_time)
+
+    async def close(self) -> None:
+        """Export what is still buffered, then stop (off the loop: it blocks on the send)."""
+        await asyncio.to_thread(self.provider.shutdown)
+
+
+def step(
+    tracing: Tracing | None, name: str, attributes: dict[str, Any] | None = None
+) -> AbstractContextManager[Span | None]:
+    """`tracing.step(...)`, or, with tracing off, a shared null context (no span)."""
+    return _OFF if tracing is None else tracing.step(name, attributes)
+
+
+def current_span(tracing: Tracing | None) -> Span | None:
+    """The task's current span while tracing is on (a request's server span in its
+    handler), else None."""
+    return None if tracing is None else trace.get_current_span()
+
+
+@contextlib.contextmanager
+def while_current(span: Span) -> Iterator[None]:
+    """`span` current for the block only: around one await of a stream, so a call made
+    inside (the remote adapter's HTTP request) carries its traceparent."""
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def failed(span: Span, e: BaseException) -> None:
+    """The span's error by the exception's HTTP status or type, never its message."""
+    status = getattr(e, "status", None)
+    span.set_attribute("error.type", str(status) if isinstance(status, int) else type(e).__name__)
+    span.set_status(Status(StatusCode.ERROR))
+
+
+@contextlib.contextmanager
+def _current(span: Span) -> Iterator[Span]:
+    """`span` current while the block runs, ended after it (failed by what it raised)."""
+    try:
+        with while_current(span):
+            yield span
+    except BaseException as e:
+        failed(span, e)
+        raise
+    finally:
+        span.end()
+
+
+def _exporter(export: TraceExport):
+    if export.protocol == GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter(endpoint=export.endpoint)
