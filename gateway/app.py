@@ -9,7 +9,8 @@ import logging
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.config import Settings
+from gateway.config import ConfigSource, Settings
+from gateway.http.drain import DRAIN, Drain, drain_guard
 from gateway.http.middleware import openai_errors, refuse_control_characters
 from gateway.http.traced import traced_requests
 from gateway.http.util import SETTINGS, json_response
@@ -21,6 +22,7 @@ from gateway.routes import audit as audit_api
 from gateway.routes import embeddings, guards, openapi, responses_api
 from gateway.routes import messages as messages_api
 from gateway.routes import prefixes as prefix_api
+from gateway.routes import reload as reload_api
 from gateway.routes.openai import (
     chat_completions,
     completions,
@@ -28,7 +30,7 @@ from gateway.routes.openai import (
     list_models,
     tokenize,
 )
-from gateway.state import GW
+from gateway.state import GW, INFERENCE_PATHS
 from gateway.tenancy.auth import AuthError, bearer_token
 
 log = logging.getLogger("kvgate")
@@ -44,10 +46,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """Readiness: 503 while no backend can serve, and from the first moment of a drain
+    (a load balancer stops sending here while the requests in flight finish)."""
     gw = request.app[GW]
     states = {b.name: b.stats().healthy and b.name not in gw.router.broken for b in gw.backends}
-    ok = bool(states) and any(states.values())
-    return json_response({"ready": ok, "backends": states}, status=200 if ok else 503)
+    ok = bool(states) and any(states.values()) and not gw.drain.draining
+    body = {"ready": ok, "draining": gw.drain.draining, "backends": states}
+    return json_response(body, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -71,15 +76,17 @@ def _is_scraper(request: web.Request, token: str | None) -> bool:
     return hmac.compare_digest(sent.encode(), token.encode())
 
 
-def create_app(settings: Settings) -> web.Application:
+def create_app(settings: Settings, source: ConfigSource | None = None) -> web.Application:
+    """The gateway's app; `source`, how `settings` were read, lets it reload them."""
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[openai_errors, refuse_control_characters],
+        middlewares=[openai_errors, refuse_control_characters, drain_guard],
     )
     app[SETTINGS] = settings
     export = trace_export(settings.otlp_traces_endpoint, "kvgate")
     if export is not None:  # outermost; off, not even a middleware
         app.middlewares.insert(0, traced_requests(lambda a: a[GW].tracing, UNTRACED))
+    app[DRAIN] = drain = Drain(INFERENCE_PATHS)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     responses_api.add_routes(app)
@@ -95,10 +102,12 @@ def create_app(settings: Settings) -> web.Application:
     audit_api.add_routes(app)
     adapter_api.add_routes(app)
     prefix_api.add_routes(app)
+    reload_api.add_routes(app)
     openapi.add_routes(app)
 
     async def lifecycle(app: web.Application):
-        state = await start_gateway(settings)
+        state = await start_gateway(settings, drain)
+        state.source = source
         state.url = f"http://{settings.host}:{settings.port}"
         state.tracing = None if export is None else Tracing(export)
         app[GW] = state

@@ -20,6 +20,7 @@ DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ROUTER_POLICIES = ("prefix", "round_robin", "least_loaded")  # gateway.routing.router
 MIN_ADMIN_KEY_CHARS = 32  # a configured admin key must be as hard to guess as a generated one
+MAX_DRAIN_TIMEOUT_S = 3600.0  # a drain past an hour is a hung process, not a drain
 MAX_INSTANCE_CHARS = 100  # catalog rows are keyed "<instance>/<replica>", 200 characters in all
 
 
@@ -49,6 +50,9 @@ class Settings:
     header_timeout_s: float = 10.0  # from connect (or the last response) to full headers
     body_timeout_s: float = 30.0  # to read a request body
     keepalive_timeout_s: float = 15.0
+    # SIGTERM/SIGINT: how long the requests in flight may take to finish before the
+    # streams still open are cut (gateway/http/drain.py); a reload's removed backends too
+    drain_timeout_s: float = 30.0
     # pinned prefixes cost KV memory on every replica: a cap per tenant
     max_pins_per_tenant: int = 32
     max_pin_tokens_per_tenant: int = 65_536
@@ -118,6 +122,10 @@ class Settings:
             raise ValueError(f"metrics_token must be at least {MIN_ADMIN_KEY_CHARS} characters")
         if self.fairness not in (None, "vtc", "fcfs"):
             raise ValueError(f"fairness must be vtc or fcfs, got {self.fairness!r}")
+        if not 0 <= self.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:
+            raise ValueError(
+                f"drain_timeout_s must be in [0, {MAX_DRAIN_TIMEOUT_S}], got {self.drain_timeout_s}"
+            )
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
         if self.replicas < 1:
@@ -239,6 +247,7 @@ _ENV_FIELDS = {
     "header_timeout_s": float,
     "body_timeout_s": float,
     "keepalive_timeout_s": float,
+    "drain_timeout_s": float,
     "max_pins_per_tenant": int,
     "max_pin_tokens_per_tenant": int,
     "backend": str,
@@ -270,6 +279,21 @@ _ENV_FIELDS = {
     "lora_modules": lambda v: v.split(),
     "fairness": str,
 }
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a gateway's settings came from, so that a reload (SIGHUP, POST
+    /admin/reload) reads them the same way: the config file again, under the same
+    KVGATE_* variables and command-line flags."""
+
+    config_file: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Settings:
+        settings = load_settings(self.config_file, self.overrides)
+        settings.resolved_backends()  # a setting the chosen backend lacks is an error here
+        return settings
 
 
 def load_settings(

@@ -5,12 +5,15 @@ prefilled; and the reverse, each step's failure logged so the rest still stop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
-from gateway.backends import Backend, ModelCard, build_backends
+from gateway.backends import Backend, BackendSpec, ModelCard, build_backends
 from gateway.config import Settings
 from gateway.db import Database, migrate
+from gateway.http.drain import Drain
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
 from gateway.routing.adapters import AdapterRegistry
@@ -26,11 +29,12 @@ from gateway.tenancy.quota.postgres import PostgresQuotaStore
 from gateway.tenancy.tenants import TenantService
 from gateway.tenancy.usage import UsageRecorder
 from gateway.worker_pool.pool import start_workers, stop_workers
+from gateway.worker_pool.supervisor import WorkerSupervisor
 
 log = logging.getLogger("kvgate")
 
 
-async def start_gateway(settings: Settings) -> GatewayState:
+async def start_gateway(settings: Settings, drain: Drain | None = None) -> GatewayState:
     db = Database(settings.database_url, settings.database_schema, settings.sqlite_wal_limit_bytes)
     await migrate(db)
     tenants = TenantService(db)
@@ -59,6 +63,8 @@ async def start_gateway(settings: Settings) -> GatewayState:
         adapters=AdapterRegistry(db, router),
         generated_admin_key=generated,
     )
+    if drain is not None:  # the app's, which its middleware reads
+        state.drain = drain
     await _start_backends(state)
     await state.adapters.load()
     state.adapters.start()
@@ -97,43 +103,81 @@ async def _load_catalog(
     return catalog
 
 
+@dataclass
+class Started:
+    """Replicas built from config entries and started, not yet routed to."""
+
+    backends: list[tuple[Backend, str]] = field(default_factory=list)  # (replica, its type)
+    by_entry: dict[str, list[Backend]] = field(default_factory=dict)  # entry -> replicas
+    supervisors: list[WorkerSupervisor] = field(default_factory=list)  # --workers N
+    broken: dict[str, str] = field(default_factory=dict)  # replica -> why it did not start
+
+
 async def _start_backends(state: GatewayState) -> None:
-    """Start the workers and every replica of every backend, and a fair queue in front
-    of each whose scheduler is not kvgate's (an adapter with `max_in_flight`)."""
-    settings, router = state.settings, state.router
+    """Start the workers and every replica of every backend, route to them, and add the
+    public adapters the entries name."""
+    configured = state.settings.resolved_backends()
+    started = await start_entries(state, configured)
+    route(state, started, state.settings.fairness)
+    await add_entry_adapters(state, configured, started)
+
+
+async def start_entries(state: GatewayState, configured: list[BackendSpec]) -> Started:
+    """The workers of `configured` (with --workers) and each entry's replicas, started;
+    one that fails to start is in `broken` (not fatal: its model answers 503 with why)."""
+    settings = state.settings
 
     async def on_restart(url: str) -> None:
         log.info("worker %s restarted with an empty cache: prefilling the pins again", url)
         await state.pins.prefill_all()
 
-    configured = settings.resolved_backends()
-    specs, state.supervisors = await start_workers(
+    specs, supervisors = await start_workers(
         configured, settings.workers, on_restart, settings.prefill_workers
     )
-    built: dict[str, list[Backend]] = {}  # entry name -> its replicas
+    started = Started(supervisors=supervisors)
     for spec in specs:
         for backend in build_backends(spec):  # one per replica
-            built.setdefault(spec.name, []).append(backend)
-            state.backends.append(backend)
-            state.backend_types[backend.name] = spec.type
-            router.backends.append(backend)
+            started.by_entry.setdefault(spec.name, []).append(backend)
+            started.backends.append((backend, spec.type))
             try:
                 await backend.start()
-                router.add_models(backend)
             except Exception as e:  # one broken backend must not take the gateway down
                 # the reason is one line (kvgate serve prints it); the traceback is for --verbose
                 log.debug("backend %s failed to start", backend.name, exc_info=True)
-                router.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
-                _keep_models(router, backend)
-    for spec in configured:  # public adapters over each entry's model
-        for module in spec.lora_modules:
-            models = [c.id for b in built.get(spec.name, [])[:1] for c in _cards(b)]
-            base = module.base_model or (models[0] if models else "")
-            await state.adapters.add_configured(module.name, module.path, base)
-    for backend in state.backends:
+                started.broken[backend.name] = f"backend {backend.name} failed to start: {e}"
+    return started
+
+
+def route(state: GatewayState, started: Started, fairness: str | None) -> None:
+    """The started replicas join the router, with a fair queue in front of each whose
+    scheduler is not kvgate's (an adapter with `max_in_flight`). No await: requests see
+    all of them or none."""
+    router = state.router
+    for backend, kind in started.backends:
+        state.backends.append(backend)
+        state.backend_types[backend.name] = kind
+        router.backends.append(backend)
+        if backend.name in started.broken:
+            router.broken[backend.name] = started.broken[backend.name]
+            _keep_models(router, backend)
+        else:
+            router.add_models(backend)
         slots = getattr(backend, "max_in_flight", None)
         if slots is not None:
-            state.queues[backend.name] = FairQueue(slots, settings.fairness or "vtc")
+            state.queues[backend.name] = FairQueue(slots, fairness or "vtc")
+    state.entries |= started.by_entry
+    state.supervisors += started.supervisors
+
+
+async def add_entry_adapters(
+    state: GatewayState, configured: list[BackendSpec], started: Started
+) -> None:
+    """The public adapters each entry names, over its model."""
+    for spec in configured:
+        for module in spec.lora_modules:
+            models = [c.id for b in started.by_entry.get(spec.name, [])[:1] for c in _cards(b)]
+            base = module.base_model or (models[0] if models else "")
+            await state.adapters.add_configured(module.name, module.path, base)
 
 
 def _cards(backend: Backend) -> list[ModelCard]:
@@ -153,6 +197,8 @@ def _keep_models(router: Router, backend: Backend) -> None:
 
 
 async def stop_gateway(state: GatewayState) -> None:
+    # backends a reload removed finish draining first (their requests ended with the drain)
+    await asyncio.gather(*state.retiring, return_exceptions=True)
     await state.adapters.stop()
     for backend in state.backends:
         try:

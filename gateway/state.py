@@ -4,14 +4,16 @@ aiohttp app key the routes find it under. gateway.lifecycle builds and stops it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from gateway.backends import Backend, BackendStats
-from gateway.config import Settings
+from gateway.config import ConfigSource, Settings
 from gateway.db import Database
+from gateway.http.drain import Drain
 from gateway.http.errors import ApiError
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
@@ -27,6 +29,8 @@ from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.tenants import TenantService
 from gateway.tenancy.usage import UsageRecorder
 from gateway.worker_pool.supervisor import WorkerSupervisor
+
+INFERENCE_PATHS = ("/v1/",)  # POSTs under these are served work, what a drain waits for
 
 
 @dataclass
@@ -54,6 +58,15 @@ class GatewayState:
     queues: dict[str, FairQueue] = field(default_factory=dict)
     # OpenTelemetry traces (gateway/observe/tracing.py); None: off, and no span is made
     tracing: Tracing | None = None
+    # SIGTERM's drain (gateway/http/drain.py): the inference routes are its work
+    drain: Drain = field(default_factory=lambda: Drain(INFERENCE_PATHS))
+    # config entry name -> its replicas, what a reload adds, replaces or removes whole
+    entries: dict[str, list[Backend]] = field(default_factory=dict)
+    # how the settings were read, to read them again on a reload (None: cannot reload)
+    source: ConfigSource | None = None
+    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reload at a time
+    # replicas a reload removed, waiting for their requests to finish before they stop
+    retiring: set[asyncio.Task] = field(default_factory=set)
 
     async def authenticate(self, request: web.Request, scope: str = "inference") -> Principal:
         with step(self.tracing, "kvgate.authenticate") as span:

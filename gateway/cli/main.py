@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gateway.cli import adapters as cli_adapters
 from gateway.cli import admin as cli_admin
 from gateway.cli import plan as cli_plan
-from gateway.config import Settings, load_settings
+from gateway.config import ConfigSource, Settings, load_settings
 from gateway.worker import cli as worker_cli
 
 _DELEGATED = {"top": "tui.cli", "bench": "bench.cli", "chat": "gateway.cli.chat"}
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help=f"with prefill workers: prompts this long or longer are prefilled on one "
         f"(default {Settings.prefill_threshold})",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, how long requests in flight may take to finish before the "
+        f"streams still open are cut (default {Settings.drain_timeout_s:g}, or "
+        "KVGATE_DRAIN_TIMEOUT_S)",
     )
     serve.add_argument(
         "--otlp-traces-endpoint",
@@ -168,19 +177,22 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_threshold": args.prefill_threshold,
             "router_policy": args.router_policy,
             "otlp_traces_endpoint": args.otlp_traces_endpoint,
+            "drain_timeout_s": args.drain_timeout,
             "lora_modules": args.lora_modules,
         } | worker_cli.engine_overrides(args)
+    # a reload reads the same file again, under the same variables and flags
+    source = ConfigSource(args.config or os.environ.get("KVGATE_CONFIG"), overrides)
     try:
-        settings = load_settings(args.config, overrides)
-        if args.command == "serve":
-            settings.resolved_backends()  # a flag the chosen backend lacks is a config error
+        settings = (
+            source.load() if args.command == "serve" else load_settings(args.config, overrides)
+        )
     except (OSError, ValueError) as e:
         print(f"kvgate: bad configuration: {e}", file=sys.stderr)
         return 2
     if args.command == "serve":
         from gateway.cli.serve import run
 
-        return run(settings, verbose=args.verbose)
+        return run(settings, verbose=args.verbose, source=source)
     if args.command == "models":
         return _models(args.json)
     return cli_admin.run(args, settings)

@@ -1,4 +1,5 @@
-"""`kvgate serve`: run the gateway until SIGINT/SIGTERM."""
+"""`kvgate serve`: run the gateway until SIGINT/SIGTERM, then drain and exit; SIGHUP
+reloads its config."""
 
 from __future__ import annotations
 
@@ -6,17 +7,21 @@ import asyncio
 import errno
 import gc
 import logging
-import signal
 import socket
 import sys
 
 from aiohttp import web
 
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.config import ConfigSource, Settings
+from gateway.http.drain import until_signalled
 from gateway.http.server import GatewayRunner
+from gateway.reload import reload_on_signal
 from gateway.state import GW, GatewayState
 from gateway.worker_pool.supervisor import WorkerStartError
+
+# after the drain, how long other connections (a dashboard's live stream) get to close
+CLOSE_GRACE_S = 2.0
 
 
 class CannotServe(Exception):
@@ -52,11 +57,11 @@ def _check_can_listen(settings: Settings) -> None:
         raise CannotListen(_listen_error(settings, e)) from None
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, source: ConfigSource | None = None) -> None:
     _check_can_listen(settings)
-    app = create_app(settings)
+    app = create_app(settings, source)
     # the gateway's transport: limits on slow and idle clients (gateway/http/server.py)
-    runner = GatewayRunner(app, settings, access_log=None)
+    runner = GatewayRunner(app, settings, access_log=None, shutdown_timeout=CLOSE_GRACE_S)
     try:
         await runner.setup()
     except WorkerStartError as e:  # --workers: no worker came up, nothing to serve
@@ -80,12 +85,14 @@ async def serve(settings: Settings) -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     _announce(settings, gw)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("kvgate: shutting down (draining requests)", flush=True)
+    reloads: set[asyncio.Task] = set()
+
+    def reload() -> None:  # SIGHUP
+        task = asyncio.create_task(reload_on_signal(gw))
+        reloads.add(task)  # a task nothing holds may be collected mid-way
+        task.add_done_callback(reloads.discard)
+
+    await until_signalled(gw.drain, lambda: gw.settings.drain_timeout_s, "kvgate", reload)
     await runner.cleanup()
 
 
@@ -139,7 +146,7 @@ def configure_logging(verbose: bool) -> None:
     logging.getLogger("kvgate").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def run(settings: Settings, verbose: bool = False) -> int:
+def run(settings: Settings, verbose: bool = False, source: ConfigSource | None = None) -> int:
     """The exit status: 0 after a clean shutdown, 1 when the address cannot be bound or
     no backend could start."""
     configure_logging(verbose)
@@ -150,7 +157,7 @@ def run(settings: Settings, verbose: bool = False) -> int:
     except ImportError:  # only this import: an ImportError while serving must surface
         loop_run = asyncio.run
     try:
-        loop_run(serve(settings))
+        loop_run(serve(settings, source))
     except CannotServe as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 1

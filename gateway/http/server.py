@@ -214,14 +214,22 @@ class GatewayRunner(web.AppRunner):
         settings: Settings,
         *,
         handler_cancellation: bool = True,
+        shutdown_timeout: float = 60.0,
         **kwargs: Any,
     ) -> None:
         # handler_cancellation: a client that hangs up cancels its handler, which aborts
         # the request in the backend instead of generating for nobody.
+        # shutdown_timeout: how long `cleanup` waits for open requests (aiohttp's 60 s;
+        # after a drain (gateway/http/drain.py) only connections that never end are left)
         self._settings = settings
         self._cancellation = handler_cancellation
         self._protocol_kwargs = handler_kwargs(settings) | kwargs
-        super().__init__(app, handler_cancellation=handler_cancellation, **self._protocol_kwargs)
+        super().__init__(
+            app,
+            handler_cancellation=handler_cancellation,
+            shutdown_timeout=shutdown_timeout,
+            **self._protocol_kwargs,
+        )
 
     async def _make_server(self) -> web.Server:
         # aiohttp's own step (BaseRunner's hook for subclasses): it starts the app and

@@ -49,15 +49,19 @@ class FairQueue:
     def __init__(self, slots: int, fairness: str = "vtc") -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        if fairness not in FAIRNESS:
-            raise ValueError(f"fairness must be one of {FAIRNESS}, got {fairness!r}")
         self.slots = slots
-        self.fairness = fairness
-        self.spare = SPARE_SEATS if fairness == "vtc" else 0
+        self.set_fairness(fairness)
         self.in_flight = 0
         self.vtime = 0.0  # the largest counter any tenant had when it got a slot
         self.tenants: dict[str, _Tenant] = {}
         self._arrival = itertools.count()
+
+    def set_fairness(self, fairness: str) -> None:
+        """The policy (a reload may change it: the next slot that frees goes by it)."""
+        if fairness not in FAIRNESS:
+            raise ValueError(f"fairness must be one of {FAIRNESS}, got {fairness!r}")
+        self.fairness = fairness
+        self.spare = SPARE_SEATS if fairness == "vtc" else 0
 
     @contextlib.asynccontextmanager
     async def slot(self, tenant_id: str, weight: float) -> AsyncIterator[None]:

@@ -71,6 +71,9 @@ class Router:
         # own stats see a request only once it reaches it (a remote one, later still),
         # and a burst picked in between must not all land on the replica that looked idle
         self.in_flight: dict[str, int] = {}
+        # the same, per replica object: a reload that replaces a replica waits for the
+        # requests on the old one, while its successor of the same name takes new ones
+        self.holding: dict[int, int] = {}
         self._turn = itertools.count()  # round robin, and turns between equal replicas
 
     def add_models(self, backend: Backend) -> None:
@@ -151,9 +154,28 @@ class Router:
     def claim(self, backend: Backend) -> None:
         """A request was sent its way (count it until `release`)."""
         self.in_flight[backend.name] = self.in_flight.get(backend.name, 0) + 1
+        self.holding[id(backend)] = self.holding.get(id(backend), 0) + 1
 
     def release(self, backend: Backend) -> None:
         self.in_flight[backend.name] -= 1
+        left = self.holding.pop(id(backend)) - 1
+        if left:
+            self.holding[id(backend)] = left
+
+    def remove(self, gone: list[Backend]) -> None:
+        """Route no more requests to `gone` (a reload removed them); a model left with no
+        replica is gone too (404). Its requests in flight hold their replica and finish."""
+        ids = {id(b) for b in gone}
+        self.backends[:] = [b for b in self.backends if id(b) not in ids]
+        for model in list(self.serving):
+            self.serving[model] = [b for b in self.serving[model] if id(b) not in ids]
+            if not self.serving[model]:
+                del self.serving[model]
+                self.cards.pop(model, None)
+        names = {b.name for b in self.backends}
+        for b in gone:
+            if b.name not in names:
+                self.broken.pop(b.name, None)
 
     def choose(
         self, stats: list[BackendStats], block_hashes: list[str], adapter: str | None = None

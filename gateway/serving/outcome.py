@@ -6,8 +6,9 @@ hear, and large tool calls handled off the event loop.
 `whole_answer` and `streamed` hold the rules once, and each API brings only its shapes:
 a client that hangs up is billed for what it received (a 499 row); a whole answer that
 failed bills nothing and is the client's error; a stream that failed after its 200
-bills what went out and ends with the API's error event; and an answer whose usage row
-is not committed does not complete.
+bills what went out and ends with the API's error event, as does one the drain cuts at
+its deadline (a 503 row); and an answer whose usage row is not committed does not
+complete.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gateway.backends import BackendError, BadRequestError
+from gateway.http.drain import RETRY_AFTER_S
 from gateway.http.errors import ApiError
 from gateway.serving.job import Job
 
@@ -32,6 +34,13 @@ LARGE_CALL_CHARS = 1 << 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 log = logging.getLogger("kvgate")
 T = TypeVar("T")
+# a request still running at the drain's deadline (gateway/http/drain.py)
+CUT = ApiError(
+    503,
+    "The server shut down before this request finished; retry it.",
+    code="shutting_down",
+    headers={"Retry-After": str(RETRY_AFTER_S)},
+)
 
 
 async def finish_or_503(job: Job, status: int, finish_reason: str | None) -> None:
@@ -79,8 +88,12 @@ async def whole_answer(job: Job) -> AsyncIterator[None]:
     backend's): a failure is the client's error, and none of the output is billed, for
     the client receives none of it."""
     try:
-        yield
+        with job.gw.drain.cuttable():
+            yield
     except CLIENT_GONE:
+        if job.gw.drain.was_cut():  # the drain's deadline: nothing went out, retry elsewhere
+            await finish_failed(job, 503, CUT.message, delivered=False)
+            raise CUT from None
         await job.finish(499, "abort")
         raise
     except Exception as e:
@@ -105,10 +118,15 @@ async def streamed(
     stream's closing events; False when it ended with an error event instead."""
     try:
         await resp.prepare(request)
-        finish = await produce()
+        with job.gw.drain.cuttable():
+            finish = await produce()
     except CLIENT_GONE:
-        await job.finish(499, "abort")
-        raise
+        if not job.gw.drain.was_cut():
+            await job.finish(499, "abort")
+            raise
+        await finish_failed(job, CUT.status, CUT.message)  # billed for what it delivered
+        await resp.write(error_event(CUT, False))
+        return False
     except Exception as e:  # billed for what was streamed before it
         status, message = failure(job, e)
         await finish_failed(job, status, message)

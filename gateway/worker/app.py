@@ -1,13 +1,14 @@
 """The worker's aiohttp application: its routes, the worker token, start-up and shutdown.
 
 Routes (the contract with the gateway's `remote` adapter):
-GET /health, GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/completions,
-POST /v1/embeddings (an embedding model's), POST /kvgate/v1/generate,
+GET /health, GET /ready (503 while draining), GET /v1/models, POST /tokenize,
+POST /detokenize, POST /v1/completions, POST /v1/embeddings (an embedding model's),
+POST /kvgate/v1/generate,
 GET /kvgate/v1/stats, GET /kvgate/v1/kv_events, POST /kvgate/v1/kv/export (a prefill
 worker's blocks of a prompt, for a decode worker: kv_export.py),
 POST /kvgate/v1/adapters/check and DELETE /kvgate/v1/adapters/{name} (LoRA: adapters.py).
-Every route but /health needs `Authorization: Bearer <worker token>` when the worker
-has one; errors leave OpenAI-shaped, as the gateway's do.
+Every route but /health and /ready needs `Authorization: Bearer <worker token>` when
+the worker has one; errors leave OpenAI-shaped, as the gateway's do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hmac
 from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
+from gateway.http.drain import DRAIN, drain_guard
 from gateway.http.errors import ApiError
 from gateway.http.middleware import openai_errors
 from gateway.http.traced import traced_requests
@@ -38,13 +40,14 @@ MAX_WAIT_S = 30.0  # the longest long poll of /kvgate/v1/kv_events
 UNTRACED = frozenset(
     {"/health", "/ready", "/v1/models", "/kvgate/v1/stats", "/kvgate/v1/kv_events"}
 )
+OPEN_PATHS = ("/health", "/ready")  # a probe needs no token: they tell nothing of the work
 
 
 @web.middleware
 async def require_token(request: web.Request, handler) -> web.StreamResponse:
     """Only holders of the worker token get past /health (constant-time compare)."""
     token = request.app[WORKER].token
-    if token is not None and not (request.method == "GET" and request.path == "/health"):
+    if token is not None and not (request.method == "GET" and request.path in OPEN_PATHS):
         sent = request.headers.get("Authorization", "")
         scheme, _, value = sent.partition(" ")
         given = value.strip().encode("utf-8", "surrogateescape")
@@ -58,6 +61,14 @@ async def health(request: web.Request) -> web.Response:
     healthy = state.backend.stats().healthy
     body = {"status": "ok" if healthy else "unhealthy", "epoch": state.epoch}
     return json_response(body, status=200 if healthy else 503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 503 while the engine is unhealthy, and from the first moment of a drain."""
+    state = request.app[WORKER]
+    ok = state.backend.stats().healthy and not state.drain.draining
+    body = {"ready": ok, "draining": state.drain.draining, "epoch": state.epoch}
+    return json_response(body, status=200 if ok else 503)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -129,13 +140,16 @@ def _number(query, name: str, kind: type, low: float, high: float, default):
 
 def create_worker_app(state: WorkerState) -> web.Application:
     app = web.Application(
-        client_max_size=state.settings.max_body_bytes, middlewares=[openai_errors, require_token]
+        client_max_size=state.settings.max_body_bytes,
+        middlewares=[openai_errors, require_token, drain_guard],
     )
     app[WORKER] = state
     if state.tracing is not None:  # outermost; off, not even a middleware
         app.middlewares.insert(0, traced_requests(lambda a: a[WORKER].tracing, UNTRACED))
+    app[DRAIN] = state.drain
     app[SETTINGS] = state.settings
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize_route)

@@ -14,7 +14,6 @@ import ipaddress
 import json
 import logging
 import os
-import signal
 import sys
 from dataclasses import replace
 from typing import Any
@@ -217,6 +216,13 @@ def add_parser(sub: Any) -> None:
         help="send OpenTelemetry traces to this OTLP endpoint (or the standard "
         "OTEL_EXPORTER_OTLP_* variables); a gateway's traceparent continues its trace",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, how long requests in flight may take to finish before the "
+        "streams still open are cut (default 30, or KVGATE_DRAIN_TIMEOUT_S)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = {"host": args.host, "port": args.port, "replicas": 1} | engine_overrides(args)
     overrides["otlp_traces_endpoint"] = args.otlp_traces_endpoint
+    overrides["drain_timeout_s"] = args.drain_timeout
     try:
         settings = load_settings(args.config, overrides)
         specs = settings.resolved_backends()
@@ -277,11 +284,14 @@ async def _serve(state, parent_pid: int | None) -> str:
     worker exits and its supervisor starts a fresh one."""
     from aiohttp import web
 
+    from gateway.http.drain import CUT_GRACE_S, until_signalled
     from gateway.http.server import GatewayRunner
     from gateway.worker.app import create_worker_app
 
     settings = state.settings
-    runner = GatewayRunner(create_worker_app(state), settings, access_log=None)
+    runner = GatewayRunner(
+        create_worker_app(state), settings, access_log=None, shutdown_timeout=CUT_GRACE_S
+    )
     await runner.setup()  # starts the engine
     stop = asyncio.Event()
     watcher = None if parent_pid is None else asyncio.create_task(_watch_parent(parent_pid, stop))
@@ -293,11 +303,9 @@ async def _serve(state, parent_pid: int | None) -> str:
         port = runner.addresses[0][1]
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         print(f"{READY_LINE}http://{host}:{port}", flush=True)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        print("kvgate worker: shutting down (draining requests)", flush=True)
+        await until_signalled(
+            state.drain, lambda: settings.drain_timeout_s, "kvgate worker", None, stop
+        )
     finally:
         if watcher is not None:
             watcher.cancel()

@@ -3,7 +3,8 @@
 The body is a GenRequest record as `to_dict` writes it (its cache salt and published
 prefix length included: a worker never derives salts). The reply streams the engine's
 GenChunks as they come, one JSON object per line. An error before the first line is an
-HTTP error; after it, one last `{"error": ...}` line. A client that hangs up cancels
+HTTP error; after it, one last `{"error": ...}` line (also when the drain's deadline
+cuts the stream: gateway/http/drain.py). A client that hangs up cancels
 this handler (handler_cancellation), which closes the engine's stream: the request is
 aborted and its KV blocks freed. A request with `kv_source` first pulls its prompt's
 blocks from that prefill worker (kv_pull.py), or computes them here if it cannot.
@@ -11,6 +12,7 @@ blocks from that prefill worker (kv_pull.py), or computes them here if it cannot
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
@@ -20,6 +22,7 @@ from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest
+from gateway.http.drain import SHUTTING_DOWN
 from gateway.http.util import parse_body
 from gateway.observe.tracing import current_span, step
 from gateway.serving.traces import recorded
@@ -52,14 +55,25 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if (span := current_span(state.tracing)) is not None:  # the request's server span
         stream = recorded(span, req, stream)
     try:
-        first = await first_chunk(stream)
+        try:
+            with state.drain.cuttable():
+                first = await first_chunk(stream)
+        except asyncio.CancelledError:
+            if not state.drain.was_cut():
+                raise
+            raise SHUTTING_DOWN from None  # nothing went out: the gateway tries elsewhere
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            async for chunk in chunks_from(first, stream):
-                await resp.write(_line(chunk.to_dict()))
+            with state.drain.cuttable():
+                async for chunk in chunks_from(first, stream):
+                    await resp.write(_line(chunk.to_dict()))
         except (BadRequestError, BackendError) as e:
             await resp.write(_line(api_error(e).body()))
+        except asyncio.CancelledError:
+            if not state.drain.was_cut():
+                raise
+            await resp.write(_line(SHUTTING_DOWN.body()))  # the drain's deadline
     finally:
         await stream.aclose()
     await resp.write_eof()

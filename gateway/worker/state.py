@@ -18,12 +18,14 @@ from engine_api.records import GenRequest, ModelCard
 from gateway.backends import Backend, PrefixCachingBackend
 from gateway.backends.kv_transfer import BOTH
 from gateway.config import Settings
+from gateway.http.drain import Drain
 from gateway.http.errors import ApiError
 from gateway.observe.tracing import Tracing
 from gateway.worker.events import EventLog, drain_forever
 from gateway.worker.kv_pull import KVPuller
 
 log = logging.getLogger("kvgate.worker")
+WORK_PATHS = ("/v1/", "/kvgate/v1/generate")  # POSTs under these are what a drain waits for
 _PROBE_TOKENS = 4096  # longer than any engine's block
 
 
@@ -43,6 +45,8 @@ class WorkerState:
     block_size: int | None = None  # how the engine keys its cache; None: no prefix events
     # OpenTelemetry traces (gateway/observe/tracing.py); None: off, and no span is made
     tracing: Tracing | None = None
+    # SIGTERM's drain (gateway/http/drain.py): generation is its work
+    drain: Drain = field(default_factory=lambda: Drain(WORK_PATHS))
     events: EventLog = field(init=False)
     _drain: asyncio.Task | None = field(default=None, init=False)
 

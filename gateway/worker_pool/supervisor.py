@@ -241,6 +241,8 @@ class WorkerSupervisor:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
+            # 0: it drained its requests (gateway/http/drain.py) and exited cleanly
+            log.info("worker %d (pid %d) exited (%s)", w.index, proc.pid, proc.returncode)
         if w.relay is not None:
             await w.relay  # the output's end: the pipe closed with the process
 
