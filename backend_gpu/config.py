@@ -64,6 +64,9 @@ class EngineConfig:
     # ranks the model is split over (Megatron-style, tp_shards.py), one process and one
     # device each: GPUs device, device + 1, ... on CUDA; on the CPU, processes sharing it
     tensor_parallel_size: int = 1
+    # a mixture of experts' tensor-parallel ranks each hold whole experts, a share of
+    # them, instead of a slice of every expert (vLLM's flag; expert_shards.py)
+    enable_expert_parallel: bool = False
     # LoRA adapters per request (backend_gpu/lora, vLLM's names): max_loras resident on
     # the device at once, ranks up to max_lora_rank, max_cpu_loras kept in host memory
     # (None: 2 * max_loras), each least recently used out

@@ -21,7 +21,9 @@ from safetensors import safe_open
 from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
+from backend_gpu.expert_shards import EXPERT_TENSOR, ExpertCheckpointShards, ExpertShard, MoEConfig
 from backend_gpu.layers.linear import PackedLinear
+from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.models import model_class
 from backend_gpu.models.llama import head_dim_of
@@ -79,6 +81,10 @@ def load_weights(model: nn.Module, weights) -> None:
     lm_head = getattr(model, "lm_head", None)  # embedding models have none
     tied = lm_head is not None and lm_head.weight is model.model.embed_tokens.weight
     missing = {n for n in params if not (n == "lm_head.weight" and tied)}
+    for path, module in modules.items():  # experts load from one tensor per expert
+        if isinstance(module, FusedExperts):
+            missing -= {f"{path}.{name}" for name, _ in module.named_parameters()}
+            missing.update(module.checkpoint_names(path))
     rename = getattr(model, "checkpoint_name", None)
     for name, tensor in weights:
         if name.startswith("model.language_model."):  # multimodal checkpoints' text tower
@@ -86,6 +92,11 @@ def load_weights(model: nn.Module, weights) -> None:
         if rename is not None and (name := rename(name)) is None:
             continue
         if "rotary_emb" in name or (name == "lm_head.weight" and tied):
+            continue
+        expert = EXPERT_TENSOR.match(name)
+        if expert is not None and isinstance(modules.get(expert.group(1)), FusedExperts):
+            modules[expert.group(1)].load_expert(int(expert.group(2)), expert.group(3), tensor)
+            missing.discard(name)
             continue
         module_path, _, param_name = name.rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
@@ -120,15 +131,21 @@ def build_model(
     seed: int,
     tp: ParallelGroup = SINGLE,
     cls: type[nn.Module] | None = None,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """The model of `hf_config` on `device` in `dtype` (tensor-parallel rank tp.rank's
     part of it), its parameters from `checkpoint`, or random for load_format "dummy".
     `cls`: the class to build, when not the generator of the config's architecture
-    (an embedding model's)."""
+    (an embedding model's). `expert_parallel`: a mixture of experts' ranks each hold
+    whole experts (expert_shards.py)."""
     if cls is None:
         cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
+    moe = MoEConfig.of(hf_config)
+    if expert_parallel and moe is None:
+        raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
     with torch.device("meta"):
-        model = cls(hf_config, tp).to(dtype)
+        extra = {"expert_parallel": True} if expert_parallel else {}
+        model = cls(hf_config, tp, **extra).to(dtype)
     # to_empty gives each module its own tensors: note which parameters are one
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -146,6 +163,8 @@ def build_model(
     else:
         # one rank reads whole tensors (and an encoder's config has no KV heads to split)
         shards = CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
+        if shards is not None and moe is not None:
+            shards = ExpertCheckpointShards(moe, ExpertShard.of(moe, tp, expert_parallel), shards)
         load_weights(model, checkpoint.tensors(shards))
     return model
 

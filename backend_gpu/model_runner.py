@@ -125,7 +125,14 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
         self.model = build_model(
-            hf_config, self.dtype, self.device, checkpoint, config.load_format, config.seed, tp
+            hf_config,
+            self.dtype,
+            self.device,
+            checkpoint,
+            config.load_format,
+            config.seed,
+            tp,
+            expert_parallel=config.enable_expert_parallel,
         )
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, tp)

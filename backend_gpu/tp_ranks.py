@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from backend_gpu.config import EngineConfig
 from backend_gpu.distributed import join_group, rank_device
+from backend_gpu.expert_shards import MoEConfig, check_experts_divisible
 from backend_gpu.loader import Checkpoint
 from backend_gpu.model_runner import LoRASlot, ModelRunner
 from backend_gpu.step_buffers import StepRows
@@ -42,6 +43,8 @@ def start_runner(config: EngineConfig, hf_config, checkpoint: Checkpoint, tokeni
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, hf_config, checkpoint, tokenizer)
     check_divisible(hf_config, config.tensor_parallel_size)
+    if (moe := MoEConfig.of(hf_config)) is not None:
+        check_experts_divisible(moe, config.tensor_parallel_size, config.enable_expert_parallel)
     ranks = RankProcesses(config, hf_config, checkpoint, tokenizer)
     try:
         return ModelRunner(config, hf_config, checkpoint, tokenizer, ranks.group, ranks)

@@ -31,7 +31,7 @@ def sliding_window_of(config, layer: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return config.sliding_window if layer_types[layer] == "sliding_attention" else None
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "mixtral", "qwen3_moe"):
         return getattr(config, "sliding_window", None)
     return None
 
@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         # row-parallel: the ranks' partial sums are added, so the bias is rank 0's alone
         o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias and tp.rank == 0)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -107,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, tp: ParallelGroup) -> None:
+    def __init__(self, config, tp: ParallelGroup, layer=LlamaDecoderLayer) -> None:
         super().__init__()
         self.tp = tp
         self.vocab = VocabShard.of(config.vocab_size, tp)
@@ -116,7 +116,7 @@ class LlamaModel(nn.Module):
             head_dim_of(config), config.max_position_embeddings, *rope_settings(config)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, tp) for i in range(config.num_hidden_layers)
+            layer(config, i, rotary, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,9 +128,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, tp: ParallelGroup = SINGLE) -> None:
+    """`layer`: the decoder layer's class (config, index, rotary, tp): a mixture of
+    experts' (models/moe.py) in place of the dense one."""
+
+    def __init__(self, config, tp: ParallelGroup = SINGLE, layer=LlamaDecoderLayer) -> None:
         super().__init__()
-        self.model = LlamaModel(config, tp)
+        self.model = LlamaModel(config, tp, layer)
         self.lm_head = LMHead(config.hidden_size, self.model.vocab.rows)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -6,6 +6,7 @@ from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers.linear import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
+from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.tp_shards import ROW_PARALLEL
 
 
@@ -33,3 +34,6 @@ def quantize_model(model: nn.Module, method: str, tp: ParallelGroup = SINGLE) ->
         owner = model.get_submodule(parent)
         rows_over = tp if leaf in ROW_PARALLEL else SINGLE
         setattr(owner, leaf, QuantizedLinear(getattr(owner, leaf), method, rows_over))
+    for module in model.modules():  # a mixture of experts': every expert, as a linear layer
+        if isinstance(module, FusedExperts):
+            module.quantize(method, tp)

@@ -1,5 +1,6 @@
-"""Tiny seeded random models (Llama, Qwen3, Gemma 3) with a locally trained tokenizer,
-saved like a hub checkpoint so that the engine and transformers load the same files."""
+"""Tiny seeded random models (Llama, Qwen2/3, Gemma 3, Mixtral, Qwen3-MoE) with a locally
+trained tokenizer, saved like a hub checkpoint so that the engine and transformers load
+the same files."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 384
@@ -22,6 +25,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -86,6 +91,13 @@ def _config(arch: str):
         return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     if arch == "gemma3":
         return _gemma3(common)
+    if arch == "mixtral":  # 4 experts of the dense size, top 2, renormalized
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":  # 8 small experts, top 2 not renormalized; layer 1 dense
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        return Qwen3MoeConfig(
+            **common, **moe, head_dim=16, norm_topk_prob=False, mlp_only_layers=[1]
+        )
     raise ValueError(arch)
 
 
