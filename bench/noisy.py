@@ -286,6 +286,7 @@ def with_shapes(args: argparse.Namespace) -> argparse.Namespace:
 def cmd_noisy(args: argparse.Namespace) -> int:
     targets = {"server": with_shapes(args)}
     report = asyncio.run(run_noisy(targets, lambda m: print(m, file=sys.stderr)))["server"]
+    args.result = report  # the history's record of the run (bench/cli.py)
     text = json.dumps(report, indent=2)
     print(text)
     if args.save_result:

@@ -22,6 +22,15 @@ ADMIN_KEY = "kvg-test-admin-" + "x" * 32
 PG_URL = os.environ.get("KVGATE_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def bench_history_dir(tmp_path_factory) -> Path:
+    """`kvgate bench` runs in the tests keep their history records here, not in the
+    user's cache (bench/history.py)."""
+    path = tmp_path_factory.mktemp("bench-history")
+    os.environ["KVGATE_BENCH_HISTORY"] = str(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

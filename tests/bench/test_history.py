@@ -1,0 +1,92 @@
+"""The history of `kvgate bench` runs: records written by real short runs against a
+real `kvgate serve --backend fake`, listed by `bench history`, compared by `bench
+compare` against the runs' own spread."""
+
+import json
+
+import pytest
+
+from bench.cli import main
+from bench.compare import compare_records
+from bench.history import find_record, load_records
+from tests.conftest import start_gateway
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two `bench serve` runs of two rounds (outputs of 4, then 12 tokens) and a sweep,
+    recorded in one results directory; the gateway's pid."""
+    root = tmp_path_factory.mktemp("history")
+    gw = start_gateway(root, "--backend", "fake")
+    results = root / "results"
+    try:
+        key = gw.tenant_key("history")[1]
+        base = ["--url", gw.url, "--api-key", key, "--num-prompts", "6", "--input-len", "8"]
+        base += ["--ignore-eos", "--no-progress", "--results-dir", str(results)]
+        for output_len in ("4", "12"):
+            assert main(["serve", *base, "--output-len", output_len, "--rounds", "2"]) == 0
+        sweep = ["sweep", *base, "--output-len", "4", "--concurrency", "1,2"]
+        sweep += ["--save-result", str(root / "sweep.json"), "--plot", str(root / "sweep.png")]
+        assert main(sweep) == 0
+        yield results, gw.proc.pid
+    finally:
+        gw.stop()
+
+
+def test_records_hold_the_run(runs):
+    results, server = runs
+    serve_a, serve_b, sweep = load_records(results)
+    assert [r["kind"] for r in (serve_a, serve_b, sweep)] == ["serve", "serve", "sweep"]
+    for r in (serve_a, serve_b):
+        assert r["command"][:3] == ["kvgate", "bench", "serve"] and "--rounds" in r["command"]
+        assert r["config"]["num_prompts"] == 6 and r["config"]["model"]
+        assert r["version"]["commit"] and r["version"]["package"] == "0.1.0"
+        assert r["hardware"]["cores"] >= 1 and r["hardware"]["cpu"]
+        assert len(r["rounds"]) == 2
+        figures = r["figures"]
+        for name in ("output_throughput", "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms"):
+            values = [round_[name] for round_ in r["rounds"]]
+            assert figures[name] == pytest.approx(sum(values) / 2)  # median of two
+            assert r["spread"][name] == pytest.approx(max(values) - min(values))
+        assert figures["completed"] == 6 and figures["failed"] == 0
+        # the gateway was found by its port: its resident memory on a CPU machine
+        assert r["peak_memory"]["pid"] == server and r["peak_memory"]["kind"] == "rss"
+        peaks = [round_["peak_rss_bytes"] for round_ in r["rounds"]]
+        assert r["peak_memory"]["bytes"] == max(peaks) and min(peaks) > 10 << 20
+    assert serve_a["config"]["output_len"] == 4 and serve_b["config"]["output_len"] == 12
+    assert sweep["figures"]["levels.1"] == 2  # the sweep's saved numbers, flattened
+    assert any(k.endswith("output_throughput") for k in sweep["figures"])
+
+
+def test_history_lists_and_finds(runs, capsys):
+    results, _ = runs
+    assert main(["history", "--results-dir", str(results)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    records = load_records(results)
+    assert len(lines) == 1 + len(records)
+    assert all(r["id"] in line for r, line in zip(records, lines[1:], strict=True))
+    assert find_record("-1", results)["id"] == records[-1]["id"]
+    assert find_record(records[0]["id"][:-2], results)["id"] == records[0]["id"]
+    with pytest.raises(ValueError, match="no run"):
+        find_record("nonexistent", results)
+
+
+def test_compare_flags_changes_beyond_the_spread(runs, capsys):
+    results, _ = runs
+    a, b = load_records(results)[:2]
+    changes = {c.figure: c for c in compare_records(a, b)}
+    for c in changes.values():
+        spread = max(a["spread"][c.figure], b["spread"][c.figure])
+        assert c.spread == spread and c.flagged == (abs(c.after - c.before) > spread)
+    assert changes["completed"].delta == 0 and not changes["completed"].flagged
+    # a run against itself changes nothing
+    assert not any(c.flagged for c in compare_records(a, a))
+    assert main(["compare", a["id"], b["id"], "--results-dir", str(results), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["a"], out["b"]) == (a["id"], b["id"])
+    assert {row["figure"] for row in out["changes"]} == set(changes)
+    # a one-round sweep has no spread: its changes are shown, not judged
+    sweep = load_records(results)[2]
+    assert all(c.flagged is None for c in compare_records(sweep, sweep))
+    assert main(["compare", "-1", "-1", "--results-dir", str(results)]) == 0
+    assert "no spread to judge" in capsys.readouterr().out
