@@ -90,6 +90,8 @@ async def _reload(gw: GatewayState) -> Reload:
     async with gw.reload_lock:
         if gw.source is None:
             raise ReloadError("this gateway was not started from a config it can read again")
+        if gw.drain.draining:  # what it would start would only be stopped again
+            raise ReloadError("the gateway is shutting down")
         try:
             new = gw.source.load()
             configured = new.resolved_backends()

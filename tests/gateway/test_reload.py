@@ -32,6 +32,7 @@ name = "b"
 type = "fake"
 model = "m-b"
 """
+SEEDED_B = BACKEND_B + "options = { seed = 7 }\n"  # b with other options
 
 
 def _price(output_usd: int) -> str:
@@ -80,12 +81,20 @@ def test_reload_and_sighup(tmp_path):
         assert out.usage.completion_tokens == 2
         assert _priced_at(gw, client, db, 4)
 
+        # an entry whose options changed is replaced: its successor serves its model
+        config.write_text(_price(4) + BACKEND_A + SEEDED_B)
+        done = _reload(gw)
+        assert done.status_code == 200, done.text
+        assert done.json()["replaced"] == ["b"] and done.json()["changed"] == ["backends"]
+        out = client.completions.create(model="m-b", prompt="hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+
         for broken, field in [
             ('[server]\nfairness = "bogus"\n', "fairness"),  # does not validate
             ("[server]\nkey_cache_ttl_s = 9.0\n", "key_cache_ttl_s"),  # needs a restart
             ("[server\n", "line 1"),  # does not parse
         ]:
-            config.write_text(broken + _price(8) + BACKEND_A)
+            config.write_text(broken + _price(8) + BACKEND_A + SEEDED_B)
             refused = _reload(gw)
             assert refused.status_code == 400, refused.text
             error = refused.json()["error"]
@@ -118,7 +127,7 @@ async def _remove_a_by_sighup(gw, key: str, config: Path) -> None:
         pieces += bool(chunk.choices[0].text)
         finish = chunk.choices[0].finish_reason or finish
         if pieces == 1:
-            await asyncio.to_thread(config.write_text, BACKEND_B)
+            await asyncio.to_thread(config.write_text, SEEDED_B)
             gw.proc.send_signal(signal.SIGHUP)
             async with httpx.AsyncClient(base_url=gw.url + "/v1", timeout=30) as http:
                 auth = {"Authorization": f"Bearer {key}"}
