@@ -25,7 +25,7 @@ from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.expert_shards import ExpertShard
-from backend_gpu.quantization import QUANTIZE_PER_CHANNEL
+from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8
 
 
 class TopKRouter(nn.Module):
@@ -90,6 +90,12 @@ class FusedExperts(nn.Module):
     def quantize(self, method: str, tp: ParallelGroup) -> None:
         """8-bit weights, a scale per output row of each expert. A cut expert's down rows
         are split over the ranks, which agree on their scales (QuantizedLinear's rule)."""
+        device = self.gate_up_proj.device
+        if method == "fp8" and device.type == "cuda" and not fp8.supports_w8a8(device):
+            raise ValueError(
+                "FP8 experts need a GPU of compute capability 8.9 or later (Ada, Hopper): "
+                "the grouped GEMM reads E4M3; use quantization 'int8'"
+            )
         rows_over = tp if self.shard.sliced else SINGLE
         quantize = QUANTIZE_PER_CHANNEL[method]
         for name, over in (("gate_up_proj", SINGLE), ("down_proj", rows_over)):
