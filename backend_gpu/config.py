@@ -64,6 +64,9 @@ class EngineConfig:
     # ranks the model is split over (Megatron-style, tp_shards.py), one process and one
     # device each: GPUs device, device + 1, ... on CUDA; on the CPU, processes sharing it
     tensor_parallel_size: int = 1
+    # stages the layers are split into (pp_stages.py), each of tensor_parallel_size ranks:
+    # pipeline_parallel_size x tensor_parallel_size processes and devices in all
+    pipeline_parallel_size: int = 1
     # a mixture of experts' tensor-parallel ranks each hold whole experts, a share of
     # them, instead of a slice of every expert (vLLM's flag; expert_shards.py)
     enable_expert_parallel: bool = False
@@ -102,6 +105,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self._check_tensor_parallel_size()
+        self._check_pipeline_parallel_size()
         self._check_kv_offload()
         self._check_lora()
 
@@ -145,17 +149,37 @@ class EngineConfig:
             )
 
     def _check_tensor_parallel_size(self) -> None:
-        size = self.tensor_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {size!r}")
+        size = self.tensor_parallel_size * self.pipeline_parallel_size
         device = torch.device(self.device)
         if device.type == "cuda":
             needed = (device.index or 0) + size
             if needed > torch.cuda.device_count():
                 raise ValueError(
-                    f"tensor_parallel_size {size} from {self.device} needs {needed} GPUs; "
-                    f"torch sees {torch.cuda.device_count()}"
+                    f"tensor_parallel_size x pipeline_parallel_size {size} from "
+                    f"{self.device} needs {needed} GPUs; torch sees {torch.cuda.device_count()}"
                 )
+
+    def _check_pipeline_parallel_size(self) -> None:
+        """What pipeline stages do not run yet: each of these needs the whole model (or
+        every layer's cache) in one process."""
+        if self.pipeline_parallel_size == 1:
+            return
+        unsupported = {
+            "speculative_config": self.speculative_config is not None,
+            "enable_lora": self.enable_lora,
+            "quantization": self.quantization is not None,
+            "kv_cache_dtype": self.kv_cache_dtype != "auto",
+            "kv_offload_gb, kv_disk_path, kv_shared_url, kv_transfer": self.kv_tiers_on,
+        }
+        named = [name for name, is_set in unsupported.items() if is_set]
+        if named:
+            raise ValueError(
+                f"pipeline_parallel_size > 1 does not work with {', '.join(named)} yet"
+            )
 
     def _resolve_device_and_dtype(self) -> None:
         if self.device == "auto":

@@ -1,7 +1,9 @@
 """Tensor parallelism's process group: this rank, how many there are, and the three
 collectives a Megatron-sharded model needs (an all-reduce after each row-parallel
 matmul and after the vocabulary-split embedding, a gather of the vocabulary-split
-logits to rank 0, and small reductions that make the ranks agree at start).
+logits to rank 0, and small reductions that make the ranks agree at start); and
+pipeline parallelism's point-to-point send and receive of hidden states between stages,
+over a second group of all the ranks (pp_stages.py).
 
 Each engine makes its own group from its own TCP store, not torch.distributed's global
 default group: one process may hold several engines (tests, in-process replicas), and a
@@ -47,6 +49,16 @@ class ParallelGroup:
         opts.rootRank = 0
         self.pg.gather([parts] if self.rank == 0 else [], [x], opts).wait()
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+    def send(self, x: torch.Tensor, dst: int) -> Any:
+        """Start sending x to rank `dst` (pipeline parallel's hidden states); the caller
+        waits on the returned work before x may change."""
+        return self.pg.send([x], dst, 0)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill x with what rank `src` sends, in send order."""
+        self.pg.recv([x], src, 0).wait()
+        return x
 
     def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         """The elementwise maximum of `values` over the ranks."""

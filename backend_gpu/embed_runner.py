@@ -25,6 +25,7 @@ def check_embedding_config(config: EngineConfig) -> None:
     """ValueError for an engine option an embedding model cannot honour."""
     unsupported = {
         "tensor_parallel_size": config.tensor_parallel_size != 1,
+        "pipeline_parallel_size": config.pipeline_parallel_size != 1,
         "quantization": config.quantization is not None,
         "speculative_config": config.speculative_config is not None,
         "kv_cache_dtype": config.kv_cache_dtype != "auto",

@@ -27,6 +27,7 @@ from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.models import model_class
 from backend_gpu.models.llama import head_dim_of
+from backend_gpu.pp_stages import WHOLE_MODEL, Stage, prune_to_stage
 from backend_gpu.tp_shards import SKIP, CheckpointShards, ShardRead
 
 # checkpoint module name -> (our packed module name, shard)
@@ -45,14 +46,19 @@ class Checkpoint:
 
     directory: str
 
-    def tensors(self, shards: CheckpointShards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) pairs: whole, or what `shards` says this rank holds."""
+    def tensors(
+        self, shards: CheckpointShards | None = None, dropped: tuple[str, ...] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs: whole, or what `shards` says this rank holds; tensors
+        whose name starts with one of `dropped` (another pipeline stage's) are not read."""
         files = sorted(glob.glob(os.path.join(self.directory, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name.startswith(dropped):
+                        continue
                     read = shards(name) if shards is not None else None
                     if read is None:
                         yield name, f.get_tensor(name)
@@ -79,7 +85,8 @@ def load_weights(model: nn.Module, weights) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     lm_head = getattr(model, "lm_head", None)  # embedding models have none
-    tied = lm_head is not None and lm_head.weight is model.model.embed_tokens.weight
+    embed = getattr(model.model, "embed_tokens", None)  # a later pipeline stage has none
+    tied = lm_head is not None and embed is not None and lm_head.weight is embed.weight
     missing = {n for n in params if not (n == "lm_head.weight" and tied)}
     for path, module in modules.items():  # experts load from one tensor per expert
         if isinstance(module, FusedExperts):
@@ -131,13 +138,15 @@ def build_model(
     seed: int,
     tp: ParallelGroup = SINGLE,
     cls: type[nn.Module] | None = None,
+    stage: Stage = WHOLE_MODEL,
     expert_parallel: bool = False,
 ) -> nn.Module:
     """The model of `hf_config` on `device` in `dtype` (tensor-parallel rank tp.rank's
     part of it), its parameters from `checkpoint`, or random for load_format "dummy".
     `cls`: the class to build, when not the generator of the config's architecture
-    (an embedding model's). `expert_parallel`: a mixture of experts' ranks each hold
-    whole experts (expert_shards.py)."""
+    (an embedding model's). `stage`: the pipeline stage whose part alone is built and
+    read (pp_stages.py). `expert_parallel`: a mixture of experts' ranks each hold whole
+    experts (expert_shards.py)."""
     if cls is None:
         cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
     moe = MoEConfig.of(hf_config)
@@ -146,6 +155,7 @@ def build_model(
     with torch.device("meta"):
         extra = {"expert_parallel": True} if expert_parallel else {}
         model = cls(hf_config, tp, **extra).to(dtype)
+    dropped = prune_to_stage(model, stage) if stage.count > 1 else []
     # to_empty gives each module its own tensors: note which parameters are one
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -165,7 +175,7 @@ def build_model(
         shards = CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
         if shards is not None and moe is not None:
             shards = ExpertCheckpointShards(moe, ExpertShard.of(moe, tp, expert_parallel), shards)
-        load_weights(model, checkpoint.tensors(shards))
+        load_weights(model, checkpoint.tensors(shards, tuple(dropped)))
     return model
 
 

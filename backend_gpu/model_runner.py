@@ -17,6 +17,8 @@ Rank 0's runner builds each step's rows from the scheduled sequences and hands t
 the other ranks (tp_ranks.py) before running them itself; the others run what they are
 handed (execute). The ranks agree at start on the number of blocks (the least any
 rank's memory holds) and on the FP8 cache's scales (those of the whole layer).
+Under pipeline parallelism a runner holds one stage's layers and their KV cache
+(pp_stages.py); pp_runner.py runs the stages.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from backend_gpu.memory import (
     step_shape_of,
 )
 from backend_gpu.models.llama import head_dim_of
+from backend_gpu.pp_stages import WHOLE_MODEL, Stage, stage_forward
 from backend_gpu.prompt_logprobs import (
     PromptLogprobs,
     prompt_targets,
@@ -70,7 +73,7 @@ class OtherRanks(Protocol):
     """Rank 0's handle on the other tensor-parallel ranks (tp_ranks.RankProcesses, which
     starts runners: a protocol here, so that the runner never imports what starts it)."""
 
-    def send(self, step: StepRows | LoRASlot) -> None: ...
+    def send(self, step: StepRows | LoRASlot | list[StepRows]) -> None: ...
 
     def check(self) -> None: ...
 
@@ -115,10 +118,14 @@ class ModelRunner:
         tokenizer,
         tp: ParallelGroup = SINGLE,
         ranks: OtherRanks | None = None,  # rank 0's handle on the others, under TP
+        stage: Stage = WHOLE_MODEL,  # its pipeline stage (pp_stages.py)
+        world: ParallelGroup | None = None,  # every rank of every stage; None: tp's
     ) -> None:
         self.tp = tp
         self.ranks = ranks
-        self.device = rank_device(config.device, tp.rank)
+        self.stage = stage
+        self.world = world or tp
+        self.device = rank_device(config.device, self.world.rank)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or DTYPES[config.dtype]
         if self.kv_dtype == FP8:  # before the weights load
             check_fp8_kv_cache(self.device)
@@ -132,6 +139,7 @@ class ModelRunner:
             config.load_format,
             config.seed,
             tp,
+            stage=stage,
             expert_parallel=config.enable_expert_parallel,
         )
         if config.quantization is not None:
@@ -139,7 +147,9 @@ class ModelRunner:
         self.model.eval()
         self.weight_bytes = parameter_bytes(self.model)
         self.hf_config = hf_config
-        self.attention_layers = [layer.self_attn for layer in self.model.model.layers]
+        # only its stage's layers: the KV cache of a layer lives on its stage
+        layers = self.model.model.layers[stage.start : stage.stop]
+        self.attention_layers = [layer.self_attn for layer in layers]
         self.max_model_len = config.context_len(hf_config)
         self.hidden_size = hf_config.hidden_size
         self.kv_shape = (local_heads(hf_config, tp.size)[1], head_dim_of(hf_config))
@@ -180,7 +190,10 @@ class ModelRunner:
             width=-(-self.max_model_len // self.block_size),
         )
         self.buffers = StepBuffers(capacity, self.device)
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # a pipeline stage runs eagerly (its input is the previous stage's hidden states)
+        self.use_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and stage.count == 1
+        )
         self.graph_max_seqs = graph_batch(config.max_num_seqs, config.max_num_batched_tokens)
         self._allocate_kv_cache(config)
         self.k_workspace = self.v_workspace = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -205,7 +218,7 @@ class ModelRunner:
         )
         budget, bytes_per_block, needed = size.budget, size.bytes_per_block, size.blocks_per_seq
         # every rank holds the same block ids: as many as the tightest rank's budget
-        self.num_blocks = self.tp.min_over_ranks(size.num_blocks)
+        self.num_blocks = self.world.min_over_ranks(size.num_blocks)
         if self.num_blocks < needed:
             raise ValueError(
                 f"the KV cache budget ({_size(budget)}) holds {self.num_blocks} "
@@ -288,9 +301,14 @@ class ModelRunner:
             ),
         )
         positions = torch.arange(tokens, device=device) % self.max_model_len
-        hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions, meta)
+        ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        if self.stage.count == 1:
+            hidden = self.model(ids, positions, meta)
+        else:  # a later stage's input: as many hidden states
+            x = torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=device)
+            hidden = stage_forward(self.model, self.stage, ids, positions, meta, x)
         # the sampler's float32 logits and one vocabulary-sized temporary beside them
-        logits = self.model.compute_logits(hidden[: self.logit_rows])
+        logits = self.model.compute_logits(hidden[: self.logit_rows]) if self.stage.last else None
         if logits is not None:  # rank 0's, under tensor parallelism
             logits.float().softmax(-1)
         torch.cuda.synchronize(device)
@@ -365,6 +383,16 @@ class ModelRunner:
             self.num_graph_steps += 1
         else:
             hidden = self.model(input_ids, positions, meta)
+        return self.head(hidden, sample_rows, prompt_rows, targets)
+
+    def head(
+        self,
+        hidden: torch.Tensor,
+        sample_rows: torch.Tensor,
+        prompt_rows: list[tuple[int, int]],
+        targets: tuple[torch.Tensor, int] | None,
+    ):
+        """The LM head over the prompt rows, then over the sampled rows (_forward's)."""
         scored = score_prompt_rows(self.model.compute_logits, hidden, prompt_rows, targets)
         logits = self.model.compute_logits(hidden[sample_rows])
         return (None if logits is None else logits.float()), scored
@@ -408,6 +436,18 @@ class ModelRunner:
         to that many sequences for the graph of that size. `prompt_rows`, the slices of
         the batch's prompt spans, go to the other ranks too: they run the LM head on them
         as well."""
+        step, sampled = self.step_rows(batch, graph_size, prompt_rows)
+        if self.ranks is not None:
+            self.ranks.send(step)
+        return (*self.load(step), sampled)
+
+    def step_rows(
+        self,
+        batch: ScheduledBatch,
+        graph_size: int | None,
+        prompt_rows: list[tuple[int, int]],
+    ) -> tuple[StepRows, list[int]]:
+        """The step's rows and the sampled sequences' indices in the batch."""
         ids: list[int] = []
         ends: list[int] = []
         rows: list[int] = []
@@ -437,9 +477,7 @@ class ModelRunner:
             prompt_rows,
             [s.lora_slot for s in batch.seqs] if self.lora is not None else [],
         )
-        if self.ranks is not None:
-            self.ranks.send(step)
-        return (*self.load(step), sampled)
+        return step, sampled
 
     def load(self, step: StepRows):
         """Fill the step buffers with `step`; return (input ids, positions, attention

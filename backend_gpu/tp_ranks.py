@@ -10,6 +10,13 @@ a collective, so it leaves when rank 0 goes (the pipe ends, or a collective fail
 rank 0 learns that a rank died from the failed collective or from its exit code,
 checked before each step and while idle: the engine then reports itself dead with the
 rank and its exit code, rather than hanging.
+
+Under pipeline parallelism there are pipeline_parallel_size x tensor_parallel_size
+ranks, numbered stage by stage (rank = stage * tp_size + tp_rank, pp_stages.py), and
+the engine's process is the last stage's tensor-parallel rank 0 (it samples,
+pp_runner.py); every rank joins the group of all ranks (hidden states go stage to
+stage over it) and its stage's tensor-parallel group, each over its own prefix of the
+store.
 """
 
 from __future__ import annotations
@@ -19,16 +26,19 @@ import multiprocessing as mp
 import signal
 import time
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from backend_gpu.config import EngineConfig
-from backend_gpu.distributed import join_group, rank_device
+from backend_gpu.distributed import SINGLE, ParallelGroup, join_group, rank_device
 from backend_gpu.expert_shards import MoEConfig, check_experts_divisible
 from backend_gpu.loader import Checkpoint
 from backend_gpu.model_runner import LoRASlot, ModelRunner
+from backend_gpu.pp_runner import PipelineRunner
+from backend_gpu.pp_stages import WHOLE_MODEL, Stage, check_stages, stage_of_rank
 from backend_gpu.step_buffers import StepRows
 from backend_gpu.tp_shards import check_divisible
 from engine_api.errors import EngineDeadError
@@ -39,15 +49,17 @@ STOP_WAIT_S = 5.0  # a rank told to stop gets this long before it is terminated
 
 
 def start_runner(config: EngineConfig, hf_config, checkpoint: Checkpoint, tokenizer) -> ModelRunner:
-    """Rank 0's model runner; under tensor parallelism the other ranks start first."""
-    if config.tensor_parallel_size == 1:
+    """The engine's model runner; under tensor or pipeline parallelism the other ranks
+    start first."""
+    if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
         return ModelRunner(config, hf_config, checkpoint, tokenizer)
     check_divisible(hf_config, config.tensor_parallel_size)
+    check_stages(hf_config.num_hidden_layers, config.pipeline_parallel_size)
     if (moe := MoEConfig.of(hf_config)) is not None:
         check_experts_divisible(moe, config.tensor_parallel_size, config.enable_expert_parallel)
     ranks = RankProcesses(config, hf_config, checkpoint, tokenizer)
     try:
-        return ModelRunner(config, hf_config, checkpoint, tokenizer, ranks.group, ranks)
+        return rank_runner(config, hf_config, checkpoint, tokenizer, ranks.groups, ranks)
     except RuntimeError as exc:  # a collective failed while loading: a rank died starting
         failure = ranks.failure(exc)
         ranks.close()
@@ -57,19 +69,77 @@ def start_runner(config: EngineConfig, hf_config, checkpoint: Checkpoint, tokeni
         raise
 
 
+@dataclass(frozen=True)
+class RankGroups:
+    """A rank's groups: its stage's tensor-parallel group, the group of every rank
+    (None without pipeline parallelism: then the tensor-parallel group is all), and
+    its stage."""
+
+    tp: ParallelGroup
+    world: ParallelGroup | None
+    stage: Stage
+
+
+def join_groups(store: dist.Store, rank: int, config: EngineConfig, num_layers: int) -> RankGroups:
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    device = rank_device(config.device, rank)
+    if pp_size == 1:
+        return RankGroups(join_group(store, rank, tp_size, device), None, WHOLE_MODEL)
+    # every rank joins the same groups in the same order: each waits for all its members
+    world = join_group(dist.PrefixStore("world", store), rank, tp_size * pp_size, device)
+    stage, tp_rank = stage_of_rank(rank, tp_size)
+    tp = SINGLE
+    if tp_size > 1:
+        tp = join_group(dist.PrefixStore(f"stage-{stage}", store), tp_rank, tp_size, device)
+    return RankGroups(tp, world, Stage.of(num_layers, pp_size, stage))
+
+
+def rank_runner(
+    config: EngineConfig,
+    hf_config,
+    checkpoint: Checkpoint,
+    tokenizer,
+    groups: RankGroups,
+    ranks: RankProcesses | None = None,
+) -> ModelRunner:
+    """A rank's runner over its part of the model (`ranks`: the engine's handle on the
+    other ranks, on the engine's own rank)."""
+    if groups.stage.count == 1:
+        return ModelRunner(config, hf_config, checkpoint, tokenizer, groups.tp, ranks)
+    return PipelineRunner(
+        config, hf_config, checkpoint, tokenizer, groups.tp, ranks, groups.stage, groups.world
+    )
+
+
+def engine_rank(config: EngineConfig) -> int:
+    """The rank of the engine's own process: the last stage's tensor-parallel rank 0."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
+
+def rank_name(config: EngineConfig, rank: int) -> str:
+    if config.pipeline_parallel_size == 1:
+        return f"tensor-parallel rank {rank}"
+    stage, tp_rank = stage_of_rank(rank, config.tensor_parallel_size)
+    return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
+
 class RankProcesses:
-    """Rank 0's handle on ranks 1..N-1: their processes, their pipes, the group."""
+    """The engine's handle on the other ranks: their processes, their pipes, the
+    engine's own groups."""
 
     def __init__(self, config: EngineConfig, hf_config, checkpoint: Checkpoint, tokenizer) -> None:
-        size = config.tensor_parallel_size
+        size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.config = config
+        own = engine_rank(config)
         ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn everywhere alike
-        # rank 0 hosts the store the ranks meet at (port 0: any free one)
+        # the engine hosts the store the ranks meet at (port 0: any free one)
         self.store = dist.TCPStore(
             "127.0.0.1", 0, size, True, timeout=START_TIMEOUT, wait_for_workers=False
         )
         self.procs: list[mp.Process] = []
+        self.rank_ids = [rank for rank in range(size) if rank != own]
         self.pipes = []
-        for rank in range(1, size):
+        for rank in self.rank_ids:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
@@ -86,7 +156,7 @@ class RankProcesses:
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.pipes)
         try:
             self._await_ranks()
-            self.group = join_group(self.store, 0, size, rank_device(config.device, 0))
+            self.groups = join_groups(self.store, own, config, hf_config.num_hidden_layers)
         except BaseException:
             self.close()
             raise
@@ -95,20 +165,20 @@ class RankProcesses:
         """Wait until every rank is about to join, watching that none died starting
         (the group's own rendezvous would wait out its whole timeout for it)."""
         deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-        for rank, proc in enumerate(self.procs, start=1):
+        for rank, proc in zip(self.rank_ids, self.procs, strict=True):
             while not self.store.check([_ready_key(rank)]):
                 if not proc.is_alive():
                     raise EngineDeadError(
-                        f"tensor-parallel rank {rank} exited with code {proc.exitcode} "
+                        f"{rank_name(self.config, rank)} exited with code {proc.exitcode} "
                         "while starting (its error is in the log above)"
                     )
                 if time.monotonic() > deadline:
                     raise EngineDeadError(
-                        f"tensor-parallel rank {rank} did not start within {START_TIMEOUT}"
+                        f"{rank_name(self.config, rank)} did not start within {START_TIMEOUT}"
                     )
                 time.sleep(0.05)
 
-    def send(self, step: StepRows | LoRASlot) -> None:
+    def send(self, step: StepRows | LoRASlot | list[StepRows]) -> None:
         """Hand a step (or a LoRA slot's weights) to every other rank; EngineDeadError if
         one is gone."""
         self.check()
@@ -120,10 +190,10 @@ class RankProcesses:
 
     def check(self) -> None:
         """Raise EngineDeadError if a rank has exited."""
-        for rank, proc in enumerate(self.procs, start=1):
+        for rank, proc in zip(self.rank_ids, self.procs, strict=True):
             if proc.exitcode is not None:
                 raise EngineDeadError(
-                    f"tensor-parallel rank {rank} exited with code {proc.exitcode}; "
+                    f"{rank_name(self.config, rank)} exited with code {proc.exitcode}; "
                     "the engine cannot run without it"
                 )
 
@@ -131,10 +201,10 @@ class RankProcesses:
         """The error to report for a failed collective or pipe: which rank exited and
         how, if one did (a rank killed mid-step is reaped within a moment)."""
         for _ in range(20):
-            for rank, proc in enumerate(self.procs, start=1):
+            for rank, proc in zip(self.rank_ids, self.procs, strict=True):
                 if proc.exitcode is not None:
                     return EngineDeadError(
-                        f"tensor-parallel rank {rank} exited with code {proc.exitcode}: {exc}"
+                        f"{rank_name(self.config, rank)} exited with code {proc.exitcode}: {exc}"
                     )
             time.sleep(0.05)
         return EngineDeadError(f"tensor-parallel step failed: {exc}")
@@ -170,16 +240,16 @@ def _rank_main(
     steps,
     threads: int,
 ) -> None:
-    """A rank other than 0: join the group, load this rank's shard, then run each step
-    rank 0 hands over until it says stop or is gone."""
+    """A rank other than the engine's: join the groups, load this rank's part, then run
+    each step the engine hands over until it says stop or is gone."""
     # Ctrl-C reaches the whole process group: rank 0 decides, this rank follows its pipe
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)  # as many as rank 0 runs
-    size = config.tensor_parallel_size
+    size = config.tensor_parallel_size * config.pipeline_parallel_size
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=START_TIMEOUT)
     store.set(_ready_key(rank), "1")
-    group = join_group(store, rank, size, rank_device(config.device, rank))
-    runner = ModelRunner(config, hf_config, checkpoint, tokenizer, group)
+    groups = join_groups(store, rank, config, hf_config.num_hidden_layers)
+    runner = rank_runner(config, hf_config, checkpoint, tokenizer, groups)
     while True:
         try:
             step = steps.recv()

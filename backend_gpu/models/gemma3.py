@@ -92,10 +92,14 @@ class Gemma3Model(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
 
-    def forward(self, input_ids, positions, meta):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (a pipeline's first stage runs it alone)."""
         x = vocab_parallel.embed(self.embed_tokens, input_ids, self.vocab, self.tp)
         # the scale is rounded to the weights' dtype first, as in the reference
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(positions, x, meta)
         return self.norm(x)

@@ -120,8 +120,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (a pipeline's first stage runs it alone)."""
+        return vocab_parallel.embed(self.embed_tokens, input_ids, self.vocab, self.tp)
+
     def forward(self, input_ids, positions, meta):
-        x = vocab_parallel.embed(self.embed_tokens, input_ids, self.vocab, self.tp)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(positions, x, meta)
         return self.norm(x)

@@ -32,6 +32,7 @@ GPU_DEFAULTS = {
     "device": "auto",
     "dtype": "auto",
     "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
     "kv_offload_gb": 0,
     "kv_disk_gb": 16,
 }
@@ -104,6 +105,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="split the model over N devices (GPUs, or processes on the CPU), one process "
         f"each (default {GPU_DEFAULTS['tensor_parallel_size']})",
+    )
+    gpu.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        metavar="N",
+        help="split the model's layers into N stages, each on its own tensor-parallel "
+        f"ranks (default {GPU_DEFAULTS['pipeline_parallel_size']})",
     )
     tiers = p.add_argument_group(
         "KV tiers of the gpu backend (blocks the KV cache evicts are kept there and "

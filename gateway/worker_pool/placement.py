@@ -66,7 +66,11 @@ def _on_cores(spec: BackendSpec, share: list[int]) -> Placement:
 
 
 def _tensor_parallel_size(spec: BackendSpec) -> int:
-    return int(spec.options.get("tensor_parallel_size", 1))
+    """Ranks (processes, devices) an engine of `spec` runs: tensor x pipeline parallel."""
+    options = spec.options
+    return int(options.get("tensor_parallel_size", 1)) * int(
+        options.get("pipeline_parallel_size", 1)
+    )
 
 
 def uses_cuda(spec: BackendSpec) -> bool:
