@@ -7,7 +7,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -37,6 +37,10 @@ class ServeConfig:
     metric_percentiles: list[float] = field(default_factory=lambda: [99.0])
     goodput: dict[str, float] = field(default_factory=dict)
     show_progress: bool = True
+    # called with each finished request; True stops the run there (`kvgate tune` stops a
+    # candidate whose goals are already lost): nothing more is sent, and what is in
+    # flight is cancelled and left out of the result
+    abort_when: Callable[[RequestOutput], bool] | None = None
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -109,19 +113,39 @@ async def run_requests(
                     session, base_url, cfg.endpoint, payload, keys[tenant], tenant
                 )
             progress.update(1)
+            if cfg.abort_when is not None and cfg.abort_when(out):
+                stop.set()
             return out
 
+        stop = asyncio.Event()
         start = time.perf_counter()
         tasks = []
         for i, (req, offset) in enumerate(zip(requests, offsets, strict=True)):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if stop.is_set():
+                break
             tasks.append(asyncio.create_task(one(i, req)))
-        outputs = await asyncio.gather(*tasks)
+        outputs = await until_stopped(tasks, stop)
         duration = time.perf_counter() - start
         progress.close()
     return outputs, duration, model
+
+
+async def until_stopped(tasks: list[asyncio.Task], stop: asyncio.Event) -> list[RequestOutput]:
+    """Every task's output, or, if `stop` is set first, those that finished by then
+    (the rest cancelled)."""
+    everything = asyncio.gather(*tasks)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({everything, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if everything.done():
+        return everything.result()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
 
 
 def per_tenant(outputs: Sequence[RequestOutput], num_tenants: int) -> list[dict]:

@@ -12,7 +12,12 @@ from gateway.cli import plan as cli_plan
 from gateway.config import ConfigSource, Settings, load_settings
 from gateway.worker import cli as worker_cli
 
-_DELEGATED = {"top": "tui.cli", "bench": "bench.cli", "chat": "gateway.cli.chat"}
+_DELEGATED = {
+    "top": "tui.cli",
+    "bench": "bench.cli",
+    "chat": "gateway.cli.chat",
+    "tune": "bench.tune",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli_plan.add_parser(sub)
     sub.add_parser("top", help="live dashboard of a running gateway", add_help=False)
     sub.add_parser("bench", help="benchmarks against any OpenAI-compatible server", add_help=False)
+    sub.add_parser(
+        "tune", help="the engine settings that serve a workload best within goals", add_help=False
+    )
     sub.add_parser("chat", help="chat with a model in the terminal", add_help=False)
     cli_admin.add_commands(sub)
     cli_adapters.add_commands(sub)
@@ -147,7 +155,7 @@ def _accept_global_args_anywhere(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # `top`, `bench` and `chat` own their flags: hand them everything after the subcommand.
+    # `top`, `bench`, `chat` and `tune` own their flags: hand them everything after it.
     for i, arg in enumerate(argv):
         if arg in _DELEGATED:
             import importlib
