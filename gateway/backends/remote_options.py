@@ -6,6 +6,7 @@ adapter (remote.py) so the settings and their defaults read in one place.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ class RemoteOptions:
 
     url: str
     api_key: str | None = None
+    # the name of an environment variable that holds api_key, so that the config file
+    # holds no secret (a Kubernetes Secret, a compose variable)
+    api_key_env: str | None = None
     upstream_model: str | None = None
     context_length: int | None = None
     tokenizer: str | None = None
@@ -67,9 +71,22 @@ class RemoteOptions:
             values[f.name] = v
         if "role" in values:
             check_role(values["role"], f"remote backend {spec.name!r}")
+        if "api_key_env" in values:
+            values["api_key"] = _key_from_env(spec.name, values)
         if "url" not in values:
             raise ValueError(f"remote backend {spec.name!r} needs options.url or options.urls")
         return cls(**values)
+
+
+def _key_from_env(name: str, values: dict[str, Any]) -> str:
+    if "api_key" in values:
+        raise ValueError(f"remote backend {name!r}: give api_key or api_key_env, not both")
+    key = os.environ.get(values["api_key_env"])
+    if not key:
+        raise ValueError(
+            f"remote backend {name!r}: api_key_env names {values['api_key_env']}, which is not set"
+        )
+    return key
 
 
 def replica_specs(spec: BackendSpec) -> list[BackendSpec]:

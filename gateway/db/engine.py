@@ -31,6 +31,9 @@ MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
 DRIVER_POOL_SIZE = 8  # asyncpg connections for admission and usage commits (PostgreSQL)
 
+# the advisory lock `migrate` holds on PostgreSQL (any constant of our own)
+MIGRATION_LOCK = 0x6B766761_74650001
+
 # the WAL file's size past which a checkpoint truncates it (Settings.sqlite_wal_limit_bytes)
 SQLITE_WAL_LIMIT_BYTES = 16 * 2**20
 
@@ -190,4 +193,8 @@ async def migrate(db: Database, revision: str = "head") -> None:
         command.upgrade(cfg, revision)
 
     async with db.engine.begin() as conn:
+        if db.is_postgres:
+            # gateways started together (a Deployment's replicas) migrate one at a time:
+            # the others wait here, then find the schema current
+            await conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
         await conn.run_sync(upgrade)

@@ -101,6 +101,13 @@ class Metrics:
             ["tenant", "model"],
             registry=r,
         )
+        self.spend = Counter(
+            "kvgate:spend_usd",
+            "What requests cost at their model's price (US dollars), once their usage row is "
+            "committed",
+            ["tenant", "model"],
+            registry=r,
+        )
         self.quota_rejections = Counter(
             "kvgate:quota_rejections", "Requests refused with 429", ["tenant", "limit"], registry=r
         )
@@ -113,6 +120,10 @@ class Metrics:
         )
         r.register(_BackendCollector(backend_stats))
         self._children: dict[tuple, object] = {}
+
+    def billed(self, tenant: str, model: str, nano_usd: int) -> None:
+        """A committed usage row's spend (the row holds nanodollars; the metric dollars)."""
+        self.child(self.spend, tenant, model).inc(nano_usd / 1e9)
 
     def child(self, metric, *labels: str):
         """`metric.labels(*labels)`, cached: the lookup is a measurable part of a request."""

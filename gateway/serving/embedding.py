@@ -255,6 +255,7 @@ class _Call:
         )
         try:
             await gw.usage.submit(row)
+            gw.metrics.billed(p.tenant_name, self.model, spend)
         except Exception:  # the database's words stay in the log: they may name others
             log.exception("usage row of %s not committed", self.request_id)
             if status == 200:

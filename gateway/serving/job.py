@@ -268,6 +268,7 @@ class Job:
                     )
                 )
             await self.gw.usage.submit(row)
+            self.gw.metrics.billed(self.principal.tenant_name, self.model, row.spend_nano_usd)
         finally:
             self._count(status, prompt_tokens, end, error)
 
