@@ -1,9 +1,10 @@
 """Graceful drain (gateway/http/drain.py) of real `kvgate serve` processes: on SIGTERM
 /ready turns 503 while /health stays 200, a new request gets 503 with Retry-After in its
 API's shape, the streams in flight finish whole with their usage rows, a stream still
-open at --drain-timeout ends with an error event (billed for what it delivered), and the
-process exits 0; `serve --workers` drains through its workers, which then exit 0. And a
-worker's own drain, in process: its stream cut at the deadline ends with an error line.
+open at --drain-timeout ends with an error event in its API's shape (billed for what it
+delivered), and the process exits 0; `serve --workers` drains through its workers,
+which then exit 0. And a worker's own drain, in process: its stream cut at the
+deadline ends with an error line.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ async def _stream(client: openai.AsyncOpenAI, tokens: int, started: Started):
     return finish, usage, pieces
 
 
+async def _anthropic_stream(claude: anthropic.AsyncAnthropic, started: Started) -> None:
+    """An Anthropic Messages stream of 1000 tokens (100 s), read until it fails."""
+    async with claude.messages.stream(model=MODEL, max_tokens=1000, messages=CHAT) as stream:
+        pieces = 0
+        async for _ in stream.text_stream:
+            pieces += 1
+            if pieces == 1:
+                started.one()
+
+
 def _rows(db: Path) -> list[tuple[int, int]]:
     with sqlite3.connect(db) as conn:
         return conn.execute("SELECT status, completion_tokens FROM usage_records").fetchall()
@@ -102,14 +113,16 @@ async def _refused_while_draining(gw, key: str) -> None:
     assert refused.value.response.headers["retry-after"] == "1"
 
 
-async def test_sigterm_drains_streams_then_cuts_the_one_left(tmp_path):
-    gw = start_gateway(tmp_path, "--drain-timeout", "6", config=CONFIG)
+async def test_sigterm_drains_streams_then_cuts_the_long_ones(tmp_path):
+    gw = start_gateway(tmp_path, "--drain-timeout", "5", config=CONFIG)
     try:
         _, key = gw.tenant_key("acme")
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-        started = Started(STREAMS + 1)
+        claude = anthropic.AsyncAnthropic(base_url=gw.url, api_key=key, max_retries=0)
+        started = Started(STREAMS + 2)
         short = [asyncio.create_task(_stream(client, TOKENS, started)) for _ in range(STREAMS)]
         long = asyncio.create_task(_stream(client, 1000, started))  # 100 s: cut
+        long_claude = asyncio.create_task(_anthropic_stream(claude, started))  # cut too
         await asyncio.wait_for(started.all.wait(), 60)  # every stream is under way
         gw.proc.send_signal(signal.SIGTERM)
         await _refused_while_draining(gw, key)
@@ -117,13 +130,15 @@ async def test_sigterm_drains_streams_then_cuts_the_one_left(tmp_path):
             assert finish == "length" and usage.completion_tokens == TOKENS == pieces
         with pytest.raises(openai.APIError, match="shut down before this request finished"):
             await long
+        with pytest.raises(anthropic.APIError, match="shut down before this request finished"):
+            await long_claude  # Anthropic's error event
         assert await asyncio.to_thread(gw.proc.wait, 60) == 0
     finally:
         gw.stop()
     rows = _rows(tmp_path / "kvgate.db")
-    assert sorted(status for status, _ in rows) == [200] * STREAMS + [503]
-    cut = [tokens for status, tokens in rows if status == 503][0]
-    assert TOKENS < cut < 1000  # billed for what it delivered before the cut
+    assert sorted(status for status, _ in rows) == [200] * STREAMS + [503] * 2
+    for tokens in [tokens for status, tokens in rows if status == 503]:
+        assert TOKENS < tokens < 1000  # billed for what it delivered before the cut
 
 
 def test_serve_workers_drains_through_its_workers(tmp_path):
