@@ -44,10 +44,11 @@ from backend_gpu.models import model_class
 from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
+from bench.datasets import DEFAULT_SHAREGPT
 from bench.options import DefaultsHelpFormatter
 from engine_api.records import GenRequest
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "kvgate_sharegpt.json")
+DATA = DEFAULT_SHAREGPT
 CONFIGS = {
     "unquantized": {},
     "unquantized bfloat16": {"dtype": "bfloat16"},

@@ -20,11 +20,11 @@ kernel; K's scale joins the score scale and V's multiplies the output.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from backend_gpu.layers.triton_launch import dot_precision, splits_to_fill
 
 LOG2E = 1.4426950408889634
 KEY_TILE = 64  # keys per inner-loop step
@@ -269,21 +269,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tup
     return block_size, q.shape[-2] // kv_heads
 
 
-def _precision(dtype: torch.dtype) -> str | None:
-    # float32 stays float32 (TF32 would cost ~1e-3), as torch's matmuls on CUDA by default
-    return "ieee" if dtype == torch.float32 else None
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _num_splits(device: torch.device, programs: int) -> int:
     """Splits of each context so a decode batch has programs for every SM twice over."""
-    if device.type != "cuda":
-        return 1
-    return min(16, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), programs)))
+    return splits_to_fill(device, programs, 16)
 
 
 def paged_decode_attention(
@@ -328,7 +316,7 @@ def paged_decode_attention(
         BLOCK_N=KEY_TILE,
         NUM_SPLITS=splits,
         USE_WINDOW=sliding_window is not None,
-        PRECISION=_precision(q.dtype),
+        PRECISION=dot_precision(q.dtype),
     )
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(batch, heads)](
@@ -381,6 +369,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=KEY_TILE,
         USE_WINDOW=sliding_window is not None,
-        PRECISION=_precision(q.dtype),
+        PRECISION=dot_precision(q.dtype),
     )
     return out

@@ -30,12 +30,13 @@ reference the tests hold the kernels to.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from backend_gpu.layers.triton_launch import dot_precision, splits_to_fill
 
 MIN_DOT = 16  # tl.dot needs each dimension at least this on a GPU
 MAX_TILE_M = 64  # tokens per program
@@ -160,16 +161,6 @@ def _expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _precision(dtype: torch.dtype) -> str | None:
-    # float32 stays float32 (TF32 would cost ~1e-3), as torch's matmuls on CUDA by default
-    return "ieee" if dtype == torch.float32 else None
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tile_m(num_tokens: int) -> int:
     return min(MAX_TILE_M, max(MIN_DOT, triton.next_power_of_2(num_tokens)))
 
@@ -177,10 +168,7 @@ def _tile_m(num_tokens: int) -> int:
 def _num_splits(device: torch.device, token_tiles: int, k_steps: int) -> int:
     """Shares of K so a short batch has programs for every SM twice over, each share
     at least four steps of the K loop."""
-    if device.type != "cuda":
-        return 1
-    wanted = triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), token_tiles))
-    return max(1, min(wanted, k_steps // 4, 64))
+    return splits_to_fill(device, token_tiles, min(k_steps // 4, 64))
 
 
 def _check_rows(*tensors: torch.Tensor) -> None:
@@ -227,7 +215,7 @@ def lora_shrink(
         BLOCK_R=max(MIN_DOT, triton.next_power_of_2(rank)),
         BLOCK_K=block_k,
         WIDE=wide,
-        PRECISION=_precision(torch.float32 if wide else x.dtype),
+        PRECISION=dot_precision(torch.float32 if wide else x.dtype),
     )
     return out[0] if splits == 1 else out.sum(0)
 
@@ -269,7 +257,7 @@ def lora_expand(
         BLOCK_M=block_m,
         BLOCK_N=EXPAND_TILE_N,
         BLOCK_R=max(MIN_DOT, triton.next_power_of_2(rank)),
-        PRECISION=_precision(b.dtype),
+        PRECISION=dot_precision(b.dtype),
     )
 
 

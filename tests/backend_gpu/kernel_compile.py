@@ -38,6 +38,7 @@ TRITON_TYPES = {
     torch.float16: "fp16",
     torch.float32: "fp32",
     torch.int32: "i32",
+    torch.uint8: "u8",
     FP8: "fp8e4nv",
 }
 
