@@ -90,5 +90,8 @@ step lora_kernels "${LORA_S:-45}" "$python" -m studies.lora_kernels --out "$out"
 step lora_throughput "${LORA_MIX_S:-100}" "$python" -m studies.lora_throughput --out "$out" \
     --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --heads 16 --vocab 32000 \
     --per-stream 2 --kv-cache-mib 4096 --arms base mixed naive cold
+# issue 38: kvgate plan's KV blocks against the engine's allocation (random Llamas of 52M
+# and 140M parameters in bfloat16 at 0.5 of the GPU), goal within 5%
+step plan_check "${PLAN_S:-30}" "$python" -m studies.plan_check --out "$out"
 # new steps above this line
 exit "$tests"
