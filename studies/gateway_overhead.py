@@ -39,10 +39,15 @@ def _pinned(cpu: int) -> list[str]:
     return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and os.cpu_count() > 1 else []
 
 
-def _start_server(module_args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m <module_args>` pinned to CPU 0 (the load comes from CPU 1), output dropped."""
+def _start_server(
+    module_args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
+    """`python -m <module_args>` pinned to CPU 0 (the load comes from CPU 1), output dropped;
+    from the source tree `cwd` when given (its modules come before the installed ones)."""
     cmd = [*_pinned(0), sys.executable, "-m", *module_args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def _wait_up(url: str, timeout: float = 60) -> None:
@@ -56,10 +61,16 @@ def _wait_up(url: str, timeout: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def start_kvgate(port: int, tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_kvgate(
+    port: int, tmp: Path, env: dict[str, str] | None = None, source: Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`kvgate serve --backend fake` on `port` (with `env` over the environment; from the
+    source tree `source`, another commit's checkout, when given) and a tenant's key."""
     database_url = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
-    env = dict(os.environ, KVGATE_ADMIN_KEY=ADMIN_KEY, KVGATE_DATABASE_URL=database_url)
-    proc = _start_server(["gateway.cli", "serve", "--backend", "fake", "--port", str(port)], env)
+    env = os.environ | (env or {}) | {"KVGATE_ADMIN_KEY": ADMIN_KEY}
+    env["KVGATE_DATABASE_URL"] = database_url
+    args = ["gateway.cli", "serve", "--backend", "fake", "--port", str(port)]
+    proc = _start_server(args, env, source)
     url = f"http://127.0.0.1:{port}"
     _wait_up(url)
     return proc, tenant_key(url)
@@ -156,7 +167,9 @@ def wrk_paced(url: str, key: str, rate: float, duration: int, tmp: Path) -> dict
     return {"p50_ms": pct("50"), "p99_ms": pct("99"), "achieved_rps": achieved}
 
 
-async def _closed_loop(url: str, key: str, duration: float, conns: int = 64) -> float:
+async def closed_loop(url: str, key: str, duration: float, conns: int = 64) -> float:
+    """Requests/s of `conns` connections each sending its next request when the last one
+    is answered."""
     headers = {"Authorization": f"Bearer {key}"}
     done = 0
     end = time.perf_counter() + duration
@@ -205,12 +218,12 @@ def _pct(xs: list[float], p: float) -> float:
 
 def measure(url: str, key: str, args: argparse.Namespace, tmp: Path) -> dict:
     # warm up both the server and the connection pool
-    asyncio.run(_closed_loop(url, key, 2))
+    asyncio.run(closed_loop(url, key, 2))
     if shutil.which("wrk"):
         rps = wrk_throughput(url, key, args.duration, tmp)
         paced = wrk_paced(url, key, args.rate, args.duration, tmp)
         return {"rps": rps, "tool": "wrk -t1 (-c64 closed loop; -c32 paced)"} | paced
-    rps = asyncio.run(_closed_loop(url, key, args.duration))
+    rps = asyncio.run(closed_loop(url, key, args.duration))
     lat = asyncio.run(_open_loop(url, key, args.rate, args.duration))
     open_loop = {"p50_ms": 1000 * _pct(lat, 50), "p99_ms": 1000 * _pct(lat, 99)}
     open_loop["achieved_rps"] = len(lat) / args.duration

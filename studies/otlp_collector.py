@@ -1,6 +1,8 @@
 """A stand-in for an OpenTelemetry collector: an OTLP/HTTP (protobuf) receiver and an
 OTLP/gRPC one that decode every ExportTraceServiceRequest they get and keep its spans.
 
+    python -m studies.otlp_collector    (prints its URL, serves until SIGTERM; GET /count)
+
 The trace tests (tests/gateway/test_tracing.py) check what a real `kvgate serve` and
 `kvgate worker` export through the real OTLP exporters, and studies/tracing_overhead.py
 gives the gateway somewhere to send its spans while it is measured: a collector that
@@ -11,6 +13,7 @@ fields it thought of.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -45,20 +48,28 @@ class ReceivedSpan:
 class Spans:
     """What a receiver has decoded so far, shared with the thread it runs in."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         self._lock = threading.Lock()
+        self.keep = keep  # False: count them only (a study's millions)
+        self.received = 0
         self.spans: list[ReceivedSpan] = []
         self.bodies: list[bytes] = []
 
     def add(self, body: bytes, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        if not self.keep:  # parsed (the decoding a collector does), counted, dropped
+            n = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+            with self._lock:
+                self.received += n
+            return
         spans = decode(request)
         with self._lock:
+            self.received += len(spans)
             self.bodies.append(body)
             self.spans.extend(spans)
 
     def count(self) -> int:
         with self._lock:
-            return len(self.spans)
+            return self.received
 
     def wait_for(
         self, done: Callable[[list[ReceivedSpan]], bool], timeout_s: float = 20
@@ -110,15 +121,19 @@ def _value(v: AnyValue) -> Any:
 class HttpCollector(ThreadedApps, Spans):
     """OTLP over HTTP with protobuf bodies at `url` (POST /v1/traces)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         ThreadedApps.__init__(self)
-        Spans.__init__(self)
+        Spans.__init__(self, keep)
         self.url = f"http://127.0.0.1:{self.port}/v1/traces"
 
     def apps(self) -> list[tuple[web.Application, int]]:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/traces", self._traces)
+        app.router.add_get("/count", self._count)
         return [(app, self.port)]
+
+    async def _count(self, request: web.Request) -> web.Response:
+        return web.json_response({"spans": self.count()})
 
     async def _traces(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -149,3 +164,17 @@ class GrpcCollector(Spans, trace_service_pb2_grpc.TraceServiceServicer):
 
     def __exit__(self, *exc: object) -> None:
         self._server.stop(grace=None)
+
+
+def main() -> None:
+    """The HTTP receiver in a process of its own (studies/tracing_overhead.py): its
+    decoding must not share the load generator's interpreter."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with HttpCollector(keep=False) as collector:
+        print(collector.url, flush=True)
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -44,11 +44,8 @@ PROTOCOLS = (HTTP_PROTOBUF, GRPC)
 # OpenTelemetry's GenAI semantic conventions, where they name what kvgate knows
 GEN_AI_OPERATION = "gen_ai.operation.name"  # chat | text_completion | embeddings
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
-GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
-GEN_AI_TEMPERATURE = "gen_ai.request.temperature"
-GEN_AI_TOP_P = "gen_ai.request.top_p"
 GEN_AI_CHOICES = "gen_ai.request.choice.count"
 GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
@@ -118,16 +115,15 @@ class Tracing:
     def server_span(
         self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]
     ) -> AbstractContextManager[Span]:
-        """A request's span, made current while the handler runs: a child of the caller's
-        span when its W3C traceparent says so, else a new trace."""
+        """A request's span, made current while the handler runs (its steps, and the
+        calls it makes upstream, find it there): a child of the caller's span when its
+        W3C traceparent says so, else a new trace."""
         span = self.tracer.start_span(name, _W3C.extract(headers), SpanKind.SERVER, attributes)
-        return _current(span)
+        return _Scope(span, current=True)
 
-    def step(
-        self, name: str, attributes: dict[str, Any] | None = None
-    ) -> AbstractContextManager[Span]:
-        """A child of the current span, current itself while the block runs."""
-        return _current(self.tracer.start_span(name, attributes=attributes))
+    def step(self, name: str) -> AbstractContextManager[Span]:
+        """A child of the current span for the block: a leaf (it is not made current)."""
+        return _Scope(self.tracer.start_span(name), current=False)
 
     def start(
         self,
@@ -147,11 +143,9 @@ class Tracing:
         await asyncio.to_thread(self.provider.shutdown)
 
 
-def step(
-    tracing: Tracing | None, name: str, attributes: dict[str, Any] | None = None
-) -> AbstractContextManager[Span | None]:
-    """`tracing.step(...)`, or, with tracing off, a shared null context (no span)."""
-    return _OFF if tracing is None else tracing.step(name, attributes)
+def step(tracing: Tracing | None, name: str) -> AbstractContextManager[Span | None]:
+    """`tracing.step(name)`, or, with tracing off, a shared null context (no span)."""
+    return _OFF if tracing is None else tracing.step(name)
 
 
 def current_span(tracing: Tracing | None) -> Span | None:
@@ -160,15 +154,20 @@ def current_span(tracing: Tracing | None) -> Span | None:
     return None if tracing is None else trace.get_current_span()
 
 
-@contextlib.contextmanager
-def while_current(span: Span) -> Iterator[None]:
-    """`span` current for the block only: around one await of a stream, so a call made
-    inside (the remote adapter's HTTP request) carries its traceparent."""
-    token = otel_context.attach(trace.set_span_in_context(span))
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
+class AsCurrent:
+    """`span` current for the block only: around the read of a stream that sends its
+    request upstream, so the request carries the span's traceparent."""
+
+    __slots__ = ("span", "_token")
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+
+    def __enter__(self) -> None:
+        self._token = otel_context.attach(trace.set_span_in_context(self.span))
+
+    def __exit__(self, *exc: object) -> None:
+        otel_context.detach(self._token)
 
 
 def failed(span: Span, e: BaseException) -> None:
@@ -178,17 +177,28 @@ def failed(span: Span, e: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR))
 
 
-@contextlib.contextmanager
-def _current(span: Span) -> Iterator[Span]:
-    """`span` current while the block runs, ended after it (failed by what it raised)."""
-    try:
-        with while_current(span):
-            yield span
-    except BaseException as e:
-        failed(span, e)
-        raise
-    finally:
-        span.end()
+class _Scope:
+    """A span ended when the block leaves, failed by what it raised; current while the
+    block runs when `current`. A class, not a generator: it runs for every step of
+    every request."""
+
+    __slots__ = ("span", "_current")
+
+    def __init__(self, span: Span, current: bool) -> None:
+        self.span = span
+        self._current = AsCurrent(span) if current else None
+
+    def __enter__(self) -> Span:
+        if self._current is not None:
+            self._current.__enter__()
+        return self.span
+
+    def __exit__(self, kind: object, e: BaseException | None, tb: object) -> None:
+        if e is not None:
+            failed(self.span, e)
+        if self._current is not None:
+            self._current.__exit__()
+        self.span.end()
 
 
 def _exporter(export: TraceExport):

@@ -213,7 +213,7 @@ async def render_on_a_replica(
     of them that can render them all; a 400 or 503 for the client as _backend_errors
     says."""
     model = served_model(gw, principal, model)
-    with step(gw.tracing, "kvgate.render"), _backend_errors(gw, principal, model):
+    with _backend_errors(gw, principal, model):
         candidates = gw.router.candidates(model)  # each replica's stats, read once
         for candidate in candidates[:-1]:
             with contextlib.suppress(BackendError):

@@ -26,15 +26,12 @@ from gateway.observe.tracing import (
     GEN_AI_OUTPUT_TOKENS,
     GEN_AI_REQUEST_MODEL,
     GEN_AI_RESPONSE_ID,
-    GEN_AI_RESPONSE_MODEL,
-    GEN_AI_TEMPERATURE,
-    GEN_AI_TOP_P,
     GEN_AI_TTFT,
     REPLICA,
     TENANT,
+    AsCurrent,
     Tracing,
     failed,
-    while_current,
 )
 from gateway.serving.metering import ChoiceMeter
 
@@ -93,35 +90,32 @@ async def traced_call(
     for its wait in the fair queue. The span is current around each read of the stream
     only, so the remote adapter's request upstream carries its traceparent and the
     upstream's spans join the trace."""
-    sp = req.sampling
     attributes = {
         GEN_AI_OPERATION: operation(chat),
         GEN_AI_REQUEST_MODEL: model,
         GEN_AI_RESPONSE_ID: req.request_id,
-        GEN_AI_MAX_TOKENS: sp.max_tokens,
-        GEN_AI_TEMPERATURE: sp.temperature,
-        GEN_AI_TOP_P: sp.top_p,
+        GEN_AI_MAX_TOKENS: req.sampling.max_tokens,
         REPLICA: replica,
     }
     span = tracing.start(f"{operation(chat)} {model}", parent, SpanKind.CLIENT, attributes)
     started = time.perf_counter()
 
     def slot_given(asked_ns: int) -> None:
-        tracing.start(QUEUE_WAIT, span, attributes={REPLICA: replica}, start_time=asked_ns).end()
+        tracing.start(QUEUE_WAIT, span, start_time=asked_ns).end()
 
     stream = open_stream(req, slot_given)
-    first, finish = True, None
+    finish = None
     try:
-        while True:
-            with while_current(span):
-                chunk = await anext(stream, None)
-            if chunk is None:
-                break
-            if first and (chunk.token_ids or chunk.text):
-                first = False
-                span.set_attribute(GEN_AI_TTFT, time.perf_counter() - started)
+        with AsCurrent(span):  # the first read sends the request upstream
+            chunk = await anext(stream, None)
+        ttft = None
+        while chunk is not None:
+            if ttft is None and (chunk.token_ids or chunk.text):
+                ttft = time.perf_counter() - started
+                span.set_attribute(GEN_AI_TTFT, ttft)
             finish = chunk.finish_reason or finish
             yield chunk
+            chunk = await anext(stream, None)
     except BaseException as e:  # a failure, or the reader closed it (the client left)
         failed(span, e)
         raise
@@ -129,7 +123,6 @@ async def traced_call(
         await stream.aclose()
         span.set_attributes(
             {
-                GEN_AI_RESPONSE_MODEL: req.model,
                 GEN_AI_INPUT_TOKENS: meter.prompt,
                 GEN_AI_OUTPUT_TOKENS: meter.count,
                 GEN_AI_CACHED_TOKENS: meter.cached,
