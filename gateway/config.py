@@ -80,6 +80,8 @@ class Settings:
     device: str | None = None  # gpu backend: "auto" (default: CUDA if there), "cuda", "cpu"
     dtype: str | None = None  # gpu backend: "auto" (bfloat16 on CUDA, float32 on the CPU)
     tensor_parallel_size: int | None = None  # gpu backend: ranks the model is split over (1)
+    # gpu backend: a mixture of experts' ranks hold whole experts, not slices (false)
+    enable_expert_parallel: bool | None = None
     pipeline_parallel_size: int | None = None  # gpu backend: stages the layers split into (1)
     # gpu backend: tiers under the KV cache (GiB of host memory; a directory and its GiB,
     # which the local backend takes too; a redis:// store shared by engines of one model)
@@ -199,6 +201,7 @@ ENGINE_SETTINGS: dict[str, tuple[str, ...]] = {
     "device": ("gpu",),
     "dtype": ("gpu",),
     "tensor_parallel_size": ("gpu",),
+    "enable_expert_parallel": ("gpu",),
     "pipeline_parallel_size": ("gpu",),
     "kv_offload_gb": ("gpu",),
     "kv_disk_path": ("gpu", "local"),
@@ -267,6 +270,7 @@ _ENV_FIELDS = {
     "max_num_seqs": int,
     "gpu_memory_utilization": float,
     "tensor_parallel_size": int,
+    "enable_expert_parallel": lambda v: v.lower() in ("1", "true", "yes"),
     "pipeline_parallel_size": int,
     "kv_offload_gb": float,
     "kv_disk_path": str,

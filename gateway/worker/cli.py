@@ -107,6 +107,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         f"each (default {GPU_DEFAULTS['tensor_parallel_size']})",
     )
     gpu.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="a mixture-of-experts model's tensor-parallel ranks each hold a share of the "
+        "experts whole instead of a slice of every expert",
+    )
+    gpu.add_argument(
         "--pipeline-parallel-size",
         type=int,
         metavar="N",

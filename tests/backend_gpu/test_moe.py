@@ -21,6 +21,10 @@ from backend_gpu.expert_shards import (
 )
 from backend_gpu.layers.moe import FusedExperts, grouped_experts, loop_over_experts
 from backend_gpu.tp_shards import SKIP, ShardRead
+from gateway.backends.gpu import ENGINE_OPTIONS
+from gateway.cli.main import build_parser
+from gateway.config import load_settings
+from gateway.worker import cli as worker_cli
 from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
 from tests.backend_gpu.test_correctness import mixed_prompts
 
@@ -224,3 +228,15 @@ def test_two_ranks_match_one(tiny_model_dir, check, arch, expert_parallel):
     else:
         assert experts.down_proj.shape[-1] == 16  # half of 32 intermediate columns
     check(llm, arch)
+
+
+def test_the_flag_reaches_the_gpu_engine_options():
+    args = build_parser().parse_args(
+        ["worker", "--backend", "gpu", "--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    )
+    (spec,) = load_settings(None, worker_cli.engine_overrides(args), environ={}).resolved_backends()
+    assert spec.options == {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    env = {"KVGATE_BACKEND": "gpu", "KVGATE_ENABLE_EXPERT_PARALLEL": "true"}
+    (spec,) = load_settings(None, environ=env).resolved_backends()
+    assert spec.options == {"enable_expert_parallel": True}
+    assert "enable_expert_parallel" in ENGINE_OPTIONS  # the gpu backend hands it to the engine
