@@ -22,14 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from gateway.backends import Backend, BackendSpec
 from gateway.config import ENGINE_SETTINGS, Settings
 from gateway.lifecycle import Started, add_entry_adapters, route, start_entries
 from gateway.state import GatewayState
+from gateway.tenancy import audit
 
 log = logging.getLogger("kvgate")
+SIGNAL_ACTOR = "signal:SIGHUP"  # who the audit log names for a SIGHUP's reload
 
 # the settings a reload applies; any other that differs needs a restart
 RELOADABLE = frozenset(
@@ -70,11 +73,11 @@ class Reload:
     replaced: list[str] = field(default_factory=list)
 
 
-async def reload_config(gw: GatewayState) -> Reload:
+async def reload_config(gw: GatewayState, actor: str) -> Reload:
     """Read the config again and apply it, or log and raise ReloadError and change
-    nothing."""
+    nothing. `actor`: the admin key's id (or SIGNAL_ACTOR), for the audit log."""
     try:
-        return await _reload(gw)
+        return await _reload(gw, actor)
     except ReloadError as e:
         log.error("config reload refused; the running config stays: %s", e)
         raise
@@ -83,10 +86,10 @@ async def reload_config(gw: GatewayState) -> Reload:
 async def reload_on_signal(gw: GatewayState) -> None:
     """SIGHUP's reload: no caller to answer, the log says how it went."""
     with contextlib.suppress(ReloadError):
-        await reload_config(gw)
+        await reload_config(gw, SIGNAL_ACTOR)
 
 
-async def _reload(gw: GatewayState) -> Reload:
+async def _reload(gw: GatewayState, actor: str) -> Reload:
     async with gw.reload_lock:
         if gw.source is None:
             raise ReloadError("this gateway was not started from a config it can read again")
@@ -105,6 +108,12 @@ async def _reload(gw: GatewayState) -> Reload:
         done.replaced = [n for n in now if n in old and now[n] != old[n]]
         starting = [now[n] for n in now if n in done.added or n in done.replaced]
         started = await _start(gw, starting)
+        try:  # the row first: the swap cannot fail, so no reload goes without its row
+            before, after = _audited(gw.settings, new, done)
+            await audit.record(gw.db, actor, "config.reload", "config", before, after)
+        except BaseException:
+            await _stop([b for b, _ in started.backends], started)
+            raise
         _swap(gw, new, started, done.removed + done.replaced)
         if starting:
             await add_entry_adapters(gw, starting, started)
@@ -114,6 +123,30 @@ async def _reload(gw: GatewayState) -> Reload:
             *(done.changed, done.added, done.removed, done.replaced),
         )
         return done
+
+
+def _audited(old: Settings, new: Settings, done: Reload) -> tuple[dict, dict]:
+    """The reload as the audit log keeps it: each changed setting before and after, prices
+    in USD per million tokens, and the backend entries by name only (an entry's options
+    may hold an upstream's key)."""
+
+    def view(settings: Settings) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in (n for n in done.changed if n != "backends"):
+            value = getattr(settings, name)
+            if name == "prices":
+                out[name] = {
+                    m: {f: v / 1e6 for f, v in asdict(p).items()} for m, p in value.items()
+                }
+            elif isinstance(value, list | tuple):
+                out[name] = [str(v) for v in value]
+            else:
+                out[name] = (
+                    value if isinstance(value, str | int | float | bool | None) else str(value)
+                )
+        return out | {"backends": sorted(spec.name for spec in settings.resolved_backends())}
+
+    return view(old), view(new) | {"replaced": done.replaced}
 
 
 def _changed(old: Settings, new: Settings) -> list[str]:

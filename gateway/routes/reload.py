@@ -16,9 +16,9 @@ from gateway.state import GW
 
 
 async def reload(request: web.Request) -> web.Response:
-    await guards.admin(request)
+    actor = await guards.admin(request)
     try:
-        done = await reload_config(request.app[GW])
+        done = await reload_config(request.app[GW], actor.key_id)
     except ReloadError as e:
         raise ApiError(400, str(e), code="invalid_config", param=e.field) from None
     return json_response({"reloaded": True, **dataclasses.asdict(done)})

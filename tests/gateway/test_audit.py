@@ -1,7 +1,7 @@
-"""The audit log: every kind of admin change leaves exactly one row naming the admin key
-by its id, with the object before and after, and no secret; a change that fails leaves
-none; GET /admin/audit's filters and pages; `kvgate audit`; SQLite and PostgreSQL; and
-migration 0011 carrying the old rows over."""
+"""The audit log: every kind of admin change (a config reload too) leaves exactly one row
+naming the admin key by its id, with the object before and after, and no secret; a change
+that fails leaves none; GET /admin/audit's filters and pages; `kvgate audit`; SQLite and
+PostgreSQL; and migration 0011 carrying the old rows over."""
 
 from __future__ import annotations
 
@@ -10,13 +10,19 @@ import os
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 from sqlalchemy import select, text
 
+from gateway.app import create_app
 from gateway.cli import main as kvgate
+from gateway.config import ConfigSource
 from gateway.db import ApiKey, Database, migrate
+from gateway.http.server import GatewayTestServer
+from gateway.reload import SIGNAL_ACTOR, reload_on_signal
 from gateway.tenancy.auth import hash_key
 from tests.conftest import ADMIN_KEY, PG_URL
+from tests.gateway.conftest import Gateway
 
 PIN_TEXT = "You are the support agent of Acme. Answer in one short paragraph."
 
@@ -267,3 +273,54 @@ def _schema_diff(sync_conn) -> list:
 
     context = MigrationContext.configure(sync_conn)
     return [d for d in compare_metadata(context, Base.metadata) if "audit_log" in str(d)]
+
+
+def _config(output_usd: float) -> str:
+    return f"""
+[[backends]]
+name = "fake"
+type = "fake"
+model = "fake-model"
+
+[prices."fake-model"]
+input = 1.0
+output = {output_usd}
+"""
+
+
+async def test_a_reload_is_one_row_by_whoever_asked(tmp_path):
+    config = tmp_path / "kvgate.toml"
+    config.write_text(_config(2.0))
+    overrides = {
+        "database_url": f"sqlite+aiosqlite:///{tmp_path / 'gw.db'}",
+        "admin_key": ADMIN_KEY,
+    }
+    source = ConfigSource(str(config), overrides)
+    settings = source.load()
+    server = GatewayTestServer(create_app(settings, source), settings)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            gw = Gateway(server, http)
+            log, actor = Log(gw), await admin_key_id(gw)
+            await log.new()
+            config.write_text(_config(4.0))
+            status, done = await gw.admin("POST", "/admin/reload")
+            assert status == 200 and done["changed"] == ["prices"], done
+            row = await one_change(log, "config.reload", "config")
+            assert row["actor"] == actor
+            assert row["before"]["prices"]["fake-model"]["output"] == 2.0
+            assert row["after"]["prices"]["fake-model"]["output"] == 4.0
+            assert row["before"]["backends"] == row["after"]["backends"] == ["fake"]
+            config.write_text("[[backends]]\nname = ")  # refused whole: no change, no row
+            assert (await gw.admin("POST", "/admin/reload"))[0] == 400
+            assert await log.new() == []
+            config.write_text(_config(3.0))
+            await reload_on_signal(gw.state)  # SIGHUP's
+            row = await one_change(log, "config.reload", "config")
+            assert (
+                row["actor"] == SIGNAL_ACTOR
+                and row["after"]["prices"]["fake-model"]["output"] == 3.0
+            )
+    finally:
+        await server.close()
