@@ -349,7 +349,8 @@ class AuditEntry(Body):
     object: Literal["audit_entry"]
     ts: float
     actor: str = Field(
-        description="the admin key's id (key_...); cli:USER for the command line; bootstrap"
+        description="the admin key's id (key_...); cli:USER for the command line; "
+        "signal:SIGHUP for a reload by signal; bootstrap"
     )
     action: str = Field(description="tenant.create, key.revoke, prefix.pin, adapter.delete, ...")
     target: str = Field(description="the id (or an adapter's name) of what changed")

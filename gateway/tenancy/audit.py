@@ -4,12 +4,13 @@ admin credential, what (an action on a target) and the object before and after.
 
 A change that is a database write adds its row in the same transaction (`audit_row`), so
 there is no change without its row and no row for a change that rolled back; a change
-outside the database (a reload) is written once it has taken effect (`record`). The
-credential is the admin key's id (`key_...`, never the key nor its hash), `cli:<user>`
-for the command line, which works on the database with no key, `bootstrap` for the admin
-key made at first start, and `signal` for a SIGHUP. Rows carry the records as the admin
-API shows them, which hold no secret; a pin's text (a tenant's system prompt) is kept
-as its length and SHA-256 only, since the row outlives the pin.
+outside the database (a reload) writes its row just before it takes effect, in a step
+that cannot fail (`record`). The credential is the admin key's id (`key_...`, never the
+key nor its hash), `cli:<user>` for the command line, which works on the database with no
+key, `bootstrap` for the admin key made at first start, and `signal:SIGHUP` for a SIGHUP's
+reload. Rows carry the records as the admin API shows them, which hold no secret; a pin's
+text (a tenant's system prompt) is kept as its length and SHA-256 only, since the row
+outlives the pin.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ async def record(
     before: dict[str, Any] | None,
     after: dict[str, Any] | None,
 ) -> None:
-    """The row of a change that is no database write (a config reload), once it took effect."""
+    """The row of a change that is no database write (a config reload), in a transaction
+    of its own."""
     async with db.session() as s, s.begin():
         s.add(audit_row(actor, action, target, None, before, after))
 
