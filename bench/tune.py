@@ -43,9 +43,10 @@ def parse_duration(text: str) -> float:
 
 
 def coarse_grid(max_seqs_useful: int) -> list[Candidate]:
-    """max_num_seqs over a geometric grid (up to what the workload can fill) at two
-    token budgets, the default budget first."""
-    seqs = [s for s in (4, 16, 64, 256) if s <= max(4, max_seqs_useful)]
+    """max_num_seqs at what the workload can fill (beyond it the engine's default is
+    the same), a half and a quarter of it, at two token budgets, the default first."""
+    top = min(max_seqs_useful, DEFAULTS.max_num_seqs)
+    seqs = list(dict.fromkeys(max(1, top // d) for d in (1, 2, 4)))
     grid = [Candidate(max_num_seqs=s) for s in seqs]
     grid += [Candidate(max_num_seqs=s, max_num_batched_tokens=512) for s in seqs]
     return grid
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvgate tune", description=__doc__, formatter_class=DefaultsHelpFormatter
     )
     p.add_argument("--backend", choices=["gpu"], default="gpu", help="the engine tuned")
-    p.add_argument("--model", required=True, help="GGUF file or HF directory")
+    p.add_argument("--model", help="GGUF file or HF directory (default: Gemma 3 270M)")
     p.add_argument("--slo-ttft-p99", type=float, required=True, metavar="S", help="seconds")
     p.add_argument("--slo-tpot-p99", type=float, required=True, metavar="S", help="seconds")
     p.add_argument("--budget", default="20m", help="time for the whole search: 20m, 90s, 1h")
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         budget = parse_duration(args.budget)
+        if args.model is None:
+            from gateway.backends.default_model import default_model_path
+
+            args.model = str(default_model_path())
         if min(args.slo_ttft_p99, args.slo_tpot_p99) <= 0:
             raise ValueError("--slo-ttft-p99 and --slo-tpot-p99 must be > 0 seconds")
         goals = Goals(args.slo_ttft_p99, args.slo_tpot_p99)

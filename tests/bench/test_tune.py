@@ -86,5 +86,6 @@ def test_budget_and_grid():
         parse_duration("soon")
     # no max_num_seqs beyond what the workload can fill, the defaults' budget first
     grid = coarse_grid(16)
-    assert {c.max_num_seqs for c in grid} == {4, 16}
+    assert {c.max_num_seqs for c in grid} == {4, 8, 16}
+    assert {c.max_num_seqs for c in coarse_grid(2)} == {1, 2}
     assert [c.max_num_batched_tokens for c in grid[:2]] == [2048, 2048]
