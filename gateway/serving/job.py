@@ -114,9 +114,11 @@ class Job:
                 )
 
     def _generate(self, req: GenRequest, meter: ChoiceMeter) -> AsyncIterator[GenChunk]:
-        """The backend's stream for one choice, in its span while tracing is on."""
+        """The backend's stream for one choice, in its span while the request is traced
+        (a request the sampler left out has none: the upstream still hears so from the
+        server span's traceparent, current in the handler)."""
         tracing = self.gw.tracing
-        if tracing is None:
+        if tracing is None or self.span is None or not self.span.is_recording():
             return self._stream(req, meter)
         return traced_call(
             *(tracing, self.span, self.chat, self.model, self.backend.name, req, meter),

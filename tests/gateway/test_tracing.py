@@ -186,6 +186,26 @@ def test_a_workers_spans_join_the_gateways_trace(
     _assert_no_secrets(collector, key, PROMPT, text, TOKEN)
 
 
+def test_a_trace_the_client_does_not_sample_is_not_exported_anywhere(
+    traced: LiveGateway, collector: HttpCollector
+) -> None:
+    _, _, client = _caller(traced, "unsampled")
+    gen = "POST /kvgate/v1/generate"
+    generated = len([s for s in collector.spans if s.name == gen])
+    unsampled, _, _ = _traceparent()
+    sampled, trace_id, _ = _traceparent()
+    for header in (unsampled.removesuffix("-01") + "-00", sampled):
+        client.completions.create(
+            model="worker-model", prompt="hi", max_tokens=2, extra_headers={"traceparent": header}
+        )
+    # spans go out in order: once the later trace came from both processes, the first
+    # would have too
+    _trace(collector, trace_id, "POST /v1/completions", gen)
+    assert not [s for s in collector.spans if s.trace_id == unsampled.split("-")[1]]
+    # nor did the worker start a trace of its own: it was told "not sampled" too
+    assert len([s for s in collector.spans if s.name == gen]) == generated + 1
+
+
 def test_tracing_is_off_unless_an_endpoint_is_configured() -> None:
     assert trace_export(None, "kvgate", {}) is None
     on = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}
