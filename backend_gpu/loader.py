@@ -28,6 +28,7 @@ from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.models import model_class
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage, prune_to_stage
+from backend_gpu.quantized_checkpoint import QuantizedCheckpoint
 from backend_gpu.tp_shards import SKIP, CheckpointShards, ShardRead
 
 # checkpoint module name -> (our packed module name, shard)
@@ -156,6 +157,12 @@ def build_model(
         extra = {"expert_parallel": True} if expert_parallel else {}
         model = cls(hf_config, tp, **extra).to(dtype)
     dropped = prune_to_stage(model, stage) if stage.count > 1 else []
+    # before the model gets memory: its quantized layers get none of 16 bits
+    quantized = None
+    if load_format != "dummy":
+        quantized = QuantizedCheckpoint.of(
+            model, hf_config, checkpoint.directory, PACKED_MODULES, tp
+        )
     # to_empty gives each module its own tensors: note which parameters are one
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -175,7 +182,12 @@ def build_model(
         shards = CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
         if shards is not None and moe is not None:
             shards = ExpertCheckpointShards(moe, ExpertShard.of(moe, tp, expert_parallel), shards)
-        load_weights(model, checkpoint.tensors(shards, tuple(dropped)))
+        if quantized is not None:
+            shards = quantized.reads(shards)
+        weights = checkpoint.tensors(shards, tuple(dropped))
+        if quantized is not None:
+            weights = quantized.weights(weights, model, dtype, device)
+        load_weights(model, weights)
     return model
 
 

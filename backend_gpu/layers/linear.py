@@ -99,26 +99,41 @@ class QuantizedLMHead(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """A linear layer made from a loaded one, its weight in 8 bits (FP8 E4M3 or INT8)
-    with one float32 scale per output row. W8A8 on FP8 GPUs (bfloat16 models), else
-    weight-only: the weight is widened to the activations' dtype in each forward. A
-    row-parallel layer's rows are split over `rows_over`, whose ranks agree on the scales."""
+    """A linear layer whose weight is in 8 bits (FP8 E4M3 or INT8) with one float32 scale
+    per output row: quantized from a loaded one (`of`), or a checkpoint's as published
+    (compressed-tensors FP8 and INT8). W8A8 on FP8 GPUs (bfloat16 models), else
+    weight-only: the weight is widened to the activations' dtype in each forward."""
 
-    def __init__(self, linear: nn.Linear, method: str, rows_over: ParallelGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: nn.Parameter | None,
+        method: str,
+        dtype: torch.dtype,  # the model's
+        shard_slices: dict[str, slice],
+    ) -> None:
         super().__init__()
-        weight, scale = QUANTIZE_PER_CHANNEL[method](linear.weight.detach(), rows_over)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.bias = linear.bias
-        self.shard_slices: dict[str, slice] = getattr(linear, "shard_slices", {})
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.bias = bias
+        self.shard_slices = shard_slices
         self.w8a8 = (
             method == "fp8"
             and fp8.supports_w8a8(weight.device)
-            and linear.weight.dtype == torch.bfloat16
+            and dtype == torch.bfloat16
             and self.in_features % 16 == 0  # _scaled_mm's shape rule
             and self.out_features % 16 == 0
         )
+
+    @classmethod
+    def of(cls, linear: nn.Linear, method: str, rows_over: ParallelGroup = SINGLE):
+        """`linear` quantized by `method`. A row-parallel layer's rows are split over
+        `rows_over`, whose ranks agree on the scales."""
+        weight, scale = QUANTIZE_PER_CHANNEL[method](linear.weight.detach(), rows_over)
+        shard_slices = getattr(linear, "shard_slices", {})
+        return cls(weight, scale, linear.bias, method, linear.weight.dtype, shard_slices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w8a8:

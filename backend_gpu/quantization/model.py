@@ -7,6 +7,7 @@ from torch import nn
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers.linear import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
 from backend_gpu.layers.moe import FusedExperts
+from backend_gpu.layers.packed_weight_linear import PackedWeightLinear
 from backend_gpu.tp_shards import ROW_PARALLEL
 
 
@@ -23,6 +24,11 @@ def quantize_model(model: nn.Module, method: str, tp: ParallelGroup = SINGLE) ->
     layer's scales are its whole rows', so every rank's 8-bit weights are exactly the
     single-device model's, cut.
     """
+    if any(isinstance(m, PackedWeightLinear | QuantizedLinear) for m in model.modules()):
+        raise ValueError(
+            f"quantization {method!r} quantizes a checkpoint at load, and this one is "
+            "already quantized (its config.json has a quantization_config): leave it unset"
+        )
     embed = model.model.embed_tokens
     tied = model.lm_head.weight is embed.weight
     table = QuantizedEmbedding(embed.weight)
@@ -33,7 +39,7 @@ def quantize_model(model: nn.Module, method: str, tp: ParallelGroup = SINGLE) ->
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent)
         rows_over = tp if leaf in ROW_PARALLEL else SINGLE
-        setattr(owner, leaf, QuantizedLinear(getattr(owner, leaf), method, rows_over))
+        setattr(owner, leaf, QuantizedLinear.of(getattr(owner, leaf), method, rows_over))
     for module in model.modules():  # a mixture of experts': every expert, as a linear layer
         if isinstance(module, FusedExperts):
             module.quantize(method, tp)

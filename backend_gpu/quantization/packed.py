@@ -73,6 +73,13 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] (nn.Linear's layout) in `dtype`, computed in float32."""
     q = unpack_rows(w.qweight, w.bits)
-    groups = w.groups()
-    weight = (q - w.zeros[groups].int()).float() * w.scales[groups].float()
+    if w.g_idx is None and w.in_features % w.group_size == 0:
+        # whole groups in order: each group's scales and zeros broadcast over its rows,
+        # the same values as the gather below at a fraction of the memory traffic
+        grouped = q.view(-1, w.group_size, w.out_features)
+        zeros, scales = w.zeros[:, None, :], w.scales[:, None, :]
+        weight = ((grouped - zeros.int()).float() * scales.float()).view(q.shape)
+    else:
+        groups = w.groups()
+        weight = (q - w.zeros[groups].int()).float() * w.scales[groups].float()
     return weight.t().to(dtype)

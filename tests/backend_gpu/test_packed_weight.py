@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend_gpu.layers.packed_weight_linear import PackedWeightLinear
 from backend_gpu.quantization.packed import PackedWeight, dequantize, pack_rows, unpack_rows
+from backend_gpu.quantization.packed_shards import cut_columns, cut_rows, join_columns
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -46,3 +48,58 @@ def test_dequantize_follows_the_definition(bits, act_order):
     assert w.nbytes == k * n * bits // 8 + scales.nbytes + zeros.nbytes + (
         k * 4 if act_order else 0
     )
+
+
+def random_weight(k=128, n=48, group=32, bits=4, act_order=False, seed=2) -> PackedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (k, n), generator=gen, dtype=torch.int32)
+    scales = torch.rand(k // group, n, generator=gen) + 0.1
+    zeros = torch.randint(0, 2**bits, (k // group, n), generator=gen).to(torch.uint8)
+    g_idx = torch.randperm(k, generator=gen).int() // group if act_order else None
+    return PackedWeight(pack_rows(q, bits), scales, zeros, g_idx, bits, group, k, n)
+
+
+@pytest.mark.parametrize(
+    ("start", "stop", "act_order"),
+    [(0, 64, False), (64, 128, False), (40, 96, False), (32, 128, True), (0, 128, False)],
+)
+def test_a_row_cut_is_the_whole_weights_columns(start, stop, act_order):
+    """Row-parallel ranks: whole groups, a group cut at the edge (explicit g_idx), and
+    act-order (every group's scales, the rank's g_idx rows)."""
+    w = random_weight(act_order=act_order)
+    part = cut_rows(w, start, stop, "m")
+    assert torch.equal(dequantize(part, torch.float32), dequantize(w, torch.float32)[:, start:stop])
+    assert part.in_features == stop - start
+    assert (part.g_idx is not None) == (act_order or start % 32 != 0)
+
+
+def test_a_row_cut_inside_a_word_is_refused():
+    with pytest.raises(ValueError, match="m: tensor parallelism cuts its inputs at 4..64"):
+        cut_rows(random_weight(), 4, 64, "m")
+
+
+def test_column_cuts_join_back_into_the_whole_weight():
+    w = random_weight(act_order=True)
+    parts = [cut_columns(w, 0, 16), cut_columns(w, 16, 48)]
+    joined = join_columns(parts, ["a", "b"])
+    assert torch.equal(dequantize(joined, torch.float32), dequantize(w, torch.float32))
+    other = random_weight(act_order=True, seed=3)
+    with pytest.raises(ValueError, match="b and a are one fused layer"):
+        join_columns([parts[0], cut_columns(other, 16, 48)], ["a", "b"])
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_cpu_int4_matmul_computes_the_dequantized_product(act_order):
+    """bfloat16: torch's packed INT4 kernel, zeros as its float zero point, act-order as
+    a permutation of x; float32: dequantize then matmul."""
+    w = random_weight(act_order=act_order)
+    bias = torch.nn.Parameter(torch.randn(w.out_features), requires_grad=False)
+    x = torch.randn(5, w.in_features)
+    want = torch.nn.functional.linear(x, dequantize(w, torch.float32), bias)
+    fast = PackedWeightLinear(w, bias, torch.bfloat16, {})
+    assert fast.cpu_int4 and not hasattr(fast, "qweight")
+    got = fast(x.bfloat16()).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    exact = PackedWeightLinear(w, bias, torch.float32, {})
+    assert not exact.cpu_int4
+    torch.testing.assert_close(exact(x), want)

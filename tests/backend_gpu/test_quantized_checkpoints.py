@@ -1,0 +1,196 @@
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors) load quantized and compute
+what the format's own dequantization says: a tiny random model written in each format
+(quantized_checkpoints.py) against the same checkpoint dequantized by the format's
+reference code and run in transformers. Greedy tokens equal (under the near-tie rule);
+the top log-probabilities within LOGPROB_TOLERANCE (float32 both: the same weights, only
+the order of the sums differs). A checkpoint whose config and tensors disagree fails at
+start naming the tensor; other quantization methods are refused by name."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend_gpu import LLM, SamplingParams
+from backend_gpu.layers.linear import QuantizedLinear
+from backend_gpu.layers.packed_weight_linear import PackedWeightLinear
+from backend_gpu.quantization.checkpoint_config import UnsupportedQuantization
+from tests.backend_gpu.quantized_checkpoints import (
+    compressed_schemes,
+    write_awq,
+    write_compressed,
+    write_gptq,
+)
+from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
+
+MAX_NEW = 8
+LOGPROB_TOLERANCE = 1e-3
+PROMPTS = [[1, 5, 9, 30, 41, 7], [1, 100, 3, 77, 250, 251, 252, 8, 9, 12, 12, 12]]
+FORMATS = {
+    "gptq-4bit-asym-desc_act": lambda src, dst: write_gptq(src, dst, 4, 32, False, True),
+    "gptq_v2-8bit-sym-channel": lambda src, dst: write_gptq(src, dst, 8, -1, True, False, v2=True),
+    "awq-gemm-g32": lambda src, dst: write_awq(src, dst, 32),
+    **{
+        f"ct-{kind}": functools.partial(write_compressed, kind=kind)
+        for kind in compressed_schemes()
+    },
+}
+EIGHT_BIT_PER_CHANNEL = ("ct-fp8-dynamic", "ct-fp8-static-tensor", "ct-w8a8-int")
+
+
+@pytest.fixture(scope="module")
+def written(tiny_model_dir, tmp_path_factory):
+    """(arch, format) -> (quantized checkpoint, its dequantized reference), written once."""
+    root = tmp_path_factory.mktemp("quantized")
+    cache: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def write(arch: str, fmt: str) -> tuple[str, str]:
+        if (arch, fmt) not in cache:
+            dst = str(root / f"{arch}-{fmt}")
+            cache[arch, fmt] = dst, FORMATS[fmt](tiny_model_dir(arch), dst)
+        return cache[arch, fmt]
+
+    return write
+
+
+def assert_matches_reference(llm: LLM, reference_dir: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    refs = hf_greedy(reference_dir, PROMPTS, MAX_NEW)
+    for out, (ref_ids, ref_logits) in zip(llm.generate(PROMPTS, params), refs, strict=True):
+        assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
+        ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
+        for step, lp in enumerate(out.logprobs):
+            if out.token_ids[: step + 1] != ref_ids[: step + 1]:
+                break  # a near tie took another token: the contexts differ from here
+            for token, value in lp.top:
+                assert abs(value - ref_logprobs[step, token].item()) < LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("arch", "fmt"), [("llama", fmt) for fmt in FORMATS] + [("gemma3", "gptq-4bit-asym-desc_act")]
+)
+def test_each_format_computes_what_its_reference_dequantization_says(written, arch, fmt):
+    path, reference_dir = written(arch, fmt)
+    llm = LLM(path)
+    kind = QuantizedLinear if fmt in EIGHT_BIT_PER_CHANNEL else PackedWeightLinear
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, kind)]
+    assert len(layers) == 4 * len(model.model.layers)  # qkv, o, gate_up, down: all quantized
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
+    assert_matches_reference(llm, reference_dir)
+
+
+def test_int4_weights_stay_packed_and_the_memory_profile_counts_their_bytes(
+    written, tiny_model_dir
+):
+    path, _ = written("llama", "gptq-4bit-asym-desc_act")
+    dense = LLM(tiny_model_dir("llama")).engine.runner
+    quant = LLM(path).engine.runner
+    dense_layers = dict(dense.model.named_modules())
+    saved = 0
+    for name, layer in quant.model.named_modules():
+        if not isinstance(layer, PackedWeightLinear):
+            continue
+        n, k = layer.out_features, layer.in_features
+        assert layer.qweight.dtype == torch.int32 and layer.qweight.shape == (k // 8, n)
+        held = sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+        bias = 0 if layer.bias is None else layer.bias.numel() * 4
+        # 4 bits a weight; fp16 scales and uint8 zeros per group of 32 rows; g_idx
+        assert held - bias == k * n // 2 + (k // 32) * n * 3 + k * 4
+        saved += dense_layers[name].weight.numel() * 4 - (held - bias)
+    assert saved > 0 and quant.weight_bytes == dense.weight_bytes - saved
+
+
+def test_bfloat16_runs_the_packed_int4_matmul_and_agrees(written):
+    path, _ = written("llama", "gptq-4bit-asym-desc_act")
+    ref = LLM(path).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    llm = LLM(path, dtype="bfloat16")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedWeightLinear)]
+    assert layers and all(m.cpu_int4 for m in layers)
+    assert forced_agreement(llm, PROMPTS, ref) >= 0.8
+
+
+def test_two_ranks_decode_what_one_does(written):
+    """Row-parallel layers with act-order: each rank holds its rows of g_idx and every
+    group's scales and zeros."""
+    path, _ = written("llama", "gptq-4bit-asym-desc_act")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    one = [o.token_ids for o in LLM(path).generate(PROMPTS, params)]
+    two = [o.token_ids for o in LLM(path, tensor_parallel_size=2).generate(PROMPTS, params)]
+    assert two == one
+
+
+def _broken_copy(path: str, dst: str, edit_tensors=None, edit_config=None) -> str:
+    os.makedirs(dst)
+    for name in os.listdir(path):
+        src = os.path.join(path, name)
+        if name == "model.safetensors":
+            tensors = load_file(src)
+            if edit_tensors is not None:
+                edit_tensors(tensors)
+            save_file(tensors, os.path.join(dst, name))
+        elif name == "config.json":
+            with open(src) as f:
+                config = json.load(f)
+            if edit_config is not None:
+                edit_config(config["quantization_config"])
+            with open(os.path.join(dst, name), "w") as f:
+                json.dump(config, f)
+        else:
+            with open(src, "rb") as f, open(os.path.join(dst, name), "wb") as g:
+                g.write(f.read())
+    return dst
+
+
+DOWN = "model.layers.1.mlp.down_proj"
+BROKEN = {
+    "missing-qzeros": (
+        dict(edit_tensors=lambda t: t.pop(f"{DOWN}.qzeros")),
+        ValueError,
+        f"{DOWN}.qzeros is missing",
+    ),
+    "wrong-scales-shape": (
+        dict(edit_tensors=lambda t: t.update({f"{DOWN}.scales": t[f"{DOWN}.scales"][:2]})),
+        ValueError,
+        f"{DOWN}.scales: torch.float16 \\(2, 64\\)",
+    ),
+    "config-says-8-bits": (
+        dict(edit_config=lambda c: c.update(bits=8)),
+        ValueError,
+        r"model.layers.0.mlp.down_proj.qweight: torch.int32 \(16, 64\) .* expected .* \(32, 64\)",
+    ),
+    "3-bits": (
+        dict(edit_config=lambda c: c.update(bits=3)),
+        UnsupportedQuantization,
+        "gptq with 3 bits is not supported; supported: gptq",
+    ),
+    "bitsandbytes": (
+        dict(edit_config=lambda c: c.update(quant_method="bitsandbytes")),
+        UnsupportedQuantization,
+        "'bitsandbytes' is not supported; supported: gptq .* awq .* compressed-tensors",
+    ),
+    "marlin-export": (
+        dict(edit_config=lambda c: c.update(checkpoint_format="marlin")),
+        UnsupportedQuantization,
+        "gptq with checkpoint_format 'marlin'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_checkpoint_that_disagrees_with_its_config_fails_at_start(written, tmp_path, case):
+    path, _ = written("llama", "gptq-4bit-asym-desc_act")
+    edits, error, match = BROKEN[case]
+    with pytest.raises(error, match=match):
+        LLM(_broken_copy(path, str(tmp_path / case), **edits))
+
+
+def test_load_time_quantization_of_a_quantized_checkpoint_is_refused(written):
+    path, _ = written("llama", "awq-gemm-g32")
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(path, quantization="int8")
