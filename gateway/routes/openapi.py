@@ -270,7 +270,7 @@ def _admin_routes() -> list[Route]:
 def _audit_query() -> tuple[tuple[str, dict[str, Any], str], ...]:
     when = {"type": "string", "pattern": NO_CONTROL}
     page = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}
-    cursor = {"type": "integer", "minimum": 1}
+    cursor = {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
     return (
         ("action", _TEXT_PARAM, "One action (key.revoke), or a family with no dot (key)."),
         ("target", _TEXT_PARAM, "Only changes to this id or name."),

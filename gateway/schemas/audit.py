@@ -16,6 +16,7 @@ from gateway.schemas.base import NO_CONTROL
 from gateway.tenancy.audit import MAX_PAGE, AuditFilter
 
 Text = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_CONTROL)]
+MAX_ID = 2**63 - 1  # a row id is a signed 64-bit integer in both databases
 
 
 class AuditQuery(BaseModel):
@@ -27,7 +28,7 @@ class AuditQuery(BaseModel):
     since: datetime.datetime | None = None
     until: datetime.datetime | None = None
     limit: Annotated[int, Field(ge=1, le=MAX_PAGE)] = 100
-    cursor: Annotated[int, Field(ge=1)] | None = None
+    cursor: Annotated[int, Field(ge=1, le=MAX_ID)] | None = None
 
     @field_validator("since", "until")
     @classmethod

@@ -195,6 +195,7 @@ async def test_filters_and_pages(gw):
         ("limit=abc", "limit"),
         ("since=yesterday", "since"),
         ("cursor=-1", "cursor"),
+        (f"cursor={2**64}", "cursor"),
         ("surprise=1", "surprise"),
     ]:
         status, error = await get(query)
