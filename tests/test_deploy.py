@@ -91,6 +91,7 @@ def test_the_gateway_probes_and_drains_and_workers_take_a_gpu_each() -> None:
     assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert worker["args"][:3] == ["worker", "--backend", "gpu"]
+    assert worker["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert one("Service", workers["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
 
 
