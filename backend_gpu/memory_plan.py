@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from backend_gpu.distributed import ParallelGroup
+from backend_gpu.gguf_loader import cache_root, file_digest
 from backend_gpu.layers.linear import TABLE_GROUP
 from backend_gpu.memory import (
     MIB,
@@ -132,10 +133,16 @@ def load_model_config(path: str):
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-        directory, name = os.path.split(os.path.abspath(path))
-        config = AutoConfig.from_pretrained(directory, gguf_file=name)
-        if config.model_type == "gemma3_text":  # as backend_gpu.gguf_loader converts it
-            config.architectures = ["Gemma3ForCausalLM"]
+        converted = os.path.join(cache_root(), "gguf", file_digest(path))
+        if os.path.isfile(os.path.join(converted, "config.json")):
+            # the engine converted it already: its config, without parsing the GGUF's
+            # metadata again (a large vocabulary's arrays take a minute)
+            config = AutoConfig.from_pretrained(converted)
+        else:
+            directory, name = os.path.split(os.path.abspath(path))
+            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+            if config.model_type == "gemma3_text":  # as backend_gpu.gguf_loader converts it
+                config.architectures = ["Gemma3ForCausalLM"]
     elif path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
             values = json.load(f)

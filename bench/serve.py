@@ -145,6 +145,8 @@ async def until_stopped(tasks: list[asyncio.Task], stop: asyncio.Event) -> list[
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    with contextlib.suppress(asyncio.CancelledError):
+        await everything  # cancelled with its tasks: taken, so asyncio does not warn
     return [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
 
 

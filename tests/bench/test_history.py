@@ -8,7 +8,9 @@ import pytest
 
 from bench.cli import main
 from bench.compare import compare_records
+from bench.datasets import random_requests
 from bench.history import find_record, load_records
+from bench.serve import ServeConfig, serve_benchmark
 from tests.conftest import start_gateway
 
 
@@ -28,13 +30,13 @@ def runs(tmp_path_factory):
         sweep = ["sweep", *base, "--output-len", "4", "--concurrency", "1,2"]
         sweep += ["--save-result", str(root / "sweep.json"), "--plot", str(root / "sweep.png")]
         assert main(sweep) == 0
-        yield results, gw.proc.pid
+        yield results, gw.proc.pid, gw.url, key
     finally:
         gw.stop()
 
 
 def test_records_hold_the_run(runs):
-    results, server = runs
+    results, server, _, _ = runs
     serve_a, serve_b, sweep = load_records(results)
     assert [r["kind"] for r in (serve_a, serve_b, sweep)] == ["serve", "serve", "sweep"]
     for r in (serve_a, serve_b):
@@ -59,7 +61,7 @@ def test_records_hold_the_run(runs):
 
 
 def test_history_lists_and_finds(runs, capsys):
-    results, _ = runs
+    results, *_ = runs
     assert main(["history", "--results-dir", str(results)]) == 0
     lines = capsys.readouterr().out.splitlines()
     records = load_records(results)
@@ -72,7 +74,7 @@ def test_history_lists_and_finds(runs, capsys):
 
 
 def test_compare_flags_changes_beyond_the_spread(runs, capsys):
-    results, _ = runs
+    results, *_ = runs
     a, b = load_records(results)[:2]
     changes = {c.figure: c for c in compare_records(a, b)}
     for c in changes.values():
@@ -90,3 +92,19 @@ def test_compare_flags_changes_beyond_the_spread(runs, capsys):
     assert all(c.flagged is None for c in compare_records(sweep, sweep))
     assert main(["compare", "-1", "-1", "--results-dir", str(results)]) == 0
     assert "no spread to judge" in capsys.readouterr().out
+
+
+def test_a_run_stops_when_asked(runs):
+    """`abort_when` (kvgate tune's goal watch) ends a run: nothing more is sent, and the
+    result holds what finished."""
+    *_, url, key = runs
+    seen = []
+
+    def stop_after_two(out) -> bool:
+        seen.append(out)
+        return len(seen) == 2
+
+    cfg = ServeConfig(url, None, [key], max_concurrency=1, show_progress=False)
+    cfg.abort_when = stop_after_two
+    result, _ = serve_benchmark(cfg, random_requests(6, 8, 4, 0.0, 0))
+    assert result["completed"] == 2 and len(seen) == 2 and result["num_prompts"] == 6
