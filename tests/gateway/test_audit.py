@@ -54,13 +54,26 @@ async def one_change(log: Log, action: str, target: str) -> dict[str, Any]:
     return rows[0]
 
 
-async def every_kind_of_change(gw, adapter_dir: str) -> tuple[list[str], str]:
-    """Each admin change once, each checked for its one row; the secrets it handled and
-    the admin key's id."""
+async def every_kind_of_change(gw, adapter_dir: str) -> list[str]:
+    """Each admin change once, each checked for its one row; the secrets it handled."""
     log, actor = Log(gw), await admin_key_id(gw)
     await log.new()  # the bootstrap admin key's row
-    secrets = [ADMIN_KEY]
+    t, k, secrets = await tenant_and_key_changes(gw, log, actor)
+    secrets += await pin_and_adapter_changes(gw, log, t, adapter_dir)
+    # refused changes write nothing: a name taken, an unknown tenant
+    assert (await gw.admin("POST", "/admin/tenants", {"name": "acme"}))[0] == 409
+    assert (await gw.admin("POST", "/admin/tenants/t_nope/keys", {}))[0] == 404
+    assert (await gw.admin("PATCH", "/admin/tenants/t_nope", {"rpm": 1}))[0] == 404
+    assert await log.new() == []
 
+    status, _ = await gw.admin("DELETE", f"/admin/tenants/{t['id']}")
+    row = await one_change(log, "tenant.delete", t["id"])
+    assert row["before"]["name"] == "acme" and row["before"]["key_ids"] == [k["id"]]
+    assert row["after"] is None and row["actor"] == actor
+    return [ADMIN_KEY, *secrets]
+
+
+async def tenant_and_key_changes(gw, log: Log, actor: str) -> tuple[dict, dict, list[str]]:
     status, t = await gw.admin("POST", "/admin/tenants", {"name": "acme", "rpm": 10})
     assert status == 201
     row = await one_change(log, "tenant.create", t["id"])
@@ -76,7 +89,6 @@ async def every_kind_of_change(gw, adapter_dir: str) -> tuple[list[str], str]:
 
     status, k = await gw.admin("POST", f"/admin/tenants/{t['id']}/keys", {"name": "app", "tpm": 9})
     assert status == 201
-    secrets += [k["key"], hash_key(k["key"])]
     record = {f: v for f, v in k.items() if f != "key"}
     row = await one_change(log, "key.create", k["id"])
     assert row["before"] is None and row["after"] == record and row["tenant_id"] == t["id"]
@@ -90,14 +102,16 @@ async def every_kind_of_change(gw, adapter_dir: str) -> tuple[list[str], str]:
     assert row["before"]["revoked_at"] is None and row["after"] == k3
     await gw.admin("DELETE", f"/admin/keys/{k['id']}")  # already revoked: no change
     assert await log.new() == []
+    return t, k, [k["key"], hash_key(k["key"])]
 
+
+async def pin_and_adapter_changes(gw, log: Log, t: dict, adapter_dir: str) -> list[str]:
     pin = {"tenant": t["id"], "name": "support", "text": PIN_TEXT, "model": "fake-model"}
     status, p = await gw.admin("POST", "/admin/prefixes/pins", pin)
     assert status == 201, p
     row = await one_change(log, "prefix.pin", p["id"])
     assert row["after"]["name"] == "support" and row["tenant_id"] == t["id"]
     assert row["after"]["text"]["chars"] == len(PIN_TEXT)  # its digest, not the prompt
-    secrets.append(PIN_TEXT)
     await gw.admin("DELETE", f"/admin/prefixes/pins/{p['id']}")
     row = await one_change(log, "prefix.unpin", p["id"])
     assert row["before"]["name"] == "support" and row["after"] is None
@@ -110,18 +124,7 @@ async def every_kind_of_change(gw, adapter_dir: str) -> tuple[list[str], str]:
     await gw.admin("DELETE", "/admin/adapters/sql-lora")
     row = await one_change(log, "adapter.delete", "sql-lora")
     assert row["before"] == a and row["after"] is None
-
-    # refused changes write nothing: a name taken, an unknown tenant
-    assert (await gw.admin("POST", "/admin/tenants", {"name": "acme"}))[0] == 409
-    assert (await gw.admin("POST", "/admin/tenants/t_nope/keys", {}))[0] == 404
-    assert (await gw.admin("PATCH", "/admin/tenants/t_nope", {"rpm": 1}))[0] == 404
-    assert await log.new() == []
-
-    status, _ = await gw.admin("DELETE", f"/admin/tenants/{t['id']}")
-    row = await one_change(log, "tenant.delete", t["id"])
-    assert row["before"]["name"] == "acme" and row["before"]["key_ids"] == [k["id"]]
-    assert row["after"] is None and row["actor"] == actor
-    return secrets, actor
+    return [PIN_TEXT]
 
 
 async def assert_no_secret_in_any_row(db: Database, secrets: list[str]) -> None:
@@ -141,14 +144,14 @@ def adapter_dir(tmp_path) -> str:
 
 
 async def test_every_admin_change_is_one_row_without_a_secret(gw, adapter_dir):
-    secrets, _ = await every_kind_of_change(gw, adapter_dir)
+    secrets = await every_kind_of_change(gw, adapter_dir)
     await assert_no_secret_in_any_row(gw.state.db, secrets)
 
 
 @pytest.mark.pg
 async def test_every_admin_change_is_one_row_on_postgresql(pg_schema, make_gateway, adapter_dir):
     gw = await make_gateway(database_url=PG_URL, database_schema=pg_schema)
-    secrets, _ = await every_kind_of_change(gw, adapter_dir)
+    secrets = await every_kind_of_change(gw, adapter_dir)
     await assert_no_secret_in_any_row(gw.state.db, secrets)
     status, page = await gw.admin("GET", "/admin/audit?action=key&limit=2")
     assert [r["action"] for r in page["data"]] == ["key.revoke", "key.update"]
