@@ -146,17 +146,26 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, name in enumerate(VARIANTS):
-        runs = result["rounds"][name]
-        ax.bar(i, result["median_rps"][name], color=COLORS[i])
-        ax.plot([i] * len(runs), runs, "k.", label="a round" if i == 0 else None)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     sampled = f"{result['sampled_ratio']:.0%} sampled"
-    ax.set_xticks(range(4), ["before tracing", "tracing off", "tracing on", sampled])
-    ax.set_ylabel("requests/s (median of rounds)")
-    ratio = f"on/off {result['on_vs_off']:.2f}x, off/before {result['off_vs_before']:.2f}x"
-    ax.set_title(f"The gateway with OpenTelemetry traces: {ratio}")
-    ax.legend()
+    names = ["before\ntracing", "tracing\noff", "tracing\non", sampled]
+    for ax, key, rounds, label in (
+        (left, "median_rps", "rounds", "requests/s"),
+        (right, "median_cpu_us", "cpu_us_rounds", "CPU us of the gateway a request"),
+    ):
+        for i, name in enumerate(VARIANTS):
+            runs = result[rounds][name]
+            ax.bar(i, result[key][name], color=COLORS[i])
+            ax.plot([i] * len(runs), runs, "k.", label="a round" if i == 0 else None)
+        ax.set_xticks(range(len(VARIANTS)), names)
+        ax.set_ylabel(f"{label} (median of rounds)")
+        ax.legend()
+    left.set_title(f"on/off {result['on_vs_off']:.2f}x, off/before {result['off_vs_before']:.2f}x")
+    right.set_title(
+        f"capacity on/off {result['capacity_on_vs_off']:.2f}x, "
+        f"off/before {result['capacity_off_vs_before']:.2f}x"
+    )
+    fig.suptitle("The gateway with OpenTelemetry traces (fake backend, OTLP/HTTP)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
