@@ -25,8 +25,10 @@ from backend_gpu.pp_runner import micro_batches
 from backend_gpu.pp_stages import WHOLE_MODEL, MissingLayer, Stage
 from backend_gpu.scheduler import ScheduledBatch
 from engine_api.errors import EngineDeadError
+from gateway.backends import BackendSpec
 from gateway.config import load_settings
 from gateway.worker import cli as worker_cli
+from gateway.worker_pool.placement import place_workers
 from tests.backend_gpu.test_tensor_parallel import assert_same_greedy, prompts, reference
 
 BUDGET = 1 << 20  # KV cache bytes per rank, the same for every engine here
@@ -155,6 +157,11 @@ def test_the_flag_and_the_variable_reach_the_engine():
     env = {"KVGATE_BACKEND": "gpu", "KVGATE_PIPELINE_PARALLEL_SIZE": "2"}
     (spec,) = load_settings(None, environ=env).resolved_backends()
     assert spec.options == {"pipeline_parallel_size": 2}
+    # a supervised worker gets a device per rank: two stages of two ranks, four GPUs
+    spec = BackendSpec("gpu", "gpu", "m", "", {"device": "cuda", "tensor_parallel_size": 2})
+    spec.options["pipeline_parallel_size"] = 2
+    placed = place_workers(spec, 2, [0, 1], [str(i) for i in range(8)])
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placed] == ["0,1,2,3", "4,5,6,7"]
 
 
 def test_a_stage_killed_mid_step_makes_the_engine_dead(two_stages):
@@ -177,3 +184,7 @@ def test_a_stage_killed_mid_step_makes_the_engine_dead(two_stages):
     runner.load = load
     with pytest.raises(EngineDeadError, match=dead):  # seen before the next step
         two_stages.generate([[1, 5, 6, 7]], params)
+    # and while idle: AsyncLLM's check every half second, which turns the gateway's
+    # answers into 503s (as test_tensor_parallel shows for a tensor-parallel rank)
+    with pytest.raises(EngineDeadError, match=dead):
+        runner.check_alive()
