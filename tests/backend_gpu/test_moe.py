@@ -212,22 +212,40 @@ def test_expert_parallel_needs_a_moe_model(tiny_model_dir):
         LLM(tiny_model_dir("llama"), enable_expert_parallel=True)
 
 
-@pytest.mark.parametrize("arch,expert_parallel", [("mixtral", True), ("qwen3_moe", False)])
-def test_two_ranks_match_one(tiny_model_dir, check, arch, expert_parallel):
-    """Expert parallel (each rank 2 of Mixtral's 4 experts whole) and tensor parallel
-    (each rank half of every Qwen3-MoE expert) over two processes, gloo."""
+def test_expert_parallel_over_two_ranks_matches_transformers(tiny_model_dir, check):
+    """Two processes over gloo, each holding 2 of Mixtral's 4 experts whole."""
     llm = LLM(
-        tiny_model_dir(arch),
+        tiny_model_dir("mixtral"),
         tensor_parallel_size=2,
-        enable_expert_parallel=expert_parallel,
+        enable_expert_parallel=True,
         max_num_batched_tokens=24,
     )
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
-    if expert_parallel:
-        assert experts.gate_up_proj.shape[0] == 2 and experts.shard.first == 0
-    else:
-        assert experts.down_proj.shape[-1] == 16  # half of 32 intermediate columns
-    check(llm, arch)
+    assert experts.gate_up_proj.shape[0] == 2 and experts.shard.first == 0
+    check(llm, "mixtral")
+
+
+def test_experts_cut_over_two_ranks_sum_to_the_whole():
+    """Plain tensor parallel: each rank's slice of every expert (its checkpoint reads
+    applied to the whole tensors) gives a partial output; the two add up to the whole."""
+    whole = random_experts(ExpertShard.of(MOE8, ParallelGroup(), False))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(4))
+    weights, ids = routing(16, 8, 2, skew=False)
+    partial_sum = torch.zeros_like(x)
+    for rank in range(2):
+        shard = ExpertShard.of(MOE8, ParallelGroup(rank, 2), False)
+        reads = ExpertCheckpointShards(MOE8, shard, lambda name: None)
+        part = FusedExperts(32, shard, MOE8.leaves)
+        for e in range(8):
+            gate_up, down = whole.gate_up_proj[e].detach(), whole.down_proj[e]
+            tensors = {"w1": gate_up[:48], "w3": gate_up[48:], "w2": down.detach()}
+            for leaf, tensor in tensors.items():
+                read = reads(f"model.layers.0.mlp.experts.{e}.{leaf}.weight")
+                index = [slice(None), slice(None)]
+                index[read.dim] = slice(read.start, read.stop)
+                part.load_expert(e, leaf, tensor[tuple(index)])
+        partial_sum += grouped_experts(part, x, weights, ids)
+    torch.testing.assert_close(partial_sum, grouped_experts(whole, x, weights, ids))
 
 
 def test_the_flag_reaches_the_gpu_engine_options():
