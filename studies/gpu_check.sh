@@ -93,5 +93,8 @@ step lora_throughput "${LORA_MIX_S:-100}" "$python" -m studies.lora_throughput -
 # issue 38: kvgate plan's KV blocks against the engine's allocation (random Llamas of 52M
 # and 140M parameters in bfloat16 at 0.5 of the GPU), goal within 5%
 step plan_check "${PLAN_S:-30}" "$python" -m studies.plan_check --out "$out"
+# issue 37: one MoE layer of Mixtral 8x7B's shape (8 experts of 14336, top 2, bfloat16):
+# the experts' Triton grouped GEMM against transformers' loop over experts, 16 to 2048 tokens
+step moe_kernels "${MOE_S:-45}" "$python" -m studies.moe_throughput --device cuda --out "$out"
 # new steps above this line
 exit "$tests"
