@@ -169,7 +169,9 @@ class Tuner:
 
     def bench(self, m: Measured, server: CandidateServer) -> None:
         args = argparse.Namespace(**vars(self.args))
-        args.url, args.api_key, args.api_key_file = server.url, server.api_key("tune"), None
+        # candidates share one database: a tenant of its own for each run
+        tenant = f"tune-{len(self.measured)}-{len(m.rounds)}"
+        args.url, args.api_key, args.api_key_file = server.url, server.api_key(tenant), None
         args.goodput, args.no_progress, args.model = None, True, None
         cfg = serve_config(args, args.max_concurrency)
         serve_benchmark(cfg, self.requests[:WARMUP_REQUESTS])
