@@ -12,8 +12,9 @@
 #    models on CUDA equal to transformers' on the CPU under the near-tie rule, with CUDA
 #    graphs and without, the memory profile, W8A8 against bfloat16, an embedding
 #    model's vectors on CUDA against the CPU's; and
-#    test_triton_attention.py's and test_triton_lora.py's kernels at model sizes against
-#    the torch path), at most TEST_S seconds: OUTDIR/pytest.log, OUTDIR/pytest.xml;
+#    test_triton_attention.py's, test_triton_lora.py's and test_triton_int4.py's kernels
+#    at model sizes against the torch path), at most TEST_S seconds: OUTDIR/pytest.log,
+#    OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
 #    kvgate bfloat16 against transformers' continuous batching, bfloat16 against FP8,
 #    batch-1 decode against the memory bandwidth), at most BENCH_S seconds:
@@ -56,7 +57,7 @@ if wanted tests; then
     timeout -k 10 "$test_s" "$python" -m pytest -q -rfEs -m cuda -p no:cacheprovider \
         --junitxml="$out/pytest.xml" \
         tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
-        tests/backend_gpu/test_triton_lora.py 2>&1 |
+        tests/backend_gpu/test_triton_lora.py tests/backend_gpu/test_triton_int4.py 2>&1 |
         tee "$out/pytest.log"
     tests=${PIPESTATUS[0]}
     echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
@@ -90,6 +91,9 @@ step lora_kernels "${LORA_S:-45}" "$python" -m studies.lora_kernels --out "$out"
 step lora_throughput "${LORA_MIX_S:-100}" "$python" -m studies.lora_throughput --out "$out" \
     --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --heads 16 --vocab 32000 \
     --per-stream 2 --kv-cache-mib 4096 --arms base mixed naive cold
+# issue 35: decode of a random Llama-shaped 1.1B model, GPTQ INT4 (the Triton kernel)
+# against bfloat16 at batch 1 and 64 (goal 2x at batch 1), batch 1's share of the bandwidth
+step int4_throughput "${INT4_S:-60}" "$python" -m studies.int4_throughput --device cuda --out "$out"
 # issue 38: kvgate plan's KV blocks against the engine's allocation (random Llamas of 52M
 # and 140M parameters in bfloat16 at 0.5 of the GPU), goal within 5%
 step plan_check "${PLAN_S:-30}" "$python" -m studies.plan_check --out "$out"
