@@ -2,7 +2,8 @@
 PackedWeight: GPTQ, AWQ, compressed-tensors pack-quantized): the model is never
 widened to 16 or 32 bits at load, so an INT4 model holds a quarter of the bytes.
 
-On the CPU, two paths, chosen once per layer by the model's dtype (design.md,
+On CUDA, the Triton kernel of triton_int4.py (`int4_matmul`), which dequantizes in
+registers. On the CPU, two paths, chosen once per layer by the model's dtype (design.md,
 Quantization, has the measurement):
 - bfloat16/float16 activations: torch's packed INT4 CPU matmul
   (aten._weight_int4pack_mm_for_cpu), the weight repacked at load into its layout, a
@@ -99,10 +100,11 @@ class PackedWeightLinear(nn.Module):
             self.scales_and_zeros = _frozen(cpu.scales_and_zeros)
             self.perm = None if cpu.perm is None else _frozen(cpu.perm)
             return
-        self.qweight = _frozen(weight.qweight)
-        self.scales = _frozen(weight.scales)
-        self.zeros = _frozen(weight.zeros)
-        self.g_idx = None if weight.g_idx is None else _frozen(weight.g_idx)
+        # contiguous, as the kernels read them (a tensor-parallel cut of columns is not)
+        self.qweight = _frozen(weight.qweight.contiguous())
+        self.scales = _frozen(weight.scales.contiguous())
+        self.zeros = _frozen(weight.zeros.contiguous())
+        self.g_idx = None if weight.g_idx is None else _frozen(weight.g_idx.contiguous())
 
     @property
     def packed(self) -> PackedWeight:
