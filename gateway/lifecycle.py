@@ -131,8 +131,11 @@ async def start_entries(state: GatewayState, configured: list[BackendSpec]) -> S
         log.info("worker %s restarted with an empty cache: prefilling the pins again", url)
         await state.pins.prefill_all()
 
+    # the workers trace where the gateway does, however it was told (flag, file, variable)
+    endpoint = settings.otlp_traces_endpoint
+    env = {"KVGATE_OTLP_TRACES_ENDPOINT": endpoint} if endpoint else None
     specs, supervisors = await start_workers(
-        configured, settings.workers, on_restart, settings.prefill_workers
+        configured, settings.workers, on_restart, settings.prefill_workers, env
     )
     started = Started(supervisors=supervisors)
     for spec in specs:

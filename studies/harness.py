@@ -189,11 +189,14 @@ def start_gateway(
     return Process(workdir, name, [*args, *flags], GATEWAY_READY, defaults | (env or {}))
 
 
-def start_worker(workdir: Path, name: str, token: str, *flags: str) -> Process:
-    """`kvgate worker` on a port it picks, callable with `token`."""
+def start_worker(
+    workdir: Path, name: str, token: str, *flags: str, env: dict[str, str] | None = None
+) -> Process:
+    """`kvgate worker` on a port it picks, callable with `token` (`env` over the
+    environment)."""
     # `=`: a token_urlsafe token may start with "-", which argparse takes for a flag
     args = ["worker", "--port", "0", f"--worker-token={token}", *flags]
-    return Process(workdir, name, args, WORKER_READY)
+    return Process(workdir, name, args, WORKER_READY, env)
 
 
 def admin(url: str, method: str, path: str, body: dict | None = None) -> object:

@@ -26,11 +26,12 @@ async def start_workers(
     workers: int,
     on_restart: Callable[[str], Awaitable[None]],
     prefill_workers: int = 0,
+    env: dict[str, str] | None = None,
 ) -> tuple[list[BackendSpec], list[WorkerSupervisor]]:
     """The specs to build, with each in-process engine spec replaced by a remote one in
     front of its started workers (two with `prefill_workers`: the prefill workers' and
     the decode workers', each entry's role in its options); and the supervisors, for
-    `stop_workers`."""
+    `stop_workers`. `env`: variables the workers get beyond the gateway's own."""
     if prefill_workers and any(s.type in IN_PROCESS and s.type != "gpu" for s in specs):
         raise WorkerStartError("--prefill-workers needs the gpu backend (it moves KV blocks)")
     if workers <= 0:
@@ -43,7 +44,7 @@ async def start_workers(
                 out.append(spec)
                 continue
             supervisor = WorkerSupervisor(
-                spec, workers, on_restart=on_restart, prefill=prefill_workers
+                spec, workers, on_restart=on_restart, prefill=prefill_workers, env=env
             )
             await supervisor.start()
             supervisors.append(supervisor)

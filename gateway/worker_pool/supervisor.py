@@ -67,12 +67,14 @@ class WorkerSupervisor:
         grace_s: float = 10.0,
         backoff_s: tuple[float, float] = (0.5, 30.0),  # first delay, longest delay
         stable_s: float = 30.0,  # a worker that ran this long restarts at the first delay
+        env: dict[str, str] | None = None,  # beyond the gateway's own environment
     ) -> None:
         if n < 1:
             raise ValueError(f"workers must be >= 1, got {n}")
         self.spec = spec
         self.token = secrets.token_urlsafe(32)
         self.on_restart = on_restart
+        self.env = env or {}
         self.start_timeout_s, self.grace_s = start_timeout_s, grace_s
         self.backoff_s, self.stable_s = backoff_s, stable_s
         cpus = sorted(os.sched_getaffinity(0))
@@ -127,7 +129,7 @@ class WorkerSupervisor:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env=os.environ | w.placement.env | {"KVGATE_WORKER_TOKEN": self.token},
+            env=os.environ | self.env | w.placement.env | {"KVGATE_WORKER_TOKEN": self.token},
             start_new_session=True,
             limit=1 << 20,
         )

@@ -19,13 +19,16 @@ import httpx
 import openai
 import pytest
 
+from gateway.backends import BackendSpec, GenRequest, SamplingParams
 from gateway.observe.tracing import GRPC, HTTP_PROTOBUF, TraceExport, Tracing, trace_export
+from gateway.worker_pool.supervisor import WorkerSupervisor
 from studies.harness import start_worker
 from studies.otlp_collector import GrpcCollector, HttpCollector, ReceivedSpan
 from tests.conftest import LiveGateway, start_gateway
 
 TOKEN = "worker-token-" + "w" * 32
 PROMPT = "The secret plan: meet at the blue door at nine."
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # ms between exports: the tests wait less
 STEPS = {"kvgate.authenticate", "kvgate.admission", "kvgate.route"}
 
 
@@ -45,6 +48,7 @@ def traced(tmp_path_factory, collector: HttpCollector) -> Iterator[LiveGateway]:
         TOKEN,
         *("--backend", "fake", "--served-model-name", "worker-model"),
         *("--otlp-traces-endpoint", collector.url),
+        env=FAST_EXPORT,
     )
     config = f"""
 [[backends]]
@@ -62,10 +66,7 @@ model = "worker-model"
 url = "{worker.url}/v1"
 api_key = "{TOKEN}"
 """
-    env = {
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url,
-        "OTEL_BSP_SCHEDULE_DELAY": "50",  # ms between exports: the test waits less
-    }
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url} | FAST_EXPORT
     gw = start_gateway(workdir, extra_env=env, config=config)
     try:
         yield gw
@@ -204,6 +205,25 @@ def test_a_trace_the_client_does_not_sample_is_not_exported_anywhere(
     assert not [s for s in collector.spans if s.trace_id == unsampled.split("-")[1]]
     # nor did the worker start a trace of its own: it was told "not sampled" too
     assert len([s for s in collector.spans if s.name == gen]) == generated + 1
+
+
+async def test_supervised_workers_trace_where_the_gateway_does(collector: HttpCollector) -> None:
+    """`serve --workers N` hands its trace endpoint (flag, file or variable) to its workers."""
+    spec = BackendSpec("fake", "fake", "", "m")
+    sup = WorkerSupervisor(spec, 1, env={"KVGATE_OTLP_TRACES_ENDPOINT": collector.url})
+    await sup.start()
+    try:
+        header, trace_id, parent = _traceparent()
+        req = GenRequest("r-1", "m", [1, 2, 3], SamplingParams(max_tokens=2))
+        headers = {"Authorization": f"Bearer {sup.token}", "traceparent": header}
+        async with httpx.AsyncClient(timeout=30) as http:
+            url = sup.urls[0].removesuffix("/v1") + "/kvgate/v1/generate"
+            r = await http.post(url, json=req.to_dict(), headers=headers)
+            assert r.status_code == 200, r.text
+    finally:
+        await sup.stop()
+    served = _trace(collector, trace_id, "POST /kvgate/v1/generate")["POST /kvgate/v1/generate"]
+    assert (served.service, served.parent_id) == ("kvgate-worker", parent)
 
 
 def test_tracing_is_off_unless_an_endpoint_is_configured() -> None:
