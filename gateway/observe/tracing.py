@@ -106,7 +106,6 @@ class Tracing:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        self.export = export
         resource = Resource.create({SERVICE_NAME: export.service_name})
         self.provider = TracerProvider(resource=resource)
         self.provider.add_span_processor(BatchSpanProcessor(_exporter(export)))

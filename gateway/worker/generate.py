@@ -52,7 +52,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await state.puller.pull(state.backend, req)
         req = dataclasses.replace(req, kv_source=None)
     stream = state.backend.generate(req)
-    if (span := current_span(state.tracing)) is not None:  # the request's server span
+    span = current_span(state.tracing)  # the request's server span, if it is traced
+    if span is not None and span.is_recording():
         stream = recorded(span, req, stream)
     try:
         try:
