@@ -36,6 +36,16 @@ BUDGET = 1 << 20  # KV cache bytes per rank, the same for every engine here
 OPTIONS = {"max_num_batched_tokens": 16, "kv_cache_memory_bytes": BUDGET}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank():
+    """The ranks take the engine's thread count: one each here, so that four ranks do
+    not fight over this machine's two cores (and tiny matmuls gain nothing from two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def qwen3(tiny_model_dir):
     """A tiny Qwen3 (its head tied to the embedding), its prompts and single-rank
