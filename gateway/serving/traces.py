@@ -45,13 +45,16 @@ def operation(chat: bool) -> str:
 
 
 def request_attributes(chat: bool, model: str, tenant_id: str, choices: int) -> dict[str, Any]:
-    """What the server span of an admitted request says about it."""
-    return {
+    """What the server span of an admitted request says about it (the choice count only
+    when not 1, as the conventions ask: every attribute is paid for per request)."""
+    attributes: dict[str, Any] = {
         GEN_AI_OPERATION: operation(chat),
         GEN_AI_REQUEST_MODEL: model,
-        GEN_AI_CHOICES: choices,
         TENANT: tenant_id,
     }
+    if choices != 1:
+        attributes[GEN_AI_CHOICES] = choices
+    return attributes
 
 
 def usage_attributes(
