@@ -5,7 +5,7 @@ A column-parallel rank keeps output columns [start, stop): every tensor is cut a
 and g_idx is kept whole. A row-parallel rank keeps input rows [start, stop): whole
 32-bit words of qweight, and the groups its rows fall in. With act-order (g_idx) a
 rank's rows fall in any of the groups, so it keeps every group's scales and zeros (at
-group 128 they are 2% of the INT4 bytes) and its rows of g_idx: the single-device
+group 128 they add 5% to the INT4 bytes) and its rows of g_idx: the single-device
 weight, exactly, with nothing permuted across ranks.
 """
 
