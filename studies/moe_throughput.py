@@ -12,6 +12,7 @@ tokens each through the engine: output tokens/s of the dense model, the MoE mode
 grouped, and the MoE model with each layer's experts run as transformers' loop. Then
 one MoE layer alone on 16 tokens (a decode step), grouped against the loop. Rounds
 interleave the arms, so a shared machine's noise hits each alike; the best round counts.
+One torch thread by default (--threads).
 
 CUDA (`--device cuda`, studies/gpu_check.sh): one MoE layer of Mixtral 8x7B's shape
 (hidden 4096, 8 experts of 14336, top 2, bfloat16: 2.8 GB of experts) at 16, 256 and
@@ -196,7 +197,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--iters", type=int, default=20, help="layer calls per timed repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--plot", help="CPU: write the bar chart to this PNG")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU: torch threads (one: OpenMP barriers "
+        "on a shared machine's busy cores stall every matmul)",
+    )
     args = p.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     study = cpu_study(args) if args.device == "cpu" else cuda_study(args)
     result = {"env": device_environment(args.device), "args": vars(args)} | study
     out = Path(args.out)

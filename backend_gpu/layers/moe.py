@@ -8,8 +8,9 @@ tokens with a mask (transformers' way) pays that search, a gather and a scatter 
 expert; a loop over tokens pays a matmul per token. The one place that picks the path:
 on CUDA the Triton grouped GEMM (layers/triton_moe.py: one launch per matmul for all
 experts, no host sync, so decodes stay in CUDA graphs); elsewhere torch: one batched
-matmul over all the experts where their runs are about one size (decodes: on a CPU a
-matmul per expert costs more in calls than in arithmetic), else one matmul per expert.
+matmul over all the experts where their runs are about one size and the padding costs
+less arithmetic than the calls it saves (small experts: on a CPU a matmul per expert
+then costs more in calls than in arithmetic), else one matmul per expert.
 
 Weights: gate_up_proj [experts, 2 * inter, hidden] (gate rows, then up rows) and
 down_proj [experts, hidden, inter], transformers 5's layout; loaded from the
@@ -26,6 +27,11 @@ from torch import nn
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.expert_shards import ExpertShard
 from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8
+
+# the most arithmetic the one-bmm path may waste on padding rows: about what the ~4 calls
+# per expert it saves cost a CPU core (10 us each, 8 experts); past it, a matmul per
+# expert (on Mixtral-like shapes a decode's padding alone costs more than the calls)
+PADDING_FLOPS = 10_000_000
 
 
 class TopKRouter(nn.Module):
@@ -153,7 +159,9 @@ def _expert_mlps(
     w13, w2 = _widened(experts, rows.dtype)
     s13, s2 = experts.gate_up_scale, experts.down_scale
     width = max(runs)
-    if sum(r > 0 for r in runs) > 1 and width * len(runs) <= 2 * len(rows):
+    padding = width * len(runs) - len(rows)
+    padding_flops = padding * 3 * 2 * w13.shape[-1] * w2.shape[-1]
+    if sum(r > 0 for r in runs) > 1 and padding <= len(rows) and padding_flops <= PADDING_FLOPS:
         # one bmm over every expert, each run padded to the longest
         starts = torch.tensor([0, *runs[:-1]], device=rows.device).cumsum(0)
         slot = torch.arange(len(rows), device=rows.device) - starts[expert_of]
