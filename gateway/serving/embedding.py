@@ -41,6 +41,7 @@ from gateway.backends import (
 )
 from gateway.http.errors import ApiError
 from gateway.observe.stats import Finished
+from gateway.observe.tracing import step
 from gateway.schemas.embeddings import EmbeddingRequest, embedding_body
 from gateway.serving.admission import (
     admit,
@@ -51,6 +52,7 @@ from gateway.serving.admission import (
 )
 from gateway.serving.outcome import CLIENT_GONE, off_loop_if
 from gateway.serving.token_plan import EMBED_COST, check_input_tokens, check_spend
+from gateway.serving.traces import embedding_attributes
 from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.quota import Reservation
@@ -101,7 +103,10 @@ async def embed(gw: GatewayState, principal: Principal, body: EmbeddingRequest) 
     # no prefix to route by: the least loaded replica first, the others after it
     first = gw.router.pick_from(candidates, [])
     order = [first, *(c.backend for c in candidates if c.backend is not first)]
-    return await call.run(order, req)
+    with step(gw.tracing, "embeddings " + body.model) as span:
+        if span is not None:
+            span.set_attributes(embedding_attributes(req, tokens))
+        return await call.run(order, req)
 
 
 async def answer_bytes(

@@ -15,7 +15,7 @@ from typing import Any
 
 from opentelemetry.trace import Span, SpanKind
 
-from gateway.backends import GenChunk, GenRequest
+from gateway.backends import EmbedRequest, GenChunk, GenRequest
 from gateway.observe.tracing import (
     GEN_AI_CACHED_TOKENS,
     GEN_AI_CHOICES,
@@ -55,6 +55,17 @@ def request_attributes(chat: bool, model: str, tenant_id: str, choices: int) -> 
     if choices != 1:
         attributes[GEN_AI_CHOICES] = choices
     return attributes
+
+
+def embedding_attributes(req: EmbedRequest, input_tokens: int) -> dict[str, Any]:
+    """An embedding request's call span: which model, for whom, and its tokens."""
+    return {
+        GEN_AI_OPERATION: "embeddings",
+        GEN_AI_REQUEST_MODEL: req.model,
+        GEN_AI_RESPONSE_ID: req.request_id,
+        GEN_AI_INPUT_TOKENS: input_tokens,
+        TENANT: req.tenant_id,
+    }
 
 
 def usage_attributes(

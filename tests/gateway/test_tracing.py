@@ -59,6 +59,13 @@ served_model_name = "fake-model"
 max_in_flight = 2
 
 [[backends]]
+name = "embed"
+type = "fake"
+served_model_name = "embed-model"
+[backends.options]
+task = "embed"
+
+[[backends]]
 name = "w"
 type = "remote"
 model = "worker-model"
@@ -185,6 +192,23 @@ def test_a_workers_spans_join_the_gateways_trace(
     tokenize = _trace(collector, trace_id, "POST /tokenize")["POST /tokenize"]
     assert tokenize.parent_id == spans["POST /v1/completions"].span_id
     _assert_no_secrets(collector, key, PROMPT, text, TOKEN)
+
+
+def test_an_embedding_request_is_traced_without_its_input(
+    traced: LiveGateway, collector: HttpCollector
+) -> None:
+    tenant, key, client = _caller(traced, "embedder")
+    header, trace_id, _ = _traceparent()
+    resp = client.embeddings.create(
+        model="embed-model", input=PROMPT, extra_headers={"traceparent": header}
+    )
+    spans = _trace(collector, trace_id, "POST /v1/embeddings", "embeddings embed-model")
+    call, root = spans["embeddings embed-model"], spans["POST /v1/embeddings"]
+    for name in ("kvgate.authenticate", "kvgate.admission", "embeddings embed-model"):
+        assert spans[name].parent_id == root.span_id, name
+    assert call.attributes["gen_ai.usage.input_tokens"] == resp.usage.prompt_tokens
+    assert call.attributes["kvgate.tenant.id"] == tenant["id"]
+    _assert_no_secrets(collector, key, PROMPT)
 
 
 def test_a_trace_the_client_does_not_sample_is_not_exported_anywhere(
