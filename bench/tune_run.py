@@ -169,9 +169,10 @@ class Tuner:
 
     def bench(self, m: Measured, server: CandidateServer) -> None:
         args = argparse.Namespace(**vars(self.args))
-        # candidates share one database: a tenant of its own for each run
-        tenant = f"tune-{len(self.measured)}-{len(m.rounds)}"
-        args.url, args.api_key, args.api_key_file = server.url, server.api_key(tenant), None
+        # candidates share one database: tenants of their own for each run
+        run = f"tune-{len(self.measured)}-{len(m.rounds)}"
+        keys = [server.api_key(f"{run}-{i}") for i in range(args.num_tenants)]
+        args.url, args.api_key, args.api_key_file = server.url, ",".join(keys), None
         args.goodput, args.no_progress, args.model = None, True, None
         cfg = serve_config(args, args.max_concurrency)
         serve_benchmark(cfg, self.requests[:WARMUP_REQUESTS])
