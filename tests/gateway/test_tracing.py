@@ -74,11 +74,13 @@ url = "{worker.url}/v1"
 api_key = "{TOKEN}"
 """
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector.url} | FAST_EXPORT
-    gw = start_gateway(workdir, extra_env=env, config=config)
     try:
-        yield gw
+        gw = start_gateway(workdir, extra_env=env, config=config)
+        try:
+            yield gw
+        finally:
+            gw.stop()
     finally:
-        gw.stop()
         worker.stop()
 
 
