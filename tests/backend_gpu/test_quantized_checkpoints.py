@@ -58,7 +58,9 @@ def written(tiny_model_dir, tmp_path_factory):
     return write
 
 
-def assert_matches_reference(llm: LLM, reference_dir: str) -> None:
+def assert_matches_reference(
+    llm: LLM, reference_dir: str, tolerance: float = LOGPROB_TOLERANCE
+) -> None:
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     refs = hf_greedy(reference_dir, PROMPTS, MAX_NEW)
     for out, (ref_ids, ref_logits) in zip(llm.generate(PROMPTS, params), refs, strict=True):
@@ -68,7 +70,7 @@ def assert_matches_reference(llm: LLM, reference_dir: str) -> None:
             if out.token_ids[: step + 1] != ref_ids[: step + 1]:
                 break  # a near tie took another token: the contexts differ from here
             for token, value in lp.top:
-                assert abs(value - ref_logprobs[step, token].item()) < LOGPROB_TOLERANCE
+                assert abs(value - ref_logprobs[step, token].item()) < tolerance
 
 
 @pytest.mark.parametrize(
@@ -194,3 +196,38 @@ def test_load_time_quantization_of_a_quantized_checkpoint_is_refused(written):
     path, _ = written("llama", "awq-gemm-g32")
     with pytest.raises(ValueError, match="already quantized"):
         LLM(path, quantization="int8")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+POOL = {"kv_cache_memory_bytes": 64 << 20}  # a fixed pool: tiny engines, quick to zero
+
+
+@pytest.mark.parametrize(
+    "fmt", ["gptq-4bit-asym-desc_act", "gptq_v2-8bit-sym-channel", "awq-gemm-g32"]
+)
+@pytest.mark.cuda
+@needs_cuda
+def test_packed_layers_on_cuda_run_the_int4_kernel_and_match_the_reference(written, fmt):
+    """float32 on the GPU (the kernel's float32 dot may round through TF32: a looser
+    tolerance), with CUDA graphs, against transformers on the CPU."""
+    path, reference_dir = written("llama", fmt)
+    llm = LLM(path, device="cuda", dtype="float32", **POOL)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedWeightLinear)]
+    assert layers and all(m.qweight.is_cuda and not m.cpu_int4 for m in layers)
+    assert_matches_reference(llm, reference_dir, tolerance=2e-2)
+    assert llm.engine.runner.num_graph_steps > 0
+
+
+@pytest.mark.parametrize("fmt", ["gptq-4bit-asym-desc_act", "ct-fp8-dynamic"])
+@pytest.mark.cuda
+@needs_cuda
+def test_bfloat16_on_cuda_agrees_with_float32_on_the_cpu(written, fmt):
+    """The INT4 kernel, and FP8 weights on _scaled_mm with per-token activation scales
+    where the GPU has FP8 (W8A8)."""
+    path, _ = written("llama", fmt)
+    refs = LLM(path).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    llm = LLM(path, device="cuda", dtype="bfloat16", **POOL)
+    if fmt == "ct-fp8-dynamic" and torch.cuda.get_device_capability() >= (8, 9):
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+        assert linears and all(m.w8a8 for m in linears)
+    assert forced_agreement(llm, PROMPTS, refs) >= 0.8
