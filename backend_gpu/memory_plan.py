@@ -7,7 +7,7 @@ only the inputs the engine measures are computed here instead: the weights are t
 engine's model classes built on the meta device (no memory, exact shapes; the 8-bit
 formats the layout quantize_model gives them), the activations' peak and the CUDA
 context are estimates. INT4 (GPTQ/AWQ layout) is sized by arithmetic: packed 4-bit weights of
-the decoder's linear layers plus a 16-bit scale and a 4-bit zero per group of inputs,
+the decoder's linear layers and experts plus a 16-bit scale and a 4-bit zero per group of inputs,
 the embeddings, norms and LM head kept in 16 bits, as such checkpoints ship them.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from backend_gpu.distributed import ParallelGroup
 from backend_gpu.gguf_loader import cache_root, file_digest
 from backend_gpu.layers.linear import TABLE_GROUP
+from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.memory import (
     MIB,
     KVCacheSize,
@@ -175,35 +177,43 @@ def format_bytes(model: nn.Module, fmt: str, dtype_bytes: int, group_size: int) 
     return parameter_bytes(model)
 
 
+def decoder_matrices(model: nn.Module) -> Iterator[tuple[nn.Parameter, int, int]]:
+    """The weights a quantization method packs: every linear layer's of the decoder
+    layers and every expert's (a mixture of experts' [experts, rows, cols]), each as
+    (parameter, rows, cols); the rows of all experts together."""
+    for module in model.model.layers.modules():
+        if isinstance(module, nn.Linear):
+            yield module.weight, *module.weight.shape
+        elif isinstance(module, FusedExperts):
+            for weight in (module.gate_up_proj, module.down_proj):
+                yield weight, weight.shape[0] * weight.shape[1], weight.shape[2]
+
+
 def eight_bit_bytes(model: nn.Module) -> int:
     """What quantize_model leaves (its shapes; running it on the meta device takes a
-    minute for a 7B model): every linear layer's weight in 8 bits with a float32 scale
-    per output row, the token table (and an untied LM head's) in INT8 with a float32
-    scale per TABLE_GROUP values; norms and biases as they are."""
+    minute for a 7B model): every linear layer's and expert's weight in 8 bits with a
+    float32 scale per output row, the token table (and an untied LM head's) in INT8
+    with a float32 scale per TABLE_GROUP values; norms, biases and routers as they are."""
     total = parameter_bytes(model)
     tables = {id(model.model.embed_tokens.weight): model.model.embed_tokens.weight}
     tables[id(model.lm_head.weight)] = model.lm_head.weight
     for table in tables.values():
         total -= table.numel() * table.element_size()
         total += table.numel() + table.numel() // TABLE_GROUP * 4
-    for module in model.model.layers.modules():
-        if isinstance(module, nn.Linear):
-            rows, cols = module.weight.shape
-            total -= module.weight.numel() * module.weight.element_size()
-            total += rows * cols + rows * 4
+    for weight, rows, cols in decoder_matrices(model):
+        total += rows * cols + rows * 4 - weight.numel() * weight.element_size()
     return total
 
 
 def int4_bytes(model: nn.Module, dtype_bytes: int, group_size: int) -> int:
-    """The decoder layers' linear weights in 4 bits with a 16-bit scale and a 4-bit zero
-    per `group_size` inputs of a row (GPTQ's and AWQ's layout); the rest as it is."""
+    """The decoder layers' linear and expert weights in 4 bits with a 16-bit scale and
+    a 4-bit zero per `group_size` inputs of a row (GPTQ's and AWQ's layout); the rest
+    as it is."""
     total = parameter_bytes(model)
-    for module in model.model.layers.modules():
-        if isinstance(module, nn.Linear):
-            rows, cols = module.weight.shape
-            groups = -(-cols // group_size)
-            total -= rows * cols * dtype_bytes
-            total += rows * cols // 2 + rows * groups * 2 + -(-rows * groups // 2)
+    for weight, rows, cols in decoder_matrices(model):
+        groups = -(-cols // group_size)
+        total -= weight.numel() * dtype_bytes
+        total += rows * cols // 2 + rows * groups * 2 + -(-rows * groups // 2)
     return total
 
 

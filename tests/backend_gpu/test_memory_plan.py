@@ -120,7 +120,9 @@ def test_gemma3_sliding_windows(tmp_path):
     assert plan.chosen.max_concurrent_seqs == plan.chosen.kv.num_blocks // 2048 > 100
 
 
-@pytest.mark.parametrize("arch,quantization", [("llama", None), ("gemma3", "int8")])
+@pytest.mark.parametrize(
+    "arch,quantization", [("llama", None), ("gemma3", "int8"), ("mixtral", "int8")]
+)
 def test_plan_matches_the_engine(tiny_model_dir, arch, quantization):
     """The engine on the CPU with a KV budget allocates the blocks the plan computes,
     and holds the weight bytes the plan computes."""
