@@ -6,9 +6,10 @@ Every sum is the engine's own (memory.py, which the engine's memory profile call
 only the inputs the engine measures are computed here instead: the weights are the
 engine's model classes built on the meta device (no memory, exact shapes; the 8-bit
 formats the layout quantize_model gives them), the activations' peak and the CUDA
-context are estimates. INT4 (GPTQ/AWQ layout) is sized by arithmetic: packed 4-bit weights of
-the decoder's linear layers and experts plus a 16-bit scale and a 4-bit zero per group of inputs,
-the embeddings, norms and LM head kept in 16 bits, as such checkpoints ship them.
+context are estimates. INT4 (GPTQ/AWQ layout) is sized by arithmetic: packed 4-bit
+weights of the decoder's linear layers and experts plus a 16-bit scale and a 4-bit zero
+per group of inputs, the embeddings, norms and LM head kept in 16 bits, as such
+checkpoints ship them.
 """
 
 from __future__ import annotations
