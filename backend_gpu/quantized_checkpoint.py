@@ -155,11 +155,11 @@ class QuantizedCheckpoint:
             ours = model_name(model, f"{module}.weight")
             quantized = any(m in tensors for m in MARKERS)
             leaf = module.rpartition(".")[2]
-            if leaf not in LINEAR_LEAVES:
+            if leaf not in LINEAR_LEAVES or ".experts." in module:
                 if quantized:
                     raise ValueError(
-                        f"{module}: a quantized {leaf} is not supported (only the decoder "
-                        "layers' linear layers: q/k/v/o, gate/up/down)"
+                        f"{module}: quantized, which is not supported (only the decoder "
+                        "layers' dense linear layers: q/k/v/o, gate/up/down)"
                     )
                 continue
             self._check_agreement(module, tensors, quantized)
