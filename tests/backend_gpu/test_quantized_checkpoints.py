@@ -150,6 +150,14 @@ def _broken_copy(path: str, dst: str, edit_tensors=None, edit_config=None) -> st
 
 
 DOWN = "model.layers.1.mlp.down_proj"
+
+
+def _unquantize_down(tensors: dict) -> None:
+    for name in ("qweight", "qzeros", "scales", "g_idx"):
+        tensors.pop(f"{DOWN}.{name}")
+    tensors[f"{DOWN}.weight"] = torch.zeros(64, 128)
+
+
 BROKEN = {
     "missing-qzeros": (
         dict(edit_tensors=lambda t: t.pop(f"{DOWN}.qzeros")),
@@ -160,6 +168,11 @@ BROKEN = {
         dict(edit_tensors=lambda t: t.update({f"{DOWN}.scales": t[f"{DOWN}.scales"][:2]})),
         ValueError,
         f"{DOWN}.scales: torch.float16 \\(2, 64\\)",
+    ),
+    "a-layer-left-unquantized": (
+        dict(edit_tensors=_unquantize_down),
+        ValueError,
+        f"{DOWN}.weight: unquantized in the checkpoint, but its gptq quantization_config",
     ),
     "config-says-8-bits": (
         dict(edit_config=lambda c: c.update(bits=8)),
