@@ -176,12 +176,12 @@ def plot(result: dict, path: Path) -> None:
     best = result["best"]
     names = ["dense (same active)", "MoE, grouped", "MoE, loop over experts"]
     values = [best["dense"], best["moe_grouped"], best["moe_loop"]]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
     ax.barh(names[::-1], values[::-1], color=["#bbb", "#59c", "#888"][::-1])
     for i, v in enumerate(values[::-1]):
         ax.text(v, i, f" {v:.0f}", va="center")
     ax.set_xlabel("output tokens/s, 16 concurrent requests (CPU)")
-    ax.set_title("8 experts top 2 vs dense of the same active parameters")
+    ax.set_title("8 experts, top 2, vs dense of the same active size")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
