@@ -142,6 +142,7 @@ class QuantizedCheckpoint:
         tp: ParallelGroup,
     ) -> None:
         self.quant = quant
+        self.rank = tp.rank
         self.shards = (
             CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
         )
@@ -285,6 +286,10 @@ class QuantizedCheckpoint:
             bias = nn.Parameter(
                 torch.cat([p.bias for p in layer.parts]).to(device, dtype), requires_grad=False
             )
+        elif self.rank == 0:  # quantizers write zero biases; a real one the model lacks
+            for part in layer.parts:  # (a row-parallel bias is rank 0's alone)
+                if part.bias is not None and bool(part.bias.any()):
+                    raise ValueError(f"{part.module}.bias: the model has no bias there")
         slices = layer.placeholder.shard_slices
         if isinstance(weight, PackedWeight):
             on_device = {

@@ -174,6 +174,11 @@ BROKEN = {
         ValueError,
         f"{DOWN}.weight: unquantized in the checkpoint, but its gptq quantization_config",
     ),
+    "a-bias-the-model-lacks": (
+        dict(edit_tensors=lambda t: t.update({f"{DOWN}.bias": torch.ones(64)})),
+        ValueError,
+        f"{DOWN}.bias: the model has no bias there",
+    ),
     "config-says-8-bits": (
         dict(edit_config=lambda c: c.update(bits=8)),
         ValueError,
