@@ -17,15 +17,17 @@ They are measured in turns, round after round (before, off, on, sampled, before,
 by the same aiohttp closed loop (64 connections, non-streaming chat completions of 16
 tokens), so a change in a shared machine's load falls on all of them alike. Each figure
 is the median of its rounds; the spread of the rounds says how large the noise is.
-Beside requests/s, each server's CPU time per request (from /proc, its exporter thread
-included): on a shared machine the cores go to others by turns, and CPU per request,
-whose inverse is the requests/s of a core of its own, moves much less.
+Beside requests/s, each server's CPU time per request (from /proc): on a shared machine
+the cores go to others by turns, and CPU per request, whose inverse is the requests/s of
+a core of its own, moves much less. The process that exports the spans (a child of the
+server, pinned to the same core with it) is counted apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -72,6 +74,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children_cpu_seconds(pid: int) -> float:
+    """The CPU time so far of the process's child processes (its trace exporter)."""
+    total = 0.0
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            with contextlib.suppress(OSError):  # it may have just left
+                total += cpu_seconds(int(child))
+    return total
+
+
 def spans_received(collector_url: str) -> int:
     return httpx.get(collector_url.removesuffix("/v1/traces") + "/count").json()["spans"]
 
@@ -98,15 +110,19 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
             servers[name] = (proc, f"http://127.0.0.1:{port}", key)
         rps: dict[str, list[float]] = {name: [] for name in VARIANTS}
         cpu_us: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        child_us: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for r in range(args.rounds):
             for name in VARIANTS:
                 proc, url, key = servers[name]
                 asyncio.run(closed_loop(url, key, 2))  # warm the server and the pool
-                cpu = cpu_seconds(proc.pid)
+                cpu, child = cpu_seconds(proc.pid), children_cpu_seconds(proc.pid)
                 rps[name].append(asyncio.run(closed_loop(url, key, args.duration)))
                 used = cpu_seconds(proc.pid) - cpu
-                cpu_us[name].append(1e6 * used / (rps[name][-1] * args.duration))
+                requests = rps[name][-1] * args.duration
+                cpu_us[name].append(1e6 * used / requests)
+                child_us[name].append(1e6 * (children_cpu_seconds(proc.pid) - child) / requests)
                 line = f"{rps[name][-1]:,.0f} req/s, {cpu_us[name][-1]:,.0f} us of CPU a request"
+                line += f" (+{child_us[name][-1]:,.0f} in its exporting process)"
                 print(f"round {r + 1}/{args.rounds} {name}: {line}", flush=True)
         spans = spans_received(collector_url)
     finally:
@@ -124,11 +140,15 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         "off_vs_before": median["off"] / median["before"],
         "sampled_vs_off": median["sampled"] / median["off"],
         "sampled_ratio": args.sampled,
-        # the server's own CPU time per request (its exporter thread included): steadier
+        # the server's own CPU time per request (its exporting child apart): steadier
         # than requests/s on a shared machine, where the load takes the cores by turns
         "cpu_us_rounds": cpu_us,
         "median_cpu_us": cpu,
         "capacity_on_vs_off": cpu["off"] / cpu["on"],
+        # the exporting child's CPU per request (on another core, it takes none of the
+        # gateway's; on the same one, as pinned here, its share shows in requests/s)
+        "exporter_cpu_us_rounds": child_us,
+        "median_exporter_cpu_us": {n: statistics.median(v) for n, v in child_us.items()},
         "capacity_off_vs_before": cpu["before"] / cpu["off"],
         "capacity_sampled_vs_off": cpu["off"] / cpu["sampled"],
         # the noise: how far one variant's rounds lie apart, as a share of their median
