@@ -35,6 +35,12 @@ def _linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
     return [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]
 
 
+def _random_biases(state: dict[str, torch.Tensor], gen: torch.Generator) -> None:
+    """transformers starts biases at zero, where a dropped one would not show."""
+    for name in [n for n in state if n.endswith(".bias")]:
+        state[name] = torch.randn(state[name].shape, generator=gen) * 0.5
+
+
 def _save(src: str, dst: str, state: dict, quantization_config: dict | None) -> str:
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
@@ -87,6 +93,7 @@ def write_gptq(src, dst, bits, group_size, sym, desc_act, v2=False, seed=0):
     """`src` as a GPTQ checkpoint at `dst`; returns the reference's directory."""
     gen = torch.Generator().manual_seed(seed)
     state = load_file(os.path.join(src, "model.safetensors"))
+    _random_biases(state, gen)
     perms: dict[str, torch.Tensor] = {}
     for name in _linear_weights(state):
         w = state.pop(name)
@@ -144,6 +151,7 @@ def write_awq(src, dst, group_size, seed=0):
     reference's directory."""
     gen = torch.Generator().manual_seed(seed)
     state = load_file(os.path.join(src, "model.safetensors"))
+    _random_biases(state, gen)
     for name in _linear_weights(state):
         w = state.pop(name)
         groups = torch.arange(w.shape[1]) // group_size

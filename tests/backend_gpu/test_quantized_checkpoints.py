@@ -74,7 +74,9 @@ def assert_matches_reference(
 
 
 @pytest.mark.parametrize(
-    ("arch", "fmt"), [("llama", fmt) for fmt in FORMATS] + [("gemma3", "gptq-4bit-asym-desc_act")]
+    ("arch", "fmt"),
+    [("llama", fmt) for fmt in FORMATS]
+    + [("gemma3", "gptq-4bit-asym-desc_act"), ("qwen2", "awq-gemm-g32")],
 )
 def test_each_format_computes_what_its_reference_dequantization_says(written, arch, fmt):
     path, reference_dir = written(arch, fmt)
