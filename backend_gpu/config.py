@@ -171,7 +171,6 @@ class EngineConfig:
         unsupported = {
             "speculative_config": self.speculative_config is not None,
             "enable_lora": self.enable_lora,
-            "quantization": self.quantization is not None,
             "kv_cache_dtype": self.kv_cache_dtype != "auto",
             "kv_offload_gb, kv_disk_path, kv_shared_url, kv_transfer": self.kv_tiers_on,
         }

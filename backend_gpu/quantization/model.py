@@ -29,11 +29,13 @@ def quantize_model(model: nn.Module, method: str, tp: ParallelGroup = SINGLE) ->
             f"quantization {method!r} quantizes a checkpoint at load, and this one is "
             "already quantized (its config.json has a quantization_config): leave it unset"
         )
-    embed = model.model.embed_tokens
-    tied = model.lm_head.weight is embed.weight
-    table = QuantizedEmbedding(embed.weight)
+    # a pipeline stage may hold either, both or neither (pp_stages.py)
+    embed, head = model.model.embed_tokens, model.lm_head
+    table = None if embed is None else QuantizedEmbedding(embed.weight)
     model.model.embed_tokens = table
-    model.lm_head = QuantizedLMHead(table if tied else QuantizedEmbedding(model.lm_head.weight))
+    if head is not None:
+        tied = table is not None and head.weight is embed.weight
+        model.lm_head = QuantizedLMHead(table if tied else QuantizedEmbedding(head.weight))
     names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name in names:
         parent, _, leaf = name.rpartition(".")

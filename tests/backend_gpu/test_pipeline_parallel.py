@@ -84,14 +84,19 @@ def test_two_stages_decode_what_one_does(qwen3, two_stages):
 
 
 def test_two_stages_of_two_ranks_each_decode_what_one_does(qwen3):
-    """Four ranks: stage 0 is ranks 0 and 1, stage 1 ranks 2 (the engine) and 3."""
-    path, prompt_ids, refs, _ = qwen3
-    four = LLM(path, pipeline_parallel_size=2, tensor_parallel_size=2, **OPTIONS)
+    """Four ranks: stage 0 is ranks 0 and 1, stage 1 ranks 2 (the engine) and 3; FP8
+    weights, each stage quantizing its own layers (the embedding's table on stage 0, and
+    again as the tied head on stage 1)."""
+    path, prompt_ids, _, _ = qwen3
+    fp8 = {**OPTIONS, "quantization": "fp8"}
+    refs = reference(LLM(path, **fp8), prompt_ids)
+    four = LLM(path, pipeline_parallel_size=2, tensor_parallel_size=2, **fp8)
     assert_same_greedy(four, refs, prompt_ids)
     runner = four.engine.runner
     assert runner.ranks.rank_ids == [0, 1, 3] and runner.world.rank == 2
     assert runner.tp.size == 2 and runner.kv_shape == (1, 16)  # one of the 2 KV heads
     assert len(runner.attention_layers) == 1
+    assert runner.model.lm_head.table is runner.model.model.embed_tokens
     four.engine.close()
 
 
@@ -153,8 +158,10 @@ def test_micro_batches_are_contiguous_runs_even_in_tokens():
 def test_what_stages_do_not_run_yet_is_refused():
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an int >= 1"):
         EngineConfig(model="unused", pipeline_parallel_size=0)
-    with pytest.raises(ValueError, match="does not work with enable_lora, quantization"):
-        EngineConfig(model="unused", pipeline_parallel_size=2, enable_lora=True, quantization="fp8")
+    with pytest.raises(ValueError, match="does not work with enable_lora, kv_cache_dtype"):
+        EngineConfig(
+            model="unused", pipeline_parallel_size=2, enable_lora=True, kv_cache_dtype="fp8"
+        )
 
 
 def test_the_flag_and_the_variable_reach_the_engine():
