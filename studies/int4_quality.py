@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from backend_gpu.gguf_loader import convert_gguf
 
     source = convert_gguf(str(assemble()))
-    quantized = quantized_gemma(source, args.prompts, args.calibration_tokens, args.quantize_python)
+    quantized = quantized_gemma(source, args.calibration_tokens, args.quantize_python)
     prompts, text = load_texts(args.prompts)
     rows: list[dict] = []
     for name, (is_quantized, dtype) in tqdm(ROWS.items(), desc="configurations"):

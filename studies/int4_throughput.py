@@ -40,6 +40,7 @@ from bench.options import DefaultsHelpFormatter
 from studies.gpu_check import H200_BANDWIDTH, write_model_dir
 
 GROUP = 128
+MAX_MODEL_LEN = 2048  # the prompts and outputs are short; the KV budget must hold one
 # random-weight Llama-shaped models: TinyLlama 1.1B's shape (22 layers of hidden 2048,
 # untied embeddings of 32,000 tokens) for the GPU; "tiny", the same code path on a CPU in
 # seconds (a smoke test)
@@ -190,6 +191,7 @@ def measure(args, name: str, options: dict) -> dict:
         **options,
         device=args.device,
         kv_cache_memory_bytes=args.kv_mib << 20,
+        max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max(args.batches),
     )
     vocab = llm.engine.hf_config.vocab_size
