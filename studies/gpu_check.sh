@@ -13,7 +13,9 @@
 #    graphs and without, the memory profile, W8A8 against bfloat16, an embedding
 #    model's vectors on CUDA against the CPU's; and
 #    test_triton_attention.py's, test_triton_lora.py's and test_triton_int4.py's kernels
-#    at model sizes against the torch path), at most TEST_S seconds: OUTDIR/pytest.log,
+#    at model sizes against the torch path; test_quantized_checkpoints.py's GPTQ, AWQ and
+#    compressed-tensors models through the INT4 kernel, which need the compressed-tensors
+#    package: a wheel in .whl/), at most TEST_S seconds: OUTDIR/pytest.log,
 #    OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
 #    kvgate bfloat16 against transformers' continuous batching, bfloat16 against FP8,
@@ -57,7 +59,8 @@ if wanted tests; then
     timeout -k 10 "$test_s" "$python" -m pytest -q -rfEs -m cuda -p no:cacheprovider \
         --junitxml="$out/pytest.xml" \
         tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
-        tests/backend_gpu/test_triton_lora.py tests/backend_gpu/test_triton_int4.py 2>&1 |
+        tests/backend_gpu/test_triton_lora.py tests/backend_gpu/test_triton_int4.py \
+        tests/backend_gpu/test_quantized_checkpoints.py 2>&1 |
         tee "$out/pytest.log"
     tests=${PIPESTATUS[0]}
     echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
