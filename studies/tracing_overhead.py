@@ -145,6 +145,11 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         "cpu_us_rounds": cpu_us,
         "median_cpu_us": cpu,
         "capacity_on_vs_off": cpu["off"] / cpu["on"],
+        # the same ratio round by round (off and on measured seconds apart), its median:
+        # a load that drifts over the run falls on both sides of each round's ratio
+        "capacity_on_vs_off_paired": statistics.median(
+            off / on for off, on in zip(cpu_us["off"], cpu_us["on"], strict=True)
+        ),
         # the exporting child's CPU per request (on another core, it takes none of the
         # gateway's; on the same one, as pinned here, its share shows in requests/s)
         "exporter_cpu_us_rounds": child_us,

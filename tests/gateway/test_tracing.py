@@ -280,6 +280,35 @@ async def test_spans_go_out_over_grpc() -> None:
     )
 
 
+async def test_the_standard_sampler_variables_choose_the_traces(
+    monkeypatch: pytest.MonkeyPatch, collector: HttpCollector
+) -> None:
+    """OTEL_TRACES_SAMPLER(_ARG): a ratio of 0 starts no trace of its own, yet a caller's
+    sampled trace is continued (parent-based), its steps with it."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    tracing = Tracing(TraceExport(collector.url, HTTP_PROTOBUF, "sampler-test"))
+    header, trace_id, parent = _traceparent()
+    try:
+        with tracing.server_span("GET /own", {}, {}) as own:
+            assert not own.is_recording()
+            with tracing.step("kvgate.own-step") as step:
+                assert not step.is_recording()
+        with tracing.server_span("GET /continued", {"traceparent": header}, {}) as root:
+            assert root.is_recording()
+            with tracing.step("kvgate.authenticate"):
+                pass
+    finally:
+        await tracing.close()  # exports what is buffered, the unsampled too were there any
+    spans = _trace(collector, trace_id, "GET /continued", "kvgate.authenticate")
+    assert (spans["GET /continued"].parent_id, spans["GET /continued"].service) == (
+        parent,
+        "sampler-test",
+    )
+    assert spans["kvgate.authenticate"].parent_id == spans["GET /continued"].span_id
+    assert not {"GET /own", "kvgate.own-step"} & {s.name for s in collector.spans}
+
+
 def test_the_config_file_turns_tracing_on(tmp_path: Path) -> None:
     from gateway.config import load_settings
 
