@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from backend_gpu.expert_shards import MoEConfig
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.tp_shards import local_heads
 
@@ -136,9 +137,13 @@ def kv_shape_of(hf_config, tp_size: int, itemsize: int) -> KVShape:
 def step_shape_of(hf_config, tp_size: int, dtype_bytes: int) -> StepShape:
     """The activation sizes of one rank of `hf_config`'s model over `tp_size` ranks."""
     q_heads, kv_heads = local_heads(hf_config, tp_size)
+    inter = hf_config.intermediate_size
+    if (moe := MoEConfig.of(hf_config)) is not None:
+        # a token's rows through its top_k experts (layers/moe.py): k intermediates
+        inter = max(inter, moe.top_k * moe.intermediate_size)
     return StepShape(
         hidden_size=hf_config.hidden_size,
-        intermediate_size=-(-hf_config.intermediate_size // tp_size),
+        intermediate_size=-(-inter // tp_size),
         q_heads=q_heads,
         kv_heads=kv_heads,
         head_dim=head_dim_of(hf_config),
