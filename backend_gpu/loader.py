@@ -86,7 +86,8 @@ def load_weights(model: nn.Module, weights) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     lm_head = getattr(model, "lm_head", None)  # embedding models have none
-    embed = getattr(model.model, "embed_tokens", None)  # a later pipeline stage has none
+    # a later pipeline stage has no embedding table, an encoder (BERT) no `model`
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied = lm_head is not None and embed is not None and lm_head.weight is embed.weight
     missing = {n for n in params if not (n == "lm_head.weight" and tied)}
     for path, module in modules.items():  # experts load from one tensor per expert
