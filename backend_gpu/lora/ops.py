@@ -170,8 +170,9 @@ def add_lora_packed(
     slots = slice(batched.first, batched.first + batched.count)
     shrink = a[slots, :rank].flatten(1, 2)  # [count, rank * n, K]
     t = torch.bmm(x[batched.index], shrink.transpose(1, 2)).unflatten(2, (rank, len(parts)))
+    t = t.permute(3, 0, 1, 2).contiguous()  # [n, count, M, rank]: each sub's rows dense
     deltas = [
-        torch.bmm(t[..., i].to(b.dtype), b[slots, :, :rank].transpose(1, 2))
+        torch.bmm(t[i].to(b.dtype), b[slots, :, :rank].transpose(1, 2))
         for i, (b, _) in enumerate(parts)
     ]
     delta = (torch.cat(deltas, dim=2) * scale[slots].view(-1, 1, 1)).flatten(0, 1)
