@@ -19,8 +19,7 @@ from pydantic import ValidationError
 
 from gateway.cli import audit as cli_audit
 from gateway.cli.audit import cli_actor
-from gateway.cli.output import cell as _cell
-from gateway.cli.output import print_rows as _print
+from gateway.cli.output import cell, print_rows
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.schemas.admin import KeyUpdate, TenantUpdate
@@ -172,18 +171,18 @@ async def _tenants(args: argparse.Namespace, service: TenantService) -> None:
     cmd = args.tenants_command
     if cmd == "create":
         quota = _quota_values(args, "tenant")
-        _print(await service.create_tenant(args.name, quota, cli_actor()), args.json)
+        print_rows(await service.create_tenant(args.name, quota, cli_actor()), args.json)
     elif cmd == "list":
-        _print(await service.list_tenants(), args.json)
+        print_rows(await service.list_tenants(), args.json)
     elif cmd == "update":
         changes = _quota_values(args, "tenant") | ({"name": args.name} if args.name else {})
         tenant_id = await service.tenant_id_of(args.tenant_id)
-        _print(await service.update_tenant(tenant_id, changes, cli_actor()), args.json)
+        print_rows(await service.update_tenant(tenant_id, changes, cli_actor()), args.json)
     elif cmd == "delete":
         tenant_id = await service.tenant_id_of(args.tenant_id)
         await service.delete_tenant(tenant_id, cli_actor())
         if args.json:
-            _print({"id": tenant_id, "object": "tenant", "deleted": True}, True)
+            print_rows({"id": tenant_id, "object": "tenant", "deleted": True}, True)
         else:
             print(f"deleted tenant {args.tenant_id} ({tenant_id})")
 
@@ -202,7 +201,7 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
             tenant, args.name, scopes, expires, cli_actor(), limits=limits
         )
         if args.json:
-            _print(record | {"key": key}, True)
+            print_rows(record | {"key": key}, True)
         else:
             name = (await service.get_tenant(tenant))["name"] if tenant else None
             _print_new_key(record, key, name)
@@ -210,13 +209,13 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         tenant = args.tenant_id or args.tenant_flag
         if tenant is not None:  # an unknown tenant is an error
             tenant = await service.tenant_id_of(tenant)
-        _print(await service.list_keys(tenant), args.json)
+        print_rows(await service.list_keys(tenant), args.json)
     elif cmd == "update":
         changes = _quota_values(args, "key")
         changes |= {"name": args.name} if args.name is not None else {}
-        _print(await service.update_key(args.key_id, changes, cli_actor()), args.json)
+        print_rows(await service.update_key(args.key_id, changes, cli_actor()), args.json)
     elif cmd == "revoke":
-        _print(await service.revoke_key(args.key_id, cli_actor()), args.json)
+        print_rows(await service.revoke_key(args.key_id, cli_actor()), args.json)
 
 
 def _print_new_key(record: dict[str, Any], key: str, tenant_name: str | None) -> None:
@@ -226,7 +225,7 @@ def _print_new_key(record: dict[str, Any], key: str, tenant_name: str | None) ->
     print(f"key{name} id {record['id']} for tenant {owner}")
     limits = {f: record[f] for f in LIMIT_FIELDS if record[f] is not None}
     if limits:
-        print("limits: " + ", ".join(f"{f} {_cell(v)}" for f, v in limits.items()))
+        print("limits: " + ", ".join(f"{f} {cell(v)}" for f, v in limits.items()))
     print(f"    {key}")
     print("This key is shown only once; store it now.")
 
@@ -240,18 +239,20 @@ async def _usage(args: argparse.Namespace, service: TenantService) -> None:
     for row in (*usage["data"], *usage["tenants"], *usage["keys"]):
         row["tenant_name"] = names.get(row["tenant_id"])  # None: the tenant was deleted
     if args.json:
-        _print(usage, True)
+        print_rows(usage, True)
         return
     rows = [{"day": r["day"]} | _usage_row(r) for r in usage["data"]]
     if rows:
         rows.append({"day": "total", "tenant": "", "model": ""} | _usage_row(usage["total"]))
-    _print(rows, False)
+    print_rows(rows, False)
     if not rows:
         return
     print("\nper tenant")
-    _print([_usage_row(r) for r in usage["tenants"]], False)
+    print_rows([_usage_row(r) for r in usage["tenants"]], False)
     print("\nper key")
-    _print([{"key": r["key_id"], "name": r["name"]} | _usage_row(r) for r in usage["keys"]], False)
+    print_rows(
+        [{"key": r["key_id"], "name": r["name"]} | _usage_row(r) for r in usage["keys"]], False
+    )
 
 
 def _usage_row(r: dict[str, Any]) -> dict[str, Any]:
@@ -282,16 +283,16 @@ async def _prefixes(args: argparse.Namespace) -> int:
         print(f"kvgate: {status}: {body['error']['message']}", file=sys.stderr)
         return 1
     if args.json:
-        _print(body, True)
+        print_rows(body, True)
         return 0
     now = time.time()
     names = {t["tenant_id"]: t["name"] for t in body["tenants"]}
     print("hottest prefixes")
-    _print([_hot_prefix_row(p, now, names) for p in body["prefixes"]], False)
+    print_rows([_hot_prefix_row(p, now, names) for p in body["prefixes"]], False)
     print("\npinned prefixes")
-    _print([_pin_row(p, names) for p in body["pins"]], False)
+    print_rows([_pin_row(p, names) for p in body["pins"]], False)
     print("\nper tenant")
-    _print([_tenant_cache_row(t) for t in body["tenants"]], False)
+    print_rows([_tenant_cache_row(t) for t in body["tenants"]], False)
     return 0
 
 

@@ -9,6 +9,7 @@ import sys
 from gateway.cli import adapters as cli_adapters
 from gateway.cli import admin as cli_admin
 from gateway.cli import plan as cli_plan
+from gateway.cli.output import print_rows
 from gateway.config import ConfigSource, Settings, load_settings
 from gateway.worker import cli as worker_cli
 
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 def _models(as_json: bool) -> int:
     from gateway.backends.default_model import list_models
 
-    cli_admin._print(list_models(), as_json)
+    print_rows(list_models(), as_json)
     return 0
 
 
