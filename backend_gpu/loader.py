@@ -88,7 +88,8 @@ def load_weights(model: nn.Module, weights) -> None:
     lm_head = getattr(model, "lm_head", None)  # embedding models have none
     # a later pipeline stage has no embedding table, an encoder (BERT) no `model`
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    tied = lm_head is not None and embed is not None and lm_head.weight is embed.weight
+    # a quantized table is installed by the checkpoint's stream (quantized_checkpoint.py)
+    tied = getattr(lm_head, "weight", None) is getattr(embed, "weight", False)
     missing = {n for n in params if not (n == "lm_head.weight" and tied)}
     for path, module in modules.items():  # experts load from one tensor per expert
         if isinstance(module, FusedExperts):

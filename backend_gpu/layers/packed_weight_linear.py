@@ -16,6 +16,7 @@ Quantization, has the measurement):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,10 @@ from backend_gpu.quantization.packed import PackedWeight, dequantize, unpack_row
 # the group sizes torch's CPU INT4 matmul takes
 CPU_INT4_GROUPS = (32, 64, 128, 256)
 CPU_INT4_DTYPES = (torch.bfloat16, torch.float16)
+# _convert_weight_to_int4pack_for_cpu's layout, which `CpuInt4.rows` reads: blocks of 64
+# output rows, [N / 64, K, 32] bytes, row j of a block in the low nibbles of column j
+# (j < 32) or the high nibbles of column j - 32. Checked on each table before use.
+CPU_INT4_BLOCK = 64
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -44,13 +49,14 @@ class CpuInt4:
     perm: torch.Tensor | None  # act-order: x's columns in the sorted rows' order
 
     @classmethod
-    def of(cls, w: PackedWeight, dtype: torch.dtype) -> CpuInt4 | None:
-        """None where the kernel cannot take `w` (or dtype)."""
+    def of(cls, w: PackedWeight, dtype: torch.dtype, table: bool = False) -> CpuInt4 | None:
+        """None where the kernel cannot take `w` (or dtype), or, for a token `table`
+        whose rows are also looked up, where `rows` cannot read them back."""
         k, size = w.in_features, w.group_size
         if w.bits != 4 or dtype not in CPU_INT4_DTYPES or w.qweight.device.type != "cpu":
             return None
-        if size not in CPU_INT4_GROUPS or k % size:
-            return None
+        if size not in CPU_INT4_GROUPS or k % size or w.out_features % 16:
+            return None  # (the kernel's layout takes outputs in sixteens)
         q = unpack_rows(w.qweight, 4)
         perm = None
         if w.g_idx is not None:
@@ -62,12 +68,46 @@ class CpuInt4:
             q = q[perm]
         scales = w.scales.float()
         zeros = (8 - w.zeros.float()) * scales
-        return cls(
+        cpu = cls(
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().contiguous(), 2),
             torch.stack([scales, zeros], dim=-1).to(dtype).contiguous(),
             size,
             perm,
         )
+        if table and not cpu._reads_back(q):
+            return None
+        return cpu
+
+    def _reads_back(self, q: torch.Tensor) -> bool:
+        """Whether `rows` finds the integers q [K, N] in the kernel's layout: the layout
+        is torch's, not a documented one, so a table is checked on a sample of rows
+        (every row of the first block, and rows spread over the rest)."""
+        k, n = q.shape
+        if n % CPU_INT4_BLOCK:
+            return False
+        sample = torch.cat([torch.arange(CPU_INT4_BLOCK), torch.linspace(0, n - 1, 257).long()])
+        return torch.equal(self._integers(sample, k), q.t()[sample].to(torch.uint8))
+
+    def _integers(self, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """uint8 [len(ids), K]: the 4-bit values of output rows `ids`, columns sorted."""
+        half = CPU_INT4_BLOCK // 2
+        j = ids % CPU_INT4_BLOCK
+        # two index tensors around a slice: the indexed dimension comes first, [B, K]
+        words = self.weight.view(-1, k, half)[ids // CPU_INT4_BLOCK, :, j % half]
+        shifts = (j >= half).to(torch.uint8)[:, None] * 4
+        return (words >> shifts) & 15
+
+    def rows(self, ids: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """[len(ids), K] in `dtype`: output rows `ids` dequantized, in x's column order."""
+        groups = torch.arange(k, device=ids.device) // self.group_size
+        scales_and_zeros = self.scales_and_zeros[groups][:, ids].float()  # [K, B, 2]
+        scales, zeros = scales_and_zeros.unbind(dim=-1)
+        sorted_rows = (self._integers(ids, k).float() - 8) * scales.t() + zeros.t()
+        if self.perm is None:
+            return sorted_rows.to(dtype)
+        rows = torch.empty_like(sorted_rows)
+        rows[:, self.perm] = sorted_rows
+        return rows.to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
@@ -87,13 +127,15 @@ class PackedWeightLinear(nn.Module):
         bias: nn.Parameter | None,
         dtype: torch.dtype,  # the model's, which the CPU path's scales take
         shard_slices: dict[str, slice],
+        table: bool = False,  # a token table, its rows also looked up (PackedEmbedding)
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group_size = weight.bits, weight.group_size
+        self.dtype = dtype
         self.bias = bias
         self.shard_slices = shard_slices
-        cpu = CpuInt4.of(weight, dtype)
+        cpu = CpuInt4.of(weight, dtype, table)
         self.cpu_int4 = cpu is not None
         if cpu is not None:  # the kernel's layout instead of GPTQ's, not beside it
             self.weight_int4 = _frozen(cpu.weight)
@@ -120,11 +162,28 @@ class PackedWeightLinear(nn.Module):
             self.out_features,
         )
 
+    def _cpu(self) -> CpuInt4:
+        return CpuInt4(self.weight_int4, self.scales_and_zeros, self.group_size, self.perm)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), in_features] in the model's dtype: output rows `ids` of the
+        weight, dequantized, where the layer is a token table (one row per token)."""
+        if self.cpu_int4:
+            return self._cpu().rows(ids, self.in_features, self.dtype)
+        w = self.packed
+        part = dataclasses.replace(
+            w,
+            qweight=w.qweight[:, ids],
+            scales=w.scales[:, ids],
+            zeros=w.zeros[:, ids],
+            out_features=len(ids),
+        )
+        return dequantize(part, self.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.cpu_int4:
-            cpu = CpuInt4(self.weight_int4, self.scales_and_zeros, self.group_size, self.perm)
-            out = cpu.matmul(x2)
+            out = self._cpu().matmul(x2)
         elif x.is_cuda:
             # here, not at the top: Triton is only there where CUDA is
             from backend_gpu.layers.triton_int4 import int4_matmul
@@ -137,3 +196,17 @@ class PackedWeightLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     split = PackedLinear.split
+
+
+class PackedEmbedding(nn.Module):
+    """A token table kept packed: a lookup dequantizes only the rows it reads from
+    `table`, a PackedWeightLinear [vocab, hidden] that is also the LM head when the
+    embeddings are tied, so the model holds the table's bytes once."""
+
+    def __init__(self, table: PackedWeightLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.rows(input_ids.reshape(-1))
+        return rows.view(*input_ids.shape, self.table.in_features)

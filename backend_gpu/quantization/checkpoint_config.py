@@ -68,10 +68,11 @@ class CheckpointQuantization:
 
 
 def _matches(target: str, module: str) -> bool:
-    """compressed-tensors' target rules for a linear layer: its class name ("Linear"),
-    a regular expression ("re:..."), or the module's name or last part."""
-    if target == "Linear":
-        return True
+    """compressed-tensors' target rules: a class name ("Linear", or "Embedding", which
+    of the modules quantized checkpoints hold only the token embedding is), a regular
+    expression ("re:..."), or the module's name or last part."""
+    if target in ("Linear", "Embedding"):
+        return (target == "Embedding") == (module.rpartition(".")[2] == "embed_tokens")
     if target.startswith("re:"):
         return re.match(target[3:], module) is not None
     return module == target or module.endswith("." + target)
@@ -124,7 +125,8 @@ def _gptq(quant: dict) -> CheckpointQuantization:
         act_order=bool(quant.get("desc_act", False)),
         gptq_v1_zeros=fmt == "gptq",
     )
-    return CheckpointQuantization("gptq", ((("Linear",), scheme),))
+    ignore = () if quant.get("lm_head") else ("lm_head",)  # GPTQModel's flag for the head
+    return CheckpointQuantization("gptq", ((("Linear",), scheme),), ignore)
 
 
 def _awq(quant: dict) -> CheckpointQuantization:
@@ -139,7 +141,8 @@ def _awq(quant: dict) -> CheckpointQuantization:
         raise UnsupportedQuantization(f"awq with {bits} bits")
     group_size = int(quant.get("group_size", quant.get("q_group_size", -1)))
     scheme = WeightScheme(layout="awq", bits=4, group_size=group_size, symmetric=False)
-    ignore = tuple(quant.get("modules_to_not_convert") or ())
+    # AutoAWQ quantizes the decoder's linear layers, never the head
+    ignore = ("lm_head", *(quant.get("modules_to_not_convert") or ()))
     return CheckpointQuantization("awq", ((("Linear",), scheme),), ignore)
 
 

@@ -32,6 +32,25 @@ def cut_columns(w: PackedWeight | EightBitWeight, start: int, stop: int):
     )
 
 
+def pad_columns(w: PackedWeight, columns: int) -> PackedWeight:
+    """`w` with zero output features appended up to `columns`: a vocabulary-parallel
+    table's last rank, whose rows run past the vocabulary (tp_shards.VocabShard)."""
+    if w.out_features >= columns:
+        return w
+    extra = columns - w.out_features
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(t.shape[0], extra)], dim=1)
+
+    return dataclasses.replace(
+        w,
+        qweight=pad(w.qweight),
+        scales=pad(w.scales),  # zero scales: the padding rows dequantize to zero
+        zeros=pad(w.zeros),
+        out_features=columns,
+    )
+
+
 def cut_rows(w: PackedWeight | EightBitWeight, start: int, stop: int, module: str):
     """Input features [start, stop) of `w`, a layer of checkpoint module `module`."""
     if isinstance(w, EightBitWeight):

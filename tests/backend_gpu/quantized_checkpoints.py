@@ -203,6 +203,12 @@ def compressed_schemes() -> dict[str, tuple[str, dict]]:
             {"weights": Args(num_bits=4, strategy="group", group_size=32, symmetric=False)},
         ),
         "w8a16-channel": ("pack-quantized", {"weights": Args(num_bits=8, strategy="channel")}),
+        # the token table too, as studies/gptq_w4a16.py --table writes it (held once
+        # where the model ties it)
+        "w4a16-table": (
+            "pack-quantized",
+            {"weights": Args(num_bits=4, strategy="group", group_size=32, symmetric=True)},
+        ),
         "fp8-dynamic": (
             "float-quantized",
             {
@@ -236,12 +242,15 @@ def write_compressed(src: str, dst: str, kind: str) -> str:
     from compressed_tensors.quantization.utils import calculate_qparams
 
     fmt, fields = compressed_schemes()[kind]
-    scheme = QuantizationScheme(targets=["Linear"], **fields)
+    table = kind.endswith("-table")
+    targets = ["Linear", "Embedding"] if table else ["Linear"]
+    scheme = QuantizationScheme(targets=targets, **fields)
     compressor = BaseCompressor.get_value_from_registry(fmt)
     args = scheme.weights
     state = load_file(os.path.join(src, "model.safetensors"))
     reference = dict(state)
-    for name in _linear_weights(state):
+    tables = [n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in state]
+    for name in _linear_weights(state) + (tables if table else []):
         w = state.pop(name)
         if args.strategy == "group":
             grouped = w.view(w.shape[0], -1, args.group_size)
@@ -264,7 +273,7 @@ def write_compressed(src: str, dst: str, kind: str) -> str:
         config_groups={"group_0": scheme},
         format=fmt,
         quantization_status="compressed",
-        ignore=["lm_head"],
+        ignore=[] if table else ["lm_head"],
     ).model_dump(mode="json")
     config["quant_method"] = "compressed-tensors"
     _save(src, dst, state, config)

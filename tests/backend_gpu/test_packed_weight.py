@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_gpu.layers.packed_weight_linear import PackedWeightLinear
+from backend_gpu.layers.packed_weight_linear import PackedEmbedding, PackedWeightLinear
 from backend_gpu.quantization.packed import PackedWeight, dequantize, pack_rows, unpack_rows
-from backend_gpu.quantization.packed_shards import cut_columns, cut_rows, join_columns
+from backend_gpu.quantization.packed_shards import cut_columns, cut_rows, join_columns, pad_columns
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -103,3 +103,44 @@ def test_the_cpu_int4_matmul_computes_the_dequantized_product(act_order):
     exact = PackedWeightLinear(w, bias, torch.float32, {})
     assert not exact.cpu_int4
     torch.testing.assert_close(exact(x), want)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_packed_token_table_looks_up_the_rows_its_head_multiplies_by(act_order, dtype):
+    """A table of 192 tokens (three of the CPU kernel's 64-row blocks): the rows that
+    PackedEmbedding reads back (from the CPU kernel's own layout in bfloat16, from
+    GPTQ's in float32) are the rows the head multiplies by, in the model's dtype."""
+    w = random_weight(n=192, act_order=act_order)
+    table = PackedWeightLinear(w, None, dtype, {}, table=True)
+    assert table.cpu_int4 == (dtype == torch.bfloat16)
+    ids = torch.tensor([[0, 31, 32, 63], [64, 100, 191, 5]])
+    got = PackedEmbedding(table)(ids)
+    assert got.dtype == dtype and got.shape == (2, 4, w.in_features)
+    multiplied = table(torch.eye(w.in_features, dtype=dtype)).t()  # [tokens, hidden]
+    torch.testing.assert_close(got, multiplied[ids])
+    # the kernel's zero points are bfloat16 floats: within its rounding of values < 18
+    close = {"atol": 0.1, "rtol": 0} if dtype == torch.bfloat16 else {"atol": 0, "rtol": 0}
+    torch.testing.assert_close(got.float(), dequantize(w, torch.float32)[ids], **close)
+
+
+def test_a_table_whose_rows_the_cpu_kernel_layout_cannot_give_back_keeps_gptqs():
+    """80 tokens: not whole 64-row blocks of the kernel's layout, so the table stays in
+    GPTQ's layout (dequantized per forward) rather than be looked up wrong."""
+    w = random_weight(n=80)
+    table = PackedWeightLinear(w, None, torch.bfloat16, {}, table=True)
+    assert not table.cpu_int4
+    assert PackedWeightLinear(w, None, torch.bfloat16, {}).cpu_int4  # a plain layer: the kernel
+    ids = torch.tensor([7, 79])
+    torch.testing.assert_close(
+        PackedEmbedding(table)(ids).float(), dequantize(w, torch.bfloat16)[ids].float()
+    )
+
+
+def test_padding_a_vocabulary_shard_adds_zero_rows():
+    w = random_weight(n=48)
+    padded = pad_columns(w, 64)
+    dense = dequantize(padded, torch.float32)
+    assert padded.out_features == 64 and dense.shape == (64, w.in_features)
+    torch.testing.assert_close(dense[:48], dequantize(w, torch.float32))
+    assert not dense[48:].any()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.layers.linear import QuantizedLinear
-from backend_gpu.layers.packed_weight_linear import PackedWeightLinear
+from backend_gpu.layers.packed_weight_linear import PackedEmbedding, PackedWeightLinear
 from backend_gpu.quantization.checkpoint_config import UnsupportedQuantization
 from tests.backend_gpu.quantized_checkpoints import (
     compressed_schemes,
@@ -83,7 +83,7 @@ def test_each_format_computes_what_its_reference_dequantization_says(written, ar
     llm = LLM(path)
     kind = QuantizedLinear if fmt in EIGHT_BIT_PER_CHANNEL else PackedWeightLinear
     model = llm.engine.runner.model
-    layers = [m for m in model.modules() if isinstance(m, kind)]
+    layers = [m for m in model.model.layers.modules() if isinstance(m, kind)]
     assert len(layers) == 4 * len(model.model.layers)  # qkv, o, gate_up, down: all quantized
     assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
     assert_matches_reference(llm, reference_dir)
@@ -119,6 +119,31 @@ def test_bfloat16_runs_the_packed_int4_matmul_and_agrees(written):
     assert forced_agreement(llm, PROMPTS, ref) >= 0.8
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_a_quantized_token_table_stays_packed_and_is_held_once_where_tied(written, arch):
+    """compressed-tensors W4A16 with the token table quantized too (studies/gptq_w4a16.py
+    --table): Gemma 3 ties its table, so one packed table is the lookup and the head;
+    Llama's (untied here) are two. Both compute the library's dequantization."""
+    path, reference_dir = written(arch, "ct-w4a16-table")
+    llm = LLM(path)
+    model = llm.engine.runner.model
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(embed, PackedEmbedding) and isinstance(head, PackedWeightLinear)
+    assert (embed.table is head) == (arch == "gemma3")
+    vocab, hidden = head.out_features, head.in_features
+    assert head.qweight.shape == (hidden // 8, vocab) and head.qweight.dtype == torch.int32
+    assert not any(p.numel() >= vocab * hidden for p in model.parameters())  # nothing wide
+    assert_matches_reference(llm, reference_dir)
+
+
+def test_a_quantized_table_in_bfloat16_reads_the_cpu_kernels_layout_and_agrees(written):
+    path, _ = written("gemma3", "ct-w4a16-table")
+    ref = LLM(path).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    llm = LLM(path, dtype="bfloat16")
+    assert llm.engine.runner.model.lm_head.cpu_int4  # 384 tokens: whole 64-row blocks
+    assert forced_agreement(llm, PROMPTS, ref) >= 0.8
+
+
 def test_two_ranks_decode_what_one_does(written):
     """Row-parallel layers with act-order: each rank holds its rows of g_idx and every
     group's scales and zeros."""
@@ -127,6 +152,17 @@ def test_two_ranks_decode_what_one_does(written):
     one = [o.token_ids for o in LLM(path).generate(PROMPTS, params)]
     two = [o.token_ids for o in LLM(path, tensor_parallel_size=2).generate(PROMPTS, params)]
     assert two == one
+
+
+def test_two_ranks_split_a_quantized_table_over_the_vocabulary(written):
+    path, _ = written("gemma3", "ct-w4a16-table")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    one = LLM(path).generate(PROMPTS, params)
+    two = LLM(path, tensor_parallel_size=2).generate(PROMPTS, params)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for a, b in zip(one, two, strict=True):
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
 def _broken_copy(path: str, dst: str, edit_tensors=None, edit_config=None) -> str:
