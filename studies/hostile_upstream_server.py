@@ -13,6 +13,7 @@ an "internal" server nobody should reach (the target of its redirects).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import json
 import zlib
@@ -145,13 +146,9 @@ class HostileUpstream(ThreadedApps):
         self, body: dict, resp: web.StreamResponse, request: web.Request
     ) -> None:
         """20,000 top logprobs a token, whatever was asked."""
-        top = {f"t{j}": -1.0 - j / 1e5 for j in range(20_000)}
         n = body["max_tokens"]
         for i in range(n):
-            event = _choice(f" w{i}", "length" if i == n - 1 else None)
-            lps = {"tokens": [f" w{i}"], "token_logprobs": [-0.5], "top_logprobs": [top]}
-            event["choices"][0]["logprobs"] = lps
-            await _event(resp, event)
+            await resp.write(_flood_event(i, i == n - 1))
         await resp.write(b"data: [DONE]\n\n")
 
     async def _long_line(self, body: dict, resp: web.StreamResponse, request: web.Request) -> None:
@@ -224,6 +221,22 @@ class HostileUpstream(ThreadedApps):
 
 def _choice(text: str, finish: str | None) -> dict[str, Any]:
     return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+@functools.cache
+def _flood_event(i: int, last: bool) -> bytes:
+    """Token i's event of mode "logprobs_flood", encoded once. Made per request, its
+    40,000 objects would set off full collections in the host process, which stop this
+    server's thread until done: in the tests' process, whose heap by then is the whole
+    suite's, for longer than the gateway waits between bytes."""
+    event = _choice(f" w{i}", "length" if last else None)
+    top = {f"t{j}": -1.0 - j / 1e5 for j in range(20_000)}
+    event["choices"][0]["logprobs"] = {
+        "tokens": [f" w{i}"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [top],
+    }
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 async def _event(resp: web.StreamResponse, obj: dict) -> None:
