@@ -176,6 +176,13 @@ class QuantizedCheckpoint:
             quantized = any(m in tensors for m in MARKERS)
             leaf = module.rpartition(".")[2]
             if ours is not None and ours.rpartition(".")[0] in TABLES.values():
+                scheme = self.quant.scheme_for(module)
+                if quantized and scheme is not None and scheme.layout not in PACKED_LAYOUTS:
+                    raise ValueError(
+                        f"{module}: a token table quantized as {scheme.layout!r}; the engine "
+                        "loads a quantized table packed (INT4/INT8 in groups: GPTQ, AWQ, "
+                        "pack-quantized)"
+                    )
                 self._check_agreement(module, tensors, quantized)
                 if quantized:
                     self._add_table(model, hf_config, module, tensors, modules)
@@ -222,11 +229,6 @@ class QuantizedCheckpoint:
         """A quantized token table: placeholders for the roles this model (or pipeline
         stage) holds, both of them where the embeddings are tied."""
         scheme = self.quant.scheme_for(module)
-        if scheme.layout not in PACKED_LAYOUTS:
-            raise ValueError(
-                f"{module}: a token table quantized as {scheme.layout!r}; the engine loads "
-                "a quantized table packed (INT4/INT8 in groups: GPTQ, AWQ, pack-quantized)"
-            )
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         head = getattr(model, "lm_head", None)
         if embed is not None and head is not None:

@@ -248,6 +248,32 @@ def test_a_checkpoint_that_disagrees_with_its_config_fails_at_start(written, tmp
         LLM(_broken_copy(path, str(tmp_path / case), **edits))
 
 
+def _second_table_copy(tensors: dict) -> None:
+    for name in [n for n in tensors if n.startswith("model.embed_tokens.")]:
+        tensors["lm_head." + name.rpartition(".")[2]] = tensors[name].clone()
+
+
+def _fp8_config(config: dict) -> None:
+    """The table as an FP8-per-channel group of its own, first (the first match wins)."""
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+    table = {"targets": ["Embedding"], "format": "float-quantized", "weights": weights}
+    config["config_groups"] = {"table": table, **config["config_groups"]}
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (dict(edit_tensors=_second_table_copy), "a second copy of a token table the model ties"),
+        (dict(edit_config=_fp8_config), "model.embed_tokens: a token table quantized as"),
+    ],
+    ids=["both-roles-of-a-tied-table", "an-8-bit-per-channel-table"],
+)
+def test_a_quantized_table_the_engine_cannot_hold_fails_at_start(written, tmp_path, edit, match):
+    path, _ = written("gemma3", "ct-w4a16-table")
+    with pytest.raises(ValueError, match=match):
+        LLM(_broken_copy(path, str(tmp_path / "broken"), **edit))
+
+
 def test_load_time_quantization_of_a_quantized_checkpoint_is_refused(written):
     path, _ = written("llama", "awq-gemm-g32")
     with pytest.raises(ValueError, match="already quantized"):
