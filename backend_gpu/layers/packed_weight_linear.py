@@ -12,6 +12,9 @@ Quantization, has the measurement):
 - float32 activations (where that kernel is slowest), 8-bit weights, and groups it
   cannot take: the layer's weight dequantized in each forward, then one matmul. Only
   this layer's weight is ever widened, and only for the forward.
+A quantized token table is such a layer too (the LM head), and PackedEmbedding looks its
+rows up, dequantizing only those: from GPTQ's layout, or from the CPU kernel's where the
+head runs it, so the table is held once (design.md, Quantization).
 """
 
 from __future__ import annotations
