@@ -60,6 +60,8 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer)
         self.kv_tiers = build_tiers(config, self.runner.attention_layers, self.max_model_len)
+        if self.kv_tiers is not None:
+            self.kv_tiers.stop_with(self)
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.block_size,

@@ -40,6 +40,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -370,6 +371,12 @@ class TierStack:
             self.queue.join()
             self.to_prefetch.join()
 
+    def stop_with(self, owner: object) -> None:
+        """Stop the threads once `owner` (the engine) is gone, should nobody call close():
+        they hold this stack, so without it they and its host rows would outlive it."""
+        if self.writer is not None:
+            weakref.finalize(owner, _stop, self.queue, self.to_prefetch)
+
     def close(self) -> None:
         """Write what is queued, then stop the threads."""
         if self.writer is not None and self.writer.is_alive():
@@ -432,3 +439,9 @@ class TierStack:
                 "kv_transfer_rejected": self.import_rejected,
             }
         return out
+
+
+def _stop(*queues: queue.Queue) -> None:
+    """The end of each thread's queue: what was put before it is still done."""
+    for q in queues:
+        q.put(None)

@@ -6,6 +6,7 @@ serving."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import shutil
@@ -199,3 +200,22 @@ def test_a_block_is_lower_from_its_write_to_disk_on(long_llama, tmp_path):
     lower = [e.block_hash for e in events if e.medium == "lower"]
     device = [e.block_hash for e in events if e.medium == "device" and e.kind == "stored"]
     assert lower == device[:125] and all(e.kind == "stored" for e in events)
+
+
+def test_an_engine_dropped_without_close_stops_its_tier_threads(long_llama, reference, tmp_path):
+    """The threads hold the tiers, not the engine: once the engine is gone they end,
+    after writing what was queued (a test or a script that never calls close() leaves
+    no threads behind, nor the host rows they held)."""
+    llm = _llm(long_llama, tmp_path)
+    tiers = llm.engine.kv_tiers
+    llm.engine.add_request(req("dropped", _prompt(), GREEDY))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    del llm
+    gc.collect()
+    for thread in (tiers.writer, tiers.prefetcher):
+        thread.join(30)
+        assert not thread.is_alive(), thread.name
+    again = _llm(long_llama, tmp_path)
+    assert _run(again, _prompt()) == (reference, 1000)
+    again.engine.close()
