@@ -1,7 +1,7 @@
 """The engine's memory arithmetic, in one place: what the weights and a KV block cost,
 what budget a device leaves the KV cache, and how many blocks that budget holds.
 
-The engine's memory profile (model_runner.py) sizes its cache with these functions from
+The engine's memory profile (kv_budget.py) sizes its cache with these functions from
 what it measures (the weights it loaded, the device's free memory, one profiling
 forward); `kvgate plan` calls the same functions with what it computes from a model's
 config alone (memory_plan.py), so a plan can only differ from the engine in its

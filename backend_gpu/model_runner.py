@@ -3,13 +3,8 @@ turns the batch into flat token ids, positions, slot mapping and context slots, 
 buffers allocated once (step_buffers.py); on CUDA, decodes replay CUDA graphs
 (cuda_graphs.py).
 
-The KV cache takes what is left: on CUDA gpu_memory_utilization of the GPU's memory,
-less what is already used (the weights, other processes), the activations' peak,
-measured by one profiling forward of max_num_batched_tokens tokens, and the CUDA
-graphs' pool (estimated: they are captured after the cache); on the CPU a share
-of free RAM; kv_cache_memory_bytes, when set, on any device. A cache that cannot hold
-one sequence of max_model_len tokens is an error, not a silently useless engine.
-The sums are memory.py's, which `kvgate plan` calls too.
+The KV cache takes what is left once the weights are loaded: kv_budget.py decides how
+many blocks (profiling the activations on CUDA), the runner allocates them.
 
 Under tensor parallelism every rank has a runner over its part of the model
 (tp_shards.py) and of the KV cache (its KV heads, the same block ids on every rank).
@@ -24,7 +19,6 @@ Under pipeline parallelism a runner holds one stage's layers and their KV cache
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,23 +27,12 @@ import torch
 from backend_gpu.config import EngineConfig
 from backend_gpu.cuda_graphs import DecodeGraphs, capture_sizes
 from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
-from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
+from backend_gpu.kv_budget import KVSizing
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
-from backend_gpu.memory import (
-    MIB,
-    KVShape,
-    cpu_kv_budget,
-    device_kv_budget,
-    graph_batch,
-    graph_pool_bytes,
-    kv_cache_size,
-    logit_rows,
-    parameter_bytes,
-    step_shape_of,
-)
+from backend_gpu.memory import graph_batch, logit_rows, parameter_bytes
 from backend_gpu.models.llama import head_dim_of
-from backend_gpu.pp_stages import WHOLE_MODEL, Stage, stage_forward
+from backend_gpu.pp_stages import WHOLE_MODEL, Stage
 from backend_gpu.prompt_logprobs import (
     PromptLogprobs,
     prompt_targets,
@@ -92,12 +75,6 @@ class LoRASlot:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _size(num_bytes: int) -> str:
-    if num_bytes < MIB:
-        return f"{max(num_bytes, 0) / 1024:.1f} KiB"
-    return f"{num_bytes / MIB:.1f} MiB"
 
 
 @dataclass
@@ -203,30 +180,24 @@ class ModelRunner:
             self._capture_graphs()
 
     def _allocate_kv_cache(self, config: EngineConfig) -> None:
-        if self.device.type == "cuda":
-            # free the unquantized weights and the calibration's scratch before sizing
-            torch.cuda.empty_cache()
-        size = kv_cache_size(
-            KVShape(len(self.attention_layers), *self.kv_shape, self.kv_dtype.itemsize),
-            self.block_size,
-            self._kv_budget(config),
-            self.max_model_len,
-            # the CPU's default budget: no more than every sequence at full length
-            config.max_num_seqs
-            if config.kv_cache_memory_bytes is None and self.device.type == "cpu"
-            else None,
-        )
-        budget, bytes_per_block, needed = size.budget, size.bytes_per_block, size.blocks_per_seq
-        # every rank holds the same block ids: as many as the tightest rank's budget
-        self.num_blocks = self.world.min_over_ranks(size.num_blocks)
-        if self.num_blocks < needed:
-            raise ValueError(
-                f"the KV cache budget ({_size(budget)}) holds {self.num_blocks} "
-                f"blocks of {self.block_size} tokens, fewer than the {needed} blocks "
-                f"({_size(needed * bytes_per_block)}) one sequence of max_model_len "
-                f"{self.max_model_len} tokens needs: {self._budget_hint(config)}"
-            )
-        self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        size = KVSizing(
+            config=config,
+            hf_config=self.hf_config,
+            model=self.model,
+            stage=self.stage,
+            attention_layers=self.attention_layers,
+            device=self.device,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            kv_shape=self.kv_shape,
+            max_model_len=self.max_model_len,
+            logit_rows=self.logit_rows,
+            weight_bytes=self.weight_bytes,
+            tp_size=self.tp.size,
+            graph_seqs=self.graph_max_seqs if self.use_graphs else 0,
+        ).size(self.world)
+        self.num_blocks = size.num_blocks
+        self.kv_cache_bytes = size.cache_bytes
         # one block more, which the block manager never hands out: CUDA graphs pad
         # decodes with sequences that write their key and value there
         self.scratch_slot = self.num_blocks * self.block_size
@@ -234,90 +205,6 @@ class ModelRunner:
         for attn in self.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-
-    def _budget_hint(self, config: EngineConfig) -> str:
-        if config.kv_cache_memory_bytes is not None:
-            return "raise kv_cache_memory_bytes or lower max_model_len"
-        if self.device.type == "cuda":
-            return (
-                f"raise gpu_memory_utilization (now {config.gpu_memory_utilization}) "
-                "or lower max_model_len"
-            )
-        return "free memory, set kv_cache_memory_bytes or lower max_model_len"
-
-    def _kv_budget(self, config: EngineConfig) -> int:
-        if config.kv_cache_memory_bytes is not None:
-            return config.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            activations = self._profile_activations(config)
-            graph_pool = graph_pool_bytes(
-                step_shape_of(self.hf_config, self.tp.size, self.dtype.itemsize),
-                self.graph_max_seqs if self.use_graphs else 0,
-            )
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free  # the weights, the CUDA context, other processes
-            budget = device_kv_budget(
-                total, config.gpu_memory_utilization, used, activations, graph_pool
-            )
-            log.info(
-                "KV cache budget %.0f MiB: %.0f%% of %.0f MiB, less %.0f MiB in use "
-                "(weights %.0f MiB), %.0f MiB of activations and %.0f MiB of CUDA graphs",
-                budget / MIB,
-                100 * config.gpu_memory_utilization,
-                total / MIB,
-                used / MIB,
-                self.weight_bytes / MIB,
-                activations / MIB,
-                graph_pool / MIB,
-            )
-            return budget
-        return cpu_kv_budget(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-    @torch.inference_mode()
-    def _profile_activations(self, config: EngineConfig) -> int:
-        """Peak bytes a step adds over the weights: one prefill of max_num_batched_tokens
-        tokens through the kernels, then logits of logit_rows rows (as many as a step
-        samples, or a slice of prompt logprobs)."""
-        device, bs = self.device, self.block_size
-        tokens = config.max_num_batched_tokens
-        num_blocks = -(-tokens // bs)
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        # one scratch cache for every layer: their writes clash, the sizes are the same
-        cache = torch.zeros((num_blocks * bs, *self.kv_shape), dtype=self.kv_dtype, device=device)
-        for attn in self.attention_layers:
-            attn.k_cache = attn.v_cache = cache
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, device=device),
-            block_size=bs,
-            k_workspace=cache[:0],
-            v_workspace=cache[:0],
-            paged=PagedBatch(
-                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-                context_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-                query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-                max_query_len=tokens,
-            ),
-        )
-        positions = torch.arange(tokens, device=device) % self.max_model_len
-        ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        if self.stage.count == 1:
-            hidden = self.model(ids, positions, meta)
-        else:  # a later stage's input: as many hidden states
-            x = torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=device)
-            hidden = stage_forward(self.model, self.stage, ids, positions, meta, x)
-        # the sampler's float32 logits and one vocabulary-sized temporary beside them
-        logits = self.model.compute_logits(hidden[: self.logit_rows]) if self.stage.last else None
-        if logits is not None:  # rank 0's, under tensor parallelism
-            logits.float().softmax(-1)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-        for attn in self.attention_layers:
-            attn.k_cache = attn.v_cache = cache[:0]
-        del cache, hidden, meta
-        torch.cuda.empty_cache()
-        return peak
 
     def _capture_graphs(self) -> None:
         self.graphs = None  # the old graphs' memory goes back before new ones are made
