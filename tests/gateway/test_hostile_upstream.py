@@ -42,14 +42,12 @@ def up() -> Iterator[HostileUpstream]:
     # The upstream is a thread of this process, stopped by each full collection: over the
     # heap the suite has left by now (imports, engines, clients) one took 1.2-1.3 s, near
     # remote_config's 1.5 s between bytes, and past it on a busier machine (a 503,
-    # SocketTimeoutError). Frozen, that heap is left out of collections until the end.
+    # SocketTimeoutError). Frozen as tests/conftest.py freezes what collection made (and
+    # left so: unfreezing would thaw that too), collections walk only what later tests make.
     gc.collect()
     gc.freeze()
-    try:
-        with HostileUpstream(MODEL) as upstream:
-            yield upstream
-    finally:
-        gc.unfreeze()
+    with HostileUpstream(MODEL) as upstream:
+        yield upstream
 
 
 @pytest.fixture(scope="module")
