@@ -103,7 +103,8 @@ class CpuInt4:
     def rows(self, ids: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
         """[len(ids), K] in `dtype`: output rows `ids` dequantized, in x's column order."""
         groups = torch.arange(k, device=ids.device) // self.group_size
-        scales_and_zeros = self.scales_and_zeros[groups][:, ids].float()  # [K, B, 2]
+        # the rows' columns first: [G, B, 2], then each input's group, [K, B, 2]
+        scales_and_zeros = self.scales_and_zeros[:, ids][groups].float()
         scales, zeros = scales_and_zeros.unbind(dim=-1)
         sorted_rows = (self._integers(ids, k).float() - 8) * scales.t() + zeros.t()
         if self.perm is None:
