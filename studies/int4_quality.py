@@ -55,11 +55,12 @@ from studies.quantization_quality import (
     bfloat16_weight_bytes,
     forced_agreement,
     load_texts,
-    perplexity,
+    text_predictions,
 )
 
 CALIBRATION_SKIP = 20  # the most prompts judged: calibration never sees them
 CALIBRATION_DOCS = ("README.md", "docs/design.md")
+HELD_BACK = ("outs", "prompt_ids", "text_top1")  # per-token lists, not written out
 GPTQ_FLAGS = ["--asymmetric", "--table", "gptq"]
 # GPTQ's time on 2 cores grows with the calibration's tokens: 40 texts of at most 512
 # (about 18k tokens) take about half an hour
@@ -98,6 +99,7 @@ def quantized_gemma(
     max_tokens: int = 512,
     python: str | None = None,
     count: int = CALIBRATION_TEXTS,
+    observer: str = "minmax",
 ) -> dict:
     """{"decoder": the W4A16 directory of `source` with its token table 16-bit, "table":
     the same with the table GPTQ's too}: one run of studies/gptq_w4a16.py (asymmetric
@@ -105,7 +107,8 @@ def quantized_gemma(
     both) under `python` if they are not cached yet, calibrated on
     calibration_texts(max_tokens, count)."""
     texts = calibration_texts(max_tokens, count)
-    key = hashlib.sha256(json.dumps([texts, max_tokens, GPTQ_FLAGS]).encode()).hexdigest()[:12]
+    flags = GPTQ_FLAGS + ([] if observer == "minmax" else ["--observer", observer])
+    key = hashlib.sha256(json.dumps([texts, max_tokens, flags]).encode()).hexdigest()[:12]
     base = os.path.join(cache_root(), "int4", f"{os.path.basename(source)}-w4a16-{key}")
     out = {"decoder": base + "-decoder", "table": base + "-table"}
     if all(os.path.isdir(p) for p in out.values()):
@@ -115,7 +118,7 @@ def quantized_gemma(
         json.dump(texts, f)
         f.flush()
         command = [python or sys.executable, "-m", "studies.gptq_w4a16", source, out["table"]]
-        command += ["--calibration", f.name, "--max-tokens", str(max_tokens), *GPTQ_FLAGS]
+        command += ["--calibration", f.name, "--max-tokens", str(max_tokens), *flags]
         command += ["--untabled-out", out["decoder"]]
         tqdm.write(" ".join(command))
         subprocess.run(command, check=True)
@@ -146,7 +149,8 @@ def measure(name: str, path: str, dtype: str, args, prompts, text: str, base: di
     row["outs"] = [o.token_ids for o in results]
     row["prompt_ids"] = [o.prompt_token_ids for o in results]
     text_ids = llm.tokenizer.encode(text)[: args.ppl_tokens]
-    row |= {"ppl": perplexity(llm, text_ids), "ppl_tokens": len(text_ids)}
+    ppl, top1 = text_predictions(llm, text_ids)
+    row |= {"ppl": ppl, "ppl_tokens": len(text_ids), "text_top1": top1}
     row["weight_bytes"] = llm.engine.runner.weight_bytes
     packed = any(isinstance(m, PackedWeightLinear) for m in llm.engine.runner.model.modules())
     if packed:  # loaded in bfloat16: the engine's own count is the bfloat16 figure
@@ -158,6 +162,8 @@ def measure(name: str, path: str, dtype: str, args, prompts, text: str, base: di
     refs = row["outs"] if base is None else base["outs"]
     row |= agreement(row["outs"], refs)
     row["forced"] = 1.0 if base is None else forced_agreement(llm, base["prompt_ids"], refs)
+    ref_top1 = top1 if base is None else base["text_top1"]
+    row["text_agreement"] = sum(a == b for a, b in zip(top1, ref_top1, strict=True)) / len(top1)
     return row
 
 
@@ -169,9 +175,9 @@ def report(args, rows: list[dict]) -> str:
         f"baseline: {base['name']}.",
         "",
         "| configuration | weight bytes in bfloat16 | vs bfloat16 | linear layers vs bfloat16 "
-        "| greedy agreement, forced | free-running prefix | position-wise "
-        "| identical prompts | perplexity | vs baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| top-1 agreement on the text | greedy agreement, forced | free-running prefix "
+        "| position-wise | identical prompts | perplexity | vs baseline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     bf16 = base["bf16_weight_bytes"]
     for r in rows:
@@ -181,7 +187,7 @@ def report(args, rows: list[dict]) -> str:
         lines.append(
             f"| {r['name']} | {r['bf16_weight_bytes'] / 1e6:.1f} MB "
             f"| {r['bf16_weight_bytes'] / bf16:.3f}x | {linears} "
-            f"| {r['forced']:.1%} | {r['prefix']:.1%} | {r['positional']:.1%} "
+            f"| {r['text_agreement']:.1%} | {r['forced']:.1%} | {r['prefix']:.1%} | {r['positional']:.1%} "
             f"| {r['identical']}/{args.prompts} | {r['ppl']:.3f} "
             f"| {r['ppl'] / base['ppl'] - 1:+.2%} |"
         )
@@ -198,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppl-tokens", type=int, default=1024)
     parser.add_argument("--calibration-tokens", type=int, default=512)
     parser.add_argument("--calibration-texts", type=int, default=CALIBRATION_TEXTS)
+    parser.add_argument("--observer", default="minmax", help="llm-compressor's, for the scales")
     parser.add_argument("--out", default="docs/perf/int4_quality")
     args = parser.parse_args(argv)
     if args.prompts > CALIBRATION_SKIP:
@@ -208,21 +215,25 @@ def main(argv: list[str] | None = None) -> int:
 
     source = convert_gguf(str(assemble()))
     quantized = quantized_gemma(
-        source, args.calibration_tokens, args.quantize_python, args.calibration_texts
+        source,
+        args.calibration_tokens,
+        args.quantize_python,
+        args.calibration_texts,
+        args.observer,
     )
     prompts, text = load_texts(args.prompts)
     rows: list[dict] = []
     for name, (key, dtype) in tqdm(ROWS.items(), desc="configurations"):
         path = source if key is None else quantized[key]
         rows.append(measure(name, path, dtype, args, prompts, text, rows[0] if rows else None))
-        shown = {k: v for k, v in rows[-1].items() if k not in ("outs", "prompt_ids")}
+        shown = {k: v for k, v in rows[-1].items() if k not in HELD_BACK}
         tqdm.write(json.dumps(shown))
     table = report(args, rows)
     print(table)
     with open(args.out + ".md", "w") as f:
         f.write(table)
     with open(args.out + ".json", "w") as f:
-        kept = [{k: v for k, v in r.items() if k not in ("outs", "prompt_ids")} for r in rows]
+        kept = [{k: v for k, v in r.items() if k not in HELD_BACK} for r in rows]
         json.dump({"args": vars(args), "loadavg": os.getloadavg(), "rows": kept}, f, indent=2)
     return 0
 

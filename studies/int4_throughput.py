@@ -223,11 +223,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     batches = [r["batch"] for r in rows[0]["rates"]]
-    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.6), squeeze=False)
-    colors = ["#999999", "#44aa77", "#cc5533"][-len(rows) :]
+    width = max(4, 1.2 * len(rows))
+    fig, axes = plt.subplots(1, len(batches), figsize=(width * len(batches), 3.8), squeeze=False)
+    # the 16/32-bit arms grey and green, the INT4 ones in shades of orange
+    dense = {"float32": "#999999", "bfloat16": "#44aa77"}
+    shades = iter(["#cc5533", "#e89a4f", "#f2c48d"])
+    colors = [dense.get(r["arm"]) or next(shades) for r in rows]
+    labels = [r["arm"].replace(", ", ",\n") for r in rows]
     for i, ax in enumerate(axes[0]):
         rates = [r["rates"][i]["decode_tokens_per_s"] for r in rows]
-        ax.bar_label(ax.bar([r["arm"] for r in rows], rates, color=colors), fmt="%.1f")
+        ax.bar_label(ax.bar(labels, rates, color=colors), fmt="%.1f")
+        ax.tick_params(axis="x", labelsize=8)
         ax.set_title(f"batch {batches[i]}")
         ax.set_ylabel("decode output tokens/s")
     fig.suptitle(title)

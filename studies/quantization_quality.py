@@ -97,9 +97,16 @@ def next_token_logits(llm: LLM, token_ids: list[int], first_chunk: int = PPL_CHU
 
 def perplexity(llm: LLM, token_ids: list[int]) -> float:
     """exp(mean NLL of each token given those before it)."""
+    return text_predictions(llm, token_ids)[0]
+
+
+def text_predictions(llm: LLM, token_ids: list[int]) -> tuple[float, list[int]]:
+    """(perplexity of the text, the model's top-1 next token at each of its positions):
+    one pass, for agreement with a baseline teacher-forced on a fixed text."""
     targets = torch.tensor(token_ids[1:])
-    nll = F.cross_entropy(next_token_logits(llm, token_ids), targets, reduction="sum")
-    return math.exp(nll.item() / (len(token_ids) - 1))
+    logits = next_token_logits(llm, token_ids)
+    nll = F.cross_entropy(logits, targets, reduction="sum")
+    return math.exp(nll.item() / (len(token_ids) - 1)), logits.argmax(dim=-1).tolist()
 
 
 def forced_agreement(llm: LLM, prompt_ids: list[list[int]], refs: list[list[int]]) -> float:
