@@ -285,7 +285,8 @@ POOL = {"kv_cache_memory_bytes": 64 << 20}  # a fixed pool: tiny engines, quick 
 
 
 @pytest.mark.parametrize(
-    "fmt", ["gptq-4bit-asym-desc_act", "gptq_v2-8bit-sym-channel", "awq-gemm-g32"]
+    "fmt",
+    ["gptq-4bit-asym-desc_act", "gptq_v2-8bit-sym-channel", "awq-gemm-g32", "ct-w4a16-table"],
 )
 @pytest.mark.cuda
 @needs_cuda
