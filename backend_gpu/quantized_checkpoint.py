@@ -59,8 +59,8 @@ from backend_gpu.quantization.packed_shards import (
 from backend_gpu.tp_shards import COLUMN_PARALLEL, ROW_PARALLEL, CheckpointShards, ShardRead
 
 LINEAR_LEAVES = COLUMN_PARALLEL + ROW_PARALLEL
-# checkpoint module -> our module, for the token table's two roles
-TABLES = {"model.embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+# the token table's two roles, named alike in checkpoints and in our models
+EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
 PACKED_LAYOUTS = ("gptq", "awq", "pack-quantized")
 
 
@@ -175,7 +175,7 @@ class QuantizedCheckpoint:
             ours = model_name(model, f"{module}.weight")
             quantized = any(m in tensors for m in MARKERS)
             leaf = module.rpartition(".")[2]
-            if ours is not None and ours.rpartition(".")[0] in TABLES.values():
+            if ours is not None and ours.rpartition(".")[0] in (EMBEDDING, HEAD):
                 scheme = self.quant.scheme_for(module)
                 if quantized and scheme is not None and scheme.layout not in PACKED_LAYOUTS:
                     raise ValueError(
@@ -185,7 +185,7 @@ class QuantizedCheckpoint:
                     )
                 self._check_agreement(module, tensors, quantized)
                 if quantized:
-                    self._add_table(model, hf_config, module, tensors, modules)
+                    self._add_table(model, hf_config, module, scheme, tensors, modules)
                 continue
             if leaf not in LINEAR_LEAVES or ".experts." in module:
                 if quantized:
@@ -225,10 +225,11 @@ class QuantizedCheckpoint:
             for name in part.names
         }
 
-    def _add_table(self, model, hf_config, module: str, tensors: set[str], modules) -> None:
+    def _add_table(
+        self, model, hf_config, module: str, scheme: WeightScheme, tensors: set[str], modules
+    ) -> None:
         """A quantized token table: placeholders for the roles this model (or pipeline
         stage) holds, both of them where the embeddings are tied."""
-        scheme = self.quant.scheme_for(module)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         head = getattr(model, "lm_head", None)
         if embed is not None and head is not None:
@@ -236,7 +237,7 @@ class QuantizedCheckpoint:
         else:  # a pipeline stage may hold one of them
             tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         ours = model_name(model, f"{module}.weight").rpartition(".")[0]
-        roles = tuple(TABLES.values()) if tied else (ours,)
+        roles = (EMBEDDING, HEAD) if tied else (ours,)
         roles = tuple(r for r in roles if modules.get(r) is not None)
         if any(
             layer.table_roles and set(layer.table_roles) & set(roles)
@@ -245,7 +246,7 @@ class QuantizedCheckpoint:
             raise ValueError(f"{module}: a second copy of a token table the model ties")
         if not roles:
             return
-        part = Part(module, scheme, checkpoint_shape(hf_config, "lm_head"), tensors)
+        part = Part(module, scheme, checkpoint_shape(hf_config, HEAD), tensors)
         self.layers[roles[0]] = Layer(roles[0], AwaitingWeights(modules[roles[0]]), [part], roles)
 
     def _check_agreement(self, module: str, tensors: set[str], quantized: bool) -> None:
@@ -362,7 +363,7 @@ class QuantizedCheckpoint:
             final = QuantizedLinear(w, scale, bias, weight.method, dtype, slices)
         for path in layer.table_roles or (layer.path,):
             parent, _, leaf = path.rpartition(".")
-            role = PackedEmbedding(final) if path == TABLES["model.embed_tokens"] else final
+            role = PackedEmbedding(final) if path == EMBEDDING else final
             setattr(model.get_submodule(parent), leaf, role)
         for part in layer.parts:
             part.names, part.weight = set(), None  # done: its memory goes with the layer

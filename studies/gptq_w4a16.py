@@ -52,14 +52,19 @@ def transformers_dir(source: str, staging: str) -> str:
     return staging
 
 
+def checkpoint_file(directory: str) -> str:
+    """The one safetensors file a model of this size is saved in."""
+    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    assert len(files) == 1, f"{directory}: one safetensors file expected, not {files}"
+    return os.path.join(directory, files[0])
+
+
 def rewrite(directory: str, drop: str, ignore: list[str] | None = None) -> None:
     """Drop the tensors named `drop`... from the checkpoint in `directory` and say in
     its config that the embeddings are tied (and, given, what the quantization ignores)."""
     from safetensors.torch import load_file, save_file
 
-    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
-    assert len(files) == 1, f"{directory}: one safetensors file expected, not {files}"
-    path = os.path.join(directory, files[0])
+    path = checkpoint_file(directory)
     tensors = load_file(path)
     save_file({n: t for n, t in tensors.items() if not n.startswith(drop)}, path)
     config_path = os.path.join(directory, "config.json")
@@ -82,8 +87,7 @@ def tie_table(directory: str, mode: str) -> None:
     import torch
     from safetensors import safe_open
 
-    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
-    with safe_open(os.path.join(directory, files[0]), "pt") as f:
+    with safe_open(checkpoint_file(directory), "pt") as f:
         names = f.keys()
         tensors = {n: f.get_tensor(n) for n in names if "layers." not in n}
     head = {n[len("lm_head.") :]: t for n, t in tensors.items() if n.startswith("lm_head.")}
