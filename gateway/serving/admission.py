@@ -52,6 +52,7 @@ from gateway.serving.traces import request_attributes
 from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.quota import QuotaExceeded, Reservation
+from gateway.tenancy.quota.prices import Price
 
 RENDERS_AT_ONCE = 32  # a request's prompts or inputs rendered concurrently, at most
 
@@ -84,7 +85,8 @@ async def prepare(
         # the replica that rendered compiles it (its engine caches it)
         with _backend_errors(gw, principal, body.model):
             await renderer.check_structured(served, structured)
-    plan, worst = _plan(gw, principal, body, card, prompts, chat)
+    price = gw.price_of(body.model)  # kept on the Job: its usage row pays this
+    plan, worst = _plan(principal, body, card, prompts, chat, price)
     reservation = await admit(gw, principal, plan.reserve, plan.choices, worst)
     backend, block_hashes, shared_lens = await _place(
         gw, served, candidates, renderer, prompts, salt, reservation, adapter
@@ -110,6 +112,7 @@ async def prepare(
         body.n,
         reservation,
         body.user,
+        price,
         block_hashes,
         [c.backend for c in candidates if c.backend is not backend],
         tools=ToolPlan.of(body) if isinstance(body, ChatCompletionRequest) else ToolPlan(),
@@ -120,12 +123,12 @@ async def prepare(
 
 
 def _plan(
-    gw: GatewayState,
     principal: Principal,
     body: ChatCompletionRequest | CompletionRequest,
     card: ModelCard,
     prompts: list[list[int]],
     chat: bool,
+    price: Price,
 ) -> tuple[TokenPlan, int]:
     """The tokens to reserve and the worst-case spend (nanodollars), or a 400 for a
     request that no window of the principal's limits could ever admit."""
@@ -140,7 +143,6 @@ def _plan(
     )
     # the worst case: no prompt token cached, every choice generating all its max_tokens
     prompt_tokens = sum(len(p) for p in prompts)
-    price = gw.price_of(body.model)
     worst = price.worst_case(prompt_tokens, plan.reserve - prompt_tokens)
     check_spend(worst, principal.limits)
     return plan, worst

@@ -28,6 +28,7 @@ from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.quota import Reservation
 from gateway.tenancy.quota.limits import ratelimit_headers
+from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.usage import UsageRow
 
 log = logging.getLogger("kvgate")
@@ -46,6 +47,9 @@ class Job:
     n: int
     reservation: Reservation
     user: str | None
+    # priced at admission: a reload's new prices, or the adapter deleted while it runs,
+    # do not change what it costs
+    price: Price
     block_hashes: list[str] = field(default_factory=list)  # the first prompt's full blocks
     # other healthy replicas of the model: a request whose replica fails before any
     # output reaches the client is tried again on the next one
@@ -279,8 +283,7 @@ class Job:
     ) -> UsageRow:
         """The request's row, with its spend and the quota settlement that commits with it."""
         gw, p, ttft = self.gw, self.principal, self.ttft
-        price = gw.price_of(self.model)
-        spend = price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
+        spend = self.price.spend(prompt_tokens, self.cached_tokens, self.completion_tokens)
         # settled with the row: in memory at once, on PostgreSQL in the row's commit
         settlement = gw.quota.settlement(
             self.reservation,
