@@ -10,13 +10,25 @@ plain copy's GB/s). The KV cache is Llama 3 8B's (32 layers, 8 KV heads of 128, 
 blocks of 16 tokens: 2 MiB a block, spread over 64 per-layer K and V tensors as the
 engine holds it). Before the timing, one round trip (down, caches zeroed, up) must give
 the caches back bit for bit. Each figure is the median of --repeats runs.
+
+With --stores it measures the tiers under the rows instead, on the CPU: --store-blocks
+records of the shape's block size written (`put`, as the tier stack's writer does) and
+read back and checked (`get`; `get_many` in one call, as a lookup asks Redis) through
+engine_api.kv_disk's DiskStore in a fresh directory (the page cache, not the disk, is
+what they reach) and, with --shared-url, backend_gpu's SharedStore. What it costs is
+the records' framing and check, which is what issue 45's MAC changes.
+
+    python -m studies.kv_tiers_copy --out OUTDIR --stores [--shared-url redis://...]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +37,9 @@ from types import SimpleNamespace
 import torch
 
 from backend_gpu.kv_tiers.host import HostRows
+from backend_gpu.kv_tiers.shared import SharedStore
 from bench.options import DefaultsHelpFormatter
+from engine_api.kv_disk import DiskStore
 from studies.harness import device_environment
 
 # (layers, KV heads, head dim, dtype); "tiny" runs on a CPU in a second (a smoke test)
@@ -124,6 +138,57 @@ def measure(shape: str, num_blocks: int, block_size: int, device: str, repeats: 
     return result
 
 
+def shape_block_bytes(shape: str, block_size: int) -> int:
+    """Bytes of one block of every layer's K and V in `shape`."""
+    layers, heads, dim, dtype = SHAPES[shape]
+    return 2 * layers * block_size * heads * dim * dtype.itemsize
+
+
+def put_and_get(
+    store: DiskStore | SharedStore, keys: list[bytes], payloads: list[bytes]
+) -> tuple[float, float]:
+    """Seconds to put every block into `store`, then to read them all back (one
+    `get_many` where the store has it, as a lookup asks Redis); checked, untimed."""
+    start = time.perf_counter()
+    for key, payload in zip(keys, payloads, strict=True):
+        store.put(key, payload)
+    mid = time.perf_counter()
+    if isinstance(store, SharedStore):
+        got = store.get_many(keys)
+    else:
+        got = [store.get(key) for key in keys]
+    end = time.perf_counter()
+    assert [bytes(g) for g in got] == payloads, "a store gave back other bytes"
+    return mid - start, end - mid
+
+
+def measure_stores(block_bytes: int, num_blocks: int, repeats: int, shared_url: str | None) -> dict:
+    """Each store's `put` and `get` of `num_blocks` random blocks: blocks/s and GB/s.
+    Every repeat writes new keys (a store writes a key it holds only once) into a new
+    directory; the first repeat is not counted (first-call costs)."""
+    fp = hashlib.sha256(b"studies.kv_tiers_copy").digest()[:16]
+    payloads = [os.urandom(block_bytes) for _ in range(num_blocks)]
+    nbytes = block_bytes * num_blocks
+    times: dict[str, list[float]] = {}
+    for repeat in range(repeats + 1):
+        keys = [hashlib.sha256(b"%d %d" % (repeat, i)).digest() for i in range(num_blocks)]
+        runs = {}
+        with tempfile.TemporaryDirectory(prefix="kv-tiers-copy-") as root:
+            runs["disk"] = put_and_get(DiskStore(root, 2 * nbytes, fp), keys, payloads)
+        if shared_url is not None:
+            shared = SharedStore(shared_url, fp)
+            runs["shared"] = put_and_get(shared, keys, payloads)
+            shared.client.delete(*(shared.prefix + k.hex().encode() for k in keys))
+        for store, (put, get) in runs.items():
+            if repeat:
+                times.setdefault(f"{store}_put", []).append(put)
+                times.setdefault(f"{store}_get", []).append(get)
+    result = {
+        name: rates(statistics.median(runs), num_blocks, nbytes) for name, runs in times.items()
+    }
+    return result | {"bytes_per_block": block_bytes, "bytes": nbytes}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
@@ -134,16 +199,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=512, help="blocks copied each way")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--stores", action="store_true", help="the disk and shared stores, not the host rows"
+    )
+    p.add_argument("--store-blocks", type=int, default=64, help="blocks each store writes")
+    p.add_argument("--shared-url", help="a redis:// URL: measure the shared store there too")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.stores:
+        return main_stores(args)
     result = {"env": device_environment(args.device), "config": vars(args)}
     result |= measure(args.shape, args.blocks, args.block_size, args.device, args.repeats)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_tiers_copy.json").write_text(json.dumps(result, indent=2))
+    write(args.out, "kv_tiers_copy.json", result)
     print(f"{args.blocks} blocks of {result['bytes_per_block']:,} bytes, {args.device}")
     print("| copy | way | blocks/s | GB/s |\n|---|---|---:|---:|")
     for name in ("host_rows_down", "plain_down", "host_rows_up", "plain_up"):
@@ -156,6 +226,27 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['round_trip_exact']}"
     )
     return result
+
+
+def main_stores(args: argparse.Namespace) -> dict:
+    result = {"env": device_environment("cpu"), "config": vars(args)}
+    block_bytes = shape_block_bytes(args.shape, args.block_size)
+    result |= measure_stores(block_bytes, args.store_blocks, args.repeats, args.shared_url)
+    write(args.out, "kv_tiers_stores.json", result)
+    print(f"{args.store_blocks} records of {block_bytes:,} bytes' blocks")
+    print("| store | call | blocks/s | GB/s |\n|---|---|---:|---:|")
+    for name in ("disk_put", "disk_get", "shared_put", "shared_get"):
+        if name in result:
+            r = result[name]
+            store, call = name.split("_")
+            print(f"| {store} | {call} | {r['blocks_per_s']:,.0f} | {r['gb_per_s']:.2f} |")
+    return result
+
+
+def write(out_dir: str, name: str, result: dict) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

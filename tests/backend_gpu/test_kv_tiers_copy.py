@@ -42,3 +42,18 @@ def test_the_round_trip_check_sees_a_block_put_back_in_the_wrong_place():
 def test_the_gpu_check_runs_the_copy_study():
     script = (ROOT / "studies/gpu_check.sh").read_text()
     assert '-m studies.kv_tiers_copy --out "$out"' in script
+
+
+def test_the_copy_study_measures_the_stores_under_the_rows(tmp_path):
+    url = "redis://127.0.0.1:6379/12"  # a database of this test's own
+    argv = ["--out", str(tmp_path), "--shape", "tiny", "--stores", "--store-blocks", "6"]
+    result = kv_tiers_copy.main([*argv, "--repeats", "2", "--shared-url", url])
+    assert json.loads((tmp_path / "kv_tiers_stores.json").read_text()) == json.loads(
+        json.dumps(result)
+    )
+    assert result["bytes_per_block"] == 2 * 2 * 16 * 2 * 16 * 4
+    for name in ("disk_put", "disk_get", "shared_put", "shared_get"):
+        r = result[name]
+        assert r["blocks_per_s"] == 6 / r["seconds"] > 0
+        assert r["gb_per_s"] == result["bytes"] / r["seconds"] / 1e9
+    assert "host_rows_down" not in result
