@@ -16,6 +16,22 @@ class EngineDeadError(BackendError):
     """The engine's thread has stopped (shut down or crashed); no request can be served."""
 
 
+class AdapterLoadError(BackendError):
+    """A request's LoRA adapter would not load (its files broke or changed after it was
+    checked): the request fails, the engine serves on; HTTP 500 `adapter_load_failed`
+    (no retry mends the files). Its message, which a client hears, names the adapter
+    alone; `reason` (the engine's words, its paths) is the operator's."""
+
+    code = "adapter_load_failed"
+
+    def __init__(self, adapter: str, reason: str) -> None:
+        super().__init__(
+            f"The LoRA adapter {adapter!r} could not be loaded; the request was not run. "
+            "Its administrator can see why in GET /admin/adapters."
+        )
+        self.adapter, self.reason = adapter, reason
+
+
 class BadRequestError(ValueError):
     """The request can never be served as sent (prompt too long, empty...): HTTP 400."""
 

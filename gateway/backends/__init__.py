@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import replace
 
-from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
+from engine_api.errors import AdapterLoadError, BackendError, BadRequestError, PromptTooLongError
 from engine_api.records import (
     EMBED,
     GENERATE,
@@ -38,6 +38,7 @@ from gateway.backends.spec import BackendSpec, replica_count
 __all__ = [
     "EMBED",
     "GENERATE",
+    "AdapterLoadError",
     "AdapterRef",
     "Backend",
     "BackendError",

@@ -17,7 +17,7 @@ The vectors mean nothing; real ones are the engine's, tested against it.
 
 LoRA adapters: it accepts any adapter whose path exists (check_adapter), "loads" one when
 a request names it (stats' adapters_loaded; `adapter_requests` counts requests per
-adapter) and words its output by the adapter's name too, so the gateway's registry,
+adapter; a path gone since is the engines' AdapterLoadError) and words its output by the adapter's name too, so the gateway's registry,
 visibility, routing and metering of adapters can be tested alone.
 """
 
@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from engine_api.block_hash import adapter_root
-from engine_api.errors import BackendError, BadRequestError
+from engine_api.errors import AdapterLoadError, BackendError, BadRequestError
 from engine_api.records import (
     EMBED,
     GENERATE,
@@ -222,7 +222,10 @@ class FakeBackend:
         if sp.prompt_logprobs is not None:  # its prompt ids are hashes of words: no model
             raise BadRequestError("the fake backend has no prompt logprobs (echo with logprobs)")
         if req.adapter is not None:
-            await self.check_adapter(req.adapter)
+            try:
+                await self.check_adapter(req.adapter)
+            except BadRequestError as e:  # checked at registration: the files broke since
+                raise AdapterLoadError(req.adapter.name, str(e)) from None
             name = req.adapter.name
             self.adapter_requests[name] = self.adapter_requests.get(name, 0) + 1
             if name not in self.adapters_loaded:

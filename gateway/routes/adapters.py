@@ -1,7 +1,7 @@
 """The LoRA adapter admin routes (an admin key): `POST /admin/adapters` {name, path,
 base_model, tenant?} registers an adapter after every replica of its base model checked
 it (a 400 naming the problem, and nothing stored, else); `GET /admin/adapters` lists them
-all; `DELETE /admin/adapters/{name}` hides one at once and unloads it from the replicas
+all, each `ready` or `failed` (its files would not load for a request, and why); `DELETE /admin/adapters/{name}` hides one at once and unloads it from the replicas
 once its requests in flight have finished. A tenant sees its adapters in /v1/models.
 """
 
@@ -34,12 +34,13 @@ async def create_adapter(request: web.Request) -> web.Response:
         raise ApiError(400, str(e)) from None
     except BackendError as e:
         raise ApiError(503, str(e), code="backend_unavailable") from None
-    return json_response(adapter.public(), status=201)
+    return json_response(gw.adapters.described(adapter), status=201)
 
 
 async def list_adapters(request: web.Request) -> web.Response:
     await guards.admin(request)
-    data = [a.public() for a in request.app[GW].adapters.all()]
+    adapters = request.app[GW].adapters
+    data = [adapters.described(a) for a in adapters.all()]
     return json_response({"object": "list", "data": data})
 
 

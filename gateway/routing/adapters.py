@@ -12,6 +12,11 @@ one is refused whole with the engine's reason and nothing is stored. Deletion hi
 adapter at once; its requests in flight finish, and only then are the replicas told to
 drop it (`remove_adapter`). On PostgreSQL, where other gateways register and delete
 adapters too, the table is read again every REFRESH_S.
+
+An adapter whose files break after registration fails its requests (the engine's
+AdapterLoadError, a 503 `adapter_load_failed` for the client): the registry logs each
+failure and shows the adapter `failed`, with the engine's reason, until a request under
+it is served again (the files mended).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway.backends import (
     GENERATE,
+    AdapterLoadError,
     AdapterRef,
     BackendError,
     BadRequestError,
@@ -68,6 +74,7 @@ class AdapterRegistry:
         self.router = router
         self.adapters: dict[str, Adapter] = {}
         self.in_flight: dict[str, int] = {}  # adapter name -> its requests now
+        self.failed: dict[str, str] = {}  # adapter name -> why its last load failed
         self._idle: dict[str, asyncio.Event] = {}  # set while an adapter has no requests
         self._changing = asyncio.Lock()  # a name is checked and stored as one step
         self._unloads: set[asyncio.Task] = set()
@@ -137,6 +144,18 @@ class AdapterRegistry:
     def all(self) -> list[Adapter]:
         return sorted(self.adapters.values(), key=lambda a: (a.tenant_id or "", a.name))
 
+    def described(self, adapter: Adapter) -> dict:
+        """The adapter as the admin API shows it: with its state, `ready` or `failed`,
+        and why it failed."""
+        why = self.failed.get(adapter.name)
+        return adapter.public() | {"state": "failed" if why else "ready", "error": why}
+
+    def load_failed(self, e: AdapterLoadError, replica: str) -> None:
+        """A request's adapter would not load on `replica`: logged, and shown failed."""
+        log.error("LoRA adapter %s failed to load on %s: %s", e.adapter, replica, e.reason)
+        if e.adapter in self.adapters:
+            self.failed[e.adapter] = f"{replica}: {e.reason}"
+
     def base_of(self, model: str) -> str | None:
         adapter = self.adapters.get(model)
         return adapter.base_model if adapter else None
@@ -204,6 +223,7 @@ class AdapterRegistry:
         return adapter
 
     def _unload_later(self, adapter: Adapter) -> None:
+        self.failed.pop(adapter.name, None)
         task = asyncio.create_task(self._unload(adapter))
         self._unloads.add(task)
         task.add_done_callback(self._unloads.discard)
@@ -220,13 +240,17 @@ class AdapterRegistry:
         """Drop a deleted tenant's adapters (the database cascade removed their rows)."""
         for adapter in [a for a in self.adapters.values() if a.tenant_id == tenant_id]:
             del self.adapters[adapter.name]
+            self.failed.pop(adapter.name, None)
 
     def acquire(self, name: str) -> None:
         """A request runs under the adapter until `release`."""
         self.in_flight[name] = self.in_flight.get(name, 0) + 1
         self._idle.setdefault(name, asyncio.Event()).clear()
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, served: bool) -> None:
+        """A request under the adapter ended; `served`: its output came (it loaded)."""
+        if served:
+            self.failed.pop(name, None)
         self.in_flight[name] -= 1
         if not self.in_flight[name]:
             del self.in_flight[name]

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from gateway.backends import Backend, BackendError, GenChunk, GenRequest, OutputCountingBackend
+from gateway.backends import (
+    AdapterLoadError,
+    Backend,
+    BackendError,
+    GenChunk,
+    GenRequest,
+    OutputCountingBackend,
+)
 from gateway.observe.stats import Finished
 from gateway.serving.choice_streams import merged, queued
 from gateway.serving.echo import Echo
@@ -107,6 +114,8 @@ class Job:
                     yield item
                 return
             except BackendError as e:
+                if isinstance(e, AdapterLoadError):  # the registry shows it, the log says
+                    self.gw.adapters.load_failed(e, self.backend.name)
                 if self.counted or not self.fallbacks:
                     raise  # output went out, or no replica is left: the client hears
                 failed, self.backend = self.backend, self.fallbacks.pop(0)
@@ -248,7 +257,7 @@ class Job:
         self.finished = True
         self.gw.router.release(self.backend)
         if self.adapter is not None:
-            self.gw.adapters.release(self.adapter)
+            self.gw.adapters.release(self.adapter, served=self.first_token_at is not None)
         # Shielded: a client that goes away must not lose the row.
         await asyncio.shield(self._record(status, finish_reason, error, delivered))
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from gateway.backends import BackendError, BadRequestError
+from gateway.backends import AdapterLoadError, BackendError, BadRequestError
 from gateway.http.drain import RETRY_AFTER_S
 from gateway.http.errors import ApiError
 from gateway.serving.job import Job
@@ -62,16 +62,19 @@ async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args) if large else fn(*args)
 
 
-def failure(job: Job, e: Exception) -> tuple[int, str]:
-    """The status and message a client gets for a request that failed mid-way: a
-    backend's own errors as they are (they name the backend, never an upstream's words);
-    anything else is logged and told without its text."""
+def failure(job: Job, e: Exception) -> ApiError:
+    """The error a client gets for a request that failed mid-way: a backend's own
+    errors as they are (they name the backend, never an upstream's words); an adapter
+    that would not load is a 500 (its files, which no retry mends); anything else is
+    logged and told without its text."""
     if isinstance(e, BadRequestError):
-        return 400, str(e)
+        return ApiError(400, str(e))
+    if isinstance(e, AdapterLoadError):
+        return ApiError(500, str(e), code=e.code)
     if isinstance(e, BackendError):
-        return 503, str(e)
+        return ApiError(503, str(e))
     log.exception("request %s failed", job.request_id)
-    return 503, f"the backend of model {job.model!r} failed (request {job.request_id})"
+    return ApiError(503, f"the backend of model {job.model!r} failed (request {job.request_id})")
 
 
 async def finish_failed(job: Job, status: int, error: str, delivered: bool = True) -> None:
@@ -97,9 +100,9 @@ async def whole_answer(job: Job) -> AsyncIterator[None]:
         await job.finish(499, "abort")
         raise
     except Exception as e:
-        status, message = failure(job, e)
-        await finish_failed(job, status, message, delivered=False)
-        raise ApiError(status, message) from None
+        error = failure(job, e)
+        await finish_failed(job, error.status, error.message, delivered=False)
+        raise error from None
 
 
 # an API's error event: (the error, whether it is the usage row that failed)
@@ -128,11 +131,11 @@ async def streamed(
         await resp.write(error_event(CUT, False))
         return False
     except Exception as e:  # billed for what was streamed before it
-        status, message = failure(job, e)
-        await finish_failed(job, status, message)
+        error = failure(job, e)
+        await finish_failed(job, error.status, error.message)
         if not resp.prepared:
-            raise ApiError(status, message) from None
-        await resp.write(error_event(ApiError(status, message), False))
+            raise error from None
+        await resp.write(error_event(error, False))
         return False
     try:
         await finish_or_503(job, 200, finish)
