@@ -2,6 +2,10 @@
 
 TTFT is the time to the first chunk that carries generated text; each later text
 chunk adds one inter-chunk gap to `itl`; the request ends at its last text chunk.
+A reply with no text (the model stopped at once, or said only special tokens) is a
+success like any other, as in vLLM's client: it is timed by its chunks that carry a
+choice (one per token, as kvgate streams them). Only a transport error, a status
+other than 200, an error event or a stream cut before the reply ended fail a request.
 Token counts come only from the server's final `usage` chunk
 (`stream_options.include_usage`); a server that sends none leaves them None.
 """
@@ -9,6 +13,7 @@ Token counts come only from the server's final `usage` chunk
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -106,6 +111,41 @@ async def _post(
         return await stack.enter_async_context(fresh.post(url, json=payload, headers=headers))
 
 
+@dataclass
+class _Timeline:
+    """When a stream's chunks came: those with text time the reply; a reply without
+    text is timed by its chunks that carry a choice, else by when the stream ended."""
+
+    text_times: list[float] = field(default_factory=list)
+    choice_times: list[float] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    end: float = 0.0
+    done: bool = False  # [DONE] came
+
+    def add(self, data: dict, endpoint: str, out: RequestOutput) -> None:
+        choices = data.get("choices") or []
+        if choices:
+            self.choice_times.append(self.end)
+            if reason := choices[0].get("finish_reason"):
+                out.finish_reason = reason
+        if text := chunk_text(data, endpoint):
+            self.text_times.append(self.end)
+            self.text_parts.append(text)
+        if usage := data.get("usage"):
+            out.prompt_tokens = usage.get("prompt_tokens")
+            out.output_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            out.cached_tokens = details.get("cached_tokens")
+
+    def finish(self, out: RequestOutput) -> None:
+        times = self.text_times or self.choice_times or [self.end]
+        out.ttft = times[0] - out.start_time
+        out.latency = times[-1] - out.start_time
+        out.itl = [b - a for a, b in itertools.pairwise(self.text_times)]
+        out.generated_text = "".join(self.text_parts)
+        out.success = True
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -117,9 +157,8 @@ async def send_request(
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     out = RequestOutput(tenant=tenant)
-    start = last = time.perf_counter()
-    out.start_time = start
-    text_parts = []
+    out.start_time = time.perf_counter()
+    timeline = _Timeline()
     try:
         async with contextlib.AsyncExitStack() as stack:
             response = await _post(stack, session, base_url + path, payload, headers)
@@ -127,34 +166,20 @@ async def send_request(
                 out.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return out
             async for event in sse_events(response):
+                timeline.end = time.perf_counter()
                 if event == "[DONE]":
+                    timeline.done = True
                     break
                 data = json.loads(event)
                 if data.get("error"):
                     out.error = f"stream error: {json.dumps(data['error'])[:300]}"
                     return out
-                if text := chunk_text(data, endpoint):
-                    now = time.perf_counter()
-                    if not text_parts:
-                        out.ttft = now - start
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                    text_parts.append(text)
-                if reason := (data.get("choices") or [{}])[0].get("finish_reason"):
-                    out.finish_reason = reason
-                if usage := data.get("usage"):
-                    out.prompt_tokens = usage.get("prompt_tokens")
-                    out.output_tokens = usage.get("completion_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens")
+                timeline.add(data, endpoint, out)
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
         out.error = f"{type(e).__name__}: {e}"
         return out
-    if not text_parts:
-        out.error = "the stream carried no generated text"
+    if not timeline.done and out.finish_reason is None:
+        out.error = "the stream ended before the reply did (no finish_reason, no [DONE])"
         return out
-    out.generated_text = "".join(text_parts)
-    out.latency = last - start
-    out.success = True
+    timeline.finish(out)
     return out

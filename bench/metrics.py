@@ -1,6 +1,7 @@
 """Serving metrics from request timelines, with vLLM's `bench serve` definitions.
 
-- TTFT: send to first generated text; E2EL: send to last generated text.
+- TTFT: send to first generated text; E2EL: send to last generated text (a reply
+  with no text: to its first and last chunk, bench/client.py).
 - TPOT: (E2EL - TTFT) / (output_tokens - 1), for requests with more than one token.
 - ITL: every gap between consecutive text chunks, pooled over requests.
 - Goodput: requests per second that met every given SLO (ms); a one-token

@@ -117,19 +117,55 @@ async def test_http_error_is_a_failed_request():
     assert out.error.startswith("HTTP 429") and "slow down" in out.error
 
 
-async def test_stream_error_event_and_empty_stream():
+async def test_stream_error_event_fails():
     server, _ = await serve_bytes(sse({"error": {"message": "boom"}}))
     try:
         out = await run(server)
     finally:
         await server.close()
     assert not out.success and "boom" in out.error
-    server, _ = await serve_bytes(sse(USAGE) + sse(b"[DONE]"))
+
+
+def completion_chunk(text="", finish=None):
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+SILENT_USAGE = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "chunks"),
+    [
+        # stopped at once: one chunk, the role (chat) and the finish, no text
+        ("chat", [chat_chunk(role="assistant", content="", finish="stop")]),
+        ("completions", [completion_chunk(finish="stop")]),
+        # special tokens only: a chunk each, none with text
+        ("chat", [chat_chunk(role="assistant", content="")] + [chat_chunk()] * 4),
+        ("completions", [completion_chunk()] * 4 + [completion_chunk(finish="length")]),
+        ("completions", []),  # nothing but the usage
+    ],
+)
+async def test_a_reply_without_text_is_a_success(endpoint, chunks):
+    """As in vLLM's client: a reply that ends with no text is counted, with its usage."""
+    body = b"".join(sse(c) for c in chunks) + sse(SILENT_USAGE) + sse(b"[DONE]")
+    server, _ = await serve_bytes(body, pieces=1)
     try:
-        out = await run(server)
+        out = await run(server, endpoint=endpoint)
     finally:
         await server.close()
-    assert not out.success and "no generated text" in out.error
+    assert out.success, out.error
+    assert out.generated_text == "" and out.itl == []
+    assert (out.prompt_tokens, out.output_tokens) == (9, 1)
+    assert 0 < out.ttft <= out.latency
+
+
+async def test_a_stream_cut_before_the_reply_ended_fails():
+    server, _ = await serve_bytes(sse(completion_chunk("a")) + sse(completion_chunk("b")))
+    try:
+        out = await run(server, endpoint="completions")
+    finally:
+        await server.close()
+    assert not out.success and "ended before the reply did" in out.error
 
 
 async def _dropping_server(drop_all: bool) -> tuple[asyncio.Server, str]:
