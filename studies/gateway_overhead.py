@@ -1,6 +1,7 @@
 """The gateway alone: requests/s and added latency over calling the fake backend directly.
 
     python -m studies.gateway_overhead [--duration 10] [--rate 1000] [--out docs/perf]
+    python -m studies.gateway_overhead --before REV [--after REV] [--duration 20]
 
 Starts two servers, each one process pinned to CPU 0, and drives them from CPU 1:
 - kvgate: `kvgate serve --backend fake` with auth, quota (a tenant with limits) and
@@ -9,6 +10,11 @@ Starts two servers, each one process pinned to CPU 0, and drives them from CPU 1
   JSON, with no auth, quota or usage.
 Throughput comes from wrk (closed loop, 64 connections) when it is installed, else from
 an aiohttp client; latency from an open-loop aiohttp client at a fixed request rate.
+
+With --before, it compares the gateway at REV with this tree's instead
+(studies.gateway_before: chat and text completions, whole and streamed, at each
+--conns, runs in the order before, after, after, before) and writes
+gateway_before.json and gateway_before.png.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -26,59 +31,26 @@ import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 
 from bench.options import DefaultsHelpFormatter
-from studies.harness import ADMIN_KEY, free_port, tenant_key
+from studies import gateway_before
+from studies.gateway_load import (
+    start_kvgate,
+    start_server,
+    wait_up,
+    wrk,
+    wrk_percentile_ms,
+    wrk_rps,
+)
+from studies.harness import free_port
 
 HELLO = {"role": "user", "content": "hello there"}
 BODY = {"model": "fake-model", "messages": [HELLO], "max_tokens": 16}
 
 
-def _pinned(cpu: int) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and os.cpu_count() > 1 else []
-
-
-def _start_server(
-    module_args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
-) -> subprocess.Popen:
-    """`python -m <module_args>` pinned to CPU 0 (the load comes from CPU 1), output dropped;
-    from the source tree `cwd` when given (its modules come before the installed ones)."""
-    cmd = [*_pinned(0), sys.executable, "-m", *module_args]
-    return subprocess.Popen(
-        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-
-
-def _wait_up(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
-
-
-def start_kvgate(
-    port: int, tmp: Path, env: dict[str, str] | None = None, source: Path | None = None
-) -> tuple[subprocess.Popen, str]:
-    """`kvgate serve --backend fake` on `port` (with `env` over the environment; from the
-    source tree `source`, another commit's checkout, when given) and a tenant's key."""
-    database_url = f"sqlite+aiosqlite:///{tmp / 'bench.db'}"
-    env = os.environ | (env or {}) | {"KVGATE_ADMIN_KEY": ADMIN_KEY}
-    env["KVGATE_DATABASE_URL"] = database_url
-    args = ["gateway.cli", "serve", "--backend", "fake", "--port", str(port)]
-    proc = _start_server(args, env, source)
-    url = f"http://127.0.0.1:{port}"
-    _wait_up(url)
-    return proc, tenant_key(url)
-
-
 def start_direct(port: int) -> subprocess.Popen:
-    proc = _start_server(["studies.gateway_overhead", "--direct-server", str(port)])
-    _wait_up(f"http://127.0.0.1:{port}")
+    proc = start_server(["studies.gateway_overhead", "--direct-server", str(port)])
+    wait_up(f"http://127.0.0.1:{port}")
     return proc
 
 
@@ -128,43 +100,17 @@ def run_direct_server(port: int) -> None:
     asyncio.run(main())
 
 
-def _wrk(url: str, key: str, duration: int, tmp: Path, conns: int, delay_ms: float = 0) -> str:
-    script = tmp / "post.lua"
-    script.write_text(
-        'wrk.method = "POST"\n'
-        f"wrk.body = {json.dumps(json.dumps(BODY))}\n"
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
-        # each connection waits this long between requests: a paced, fixed offered rate
-        + (f"function delay() return {delay_ms} end\n" if delay_ms else "")
-    )
-    flags = ["-t1", f"-c{conns}", f"-d{duration}s", "--latency", "-s", str(script)]
-    cmd = [*_pinned(1), "wrk", *flags, url + "/v1/chat/completions"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if non2xx:
-        raise RuntimeError(f"wrk saw {non2xx.group(1)} failed responses:\n{out}")
-    return out
-
-
 def wrk_throughput(url: str, key: str, duration: int, tmp: Path) -> float:
-    out = _wrk(url, key, duration, tmp, conns=64)
-    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    return wrk_rps(wrk(url, key, duration, tmp, conns=64))
 
 
 def wrk_paced(url: str, key: str, rate: float, duration: int, tmp: Path) -> dict:
     """About `rate` requests/s from 32 connections, each pausing 32/rate s between its
     requests; wrk's latency percentiles and the rate it actually reached."""
     conns = 32
-    out = _wrk(url, key, duration, tmp, conns, delay_ms=1000 * conns / rate)
-    units = {"us": 0.001, "ms": 1.0, "s": 1000.0}
-
-    def pct(p: str) -> float:
-        value, unit = re.search(rf"^\s+{p}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
-        return float(value) * units[unit]
-
-    achieved = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    return {"p50_ms": pct("50"), "p99_ms": pct("99"), "achieved_rps": achieved}
+    out = wrk(url, key, duration, tmp, conns, delay_ms=1000 * conns / rate)
+    p50, p99 = wrk_percentile_ms(out, "50"), wrk_percentile_ms(out, "99")
+    return {"p50_ms": p50, "p99_ms": p99, "achieved_rps": wrk_rps(out)}
 
 
 async def closed_loop(url: str, key: str, duration: float, conns: int = 64) -> float:
@@ -238,10 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1000)
     p.add_argument("--out", default="docs/perf")
     p.add_argument("--direct-server", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--before", help="compare the gateway at this commit with this tree's")
+    p.add_argument("--after", help="with --before: this commit's gateway, not this tree's")
+    p.add_argument("--rounds", type=int, default=1, help="with --before: rounds of A B B A")
+    p.add_argument("--apis", type=_names, default=list(gateway_before.APIS))
+    p.add_argument("--modes", type=_names, default=list(gateway_before.MODES))
+    p.add_argument("--conns", type=_names, default=[1, 32], help="wrk connections per case")
     args = p.parse_args(argv)
     if args.direct_server:
         run_direct_server(args.direct_server)
         return 0
+    if args.before:
+        return _compare(args)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         direct = start_direct(free_port())
@@ -268,6 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gateway_overhead.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "gateway_overhead.png")
+    return 0
+
+
+def _names(text: str) -> list:
+    """A comma-separated list (of ints where they are)."""
+    return [int(x) if x.isdigit() else x for x in text.split(",")]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    result = gateway_before.compare(args)
+    print(json.dumps(result["summary"], indent=2))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gateway_before.json").write_text(json.dumps(result, indent=2))
+    gateway_before.plot(result, out / "gateway_before.png")
     return 0
 
 

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gateway.config import SQLITE_WAL_LIMIT_BYTES
-from studies.gateway_overhead import start_kvgate, wrk_throughput
+from studies.gateway_load import start_kvgate
+from studies.gateway_overhead import wrk_throughput
 from studies.harness import free_port
 
 SAMPLE_S = 0.1

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,8 @@ from pathlib import Path
 import httpx
 
 from bench.options import DefaultsHelpFormatter
-from studies.gateway_overhead import closed_loop, start_kvgate
+from studies.gateway_load import cpu_seconds, start_kvgate
+from studies.gateway_overhead import closed_loop
 from studies.harness import free_port, stop_process
 
 VARIANTS = ("before", "off", "on", "sampled")
@@ -66,12 +66,6 @@ def start_collector() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
-
-
-def cpu_seconds(pid: int) -> float:
-    """The process's user and system CPU time so far (taskset execs the server: its pid)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu_seconds(pid: int) -> float:
