@@ -5,7 +5,9 @@ starts from numbers rather than memory, and two runs can be compared (compare.py
 A record says when, what code (the git commit, else the package version), the command
 and its config, the hardware (CPU model and cores, GPUs and their memory), and the
 figures: the median over the run's rounds, each round's values, and their spread
-(max - min), which `bench compare` holds a change against.
+(max - min), which `bench compare` holds a change against. A record holds none of the
+keys the run was given (redact.py); the directory is its owner's alone (0700), and so is
+each record (0600).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from bench.redact import redact_record
 from bench.server_memory import PeakMemory
 
 HISTORY_ENV = "KVGATE_BENCH_HISTORY"
@@ -112,7 +115,7 @@ def make_record(
         raise ValueError("a history record needs the figures of at least one round")
     now = datetime.now(UTC)
     figures, spread = summarize_rounds(rounds)
-    return {
+    record = {
         "id": f"{now:%Y%m%dT%H%M%S}.{now.microsecond // 1000:03d}-{kind}-{uuid.uuid4().hex[:4]}",
         "when": now.isoformat(timespec="milliseconds"),
         "kind": kind,
@@ -125,17 +128,30 @@ def make_record(
         "rounds": [dict(r) for r in rounds],
         "peak_memory": asdict(peak_memory) if peak_memory else None,
     }
+    return redact_record(record)
 
 
 def save_record(record: dict, results_dir: str | Path | None = None) -> Path:
-    """Write the record as <id>.json in the results directory (made if missing)."""
+    """Write the record as <id>.json in the results directory (made if missing), both
+    readable by their owner only."""
     directory = Path(results_dir) if results_dir else default_results_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    private_directory(directory)
     path = directory / f"{record['id']}.json"
     tmp = path.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(record, indent=2))
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a partial file an earlier run left keeps its mode
+        f.write(json.dumps(record, indent=2))
     os.replace(tmp, path)  # a reader never sees half a record
     return path
+
+
+def private_directory(directory: Path) -> None:
+    """Make the directory 0700, or tighten it to that: records say which servers were
+    run against, how, and by what command."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if directory.stat().st_mode & 0o077:
+        with contextlib.suppress(PermissionError):  # another user's: its records stay 0600
+            directory.chmod(0o700)
 
 
 def load_records(results_dir: str | Path | None = None) -> list[dict]:
@@ -148,14 +164,14 @@ def load_records(results_dir: str | Path | None = None) -> list[dict]:
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and "figures" in record and "id" in record:
-            records.append(record)
+            records.append(redact_record(record))
     return sorted(records, key=lambda r: (r.get("when", ""), r["id"]))
 
 
 def find_record(ref: str, results_dir: str | Path | None = None) -> dict:
     """A record by file path, id, unique id prefix, or position (-1: the latest)."""
     if ref.endswith(".json") and os.path.isfile(ref):
-        return json.loads(Path(ref).read_text())
+        return redact_record(json.loads(Path(ref).read_text()))
     records = load_records(results_dir)
     if ref.lstrip("-").isdigit():
         index = int(ref)

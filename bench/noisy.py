@@ -287,7 +287,7 @@ def cmd_noisy(args: argparse.Namespace) -> int:
     targets = {"server": with_shapes(args)}
     report = asyncio.run(run_noisy(targets, lambda m: print(m, file=sys.stderr)))["server"]
     args.result = report  # the history's record of the run (bench/cli.py)
-    text = json.dumps(report, indent=2)
+    text = json.dumps(report, indent=2, default=str)  # --results-dir is a Path
     print(text)
     if args.save_result:
         with open(args.save_result, "w") as f:

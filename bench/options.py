@@ -71,19 +71,27 @@ def parse_percentiles(text: str) -> list[float]:
 
 
 def read_api_keys(api_key: str | None, api_key_file: str | None) -> list[str]:
-    """Keys from a comma-separated list, a file (one per line), or $OPENAI_API_KEY."""
+    """Keys from a comma-separated list, a file (one per line), or, as `kvgate chat`
+    reads its key, $KVGATE_API_KEY, else $OPENAI_API_KEY."""
     if api_key_file:
         with open(api_key_file, encoding="utf-8") as f:
             return [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    text = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-    return [k.strip() for k in text.split(",") if k.strip()]
+    if api_key is None:
+        api_key = os.environ.get("KVGATE_API_KEY") or os.environ.get("OPENAI_API_KEY", "")
+    return [k.strip() for k in api_key.split(",") if k.strip()]
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", help="model id (default: the server's first model)")
-    p.add_argument("--api-key", help="API key, or comma-separated keys, one per tenant")
-    p.add_argument("--api-key-file", help="file with one API key per line, one per tenant")
+    p.add_argument(
+        "--api-key",
+        help="API key, or comma-separated keys, one per tenant (default: $KVGATE_API_KEY, "
+        "else $OPENAI_API_KEY); no run record keeps it",
+    )
+    p.add_argument(
+        "--api-key-file", help="file with one API key per line, one per tenant (# comments)"
+    )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
 
 

@@ -108,3 +108,53 @@ def test_a_run_stops_when_asked(runs):
     cfg.abort_when = stop_after_two
     result, _ = serve_benchmark(cfg, random_requests(6, 8, 4, 0.0, 0))
     assert result["completed"] == 2 and len(seen) == 2 and result["num_prompts"] == 6
+
+
+def test_no_record_keeps_a_key(runs, tmp_path, monkeypatch, capsys):
+    """Keys given every way (`--api-key K`, `--api-key=K`, a file, the environment, a
+    second server's) reach the server, and no record on disk or printed holds one; the
+    history directory, even one made open before, and its records are the owner's."""
+    results, _, url, key = runs
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o755)
+    (key_file := tmp_path / "keys").write_text(f"{key}\n")
+    base = ["serve", "--url", url, "--num-prompts", "2", "--input-len", "8"]
+    base += ["--output-len", "2", "--no-progress", "--results-dir", str(private)]
+    assert main([*base, f"--api-key={key}"]) == 0
+    assert main([*base, "--api-key-file", str(key_file)]) == 0
+    monkeypatch.setenv("KVGATE_API_KEY", key)
+    assert main(base) == 0
+    monkeypatch.delenv("KVGATE_API_KEY")
+    sweep = ["sweep", *base[1:], "--api-key", key, "--concurrency", "1", "--url2", url]
+    sweep += [f"--api-key2={key}", "--save-result", str(tmp_path / "s.json")]
+    assert main([*sweep, "--plot", str(tmp_path / "s.png")]) == 0
+    records = load_records(private)
+    assert [r["figures"]["completed"] for r in records[:3]] == [2, 2, 2]  # the keys worked
+    assert records[0]["command"][-1] == "--api-key=<redacted>"
+    assert records[3]["config"]["api_key"] == records[3]["config"]["api_key2"] == "<redacted>"
+    command = records[3]["command"]
+    assert command[command.index("--api-key") + 1] == "<redacted>"
+    assert "--api-key2=<redacted>" in command
+    assert private.stat().st_mode & 0o777 == 0o700
+    for path in [*private.iterdir(), *results.iterdir()]:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+        assert key not in path.read_text(), path
+    for history in (["history"], ["history", "--json"]):
+        assert main([*history, "--results-dir", str(private)]) == 0
+        assert key not in capsys.readouterr().out
+
+
+def test_a_key_an_older_record_kept_is_not_printed(runs, tmp_path, capsys):
+    """Records written before keys were left out still hold them: read, they do not."""
+    results, _, url, key = runs
+    old = dict(load_records(results)[0], id="20200101T000000.000-serve-0ld")
+    old["command"] = ["kvgate", "bench", "serve", "--api-key", key, f"--key-h={key}"]
+    old["config"] = old["config"] | {"api_key": key, "url": f"http://me:{key}@host"}
+    (tmp_path / f"{old['id']}.json").write_text(json.dumps(old))
+    for argv in (["history"], ["history", "--json"], ["compare", "-1", "-1"]):
+        assert main([*argv, "--results-dir", str(tmp_path)]) == 0
+        assert key not in capsys.readouterr().out
+    shown = find_record(str(tmp_path / f"{old['id']}.json"))
+    assert shown["command"][3:] == ["--api-key", "<redacted>", "--key-h=<redacted>"]
+    assert shown["config"]["url"] == "http://me:<redacted>@host"

@@ -56,7 +56,7 @@ def test_noisy_mode_against_a_live_gateway(tmp_path, capsys):
         keys = [
             gw.tenant_key(n, weight=w)[1] for n, w in (("flood", 1), ("steady", 1), ("heavy", 2))
         ]
-        out = tmp_path / "noisy.json"
+        out, history = tmp_path / "noisy.json", tmp_path / "history"
         rc = main(
             [
                 "noisy",
@@ -69,9 +69,9 @@ def test_noisy_mode_against_a_live_gateway(tmp_path, capsys):
                 "--key-b",
                 keys[1],
             ]
-            + ["--key-heavy", keys[2], "--flood", "4", "--b-requests", "3", "--b-interval", "0.05"]
-            + ["--backlog", "2", "--backlog-s", "0.5", "--warmup-s", "0.2"]
-            + ["--save-result", str(out)]
+            + [f"--key-heavy={keys[2]}", "--flood", "4", "--b-requests", "3"]
+            + ["--b-interval", "0.05", "--backlog", "2", "--backlog-s", "0.5"]
+            + ["--warmup-s", "0.2", "--save-result", str(out), "--results-dir", str(history)]
         )
     finally:
         gw.stop()
@@ -85,3 +85,6 @@ def test_noisy_mode_against_a_live_gateway(tmp_path, capsys):
         assert 0.5 <= report[phase]["jain"] <= 1.0
     assert report["backlog_weighted"]["weights"] == [2.0, 1.0]
     assert "key_a" not in report["args"] and report["args"]["flood"] == 4
+    (record,) = history.iterdir()  # the run's history record: none of the keys
+    assert not any(key in record.read_text() for key in keys)
+    assert json.loads(record.read_text())["config"]["key_heavy"] == "<redacted>"

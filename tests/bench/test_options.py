@@ -27,8 +27,11 @@ def test_percentiles_and_metrics():
 
 
 def test_api_keys(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVGATE_API_KEY", raising=False)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
     assert read_api_keys(None, None) == ["sk-env"]
+    monkeypatch.setenv("KVGATE_API_KEY", "kvg-env")  # kvgate's own first, as `kvgate chat`
+    assert read_api_keys(None, None) == ["kvg-env"]
     assert read_api_keys("a, b,c", None) == ["a", "b", "c"]
     keys = tmp_path / "keys.txt"
     keys.write_text("# tenants\nk1\n\nk2\n")
