@@ -25,6 +25,7 @@ from typing import Any
 from engine_api.errors import BadRequestError
 from engine_api.records import PromptInput
 from gateway.backends.base import Backend, OutputCountingBackend
+from gateway.backends.capabilities import supports
 from gateway.backends.tool_prompt import plain_tool_turns
 
 MARGIN = 64  # marker ids before the bytes: the template's tokens beyond the JSON's bytes
@@ -53,7 +54,7 @@ def is_text_bound(backend: Backend, ids: list[int]) -> bool:
     """Whether `ids`, rendered by `backend`, are a text-bound prompt (their length an
     upper bound, not a count). Only a text-bound backend's are: another's real tokens
     may look the same (64 times token 256)."""
-    return isinstance(backend, OutputCountingBackend) and backend.text_bound and marked(ids)
+    return supports(backend, OutputCountingBackend) and backend.text_bound and marked(ids)
 
 
 def marked(ids: list[int]) -> bool:

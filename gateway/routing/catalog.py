@@ -42,6 +42,7 @@ from sqlalchemy import func, select, text
 
 from engine_api.records import KV_MEDIA
 from gateway.backends import Backend, KVEvent, PrefixCachingBackend
+from gateway.backends.capabilities import supports
 from gateway.db import Database, PrefixBlock
 
 log = logging.getLogger("kvgate.prefix")
@@ -283,7 +284,7 @@ class PrefixCatalog:
 
     def drain(self, backends: list[Backend]) -> None:
         for b in backends:
-            if isinstance(b, PrefixCachingBackend):
+            if supports(b, PrefixCachingBackend):
                 self.apply(b.kv_events())
 
     async def _run(self, backends: Callable[[], list[Backend]]) -> None:

@@ -38,6 +38,7 @@ from gateway.backends import (
     PrefixCachingBackend,
     is_text_bound,
 )
+from gateway.backends.capabilities import supports
 from gateway.http.errors import ApiError
 from gateway.observe.tracing import REPLICA, current_span, step
 from gateway.routing.router import Candidate
@@ -166,7 +167,7 @@ async def _place(
             # a published prefix's length per prompt: its blocks are hashed without the salt
             shared_lens = [gw.pins.shared_prefix_len(model, p) for p in prompts]
             block_hashes = []
-            if isinstance(renderer, PrefixCachingBackend):
+            if supports(renderer, PrefixCachingBackend):
                 block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0], adapter)
             name = adapter.name if adapter else None
             backend, why = gw.router.pick_why(candidates, block_hashes, name)

@@ -1,0 +1,60 @@
+"""What a request through the gateway must not cost: work that can be done once per
+backend class or per request done per request or per token instead (issue 53).
+Each test counts the work itself, never time."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from gateway.backends import OutputCountingBackend, PrefixCachingBackend
+from gateway.backends.capabilities import supports
+from gateway.backends.fake import FakeBackend
+from gateway.backends.remote import RemoteBackend
+from gateway.backends.spec import BackendSpec
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+TEXT = {"model": "fake-model", "prompt": "hi", "max_tokens": 8}
+STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture
+def protocol_checks(monkeypatch) -> list[type]:
+    """Every `isinstance` against a runtime-checkable Protocol, by the protocol asked."""
+    asked: list[type] = []
+    check = typing._ProtocolMeta.__instancecheck__
+
+    def counted(cls, instance):
+        asked.append(cls)
+        return check(cls, instance)
+
+    monkeypatch.setattr(typing._ProtocolMeta, "__instancecheck__", counted)
+    return asked
+
+
+async def test_requests_ask_no_protocol_isinstance(gw, protocol_checks):
+    """A backend's capabilities are decided once per class: after the first request,
+    chat and text completions, whole and streamed, ask none (each asked 30-50 us)."""
+    _, key = await gw.tenant()
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+        for extra in ({}, STREAM):
+            r = await gw.post(path, key, body | extra)
+            assert r.status == 200, await r.text()
+            await r.read()
+    protocol_checks.clear()
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+        for extra in ({}, STREAM):
+            r = await gw.post(path, key, body | extra)
+            assert r.status == 200, await r.text()
+            await r.read()
+    assert protocol_checks == []
+
+
+def test_supports_answers_as_isinstance():
+    fake = FakeBackend(BackendSpec("fake", "fake", "", "fake-model"))
+    remote = RemoteBackend(BackendSpec("up", "remote", "", "m", {"url": "http://127.0.0.1:9"}))
+    for backend in (fake, remote, fake, remote):  # the second time from what was decided
+        for protocol in (PrefixCachingBackend, OutputCountingBackend):
+            assert supports(backend, protocol) == isinstance(backend, protocol)
+    assert supports(remote, OutputCountingBackend) and not supports(fake, OutputCountingBackend)
