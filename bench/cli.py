@@ -17,6 +17,7 @@ from bench.options import (
     add_server_args,
     add_workload_args,
     build_requests,
+    request_shape,
     serve_config,
     workload_info,
 )
@@ -55,9 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.plot:
         plot_requests(result, args.plot)
         print(f"saved {args.plot}")
-    config = {"url": cfg.url, "model": result["model"], "endpoint": cfg.endpoint}
-    config |= {"max_concurrency": cfg.max_concurrency, "request_rate": result["request_rate"]}
-    config |= {"num_prompts": len(requests), "num_tenants": cfg.num_tenants, "seed": cfg.seed}
+    config = {"url": result["url"], "model": result["model"], "num_prompts": len(requests)}
+    config |= {"max_concurrency": cfg.max_concurrency} | request_shape(args)
     record = make_record(
         "serve",
         ["kvgate", "bench", *args.argv],

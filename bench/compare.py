@@ -4,16 +4,23 @@ changed between two of them.
 A change is flagged when it is larger than the runs' own noise: the larger of the two
 runs' spreads (max - min over their repeat rounds). A run of one round has no spread to
 go by: its changes are shown with "?" rather than judged.
+
+Only runs of one workload are compared: the same kind of run, server, model, prompts and
+request shape (every config field but those that say how the run was kept, and the
+engine settings a comparison is for). Runs that differ are refused, naming what differs,
+unless `--allow-different` asks for them, and then the output says so first.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.history import find_record, load_records
+from bench.redact import SECRET_FIELDS
 
 # figures where more is better; every other figure (latencies, memory) less is
 HIGHER_IS_BETTER = ("throughput", "tokens_per_s", "goodput", "completed")
@@ -50,6 +57,58 @@ class Change:
     def better(self) -> bool:
         up = any(word in self.figure for word in HIGHER_IS_BETTER)
         return self.delta > 0 if up else self.delta < 0
+
+
+# config fields that may differ between two runs of one workload: how the run was kept
+# or judged, the keys (redacted), and the server's or engine's settings, which are what
+# a comparison (a tune's candidates, a ladder's steps) is for
+NOT_WORKLOAD = frozenset(
+    {
+        "command", "save_result", "save_detailed", "plot", "markdown", "results_dir",
+        "no_history", "no_progress", "label", "label2", "rounds", "repeats", "server_pid",
+        "percentile_metrics", "metric_percentiles", "goodput", "api_key_file",
+        "api_key_file2", "output", "budget", "noise", "start_timeout", "steps",
+        "candidate", "stage", "stopped", "goals", "backend", "device", "dtype",
+        "max_model_len", "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs",
+        "max_num_batched_tokens", "kv_cache_dtype", "quantization", "speculative_config",
+        "enable_prefix_caching",
+    }
+    | SECRET_FIELDS
+)  # fmt: skip
+UNRECORDED = object()  # a field one record lacks (an older kvgate's)
+
+
+@dataclass
+class Difference:
+    field: str
+    a: object
+    b: object
+
+    def __str__(self) -> str:
+        return f"{self.field}: {_shown(self.a)} in A, {_shown(self.b)} in B"
+
+    def as_json(self) -> dict:
+        """field, a and b; a side that did not record the field left out."""
+        sides = {"a": self.a, "b": self.b}
+        return {"field": self.field} | {k: v for k, v in sides.items() if v is not UNRECORDED}
+
+
+def _shown(value: object) -> str:
+    return "not recorded" if value is UNRECORDED else json.dumps(value)
+
+
+def workload_differences(a: dict, b: dict) -> list[Difference]:
+    """What makes the two runs different workloads: their kind, then each config field
+    outside NOT_WORKLOAD whose value differs (or that only one of them recorded)."""
+    found = []
+    if a.get("kind") != b.get("kind"):
+        found.append(Difference("kind of run", a.get("kind"), b.get("kind")))
+    config_a, config_b = a.get("config") or {}, b.get("config") or {}
+    for name in dict.fromkeys([*config_a, *config_b]):
+        value_a, value_b = config_a.get(name, UNRECORDED), config_b.get(name, UNRECORDED)
+        if name not in NOT_WORKLOAD and value_a != value_b:
+            found.append(Difference(name, value_a, value_b))
+    return found
 
 
 def compare_records(a: dict, b: dict) -> list[Change]:
@@ -126,12 +185,27 @@ def _num(value: float | None) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     a, b = find_record(args.a, args.results_dir), find_record(args.b, args.results_dir)
+    differences = workload_differences(a, b)
+    listed = "".join(f"\n  {d}" for d in differences)
+    if differences and not args.allow_different:
+        raise ValueError(
+            f"A ({a['id']}) and B ({b['id']}) are runs of different workloads:{listed}\n"
+            "their figures would not show what one change did; --allow-different compares "
+            "them anyway"
+        )
+    warning = ""
+    if differences:
+        warning = "WARNING: A and B are runs of different workloads, so a change below may be "
+        warning += f"that difference rather than yours:{listed}\n"
     changes = compare_records(a, b)
     if args.json:
+        print(warning, end="", file=sys.stderr)
         rows = [asdict(c) | {"delta": c.delta, "percent": c.percent} for c in changes]
-        print(json.dumps({"a": a["id"], "b": b["id"], "changes": rows}, indent=2))
+        unlike = [d.as_json() for d in differences]
+        body = {"a": a["id"], "b": b["id"], "different_workloads": unlike, "changes": rows}
+        print(json.dumps(body, indent=2))
     else:
-        print(format_changes(a, b, changes))
+        print(warning + format_changes(a, b, changes))
     return 0
 
 
@@ -147,6 +221,12 @@ def add_history_commands(sub: argparse._SubParsersAction, fmt: type) -> None:
     compare.add_argument("b", help="the other run, the same ways")
     add_results_dir_arg(compare)
     compare.add_argument("--json", action="store_true")
+    compare.add_argument(
+        "--allow-different",
+        action="store_true",
+        help="compare runs of different workloads (server, model, prompts, request shape), "
+        "with a warning that names what differs",
+    )
     compare.set_defaults(run=cmd_compare)
 
 

@@ -159,6 +159,15 @@ def workload_info(args: argparse.Namespace) -> dict:
     return info
 
 
+def request_shape(args: argparse.Namespace) -> dict:
+    """How the requests are sent, beside what they hold (workload_info): a run's record
+    keeps both, as what makes two runs the same workload (`bench compare`)."""
+    rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+    shape = {"endpoint": args.endpoint, "request_rate": rate, "burstiness": args.burstiness}
+    shape |= {"num_tenants": args.num_tenants, "seed": args.seed}
+    return shape | {"temperature": args.temperature, "ignore_eos": args.ignore_eos}
+
+
 def serve_config(args: argparse.Namespace, max_concurrency: int | None = None) -> ServeConfig:
     return ServeConfig(
         url=args.url,

@@ -15,7 +15,7 @@ from bench.client import RequestOutput
 from bench.compare import serve_figures
 from bench.history import make_record, save_record
 from bench.metrics import request_tpot
-from bench.options import build_requests, serve_config, workload_info
+from bench.options import build_requests, request_shape, serve_config, workload_info
 from bench.serve import serve_benchmark
 from bench.server_memory import MemorySampler
 from bench.tune_server import Candidate, CandidateServer, config_toml
@@ -186,6 +186,8 @@ class Tuner:
         m.rounds.append(figures)
         config = {"candidate": m.candidate.name, "stage": m.stage, "stopped": watch.reason}
         config |= m.candidate.engine_options() | self.base | self.workload
+        config |= request_shape(self.args) | {"model": self.args.model}
+        config["max_concurrency"] = self.args.max_concurrency
         config["goals"] = {"ttft_p99_s": self.goals.ttft_p99_s, "tpot_p99_s": self.goals.tpot_p99_s}
         record = make_record("tune", self.command, config, [figures], memory.peak())
         save_record(record, self.args.results_dir)

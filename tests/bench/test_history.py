@@ -83,9 +83,14 @@ def test_compare_flags_changes_beyond_the_spread(runs, capsys):
     assert changes["completed"].delta == 0 and not changes["completed"].flagged
     # a run against itself changes nothing
     assert not any(c.flagged for c in compare_records(a, a))
-    assert main(["compare", a["id"], b["id"], "--results-dir", str(results), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    # their outputs differ in length: compared only when asked, and then said
+    compare = ["compare", a["id"], b["id"], "--results-dir", str(results), "--json"]
+    assert main([*compare, "--allow-different"]) == 0
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
     assert (out["a"], out["b"]) == (a["id"], b["id"])
+    assert out["different_workloads"] == [{"field": "output_len", "a": 4, "b": 12}]
+    assert printed.err.startswith("WARNING") and "output_len: 4 in A, 12 in B" in printed.err
     assert {row["figure"] for row in out["changes"]} == set(changes)
     # a one-round sweep has no spread: its changes are shown, not judged
     sweep = load_records(results)[2]
@@ -158,3 +163,41 @@ def test_a_key_an_older_record_kept_is_not_printed(runs, tmp_path, capsys):
     shown = find_record(str(tmp_path / f"{old['id']}.json"))
     assert shown["command"][3:] == ["--api-key", "<redacted>", "--key-h=<redacted>"]
     assert shown["config"]["url"] == "http://me:<redacted>@host"
+
+
+def test_compare_refuses_runs_of_different_workloads(runs, tmp_path, capsys):
+    """Runs of one workload compare as before; runs that differ (the prompts, the request
+    shape, the server, the model, the kind of run) are refused with what differs named,
+    or, asked for, compared under a warning that names it."""
+    results, _, url, key = runs
+    base = ["serve", "--url", url, "--api-key", key, "--num-prompts", "2", "--input-len", "8"]
+    base += ["--output-len", "2", "--no-progress", "--results-dir", str(tmp_path)]
+    for extra in ([], [], ["--seed", "1"], ["--endpoint", "chat"]):
+        assert main([*base, *extra]) == 0
+    same, again, seeded, chat = load_records(tmp_path)
+    elsewhere = dict(same, id="20200101T000000.000-serve-else")
+    elsewhere["config"] = same["config"] | {"url": "http://10.0.0.9:8000", "model": "other"}
+    del elsewhere["config"]["temperature"]  # as a record of an older kvgate lacks it
+    (tmp_path / f"{elsewhere['id']}.json").write_text(json.dumps(elsewhere))
+    sweep = load_records(results)[2]
+    capsys.readouterr()
+    assert main(["compare", same["id"], again["id"], "--results-dir", str(tmp_path)]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    cases = [
+        (seeded["id"], ["seed: 0 in A, 1 in B"]),
+        (chat["id"], ['endpoint: "completions" in A, "chat" in B']),
+        (elsewhere["id"], [f'url: "{url}" in A, "http://10.0.0.9:8000" in B']),
+        (elsewhere["id"], ['model: "fake-model" in A, "other" in B']),
+        (elsewhere["id"], ["temperature: 0.0 in A, not recorded in B"]),
+        (str(results / f"{sweep['id']}.json"), ['kind of run: "serve" in A, "sweep" in B']),
+    ]
+    for other, named in cases:
+        compare = ["compare", same["id"], other, "--results-dir", str(tmp_path)]
+        assert main(compare) == 2
+        err = capsys.readouterr().err
+        assert "different workloads" in err and "--allow-different" in err
+        assert all(line in err for line in named), err
+        assert main([*compare, "--allow-different"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("WARNING: A and B are runs of different workloads")
+        assert all(line in out.split("\n\n")[0] for line in named) and "figure" in out

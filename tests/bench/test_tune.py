@@ -39,6 +39,21 @@ def test_tune_writes_a_config_that_serves_within_the_goals(tmp_path, capsys):
     (record,) = load_records(history)  # the candidate's history record
     assert record["kind"] == "tune" and record["config"]["candidate"] == row["candidate"]
     assert record["figures"]["completed"] == 6 and record["figures"]["peak_rss_bytes"] > 0
+    assert record["config"]["model"] == str(model) and record["config"]["ignore_eos"]
+    # another candidate of the same tune is the same workload: compared without a word
+    other = record | {"id": record["id"][:-4] + "zzzz"}
+    other["config"] = record["config"] | {
+        "candidate": "x",
+        "max_num_seqs": 4,
+        "quantization": "int8",
+    }
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    for r in (record, other):
+        (pair / f"{r['id']}.json").write_text(json.dumps(r))
+    capsys.readouterr()
+    assert bench(["compare", record["id"], other["id"], "--results-dir", str(pair)]) == 0
+    assert "WARNING" not in capsys.readouterr().out
     # the chosen config serves, and benchmarked again meets the goals it was chosen for
     gw = start_gateway(tmp_path, config=(out / "kvgate.toml").read_text(), timeout=180)
     try:
