@@ -64,7 +64,8 @@ class AsyncLLM:
 
     async def generate(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs; leaving early aborts it. Bad input
-        raises BadRequestError (a ValueError) here, before anything is yielded."""
+        raises BadRequestError (a ValueError) here, before anything is yielded; an
+        adapter whose files would not load, AdapterLoadError."""
         request_id = req.request_id
         outputs = await self._add(request_id, lambda: self.engine.add_request(req))
         finished = False
@@ -74,6 +75,8 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine failed: {item!r}") from item
                 finished = item.finished
+                if item.error is not None:  # its adapter would not load: nothing ran
+                    raise item.error
                 yield item
                 if finished:
                     return

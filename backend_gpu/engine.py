@@ -23,7 +23,7 @@ from backend_gpu.sequence import Logprob, Sequence, SequenceStatus
 from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
 from engine_api.block_hash import adapter_root, hash_blocks
-from engine_api.errors import BadRequestError, PromptTooLongError
+from engine_api.errors import AdapterLoadError, BadRequestError, PromptTooLongError
 from engine_api.records import AdapterRef, GenRequest
 from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
@@ -180,12 +180,12 @@ class LLMEngine:
 
     def _queue_loaded(self) -> list[RequestOutput]:
         """Queue the requests whose adapter's tensors are now at hand; a failed read
-        aborts the requests waiting for it."""
+        ends the requests waiting for it with its error (AdapterLoadError)."""
         if self.lora is None or not (self.lora_waiting or self.lora.loading):
             return []
         queued = [*self.lora_waiting, *self.scheduler.waiting]
         wanted = {seq.adapter.name for seq in queued if seq.adapter is not None}
-        failed = {name for name, error in self.lora.poll(wanted).items() if error is not None}
+        failed = {name: e for name, e in self.lora.poll(wanted).items() if e is not None}
         outputs = []
         for seq in queued:
             if seq.adapter is not None and seq.adapter.name in failed:
@@ -193,7 +193,9 @@ class LLMEngine:
                     self._finish_unqueued(seq, "abort")
                 else:
                     self.scheduler.finish(seq, "abort")
-                outputs.append(self._output(seq, []))
+                out = self._output(seq, [])
+                out.error = AdapterLoadError(seq.adapter.name, str(failed[seq.adapter.name]))
+                outputs.append(out)
         for seq in list(self.lora_waiting):
             name = seq.adapter.name
             if self.lora.ready(name):

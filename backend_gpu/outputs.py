@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from backend_gpu.fairness import TenantStats
 from backend_gpu.sequence import Logprob
+from engine_api.errors import AdapterLoadError
 
 
 @dataclass
@@ -23,6 +24,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs, on the request's first output only (and on the
     # results of LLM.generate): one per prompt token, None for the first
     prompt_logprobs: list[Logprob | None] | None = None
+    # a request that could not run (finish_reason "abort"): its adapter would not load
+    error: AdapterLoadError | None = None
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from backend_local.lora import AdapterCache, GroupKey, group_key
 from backend_local.requests import Request
 from backend_local.slots import Slot
-from engine_api.errors import BadRequestError
+from engine_api.errors import AdapterLoadError, BadRequestError
 
 
 class GroupTurns:
@@ -54,14 +54,15 @@ class LoraGroups:
         return {group_key(s.adapter) for s in slots if s.request is not None}
 
     def load(self, request: Request) -> bool:
-        """Have the request's adapter loaded; False (the request ended with the error)
-        if it cannot be."""
+        """Have the request's adapter loaded; False (the request ended with an
+        AdapterLoadError: its file was checked at registration, so what fails now is the
+        file, not the request) if it cannot be."""
         if request.adapter is None:
             return True
         try:
             self.cache.acquire(request.adapter)
         except BadRequestError as exc:
-            request.emit(exc)
+            request.emit(AdapterLoadError(request.adapter.name, str(exc)))
             return False
         return True
 

@@ -68,11 +68,17 @@ class LoRAManager:
         return name in self.host or name in self.slot_names
 
     def start_loading(self, ref: AdapterRef) -> None:
-        """Read `ref`'s tensors in the background unless they are at hand or on the way
-        (checked again there if it was removed meanwhile: its error fails the read)."""
+        """Read `ref`'s tensors in the background unless they are at hand or on the way."""
         if self.ready(ref.name) or ref.name in self.loading:
             return
-        self.loading[ref.name] = self.reader.submit(lambda: read(self.check(ref)))
+        self.loading[ref.name] = self.reader.submit(self._read, ref)
+
+    def _read(self, ref: AdapterRef) -> AdapterWeights:
+        """`ref`'s tensors, its files checked again as they are now (they may have
+        changed since `check` accepted them: what is read is what is checked), or the
+        error that says why not (also if it was removed meanwhile)."""
+        self.check(ref)
+        return read(inspect(ref, self.shapes, self.max_rank), self.shapes)
 
     def poll(self, wanted: set[str]) -> dict[str, BaseException | None]:
         """The reads finished since the last call: name -> None, or the error it raised.
@@ -89,9 +95,11 @@ class LoRAManager:
         return done
 
     def _current(self, info: AdapterInfo) -> bool:
-        """Whether `info` is still what its name means (not removed while it was read)."""
+        """Whether `info`'s adapter is still what its name means (not removed, nor
+        registered again from another path, while it was read)."""
         with self._lock:
-            return self.checked.get(info.ref.name) is info
+            known = self.checked.get(info.ref.name)
+        return known is not None and known.ref == info.ref
 
     def wait(self, timeout: float) -> None:
         """Block until some read finishes (or `timeout` seconds): nothing else to run."""

@@ -7,7 +7,11 @@ What the engine cannot apply exactly as PEFT does (DoRA, extra trained modules, 
 embedding or LM head targets, per-module ranks) is refused with a BadRequestError that
 names it, before anything is loaded: a half-applied adapter would be a silently wrong
 model. `inspect` reads only the config and the safetensors header (cheap: it runs in
-add_request); `read` then loads the tensors (in a background thread).
+add_request); `read` then loads the tensors (in a background thread). Neither file is
+trusted: the config and the header are read only up to a size no real adapter comes
+near (a huge one is refused by its size, not parsed), and a file that is not what it
+says (random bytes, cut short) is refused naming it, as is a tensor `read` finds other
+than `inspect` saw (the file changed in between).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import json
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine_api.errors import BadRequestError
 from engine_api.records import AdapterRef
@@ -45,6 +50,13 @@ _KEY = re.compile(
     rf"({'|'.join(re.escape(f'{g}.{p}') for p, g in _GROUP.items())})\.lora_([AB])\.weight"
 )
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT writes a config of about a kilobyte, and a header of ~150 bytes a tensor (a rank-64
+# adapter of every projection of a 128-layer model: under 200 KB)
+MAX_CONFIG_BYTES = 1 << 20
+MAX_HEADER_BYTES = 16 << 20
+# what safetensors raises for a file that is not one (random bytes, cut short, a key
+# missing) besides the OS's errors
+_UNREADABLE = (OSError, ValueError, RuntimeError, SafetensorError)
 
 
 @dataclass(frozen=True)
@@ -98,9 +110,15 @@ def _read_config(ref: AdapterRef) -> dict:
         if not os.path.isfile(os.path.join(ref.path, name)):
             raise _refuse(ref, f"no {name}: not a PEFT LoRA adapter directory")
     try:
-        with open(os.path.join(ref.path, CONFIG_FILE)) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
+        with open(os.path.join(ref.path, CONFIG_FILE), "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise _refuse(ref, f"{CONFIG_FILE} is not readable ({exc.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise _refuse(ref, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes: not a PEFT config")
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
         raise _refuse(ref, f"{CONFIG_FILE} is not readable JSON ({exc})") from None
     if not isinstance(config, dict):
         raise _refuse(ref, f"{CONFIG_FILE} is not a JSON object")
@@ -142,14 +160,32 @@ def _check_config(ref: AdapterRef, config: dict, max_rank: int) -> tuple[int, fl
     return rank, scale
 
 
+def _check_header_size(ref: AdapterRef, path: str) -> None:
+    """Refuse a safetensors file whose header (JSON, parsed whole by safetensors) is past
+    MAX_HEADER_BYTES, or that is too short to have one."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _refuse(ref, f"{WEIGHTS_FILE} is cut short: not a safetensors file")
+    (size,) = struct.unpack("<Q", prefix)
+    if size > MAX_HEADER_BYTES:
+        raise _refuse(
+            ref, f"{WEIGHTS_FILE}'s header is over {MAX_HEADER_BYTES} bytes: not a LoRA adapter"
+        )
+
+
 def inspect(ref: AdapterRef, shapes: BaseShapes, max_rank: int) -> AdapterInfo:
     """Check `ref`'s config and tensor shapes against the base model without reading
     the tensors; BadRequestError names the first problem."""
     rank, scale = _check_config(ref, _read_config(ref), max_rank)
+    path = os.path.join(ref.path, WEIGHTS_FILE)
     try:
-        with safe_open(os.path.join(ref.path, WEIGHTS_FILE), framework="pt") as f:
+        _check_header_size(ref, path)
+        with safe_open(path, framework="pt") as f:
             header = {key: list(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
-    except (OSError, ValueError, RuntimeError) as exc:  # safetensors' own errors
+    except BadRequestError:
+        raise
+    except _UNREADABLE as exc:
         raise _refuse(ref, f"{WEIGHTS_FILE} is not readable ({exc})") from None
     halves: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, shape in header.items():
@@ -178,15 +214,22 @@ def inspect(ref: AdapterRef, shapes: BaseShapes, max_rank: int) -> AdapterInfo:
     return AdapterInfo(ref, rank, scale, sorted(halves))
 
 
-def read(info: AdapterInfo) -> AdapterWeights:
-    """The tensors `inspect` accepted, in host memory (their stored dtype)."""
-    path = os.path.join(info.ref.path, WEIGHTS_FILE)
+def read(info: AdapterInfo, shapes: BaseShapes) -> AdapterWeights:
+    """The tensors `inspect` accepted, in host memory (their stored dtype); a
+    BadRequestError if the file is no longer what `inspect` saw."""
+    ref, path = info.ref, os.path.join(info.ref.path, WEIGHTS_FILE)
     tensors = {}
-    with safe_open(path, framework="pt") as f:
-        for layer, proj in info.modules:
-            stem = f"{_PREFIX}.{layer}.{_GROUP[proj]}.{proj}"
-            tensors[layer, proj] = (
-                f.get_tensor(f"{stem}.lora_A.weight"),
-                f.get_tensor(f"{stem}.lora_B.weight"),
-            )
+    try:
+        with safe_open(path, framework="pt") as f:
+            for layer, proj in info.modules:
+                stem = f"{_PREFIX}.{layer}.{_GROUP[proj]}.{proj}"
+                a, b = f.get_tensor(f"{stem}.lora_A.weight"), f.get_tensor(f"{stem}.lora_B.weight")
+                fan_in, fan_out = shapes.features[proj]
+                if list(a.shape) != [info.rank, fan_in] or list(b.shape) != [fan_out, info.rank]:
+                    raise _refuse(ref, f"{WEIGHTS_FILE} changed while it was read")
+                tensors[layer, proj] = (a, b)
+    except BadRequestError:
+        raise
+    except _UNREADABLE as exc:
+        raise _refuse(ref, f"{WEIGHTS_FILE} is not readable ({exc})") from None
     return AdapterWeights(info, tensors)

@@ -28,7 +28,7 @@ import aiohttp
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from yarl import URL
 
-from engine_api.errors import BackendError, BadRequestError, PromptTooLongError
+from engine_api.errors import AdapterLoadError, BackendError, BadRequestError, PromptTooLongError
 
 log = logging.getLogger("kvgate.remote")
 
@@ -211,6 +211,8 @@ class UpstreamClient:
             raw = await self.read(resp, MAX_ERROR_BODY)
         error = _error_object(raw)
         log.warning("%s: %s answered HTTP %d: %r", self.label, resp.url, resp.status, raw[:2000])
+        if relay and (adapter_error := relayed_adapter_error(error)) is not None:
+            raise adapter_error
         if resp.status in BAD_REQUEST_STATUSES:
             sizes = [error.get(k) for k in ("prompt_tokens", "max_tokens", "context_length")]
             if error.get("code") == "context_length_exceeded" and all(
@@ -276,6 +278,17 @@ def _error_object(raw: bytes) -> dict[str, Any]:
         if isinstance(body.get(key), str):
             return {"message": body[key]}
     return {}
+
+
+def relayed_adapter_error(error: Any) -> AdapterLoadError | None:
+    """A kvgate worker's `adapter_load_failed` error object as the engine's error, its
+    words cut short; None for any other."""
+    if not isinstance(error, dict) or error.get("code") != AdapterLoadError.code:
+        return None
+    adapter, reason = error.get("adapter"), error.get("reason")
+    if not isinstance(adapter, str) or not isinstance(reason, str):
+        return None
+    return AdapterLoadError(adapter[:MAX_RELAYED_CHARS], reason[:MAX_RELAYED_CHARS])
 
 
 def parse_json_line(data: str | bytes, label: str) -> dict[str, Any]:

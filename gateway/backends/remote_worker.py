@@ -21,7 +21,12 @@ from urllib.parse import quote
 from engine_api.errors import BackendError
 from engine_api.records import KV_MEDIA, AdapterRef, BackendStats, GenChunk, GenRequest, KVEvent
 from gateway.backends.kv_transfer import BOTH, ROLES
-from gateway.backends.remote_http import UpstreamClient, parse_json_line, stream_error
+from gateway.backends.remote_http import (
+    UpstreamClient,
+    parse_json_line,
+    relayed_adapter_error,
+    stream_error,
+)
 
 log = logging.getLogger("kvgate.remote")
 
@@ -69,6 +74,8 @@ async def worker_stream(client: UpstreamClient, req: GenRequest) -> AsyncIterato
             if finished or not line.strip():
                 continue
             obj = parse_json_line(line, client.label)
+            if (adapter_error := relayed_adapter_error(obj.get("error"))) is not None:
+                raise adapter_error
             if (error := stream_error(obj, client.label)) is not None:
                 raise error
             try:
