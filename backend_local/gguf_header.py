@@ -3,7 +3,9 @@
 The gguf package's reader builds an object for every element of every array, so a
 model's vocabulary (262k strings for Gemma 3) takes it seconds; checking what a file is
 (an adapter, for which architecture) needs only a few leading strings. This walks the
-key/value section (GGUF v2 and v3, little-endian) and stops once it has them.
+key/value section (GGUF v2 and v3, little-endian) and stops once it has them. The file
+is not trusted: a string it reads (a key, or a value asked for) is refused past
+MAX_STRING_BYTES, whatever length the file claims.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ MAGIC = b"GGUF"
 STRING, ARRAY = 8, 9
 # the byte size of each fixed-size value type (uint8 ... float64; bool is one byte)
 FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+MAX_STRING_BYTES = 64 * 1024  # keys and the few values read are short names
 
 
 def _read(f: BinaryIO, fmt: str) -> int:
@@ -27,6 +30,10 @@ def _read(f: BinaryIO, fmt: str) -> int:
 
 def _string(f: BinaryIO) -> bytes:
     n = _read(f, "<Q")
+    if n > MAX_STRING_BYTES:
+        raise ValueError(
+            f"the GGUF header holds a string of {n} bytes (at most {MAX_STRING_BYTES})"
+        )
     data = f.read(n)
     if len(data) != n:
         raise ValueError("the GGUF header is cut short")

@@ -3,9 +3,9 @@ the gpu engine (on the CPU), in process and through a `kvgate worker` process, a
 GGUF LoRA on the llama.cpp backend's default model, through the `openai` and
 `anthropic` clients.
 
-Registration refuses corrupt files with a 400 naming the file (random bytes, a cut
-safetensors file, a header or a config past the size any real adapter has), never a
-500. Files that break after registration fail the request with a 500
+Registration refuses corrupt files with a 400 naming the file (random bytes, a file cut
+short, a header, a header's string or a config past the size any real adapter has),
+never a 500. Files that break after registration fail the request with a 500
 `adapter_load_failed` naming the adapter, bill nothing and show the adapter `failed`
 with the engine's reason in GET /admin/adapters; the engine serves on."""
 
@@ -154,15 +154,24 @@ async def test_a_peft_adapter_broken_after_registration_on_a_worker(make_gateway
         worker.stop()
 
 
+def bad_gguf_files(lora: Path) -> dict[str, Path]:
+    """Beside `lora`: random bytes, its first 4 KB, and a header whose first key claims
+    to be 1 TB long."""
+    data = {"noise": os.urandom(4096), "short": lora.read_bytes()[:4096]}
+    data["claims"] = b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1 << 40) + b"x" * 64
+    for name, content in data.items():
+        (lora.parent / f"{name}.gguf").write_bytes(content)
+    return {name: lora.parent / f"{name}.gguf" for name in data}
+
+
 async def test_a_gguf_adapter_broken_after_registration(make_gateway, tmp_path):
     options = {"enable_lora": True, "n_ctx": 1024, "n_parallel": 2}
     gw = await make_gateway([BackendSpec("local", "local", "", "", options)])
     _, key = await gw.tenant()
-    noise = tmp_path / "noise.gguf"
-    noise.write_bytes(os.urandom(4096))
-    status, body = await register(gw, "noise", noise, DEFAULT_MODEL_ID)
-    assert status == 400 and "not a GGUF file" in body["error"]["message"], body
     lora = Path(write_lora(tmp_path / "acme.gguf", gw.backend("local").engine.model, seed=3))
+    for name, path in bad_gguf_files(lora).items():
+        status, body = await register(gw, name, path, DEFAULT_MODEL_ID)
+        assert status == 400 and path.name in body["error"]["message"], (name, body)
     assert (await register(gw, "acme", lora, DEFAULT_MODEL_ID))[0] == 201
     await asyncio.to_thread(lora.unlink)
     await assert_load_fails(gw, key, "acme", "adapter file not found", DEFAULT_MODEL_ID)
