@@ -7,8 +7,7 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.http.errors import ApiError
-from gateway.http.util import json_response
+from gateway.http.util import invalid, json_response
 from gateway.routes import guards
 from gateway.schemas.audit import AuditQuery
 from gateway.state import GW
@@ -17,12 +16,11 @@ from gateway.tenancy import audit
 
 async def list_audit(request: web.Request) -> web.Response:
     await guards.admin(request)
+    given = dict(request.query)
     try:
-        query = AuditQuery.model_validate(dict(request.query))
+        query = AuditQuery.model_validate(given)
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
+        raise invalid(e, given) from None
     return json_response(await audit.page(request.app[GW].db, query.filter()))
 
 

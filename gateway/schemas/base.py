@@ -12,6 +12,17 @@ NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class Refused(ValueError):
+    """A validator's refusal of one place inside the value it checks (`at`: an item's
+    index, a field's name), so that the 400 names that place's path (gateway.http.validation
+    reads `at`): `raise Refused("tools of type 'web' are not supported", 2, "type")` in a
+    validator of `tools` is about tools[2].type. A ValueError, as pydantic takes one."""
+
+    def __init__(self, reason: str, *at: str | int) -> None:
+        super().__init__(reason)
+        self.at = at
+
+
 class StrictBody(BaseModel):
     """Strict, and refusing unknown fields by name. A field sent as null asks for nothing,
     so it is dropped rather than refused (some clients send every field, null or not)."""

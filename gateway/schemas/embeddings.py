@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from gateway.schemas.base import NO_CONTROL, StrictBody
-from gateway.schemas.fields import INT32, Int, Name
+from gateway.schemas.fields import INT32, IntIn, Name
 from gateway.schemas.inference import TokenIds
 from gateway.schemas.responses import Body
 
@@ -36,7 +36,7 @@ class EmbeddingRequest(StrictBody):
     )
     encoding_format: Literal["float", "base64"] = "float"
     # a Matryoshka-trained model's vectors may be cut to their first `dimensions`
-    dimensions: Annotated[Int, Field(ge=1, le=INT32)] | None = None
+    dimensions: Annotated[int, IntIn(1, INT32)] | None = None
     user: Annotated[str, Field(max_length=200, pattern=NO_CONTROL)] | None = None
 
     @model_validator(mode="before")

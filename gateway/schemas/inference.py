@@ -25,7 +25,7 @@ from engine_api.sampling import (
 from engine_api.structured import StructuredOutput
 from gateway.schemas.base import NO_CONTROL
 from gateway.schemas.base import StrictBody as _Body
-from gateway.schemas.fields import INT32, INT53, Count32, Int, Name
+from gateway.schemas.fields import INT32, INT53, Count32, IntIn, Name, TokenId
 from gateway.schemas.structured import (
     GUIDED,
     MAX_TOOLS,
@@ -100,12 +100,12 @@ class SamplingFields(_Body):
     """Fields shared by chat and completions, with vLLM's extras."""
 
     model: Name
-    max_tokens: Annotated[Int, Field(ge=1, le=INT32)] | None = None
+    max_tokens: Annotated[int, IntIn(1, INT32)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[Int, Field(ge=-1, le=INT32)] = -1
+    top_k: Annotated[int, IntIn(-1, INT32)] = -1
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] = 1
+    n: Annotated[int, IntIn(1, MAX_CHOICES)] = 1
     stop: (
         Annotated[str, Field(min_length=1, max_length=1000)]
         | Annotated[
@@ -115,7 +115,7 @@ class SamplingFields(_Body):
         | None
     ) = None
     # seed + choice index seeds each choice; llama.cpp keeps 32 bits of it
-    seed: Annotated[Int, Field(ge=-INT53, le=INT53)] | None = None
+    seed: Annotated[int, IntIn(-INT53, INT53)] | None = None
     presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
@@ -204,9 +204,9 @@ class SamplingFields(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[Int, Field(ge=1, le=INT32)] | None = None
+    max_completion_tokens: Annotated[int, IntIn(1, INT32)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, IntIn(0, MAX_LOGPROBS)] | None = None
     tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -260,7 +260,7 @@ class ChatCompletionRequest(SamplingFields):
         return None  # chat has no echo
 
 
-TokenIds = list[Annotated[Int, Field(ge=0, le=INT32)]]
+TokenIds = list[TokenId]
 
 
 class CompletionRequest(SamplingFields):
@@ -270,7 +270,7 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(max_length=MAX_CHOICES)]
     )
-    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, IntIn(0, MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
 

@@ -19,9 +19,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine_api.structured import StructuredOutput
-from gateway.schemas.base import NO_CONTROL
+from gateway.schemas.base import NO_CONTROL, Refused
 from gateway.schemas.base import StrictBody as _Body
-from gateway.schemas.fields import INT32, Int, Name
+from gateway.schemas.fields import INT32, IntIn, Name
 from gateway.schemas.inference import MAX_STOP, ChatCompletionRequest
 from gateway.schemas.structured import (
     MAX_TOOLS,
@@ -81,12 +81,14 @@ class Message(_Body):
     @classmethod
     def _known_blocks(cls, v: Any) -> Any:
         """A block type kvgate does not take is named, rather than pydantic's union error."""
-        for block in v if isinstance(v, list) else ():
+        for i, block in enumerate(v if isinstance(v, list) else ()):
             kind = block.get("type") if isinstance(block, dict) else None
             if isinstance(kind, str) and kind not in BLOCKS:
-                raise ValueError(
+                raise Refused(
                     f"content blocks of type {kind[:100]!r} are not supported; "
-                    f"kvgate takes {', '.join(BLOCKS)}"
+                    f"kvgate takes {', '.join(BLOCKS)}",
+                    i,
+                    "type",
                 )
         return v
 
@@ -232,11 +234,11 @@ class CountTokensRequest(_Body):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: Annotated[Int, Field(ge=1, le=INT32)]
+    max_tokens: Annotated[int, IntIn(1, INT32)]
     stop_sequences: Annotated[list[StopSequence], Field(max_length=MAX_STOP)] | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[Int, Field(ge=1, le=INT32)] | None = None
+    top_k: Annotated[int, IntIn(1, INT32)] | None = None
     metadata: Metadata | None = None
     stream: bool = False
 

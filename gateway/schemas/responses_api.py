@@ -24,9 +24,9 @@ from pydantic import (
 )
 
 from engine_api.structured import StructuredOutput
-from gateway.schemas.base import NO_CONTROL
+from gateway.schemas.base import NO_CONTROL, Refused
 from gateway.schemas.base import StrictBody as _Body
-from gateway.schemas.fields import INT32, Int, Name
+from gateway.schemas.fields import INT32, IntIn, Name
 from gateway.schemas.inference import ChatCompletionRequest
 from gateway.schemas.structured import (
     MAX_TOOLS,
@@ -62,11 +62,14 @@ class ResponseContentPart(_Body):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return data  # not an object: pydantic says so
+        kind = data.get("type")
         if kind not in ("input_text", "output_text"):
-            raise ValueError(
+            raise Refused(
                 f"content parts of type {kind!r} are not supported: kvgate's models take "
-                "text (input_text, output_text)"
+                "text (input_text, output_text)",
+                "type",
             )
         return data
 
@@ -116,10 +119,11 @@ class ResponseFunctionCallOutput(_Body):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-def _item_type(item: Any) -> str:
-    if isinstance(item, dict):
-        return item.get("type") or "message"
-    return getattr(item, "type", None) or "message"
+def _item_type(item: Any) -> Any:
+    """An item's type; a message may leave it out. Whatever was sent, so that one of no
+    known type is named as it is."""
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return "message" if kind is None else kind
 
 
 InputItem = Annotated[
@@ -189,7 +193,7 @@ class ResponseCreateRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | ResponseToolChoiceFunction | None = None
     parallel_tool_calls: bool = True
     text: ResponseTextConfig | None = None
-    max_output_tokens: Annotated[Int, Field(ge=1, le=INT32)] | None = None
+    max_output_tokens: Annotated[int, IntIn(1, INT32)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     stream: bool = False
@@ -223,12 +227,14 @@ class ResponseCreateRequest(_Body):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, v: Any) -> Any:
-        for tool in v if isinstance(v, list) else []:
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise ValueError(
+        for i, tool in enumerate(v if isinstance(v, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else "function"
+            if kind != "function":  # (one that is no object: pydantic says so)
+                raise Refused(
                     f"tools of type {kind!r} are not supported: kvgate runs none of OpenAI's "
-                    "built-in tools; send tools of type 'function'"
+                    "built-in tools; send tools of type 'function'",
+                    i,
+                    "type",
                 )
         return v
 
@@ -236,25 +242,30 @@ class ResponseCreateRequest(_Body):
     @classmethod
     def _function_choice_only(cls, v: Any) -> Any:
         if isinstance(v, dict) and v.get("type") != "function":
-            raise ValueError(
+            raise Refused(
                 f"tool_choice of type {v.get('type')!r} is not supported: choose 'none', "
-                "'auto', 'required' or {'type': 'function', 'name': ...}"
+                "'auto', 'required' or {'type': 'function', 'name': ...}",
+                "type",
             )
         return v
 
     @field_validator("input", mode="before")
     @classmethod
     def _known_items(cls, v: Any) -> Any:
-        for item in v if isinstance(v, list) else []:
+        for i, item in enumerate(v if isinstance(v, list) else []):
             kind = _item_type(item)
             if kind == "item_reference":
-                raise ValueError(
-                    f"input items of type 'item_reference' are not supported: {STATELESS}"
+                raise Refused(
+                    f"input items of type 'item_reference' are not supported: {STATELESS}",
+                    i,
+                    "type",
                 )
             if kind not in ("message", "function_call", "function_call_output"):
-                raise ValueError(
+                raise Refused(
                     f"input items of type {kind!r} are not supported: send messages, "
-                    "function_call and function_call_output items"
+                    "function_call and function_call_output items",
+                    i,
+                    "type",
                 )
         return v
 
