@@ -13,6 +13,7 @@ aiohttp as bytes, which spares it a string payload per response.
 from __future__ import annotations
 
 import asyncio
+import json
 import zlib
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from pydantic_core import to_json
 
 from gateway.config import Settings
 from gateway.http.errors import ApiError
+from gateway.http.validation import described
 
 M = TypeVar("M", bound=BaseModel)
 # The app's settings (body limit and timeout): the gateway's and a worker's app set it.
@@ -122,14 +124,24 @@ def _validate(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
+        first = e.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
             raise ApiError(400, f"The body is not valid JSON: {first['msg']}") from None
-        msg = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()
-        )
-        raise ApiError(400, msg, param=param) from None
+        raise invalid(e, _parsed(raw)) from None
+
+
+def invalid(error: ValidationError, data: Any) -> ApiError:
+    """The 400 for a body or query (`data`) that `error` refused, in the API's words."""
+    message, param = described(error, data)
+    return ApiError(400, message, param=param)
+
+
+def _parsed(raw: bytes) -> Any:
+    """The body once more, to tell its fields from pydantic's labels (only for an error)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None):
