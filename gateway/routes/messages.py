@@ -7,7 +7,8 @@ the same Job as /v1/chat/completions, on every backend, and ended by the same ru
 (gateway.serving.outcome): a client that hangs up is billed for what it received, a
 whole reply that failed bills nothing, and a reply whose usage row is not committed
 does not complete. Errors on these routes are Anthropic-shaped (gateway.http.errors).
-/count_tokens renders the prompt on a replica, like /tokenize, and is not billed.
+/count_tokens renders the prompt on a replica, like /tokenize: not billed, but a request of
+the tenant's rpm all the same (gateway.serving.counted).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gateway.http.util import json_response, parse_body
 from gateway.schemas.messages import CountTokensRequest, MessagesRequest
 from gateway.serving import messages_stream as ms
 from gateway.serving.admission import model_card, prepare, rendered_tokens
+from gateway.serving.counted import counted
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
@@ -43,18 +45,19 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as the model's template renders the messages, system and
-    tools; not billed (as /tokenize is not)."""
+    tools; not billed (as /tokenize is not), counted against the rpm (as it is)."""
     gw = request.app[GW]
     principal = await gw.authenticate(request)
-    body = await parse_body(request, CountTokensRequest)
-    model_card(gw, principal, body.model)
-    chat = body.chat
-    messages = [m.as_dict() for m in chat.messages]
-    tools = None
-    if chat.tool_mode != "none":  # as admission renders them: tool_choice none shows none
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
-    tokens = await rendered_tokens(gw, principal, body.model, messages, tools)
-    return json_response({"input_tokens": len(tokens)})
+    async with counted(gw, principal) as headers:
+        body = await parse_body(request, CountTokensRequest)
+        model_card(gw, principal, body.model)
+        chat = body.chat
+        messages = [m.as_dict() for m in chat.messages]
+        tools = None
+        if chat.tool_mode != "none":  # as admission renders them: tool_choice none shows none
+            tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+        tokens = await rendered_tokens(gw, principal, body.model, messages, tools)
+    return json_response({"input_tokens": len(tokens)}, headers=headers)
 
 
 async def _whole(job: Job) -> web.Response:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, and
 vLLM's /tokenize and /detokenize.
 
-/tokenize and /detokenize take a tenant's key and its allowed models, but neither bills
-nor counts against any quota (vLLM bills them nowhere either): they run no model, and
-the body size limit bounds each one's work.
+/tokenize and /detokenize take a tenant's key and its allowed models. Neither is billed
+(vLLM bills them nowhere either): they run no model. Each still counts as a request of the
+tenant's and its key's rpm and concurrency (gateway.serving.counted), admitted before its
+body is read, as rendering a large prompt costs seconds of CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from gateway.schemas.openai_format import (
     usage_chunk,
 )
 from gateway.serving.admission import model_card, prepare, rendered_tokens, served_model
+from gateway.serving.counted import counted
 from gateway.serving.echo import Echo
 from gateway.serving.job import Job
 from gateway.serving.outcome import (
@@ -86,22 +88,24 @@ async def tokenize(request: web.Request) -> web.Response:
     """vLLM's shape: the token ids a completion of this prompt or chat would be given."""
     gw = request.app[GW]
     principal = await gw.authenticate(request)
-    body = await parse_body(request, TokenizeRequest)
-    card = model_card(gw, principal, body.model)
-    tokens = await rendered_tokens(gw, principal, body.model, body.rendered(), body.tool_dicts())
-    return json_response(
-        {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
-    )
+    async with counted(gw, principal) as headers:
+        body = await parse_body(request, TokenizeRequest)
+        card = model_card(gw, principal, body.model)
+        rendered, tools = body.rendered(), body.tool_dicts()
+        tokens = await rendered_tokens(gw, principal, body.model, rendered, tools)
+    answer = {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
+    return json_response(answer, headers=headers)
 
 
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
-    body = await parse_body(request, DetokenizeRequest)
-    model_card(gw, principal, body.model)
-    served = served_model(gw, principal, body.model)  # an adapter's: its base model's
-    text = await on_a_replica(gw, served, lambda b: b.detokenize(served, body.tokens))
-    return json_response({"prompt": text})
+    async with counted(gw, principal) as headers:
+        body = await parse_body(request, DetokenizeRequest)
+        model_card(gw, principal, body.model)
+        served = served_model(gw, principal, body.model)  # an adapter's: its base model's
+        text = await on_a_replica(gw, served, lambda b: b.detokenize(served, body.tokens))
+    return json_response({"prompt": text}, headers=headers)
 
 
 async def on_a_replica(gw: GatewayState, model: str, call: Callable[[Backend], Awaitable[T]]) -> T:

@@ -86,7 +86,7 @@ UPDATE = (*CREATE, 404)
 KEY = (*LOOKUP, *BODY)
 COMPLETE = (*LOOKUP, *BODY, 429, 503)
 PIN = (*LOOKUP, *BODY, 409, 429, 503)
-TOKENS = (*LOOKUP, *BODY, 503)  # not billed: no 429
+TOKENS = (*LOOKUP, *BODY, 429, 503)  # not billed, but counted against rpm
 PUBLIC = (400,)  # no key needed
 
 _SUMMARIES = {
