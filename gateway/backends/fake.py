@@ -237,40 +237,43 @@ class FakeBackend:
         try:
             if self.ttft_s:
                 await asyncio.sleep(self.ttft_s)
+            # the gateway is measured with this backend: what each token costs here is
+            # counted against the gateway's core, so the loop does only what was asked
             text = ""
-            start = self._start(req)
+            start, stops, top = self._start(req), sp.stop, sp.logprobs
+            pace = 1 / self.tokens_per_second if self.tokens_per_second else 0
             for i in range(sp.max_tokens):
                 emitted = i + 1
-                if i and self.tokens_per_second:
-                    await asyncio.sleep(1 / self.tokens_per_second)
+                if i and pace:
+                    await asyncio.sleep(pace)
                 word_index = self._pick(start, i)
-                token_id = WORD_ID_BASE + word_index
-                piece = ("" if i == 0 else " ") + WORDS[word_index]
-                text += piece
-                stop = _first_stop(text, sp.stop) if sp.stop else None
-                logprobs = _logprobs(WORDS[word_index], sp.logprobs)
-                if stop is not None:
-                    finished = True
-                    keep = len(piece) - (len(text) - stop[0])
-                    yield GenChunk(
-                        [token_id],
-                        piece[: max(keep, 0)],
-                        "stop",
-                        Usage(len(req.prompt_token_ids), i + 1, cached),
-                        logprobs,
-                        stop_sequence=stop[1],
-                    )
-                    return
-                last = i == sp.max_tokens - 1
-                finished = last
+                word, token_id = WORDS[word_index], WORD_ID_BASE + word_index
+                piece = " " + word if i else word
+                logprobs = None if top is None else _logprobs(word, top)
+                if stops:
+                    text += piece
+                    stop = _first_stop(text, stops)
+                    if stop is not None:
+                        finished = True
+                        keep = len(piece) - (len(text) - stop[0])
+                        yield GenChunk(
+                            [token_id],
+                            piece[: max(keep, 0)],
+                            "stop",
+                            Usage(len(req.prompt_token_ids), i + 1, cached),
+                            logprobs,
+                            stop_sequence=stop[1],
+                        )
+                        return
+                finished = emitted == sp.max_tokens
                 yield GenChunk(
                     [token_id],
                     piece,
-                    "length" if last else None,
-                    Usage(len(req.prompt_token_ids), i + 1, cached) if last else None,
+                    "length" if finished else None,
+                    Usage(len(req.prompt_token_ids), emitted, cached) if finished else None,
                     logprobs,
                 )
-                if not self.tokens_per_second and i % 64 == 63:
+                if not pace and i % 64 == 63:
                     await asyncio.sleep(0)  # be fair to other requests on the loop
         finally:
             self.running -= 1
