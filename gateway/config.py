@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.backends import BackendSpec, replica_count
+from gateway.backends.default_model import starter_backends
 from gateway.backends.spec import LoraModule, parse_lora_modules
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
 from gateway.observe.tracing import trace_export
@@ -151,7 +152,10 @@ class Settings:
         """The model's prices; one with none is free (FREE)."""
         return self.prices.get(model, FREE)
 
-    def resolved_backends(self) -> list[BackendSpec]:
+    def resolved_backends(self, starter: bool = False) -> list[BackendSpec]:
+        """The entries to serve. `starter` (kvgate serve's own): with nothing naming a
+        backend, model or engine setting, the starter set of default_model, whose first
+        model chats; else one entry: the model given, or Gemma 3 270M (a worker's case)."""
         engine_options = {
             name: value for name in ENGINE_SETTINGS if (value := getattr(self, name)) is not None
         }
@@ -174,6 +178,8 @@ class Settings:
                 for spec in self.backends
             ]
         kind = pick_backend_type() if self.backend in ("", "auto") else self.backend
+        if starter and kind in ("gpu", "local") and self._bare(engine_options):
+            return starter_backends(kind, self.fairness)
         _check_engine_settings(engine_options, kind)
         options = {"replicas": self.replicas} if self.replicas != 1 else {}
         options |= engine_options
@@ -181,6 +187,16 @@ class Settings:
             options["fairness"] = self.fairness
         spec = BackendSpec(kind, kind, self.model, self.served_model_name, options)
         return [with_lora(spec, parse_lora_modules(self.lora_modules, "--lora-modules"))]
+
+    def _bare(self, engine_options: dict[str, Any]) -> bool:
+        """No backend, model, entry or engine setting given: `make serve` as it comes."""
+        given = self.model or self.served_model_name or self.backends or engine_options
+        return (
+            self.backend == "auto"
+            and not given
+            and self.replicas == 1
+            and not (self.lora_modules or self.workers)
+        )
 
 
 def with_lora(spec: BackendSpec, modules: list[LoraModule]) -> BackendSpec:

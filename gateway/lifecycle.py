@@ -39,6 +39,8 @@ async def start_gateway(settings: Settings, drain: Drain | None = None) -> Gatew
     await migrate(db)
     tenants = TenantService(db)
     generated = await tenants.ensure_admin_key(settings.admin_key)
+    # a first start that made the admin key makes a tenant key too: one paste to a chat
+    starter_key = await tenants.create_starter() if generated else None
     secret = await tenants.server_secret(settings.secret)
     quota = await _start_quota(db, tenants)
     usage = UsageRecorder(db)
@@ -62,6 +64,7 @@ async def start_gateway(settings: Settings, drain: Drain | None = None) -> Gatew
         pins=PinService(db, router, catalog, secret),
         adapters=AdapterRegistry(db, router),
         generated_admin_key=generated,
+        starter_key=starter_key,
     )
     if drain is not None:  # the app's, which its middleware reads
         state.drain = drain
@@ -116,7 +119,7 @@ class Started:
 async def _start_backends(state: GatewayState) -> None:
     """Start the workers and every replica of every backend, route to them, and add the
     public adapters the entries name."""
-    configured = state.settings.resolved_backends()
+    configured = state.settings.resolved_backends(starter=True)
     started = await start_entries(state, configured)
     route(state, started, state.settings.fairness)
     await add_entry_adapters(state, configured, started)

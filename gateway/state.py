@@ -23,7 +23,7 @@ from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.fair_queue import FairQueue
 from gateway.routing.pins import PinService
 from gateway.routing.router import Router
-from gateway.tenancy.auth import Authenticator, AuthError, Principal
+from gateway.tenancy.auth import Authenticator, AuthError, Principal, missing_scope
 from gateway.tenancy.quota import QuotaStore
 from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.tenants import TenantService
@@ -51,6 +51,7 @@ class GatewayState:
     backends: list[Backend] = field(default_factory=list)
     backend_types: dict[str, str] = field(default_factory=dict)
     generated_admin_key: str | None = None
+    starter_key: str | None = None  # the starter tenant's, made beside a generated admin key
     url: str = ""
     supervisors: list[WorkerSupervisor] = field(default_factory=list)  # --workers N
     # backend name -> the gateway's fair queue, for backends whose scheduler is not
@@ -84,7 +85,7 @@ class GatewayState:
         except AuthError as e:
             raise ApiError(401, str(e), code="invalid_api_key") from None
         if scope not in principal.scopes:
-            raise ApiError(403, f"This API key does not have the {scope!r} scope.")
+            raise ApiError(403, missing_scope(principal, scope))
         return principal
 
     def price_of(self, model: str) -> Price:

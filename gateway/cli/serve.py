@@ -18,6 +18,7 @@ from gateway.http.drain import until_signalled
 from gateway.http.server import GatewayRunner
 from gateway.reload import reload_on_signal
 from gateway.state import GW, GatewayState
+from gateway.tenancy.tenants import STARTER_TENANT
 from gateway.worker_pool.supervisor import WorkerStartError
 
 # after the drain, how long other connections (a dashboard's live stream) get to close
@@ -126,13 +127,30 @@ def _announce(settings: Settings, gw: GatewayState) -> None:
             )
     for why in gw.router.broken.values():
         print(f"kvgate: WARNING {why}", file=sys.stderr, flush=True)
-    if gw.generated_admin_key:
+    _announce_keys(gw)
+    print(f"kvgate: listening on http://{settings.host}:{settings.port}", flush=True)
+
+
+def _announce_keys(gw: GatewayState) -> None:
+    """A first start's keys, once (only their hashes are stored), as lines to paste into
+    the shell the examples of the docs run in ($ADMIN, $KEY)."""
+    if not gw.generated_admin_key:
+        return
+    if gw.starter_key:
         print(
-            "kvgate: generated an admin key; it is shown only this once, store it now:\n"
-            f"    {gw.generated_admin_key}",
+            f'kvgate: generated an admin key, and the tenant "{STARTER_TENANT}" with a key of '
+            "its own; they are shown only this once, store them now. $ADMIN manages tenants "
+            "and keys, $KEY calls the models: paste into the shell you will call from:\n"
+            f"    export ADMIN={gw.generated_admin_key}\n"
+            f"    export KEY={gw.starter_key}",
             flush=True,
         )
-    print(f"kvgate: listening on http://{settings.host}:{settings.port}", flush=True)
+        return
+    print(
+        "kvgate: generated an admin key; it is shown only this once, store it now:\n"
+        f"    export ADMIN={gw.generated_admin_key}",
+        flush=True,
+    )
 
 
 def configure_logging(verbose: bool) -> None:

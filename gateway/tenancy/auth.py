@@ -70,6 +70,19 @@ class Principal:
         return self.models is None or model in self.models
 
 
+def missing_scope(principal: Principal, scope: str) -> str:
+    """The 403's message for a key without `scope`. An admin key sent to a model is the
+    first mistake of a new user: it says how to make a key that calls models."""
+    if principal.is_admin and scope == "inference":
+        return (
+            "This is an admin key: it manages tenants and keys, and calls no model. Send a "
+            "tenant's key. Make one with `kvgate keys create TENANT` (TENANT: a tenant's "
+            "name or id, such as starter), or with this key: POST /admin/tenants/{tenant_id}"
+            '/keys with {"name": "app"}; POST /admin/tenants with {"name": ...} makes a tenant.'
+        )
+    return f"This API key does not have the {scope!r} scope."
+
+
 class AuthError(Exception):
     """The key is missing, unknown, revoked or expired: HTTP 401."""
 

@@ -23,6 +23,8 @@ from gateway.tenancy.quota.limits import LIMIT_FIELDS, SPEND_FIELDS
 from gateway.tenancy.quota.prices import to_nanos, to_usd
 from gateway.tenancy.usage_queries import UsageQueries
 
+# a fresh database's tenant, so that the first request needs no admin call before it
+STARTER_TENANT = "starter"
 # a tenant's quota: the limits a key may also have (LIMIT_FIELDS), and a priority and a weight
 QUOTA_FIELDS = (*LIMIT_FIELDS, "priority", "weight")
 
@@ -251,6 +253,20 @@ class TenantService(UsageQueries):
             None, "bootstrap admin", ["admin"], actor="bootstrap", key=admin_key
         )
         return None if admin_key is not None else key
+
+    async def create_starter(self) -> str | None:
+        """On a database that holds no tenant yet: the tenant STARTER_TENANT, without
+        limits, and an inference key for it. The key, to print once; None when a tenant
+        exists (or another gateway made the starter first)."""
+        async with self.db.session() as s:
+            if await s.scalar(select(Tenant.id).limit(1)) is not None:
+                return None
+        try:
+            tenant = await self.create_tenant(STARTER_TENANT, {}, actor="bootstrap")
+        except Conflict:
+            return None
+        _, key = await self.create_key(tenant["id"], "starter", actor="bootstrap")
+        return key
 
     async def server_secret(self, configured: str | None) -> str:
         if configured:

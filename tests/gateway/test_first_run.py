@@ -1,6 +1,8 @@
-"""What a new user meets following the README (issue 31): a gateway that cannot serve
-exits and says why; the command line takes tenants by name; errors say what to do next;
-start-up shows the admin key, not other libraries' logs (unless --verbose)."""
+"""What a new user meets following the README (issues 31 and 46): a gateway that cannot
+serve exits and says why; the command line takes tenants by name; errors say what to do
+next; start-up shows the admin key, not other libraries' logs (unless --verbose); a fresh
+database comes with a starter tenant's key beside the admin key; a bare `kvgate serve`
+serves a model that chats."""
 
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.backends.default_model import (
+    DEFAULT_MODEL_ID,
+    EMBEDDING_MODEL_ID,
+    INSTRUCT_MODEL_ID,
+    model_path,
+)
 from gateway.cli import main as kvgate
 from gateway.cli.chat import ChatError, RemoteChat, Sampling
+from gateway.config import load_settings, pick_backend_type
 from tests.conftest import ADMIN_KEY, free_port, start_gateway
 
 MISSING = "path/that/does/not/exist.gguf"
@@ -73,7 +82,7 @@ def test_workers_are_named_by_address_and_start_quietly(tmp_path) -> None:
     try:
         backends = httpx.get(gw.url + "/admin/backends", headers=gw.admin_headers).json()
         names = [b["name"] for b in backends["data"]]
-        # as README.md's "Replicas and cache-aware routing" names them
+        # as docs/prefix-caching.md's "Replicas and cache-aware routing" names them
         assert len(names) == 2 and all(re.fullmatch(r"fake@127\.0\.0\.1:\d+", n) for n in names)
         log = gw.log.read_text()
         assert "worker 0:" not in log and "worker 1:" not in log, log  # their output: --verbose
@@ -163,3 +172,63 @@ def test_top_with_a_tenants_key_stops_and_asks_for_the_admin_key(live_gateway) -
         errors = [line for line in out.stderr.splitlines() if line.strip()]
         assert len(errors) == 1 and f"HTTP {status}" in errors[0], out.stderr
         assert "needs the gateway's admin key" in errors[0] and "KVGATE_ADMIN_KEY" in errors[0]
+
+
+def _printed(log: str, name: str) -> str:
+    """The key a first start printed as `export NAME=kvg-...`."""
+    found = re.findall(rf"^    export {name}=(kvg-[\w-]+)$", log, re.MULTILINE)
+    assert len(found) == 1, log
+    return found[0]
+
+
+def test_a_fresh_database_prints_a_starter_tenants_key_once(tmp_path) -> None:
+    env = {"KVGATE_ADMIN_KEY": ""}  # none configured: the first start makes one
+    gw = start_gateway(tmp_path, "--backend", "fake", extra_env=env)
+    try:
+        first = gw.log.read_text()
+        admin, key = _printed(first, "ADMIN"), _printed(first, "KEY")
+        assert "shown only this once" in first and '"starter"' in first
+        # the tenant's key calls a model at once: no admin call first
+        models = httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert models.status_code == 200 and models.json()["data"], models.text
+        # the admin key is refused there, with how to make a tenant's key
+        refused = httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {admin}"})
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 403
+        assert "kvgate keys create" in message and "/admin/tenants/{tenant_id}/keys" in message
+    finally:
+        gw.stop()
+    again = start_gateway(tmp_path, "--backend", "fake", extra_env=env)
+    try:
+        assert "export" not in again.log.read_text()  # once: only the hashes are kept
+        tenants = httpx.get(
+            again.url + "/admin/tenants", headers={"Authorization": f"Bearer {admin}"}
+        )
+        assert [t["name"] for t in tenants.json()["data"]] == ["starter"]
+    finally:
+        again.stop()
+
+
+def test_a_configured_admin_key_makes_no_starter_tenant(live_gateway) -> None:
+    log = live_gateway.log.read_text()
+    assert "export" not in log and "starter" not in log
+    tenants = httpx.get(live_gateway.url + "/admin/tenants", headers=live_gateway.admin_headers)
+    assert tenants.json()["data"] == []
+
+
+def test_a_bare_serve_serves_an_instruct_model_first() -> None:
+    kind = pick_backend_type()
+    specs = load_settings(None, environ={}).resolved_backends(starter=True)
+    served = [(s.type, s.served_model_name or s.model) for s in specs]
+    assert served == [
+        (kind, INSTRUCT_MODEL_ID),  # first: what `kvgate chat` and /v1/models lead with
+        (kind, DEFAULT_MODEL_ID),
+        ("gpu", EMBEDDING_MODEL_ID),
+    ]
+    assert model_path(INSTRUCT_MODEL_ID).endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    # anything named keeps one entry as before: a backend, a model, an engine flag, workers
+    for given in ({"backend": kind}, {"model": "m.gguf"}, {"workers": 2}, {"replicas": 2}):
+        (one,) = load_settings(None, given, environ={}).resolved_backends(starter=True)
+        assert one.model in ("", "m.gguf"), given
+    (worker,) = load_settings(None, environ={}).resolved_backends()  # kvgate worker's
+    assert worker.model == ""
