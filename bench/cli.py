@@ -24,6 +24,7 @@ from bench.options import (
 from bench.serve import plot_requests, save_json, serve_benchmark
 from bench.server_memory import MemorySampler, server_pid
 from bench.sweep import add_sweep_args, run_sweep
+from gateway.cli.parsing import Parser
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -90,9 +91,7 @@ def record_run(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvgate bench", description=__doc__, formatter_class=DefaultsHelpFormatter
-    )
+    parser = Parser(prog="kvgate bench", description=__doc__, formatter_class=DefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = DefaultsHelpFormatter  # each subcommand's own: they do not inherit it
 

@@ -27,6 +27,7 @@ from bench.options import DefaultsHelpFormatter, add_workload_args
 from bench.tune_report import write_report
 from bench.tune_run import Goals, Measured, Tuner
 from bench.tune_server import Candidate
+from gateway.cli.parsing import Parser
 
 DEFAULTS = Candidate()
 
@@ -85,9 +86,7 @@ def search(tuner: Tuner, useful_seqs: int) -> Measured | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvgate tune", description=__doc__, formatter_class=DefaultsHelpFormatter
-    )
+    p = Parser(prog="kvgate tune", description=__doc__, formatter_class=DefaultsHelpFormatter)
     p.add_argument("--backend", choices=["gpu"], default="gpu", help="the engine tuned")
     p.add_argument("--model", help="GGUF file or HF directory (default: Gemma 3 270M)")
     p.add_argument("--slo-ttft-p99", type=float, required=True, metavar="S", help="seconds")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvgate top",
+        allow_abbrev=False,  # as every kvgate command (gateway.cli.parsing)
         description="Live dashboard of a running kvgate gateway (or of a recorded stats file).",
     )
     parser.add_argument(

@@ -10,6 +10,7 @@ from gateway.cli import adapters as cli_adapters
 from gateway.cli import admin as cli_admin
 from gateway.cli import plan as cli_plan
 from gateway.cli.output import print_rows
+from gateway.cli.parsing import Parser
 from gateway.config import ConfigSource, Settings, load_settings
 from gateway.worker import cli as worker_cli
 
@@ -22,7 +23,7 @@ _DELEGATED = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    parser = Parser(prog="kvgate", description=__doc__)
     _add_global_args(parser, top_level=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
