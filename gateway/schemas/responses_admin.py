@@ -331,6 +331,10 @@ class Adapter(Body):
     tenant_id: str | None = Field(description="null: every tenant may use it")
     created_at: float
     created_by: str = Field(description='the admin key that registered it; "config": lora_modules')
+    state: Literal["ready", "failed"] = Field(
+        description="failed: its files would not load for the last request under it"
+    )
+    error: str | None = Field(description="why it failed (the engine's words); null: ready")
 
 
 class AdapterList(Body):

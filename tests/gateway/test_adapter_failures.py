@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from gateway.db import UsageRecord
+from gateway.schemas.responses_admin import AdapterList
 from tests.gateway.conftest import fake_backends
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -91,6 +92,7 @@ async def test_an_adapter_that_will_not_load_fails_clearly(make_gateway, tmp_pat
     failures = [r for r in caplog.records if "failed to load" in r.getMessage()]
     assert len(failures) == 4 and "sql-lora" in failures[0].getMessage()
     _, listed = await gw.admin("GET", "/admin/adapters")
+    AdapterList.model_validate(listed)  # as the OpenAPI document says
     [adapter] = listed["data"]
     assert adapter["state"] == "failed" and "no such path" in adapter["error"]
     assert gw.backend("fake").stats().healthy  # the backend serves on
