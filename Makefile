@@ -19,7 +19,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	$(if $(findstring avx512_bf16,$(CPU_FLAGS)),-DGGML_AVX512_BF16=ON)
 endif
 
-.PHONY: install serve test lint format bench clean llama-server
+.PHONY: install serve test lint docs format bench clean llama-server
 
 install: $(STAMP)
 
@@ -50,7 +50,12 @@ lint: install
 	# the import contracts of pyproject.toml: layers, no loops (docs/design.md, Layout)
 	$(BIN)/lint-imports
 
-test: install lint
+# the documentation site (mkdocs.yml) into build/site; --strict: a broken link or anchor, a
+# page missing from the nav, or a reference page that no longer matches the code fails
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+test: install lint docs
 	$(BIN)/pytest -q --durations=15
 
 format: install

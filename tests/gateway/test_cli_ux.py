@@ -20,15 +20,13 @@ import pytest
 from gateway.backends import build_backend
 from gateway.cli import build_parser
 from gateway.cli import main as kvgate
-from gateway.config import _ENV_FIELDS, load_settings
+from gateway.config import load_settings
 from gateway.db import Database
 from gateway.routing.fair_queue import SPARE_SEATS
 from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.usage import UsageRecorder, UsageRow
 from gateway.worker import cli as worker_cli
 from tests.conftest import ADMIN_KEY
-
-README = Path(__file__).parents[2] / "README.md"
 
 
 @pytest.fixture
@@ -348,11 +346,3 @@ def test_help_defaults_are_the_engines() -> None:
     gpu = {f.name: f.default for f in dataclasses.fields(GpuConfig)}
     assert {k: local[k] for k in worker_cli.LOCAL_DEFAULTS} == worker_cli.LOCAL_DEFAULTS
     assert {k: gpu[k] for k in worker_cli.GPU_DEFAULTS} == worker_cli.GPU_DEFAULTS
-
-
-def test_readme_lists_every_kvgate_variable_of_the_settings() -> None:
-    text = README.read_text()
-    start = text.index("| Variable | Flag | Default | What it sets |")
-    end = text.index("\n\n", start)
-    documented = re.findall(r"^\| `(KVGATE_[A-Z_]+)`", text[start:end], re.MULTILINE)
-    assert sorted(documented) == sorted(f"KVGATE_{name.upper()}" for name in _ENV_FIELDS)

@@ -1,9 +1,11 @@
-"""The README's examples as code: its ```bash and ```python blocks, in order, and a runner
-that pastes them into a shell and a Python session as a user following it would.
+"""The examples of the README and of the docs site as code: their ```bash and ```python
+blocks, page after page in the site's order (mkdocs.yml's nav), and a runner that pastes
+them into a shell and a Python session as a user following them would.
 
 A block that cannot run against the gateway `make serve` starts (one that starts another
-server, needs a model file of the user's own, or takes over the terminal) is marked on
-the line before its fence: `<!-- readme-test: skip (why) -->`. Every other block runs.
+server, needs a model file of the user's own, a GPU, Docker, or takes over the terminal)
+is marked on the line before its fence: `<!-- docs-test: skip (why) -->`. Every other
+block runs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-SKIP = re.compile(r"^\s*<!-- readme-test: skip \((?P<why>[^)]+)\) -->\s*$")
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# records, not walk-throughs: their commands are the studies' (tests/studies run them)
+# and the design's sketches
+NOT_WALKED = {"design.md", "PERF.md", "STATS.md"}
+SKIP = re.compile(r"^\s*<!-- docs-test: skip \((?P<why>[^)]+)\) -->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\w*)\s*$")
 # `NAME=$(...)`, `NAME=word` or `export NAME=...` alone on a line: a variable later
 # blocks read (`NAME=word command` sets it for that command only)
@@ -32,16 +41,36 @@ DEFAULT_ADDRESS = "127.0.0.1:8000"
 class Block:
     lang: str  # bash | python
     code: str
-    line: int  # where its fence opens in README.md, for failure messages
+    source: Path  # the page it is on
+    line: int  # where its fence opens, for failure messages
     skip: str | None  # why it does not run, or None
 
     def label(self) -> str:
-        return f"README.md:{self.line} ({self.lang})"
+        return f"{self.source.relative_to(ROOT)}:{self.line} ({self.lang})"
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    """Every bash and python block of the README, in order."""
-    lines = (README.read_text() if text is None else text).splitlines()
+def nav_pages() -> list[Path]:
+    """The site's pages in its order (mkdocs.yml's nav)."""
+
+    def walk(items: list) -> list[str]:
+        found = []
+        for item in items:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            found += walk(value) if isinstance(value, list) else [value]
+        return found
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [DOCS / page for page in walk(nav)]
+
+
+def walked_pages() -> list[Path]:
+    """The README, then every page of the site that is walked through in order."""
+    return [README, *(p for p in nav_pages() if p.name not in NOT_WALKED)]
+
+
+def page_blocks(page: Path) -> list[Block]:
+    """Every bash and python block of one page, in order."""
+    lines = page.read_text().splitlines()
     blocks: list[Block] = []
     i = 0
     while i < len(lines):
@@ -60,12 +89,17 @@ def readme_blocks(text: str | None = None) -> list[Block]:
             before = next((s for s in reversed(lines[:start]) if s.strip()), "")
             skip = SKIP.match(before)
             code = "\n".join(body) + "\n"
-            blocks.append(Block(opened["lang"], code, start + 1, skip and skip["why"]))
+            blocks.append(Block(opened["lang"], code, page, start + 1, skip and skip["why"]))
     return blocks
 
 
+def all_blocks() -> list[Block]:
+    """The blocks of every walked page, in the order a reader meets them."""
+    return [b for page in walked_pages() for b in page_blocks(page)]
+
+
 class Session:
-    """A shell and a Python session in `cwd`, as a user pastes the README into them:
+    """A shell and a Python session in `cwd`, as a user pastes the examples into them:
     variables a bash block sets reach later blocks (exported, as Python reads `$KEY`
     from the environment), and Python blocks share one namespace."""
 
@@ -74,12 +108,12 @@ class Session:
         self.env = env
         self.address = address
         self.variables: dict[str, str] = {}
-        self.namespace: dict[str, object] = {"__name__": "__readme__"}
+        self.namespace: dict[str, object] = {"__name__": "__docs__"}
         self.state = cwd / "readme-shell-state.sh"
         self.state.write_text("")
 
     def adapt(self, code: str) -> str:
-        """The README's address, 127.0.0.1:8000, is where this session's gateway is."""
+        """The pages' address, 127.0.0.1:8000, is where this session's gateway is."""
         return code.replace(DEFAULT_ADDRESS, self.address)
 
     def run(self, block: Block, timeout: float = 300) -> str:
