@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import tomllib
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from gateway.backends import BackendSpec, replica_count
 from gateway.backends.default_model import starter_backends
 from gateway.backends.spec import LoraModule, parse_lora_modules
+from gateway.config_check import ConfigError, check_types, table, text
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
 from gateway.observe.tracing import trace_export
 from gateway.tenancy.quota.prices import FREE, Price, parse_prices
@@ -110,7 +112,8 @@ class Settings:
     prices: dict[str, Price] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.prices = parse_prices(self.prices)
+        check_types(self, SETTING_TYPES, skip=frozenset({"prices"}))  # each model's: below
+        self.prices = parse_prices(table(self.prices, "prices"))
         self.instance = self.instance or f"{socket.gethostname()}:{self.port}"
         if "/" in self.instance or len(self.instance) > MAX_INSTANCE_CHARS:
             raise ValueError(
@@ -197,6 +200,9 @@ class Settings:
             and self.replicas == 1
             and not (self.lora_modules or self.workers)
         )
+
+
+SETTING_TYPES = typing.get_type_hints(Settings)
 
 
 def with_lora(spec: BackendSpec, modules: list[LoraModule]) -> BackendSpec:
@@ -314,16 +320,26 @@ class ConfigSource:
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def load(self) -> Settings:
-        settings = load_settings(self.config_file, self.overrides)
+        settings = load_settings(self.config_file, self.overrides, require_backends=True)
         settings.resolved_backends()  # a setting the chosen backend lacks is an error here
         return settings
+
+
+# what names the backends to serve; a config file with none of them serves nothing
+BACKEND_CHOICES = frozenset({"backends", "backend", "model", "served_model_name"})
 
 
 def load_settings(
     config_file: str | os.PathLike | None = None,
     overrides: dict[str, Any] | None = None,
     environ: dict[str, str] | None = None,
+    require_backends: bool = False,
 ) -> Settings:
+    """The settings, later sources winning; ConfigError (a ValueError) naming the key
+    that does not validate. `require_backends` (a gateway's, at start and on a reload):
+    a config file must name what it serves (a [[backends]] entry, or `backend`, `model`
+    by any source): one with none (its entries deleted, say) must not quietly serve the
+    default model in their place."""
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, Any] = {}
     config_file = config_file or environ.get("KVGATE_CONFIG")
@@ -332,14 +348,23 @@ def load_settings(
     for name, cast in _ENV_FIELDS.items():
         env_name = "KVGATE_" + name.upper()
         if environ.get(env_name):
-            values[name] = cast(environ[env_name])
+            try:
+                values[name] = cast(environ[env_name])
+            except ValueError:
+                raise ConfigError(name, f"{env_name} is not valid: {environ[env_name]!r}") from None
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = value
     known = {f.name for f in fields(Settings)}
     unknown = set(values) - known
     if unknown:
-        raise ValueError(f"unknown settings: {sorted(unknown)}")
+        raise ConfigError(min(unknown), f"unknown settings: {sorted(unknown)}")
+    if require_backends and config_file and not BACKEND_CHOICES & set(values):
+        raise ConfigError(
+            "backends",
+            f"{config_file} has no [[backends]] entry: add one, or ask for the default model "
+            'with backend = "auto" in [server] (or KVGATE_BACKEND, --backend)',
+        )
     settings = Settings(**values)
     # an OTEL_* trace export kvgate cannot send is a configuration error, found here
     trace_export(settings.otlp_traces_endpoint, "kvgate", environ)
@@ -349,29 +374,33 @@ def load_settings(
 def _read_toml(path: Path) -> dict[str, Any]:
     with path.open("rb") as f:
         data = tomllib.load(f)
-    values: dict[str, Any] = dict(data.get("server", {}))
-    specs = []
-    for entry in data.get("backends", []):
-        entry = dict(entry)
-        try:
-            name, kind = entry.pop("name"), entry.pop("type")
-        except KeyError as e:
-            raise ValueError(f"{path}: each [[backends]] entry needs {e.args[0]!r}") from None
-        spec = BackendSpec(
-            name=name,
-            type=kind,
-            model=str(entry.pop("model", "")),
-            served_model_name=entry.pop("served_model_name", ""),
-            options=entry.pop("options", {}) | entry,
-        )
-        modules = spec.options.pop("lora_modules", [])
-        specs.append(with_lora(spec, parse_lora_modules(modules, f"{path}: backend {name!r}")))
+    values: dict[str, Any] = dict(table(data.get("server", {}), "server"))
+    entries = data.get("backends", [])
+    if not isinstance(entries, list):
+        raise ConfigError("backends", f"backends must be [[backends]] tables, got {entries!r}")
+    specs = [_backend_entry(path, i, entry) for i, entry in enumerate(entries)]
     if specs:
         values["backends"] = specs
         values.setdefault("backend", "")
     if "prices" in data:
-        values["prices"] = data["prices"]  # checked by Settings
+        values["prices"] = table(data["prices"], "prices")  # each model's: by Settings
     return values
+
+
+def _backend_entry(path: Path, i: int, entry: Any) -> BackendSpec:
+    """One [[backends]] table as a BackendSpec, each field of its type."""
+    entry = dict(table(entry, f"backends[{i}]"))
+    for needed in ("name", "type"):
+        if needed not in entry:
+            raise ConfigError(f"backends[{i}]", f"{path}: each [[backends]] entry needs {needed!r}")
+    name = text(entry.pop("name"), f"backends[{i}].name", required=True)
+    key = f"backends.{name}"
+    kind = text(entry.pop("type"), f"{key}.type", required=True)
+    model = text(entry.pop("model", ""), f"{key}.model")
+    served = text(entry.pop("served_model_name", ""), f"{key}.served_model_name")
+    options = table(entry.pop("options", {}), f"{key}.options") | entry
+    modules = parse_lora_modules(options.pop("lora_modules", []), f"{path}: backend {name!r}")
+    return with_lora(BackendSpec(name, kind, model, served, options), modules)
 
 
 def pick_backend_type() -> str:

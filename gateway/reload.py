@@ -9,10 +9,11 @@ after `drain_timeout_s`); one whose spec changed (a remote upstream's options, s
 both, its successor started before its predecessor leaves. Tenants and keys live in
 the database and need no reload.
 
-A config that does not parse or validate is refused as a whole, and so is one that
-changes a setting that only a restart can (the port, the database, ...), or one with a
-new backend that fails to start: the running config stays, the error is logged, and the
-caller hears which field. Everything is read, checked and started before the swap, and
+A config that does not parse or validate is refused as a whole, checked exactly as at
+start-up (a wrong type, a value out of range, a config file with no backend left:
+gateway/config_check.py), and so is one that changes a setting that only a restart can
+(the port, the database, ...), or one with a new backend that fails to start: the
+running config stays, the error is logged, and the caller hears which field. Everything is read, checked and started before the swap, and
 the swap itself has no await in it, so a request sees the old config or the new one,
 never half of each (docs/design.md, "Live reload").
 """
@@ -20,13 +21,13 @@ never half of each (docs/design.md, "Live reload").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from gateway.backends import Backend, BackendSpec
 from gateway.config import ENGINE_SETTINGS, Settings
+from gateway.config_check import ConfigError
 from gateway.lifecycle import Started, add_entry_adapters, route, start_entries
 from gateway.state import GatewayState
 from gateway.tenancy import audit
@@ -84,9 +85,14 @@ async def reload_config(gw: GatewayState, actor: str) -> Reload:
 
 
 async def reload_on_signal(gw: GatewayState) -> None:
-    """SIGHUP's reload: no caller to answer, the log says how it went."""
-    with contextlib.suppress(ReloadError):
+    """SIGHUP's reload: no caller to answer, the log says how it went (whatever failed:
+    a signal's task has no one to raise to)."""
+    try:
         await reload_config(gw, SIGNAL_ACTOR)
+    except ReloadError:
+        pass  # logged
+    except Exception:
+        log.exception("config reload failed; the running config stays")
 
 
 async def _reload(gw: GatewayState, actor: str) -> Reload:
@@ -98,7 +104,9 @@ async def _reload(gw: GatewayState, actor: str) -> Reload:
         try:
             new = gw.source.load()
             configured = new.resolved_backends()
-        except (OSError, ValueError) as e:
+        except ConfigError as e:
+            raise ReloadError(f"the config was refused: {e}", field=e.key) from None
+        except (OSError, ValueError, TypeError) as e:  # TypeError: a wrong type unforeseen
             raise ReloadError(f"the config was refused: {e}") from None
         done = Reload(changed=_changed(gw.settings, new))
         old = {spec.name: spec for spec in gw.settings.resolved_backends()}

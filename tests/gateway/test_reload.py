@@ -3,13 +3,18 @@ adds a backend that then serves and prices the next usage row anew; a config tha
 not validate, or changes what needs a restart, is a 400 naming the field with nothing
 changed; SIGHUP does the same as the admin call, here removing a backend while a stream
 on it is in flight: the stream finishes whole, then the model is gone (404) and the
-backend is stopped."""
+backend is stopped. Values that would break serving (a price past what a usage row
+holds, a wrong type, no backend left) are refused on a reload, by SIGHUP, and at
+start-up alike, each naming its key."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +119,62 @@ def test_reload_and_sighup(tmp_path):
             time.sleep(0.1)
     finally:
         gw.stop()
+
+
+# values that would break serving, each with the key its refusal names: a price whose
+# spend a usage row cannot hold (every request would then fail), wrong TOML types, and no
+# backend left (the default model would quietly take the removed ones' place)
+BREAKING = [
+    ('[prices."m-a"]\ninput = 1\noutput = 1e300\n' + BACKEND_A, "prices.m-a.output"),
+    ('[server]\ndrain_timeout_s = "abc"\n' + _price(8) + BACKEND_A, "drain_timeout_s"),
+    ("[server]\ndrain_timeout_s = inf\n" + _price(8) + BACKEND_A, "drain_timeout_s"),
+    ("[server]\nrouter_policy = 5\n" + _price(8) + BACKEND_A, "router_policy"),
+    (
+        _price(8) + BACKEND_A.replace("options = { tokens_per_second = 20 }", "options = 5"),
+        "backends.a.options",
+    ),
+    (_price(8) + BACKEND_A.replace('name = "a"', "name = 5"), "backends[0].name"),
+    (_price(8) + 'prices = 5\n[[backends]]\nname = "a"\ntype = "fake"\n', "prices"),
+    (_price(8), "backends"),
+]
+
+
+def test_reload_refuses_values_that_would_break_serving(tmp_path):
+    db = tmp_path / "kvgate.db"
+    gw = start_gateway(tmp_path, config=_price(2) + BACKEND_A)
+    config = next(tmp_path.glob("kvgate-*.toml"))
+    try:
+        _, key = gw.tenant_key("acme")
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        for broken, field in BREAKING:
+            config.write_text(broken)
+            refused = _reload(gw)
+            assert refused.status_code == 400, (field, refused.text)
+            error = refused.json()["error"]
+            assert error["code"] == "invalid_config" and field in error["message"], error
+            assert _priced_at(gw, client, db, 2)  # the running config stays
+        config.write_text('[server]\ndrain_timeout_s = "abc"\n' + _price(8) + BACKEND_A)
+        gw.proc.send_signal(signal.SIGHUP)  # logged; no task dies with a traceback
+        deadline = time.monotonic() + 30
+        while gw.log.read_text().count("config reload refused") <= len(BREAKING):
+            assert time.monotonic() < deadline, "SIGHUP's reload was not logged"
+            time.sleep(0.1)
+        assert _priced_at(gw, client, db, 2)
+        assert "Traceback" not in gw.log.read_text()
+    finally:
+        gw.stop()
+
+
+def test_start_up_refuses_them_the_same_way(tmp_path):
+    env = dict(os.environ, KVGATE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path / 'k.db'}")
+    config = tmp_path / "kvgate.toml"
+    for broken, field in BREAKING:
+        config.write_text(broken)
+        cmd = [sys.executable, "-m", "gateway.cli", "--config", str(config), "serve"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (field, done.stdout, done.stderr)
+        assert "bad configuration" in done.stderr and field in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
 
 
 async def _remove_a_by_sighup(gw, key: str, config: Path) -> None:

@@ -4,8 +4,9 @@ Prices are USD per million tokens (as providers list them) with at most six deci
 each one is a whole number of picodollars per token, and a request's cost is a sum of
 integer products. Spend is kept in nanodollars (10^-9 USD), rounded up once per request:
 usage rows, daily totals and the quota counters all add the same integers, so no sum of
-floats drifts, and a 64-bit column holds 9.2 billion dollars. A model with no price
-costs nothing.
+floats drifts, and a 64-bit column holds 9.2 billion dollars. A price is at most
+MAX_USD_PER_MILLION, a dollar a token, so that no request's spend (nor its worst case)
+comes near what a usage row holds. A model with no price costs nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ NANOS_PER_USD = 10**9
 _PICOS_PER_NANO = 1000
 _PICOS_PER_USD_PER_MILLION = 10**6  # USD per 10^6 tokens, as picodollars per token
 PRICE_FIELDS = ("input", "cached_input", "output")
+MAX_USD_PER_MILLION = 10**6
 
 
 def to_nanos(usd: float | int | str | Decimal) -> int:
@@ -108,6 +110,11 @@ def _picos(model: str, name: str, value: Any) -> int:
         raise ValueError(
             f"prices.{model}.{name} must be >= 0 USD per million tokens with at most six "
             f"decimals, got {value!r}"
+        )
+    if picos > MAX_USD_PER_MILLION * _PICOS_PER_USD_PER_MILLION:
+        raise ValueError(
+            f"prices.{model}.{name} must be at most {MAX_USD_PER_MILLION} USD per million "
+            f"tokens (a dollar a token), got {value!r}"
         )
     return int(picos)
 

@@ -1,0 +1,81 @@
+"""What a setting's value may be. TOML, a `KVGATE_*` variable or a file edited by hand
+before a reload can give any type to any key: each setting is checked against the type
+`Settings` declares, and each `[[backends]]` entry's fields against theirs, before
+anything uses them, so that a wrong value is a ConfigError naming its key (at start-up a
+clear error and exit 2; on a reload a 400 `invalid_config`, the running config kept),
+never a TypeError from deep inside. A float must be finite: `inf` and `nan` are TOML's
+too.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting that does not validate; `key` names it (`drain_timeout_s`,
+    `backends[0].options`)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def check_types(obj: Any, hints: dict[str, Any], skip: frozenset[str] = frozenset()) -> None:
+    """Each attribute of `obj` named in `hints` (but `skip`) of its declared type."""
+    for name, hint in hints.items():
+        value = getattr(obj, name)
+        if name not in skip and not _fits(value, hint):
+            raise ConfigError(name, f"{name} must be {_described(hint)}, got {value!r}")
+
+
+def table(value: Any, key: str) -> dict[str, Any]:
+    """`value`, a TOML table (a dict), or ConfigError."""
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"{key} must be a table, got {value!r}")
+    return value
+
+
+def text(value: Any, key: str, required: bool = False) -> str:
+    """`value`, a string (non-empty if `required`), or ConfigError."""
+    if not isinstance(value, str) or (required and not value):
+        what = "a non-empty string" if required else "a string"
+        raise ConfigError(key, f"{key} must be {what}, got {value!r}")
+    return value
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return number and math.isfinite(value)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items()
+        )
+    return isinstance(value, hint)
+
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+
+
+def _described(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("unset" if a is type(None) else _described(a) for a in args)
+    if origin is list:
+        return f"a list of {_described(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    return _NAMES.get(hint, getattr(hint, "__name__", str(hint)))
