@@ -9,7 +9,11 @@ formats the layout quantize_model gives them), the activations' peak and the CUD
 context are estimates. INT4 (GPTQ/AWQ layout) is sized by arithmetic: packed 4-bit
 weights of the decoder's linear layers and experts plus a 16-bit scale and a 4-bit zero
 per group of inputs, the embeddings, norms and LM head kept in 16 bits, as such
-checkpoints ship them.
+checkpoints ship them; the 8-bit formats store the token table in 8 bits, so where the
+table is most of a model (Gemma 3 270M: 63 % of its parameters) INT4 is the larger, and
+the plan says so (and what a checkpoint with its table INT4 too would take).
+
+Its inputs are checked in plan_inputs.py, which imports no torch.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from backend_gpu.gguf_loader import cache_root, file_digest
 from backend_gpu.layers.linear import TABLE_GROUP
 from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.memory import (
-    MIB,
     KVCacheSize,
     device_kv_budget,
     graph_batch,
@@ -40,54 +43,17 @@ from backend_gpu.memory import (
     step_shape_of,
 )
 from backend_gpu.models import model_class
+from backend_gpu.plan_inputs import (
+    DTYPE_BYTES,
+    KV_ITEMSIZE,
+    PlanDevice,
+    PlanSettings,
+    check_model_path,
+)
 from backend_gpu.tp_shards import check_divisible
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 WEIGHT_FORMATS = ("16-bit", "fp8", "int8", "int4")
-KV_ITEMSIZE = {"auto": None, "fp8": 1}  # None: the model's dtype
-# what a CUDA context and PyTorch's own allocations take before the weights (an estimate;
-# the engine measures what is in use instead)
-CUDA_CONTEXT_BYTES = 512 * MIB
 TP_SIZES = (1, 2, 4, 8)
-
-
-@dataclass(frozen=True)
-class PlanDevice:
-    name: str
-    total_bytes: int
-    in_use_bytes: int  # before the model loads: the CUDA context, other processes
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """The engine settings a plan is for (EngineConfig's names and defaults on CUDA)."""
-
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "bfloat16"
-    quantization: str | None = None  # None, "fp8", "int8", "int4"
-    int4_group_size: int = 128
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enforce_eager: bool = False
-    tensor_parallel_size: int | None = None  # None: the smallest that fits
-    kv_cache_memory_bytes: int | None = None  # the engine's option: no budget sums
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "fp8", "int8", "int4"):
-            raise ValueError(f"quantization must be fp8, int8 or int4, got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_ITEMSIZE:
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.int4_group_size < 1:
-            raise ValueError(f"int4 group size must be >= 1, got {self.int4_group_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +81,10 @@ class MemoryPlan:
     max_model_len: int
     parameters: int
     weight_bytes: dict[str, int]  # format -> bytes of the whole model (one rank at TP 1)
+    # int4 keeps them 16-bit (as GPTQ/AWQ checkpoints ship them), fp8 and int8 do not:
+    # where they are most of a model, int4 is the larger
+    token_table_parameters: int
+    int4_packed_table_bytes: int  # int4 with the token tables packed too
     kv_bytes_per_token: dict[str, int]  # kv_cache_dtype -> bytes, the whole model
     sliding_window: int | None
     sliding_layers: int
@@ -131,11 +101,10 @@ class MemoryPlan:
 def load_model_config(path: str):
     """The text model's transformers config of an HF directory, a GGUF file or a bare
     config.json (no weights read)."""
+    check_model_path(path)  # before transformers, which imports torch
     from transformers import AutoConfig
 
     if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"GGUF file {path!r} does not exist")
         converted = os.path.join(cache_root(), "gguf", file_digest(path))
         if os.path.isfile(os.path.join(converted, "config.json")):
             # the engine converted it already: its config, without parsing the GGUF's
@@ -148,14 +117,9 @@ def load_model_config(path: str):
                 config.architectures = ["Gemma3ForCausalLM"]
     elif path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-        if "model_type" not in values:
-            raise ValueError(f"{path}: a config.json names its model_type")
-        config = AutoConfig.for_model(**values)
-    elif os.path.isdir(path):
-        config = AutoConfig.from_pretrained(path)
+            config = AutoConfig.for_model(**json.load(f))
     else:
-        raise FileNotFoundError(f"model {path!r} is not a directory, a .gguf or a .json file")
+        config = AutoConfig.from_pretrained(path)
     text = getattr(config, "text_config", None)
     if text is not None and not getattr(text, "architectures", None):
         text.architectures = config.architectures
@@ -190,15 +154,20 @@ def decoder_matrices(model: nn.Module) -> Iterator[tuple[nn.Parameter, int, int]
                 yield weight, weight.shape[0] * weight.shape[1], weight.shape[2]
 
 
+def token_tables(model: nn.Module) -> list[nn.Parameter]:
+    """The token table and an untied LM head's (a tied one is the same parameter)."""
+    tables = {id(model.model.embed_tokens.weight): model.model.embed_tokens.weight}
+    tables[id(model.lm_head.weight)] = model.lm_head.weight
+    return list(tables.values())
+
+
 def eight_bit_bytes(model: nn.Module) -> int:
     """What quantize_model leaves (its shapes; running it on the meta device takes a
     minute for a 7B model): every linear layer's and expert's weight in 8 bits with a
     float32 scale per output row, the token table (and an untied LM head's) in INT8
     with a float32 scale per TABLE_GROUP values; norms, biases and routers as they are."""
     total = parameter_bytes(model)
-    tables = {id(model.model.embed_tokens.weight): model.model.embed_tokens.weight}
-    tables[id(model.lm_head.weight)] = model.lm_head.weight
-    for table in tables.values():
+    for table in token_tables(model):
         total -= table.numel() * table.element_size()
         total += table.numel() + table.numel() // TABLE_GROUP * 4
     for weight, rows, cols in decoder_matrices(model):
@@ -212,10 +181,24 @@ def int4_bytes(model: nn.Module, dtype_bytes: int, group_size: int) -> int:
     as it is."""
     total = parameter_bytes(model)
     for weight, rows, cols in decoder_matrices(model):
-        groups = -(-cols // group_size)
-        total -= weight.numel() * dtype_bytes
-        total += rows * cols // 2 + rows * groups * 2 + -(-rows * groups // 2)
+        total += packed_int4_bytes(rows, cols, group_size) - weight.numel() * dtype_bytes
     return total
+
+
+def int4_packed_table_bytes(model: nn.Module, dtype_bytes: int, group_size: int) -> int:
+    """int4_bytes with the token tables packed in 4 bits too, as a checkpoint that
+    quantizes them holds them (quantized_checkpoint.py serves it)."""
+    total = int4_bytes(model, dtype_bytes, group_size)
+    for table in token_tables(model):
+        rows, cols = table.shape
+        total += packed_int4_bytes(rows, cols, group_size) - table.numel() * dtype_bytes
+    return total
+
+
+def packed_int4_bytes(rows: int, cols: int, group_size: int) -> int:
+    """A [rows, cols] matrix in 4 bits, a 16-bit scale and a 4-bit zero per group."""
+    groups = -(-cols // group_size)
+    return rows * cols // 2 + rows * groups * 2 + -(-rows * groups // 2)
 
 
 def windowed_seq_bytes(hf_config, bytes_per_token: int, length: int) -> tuple[int | None, int, int]:
@@ -262,11 +245,11 @@ def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> Memory
     max_positions = hf_config.max_position_embeddings
     length = min(settings.max_model_len or max_positions, max_positions)  # context_len's
     model = meta_model(hf_config, dtype, 1)
+    dtype_bytes, group_size = DTYPE_BYTES[dtype], settings.int4_group_size
     formats = {
-        fmt: format_bytes(model, fmt, DTYPE_BYTES[dtype], settings.int4_group_size)
+        dtype if fmt == "16-bit" else fmt: format_bytes(model, fmt, dtype_bytes, group_size)
         for fmt in WEIGHT_FORMATS
     }
-    formats[dtype] = formats.pop("16-bit")
     per_token = {
         kv_dtype: kv_shape_of(hf_config, 1, size or DTYPE_BYTES[dtype]).bytes_per_token
         for kv_dtype, size in KV_ITEMSIZE.items()
@@ -291,6 +274,8 @@ def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> Memory
         max_model_len=length,
         parameters=sum(p.numel() for p in model.parameters()),
         weight_bytes=formats,
+        token_table_parameters=sum(t.numel() for t in token_tables(model)),
+        int4_packed_table_bytes=int4_packed_table_bytes(model, dtype_bytes, group_size),
         kv_bytes_per_token=per_token,
         sliding_window=window,
         sliding_layers=sliding,

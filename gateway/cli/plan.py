@@ -9,8 +9,11 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from dataclasses import asdict
 from typing import Any
+
+from backend_gpu.plan_inputs import CUDA_CONTEXT_BYTES, PlanDevice, PlanSettings, check_model_path
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -25,6 +28,7 @@ CARDS_MIB = {
     "l4": 23_034,
     "rtx-4090": 24_564,
 }
+NOTE_INDENT = " " * 11  # under the values of the lines above
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 << 40}
 UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 UNITS |= {"k": 1 << 10, "m": MIB, "g": GIB, "t": 1 << 40}
@@ -70,14 +74,15 @@ def add_parser(sub: Any) -> None:
     )
 
 
-def detect_device(spec: str | None):
-    """The PlanDevice of --gpu-memory (a size or a card), else of the GPU torch sees."""
-    from backend_gpu.memory_plan import CUDA_CONTEXT_BYTES, PlanDevice
+def device_of_spec(spec: str) -> PlanDevice:
+    """The PlanDevice of --gpu-memory: a card's name or a size."""
+    if spec.lower() in CARDS_MIB:
+        return PlanDevice(spec.lower(), CARDS_MIB[spec.lower()] * MIB, CUDA_CONTEXT_BYTES)
+    return PlanDevice(spec, parse_size(spec), CUDA_CONTEXT_BYTES)
 
-    if spec is not None:
-        if spec.lower() in CARDS_MIB:
-            return PlanDevice(spec.lower(), CARDS_MIB[spec.lower()] * MIB, CUDA_CONTEXT_BYTES)
-        return PlanDevice(spec, parse_size(spec), CUDA_CONTEXT_BYTES)
+
+def detect_device() -> PlanDevice:
+    """The PlanDevice of the GPU torch sees."""
     import torch
 
     if not torch.cuda.is_available():
@@ -90,30 +95,20 @@ def detect_device(spec: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from backend_gpu.memory_plan import PlanSettings, plan_memory
-
     try:
+        # every argument checked first: torch (memory_plan's, and the GPU's detection)
+        # takes seconds to import, and a typo should not wait for it
+        settings = plan_settings(args)
         if args.model is None:
             from gateway.backends.default_model import default_model_path
 
             args.model = str(default_model_path())
-        settings = PlanSettings(
-            max_model_len=args.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            int4_group_size=args.int4_group_size,
-            kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enforce_eager=args.enforce_eager,
-            tensor_parallel_size=args.tensor_parallel_size,
-            kv_cache_memory_bytes=parse_size(args.kv_cache_memory)
-            if args.kv_cache_memory
-            else None,
-        )
-        plan = plan_memory(args.model, detect_device(args.gpu_memory), settings)
+        check_model_path(args.model)
+        device = device_of_spec(args.gpu_memory) if args.gpu_memory else None
+
+        from backend_gpu.memory_plan import plan_memory
+
+        plan = plan_memory(args.model, device or detect_device(), settings)
     except (OSError, ValueError, NotImplementedError) as e:
         print(f"kvgate plan: {e}", file=sys.stderr)
         return 2
@@ -122,6 +117,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan))
     return 0 if plan.chosen else 1
+
+
+def plan_settings(args: argparse.Namespace) -> PlanSettings:
+    return PlanSettings(
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        int4_group_size=args.int4_group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+    )
 
 
 def plan_json(plan) -> dict:
@@ -135,6 +147,20 @@ def plan_json(plan) -> dict:
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def _int4_note(plan) -> str:
+    """Why int4 is not the smallest: the token table, most of this model, stays 16-bit."""
+    share = plan.token_table_parameters / plan.parameters
+    note = (
+        "int4 is larger than int8 here: int4 packs the decoder layers and keeps "
+        f"the token table in {plan.settings.dtype}, as GPTQ and AWQ checkpoints ship it; "
+        f"int8 and fp8 store the table in 8 bits, and it is "
+        f"{plan.token_table_parameters / 1e6:.1f}M of this model's "
+        f"{plan.parameters / 1e6:.1f}M parameters ({share:.0%}). A checkpoint with its "
+        f"table in int4 too takes {_gib(plan.int4_packed_table_bytes)}."
+    )
+    return textwrap.fill(note, 92, initial_indent=NOTE_INDENT, subsequent_indent=NOTE_INDENT)
 
 
 def format_plan(plan) -> str:
@@ -153,6 +179,8 @@ def format_plan(plan) -> str:
         + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in plan.kv_bytes_per_token.items())
         + f" ({plan.num_layers} layers, every one held in full)",
     ]
+    if plan.weight_bytes["int4"] >= plan.weight_bytes["int8"]:
+        lines.append(_int4_note(plan))
     if plan.sliding_layers:
         lines.append(
             f"windows    {plan.sliding_layers} of {plan.num_layers} layers slide over "

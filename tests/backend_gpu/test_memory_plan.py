@@ -1,10 +1,14 @@
 """`kvgate plan` against hand-computed figures for published shapes (Mistral 7B's GQA,
 Gemma 3 270M's sliding windows, an FP8 KV cache), and against what the engine itself
-allocates for a tiny model on the CPU."""
+allocates for a tiny model on the CPU; and the command run as a user runs it, refusing
+bad input before it imports torch."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +122,12 @@ def test_gemma3_sliding_windows(tmp_path):
     assert plan.kv_bytes_per_seq_windowed == (3 * 32768 + 15 * 512) * per_layer_token
     assert plan.chosen.tp_size == 1
     assert plan.chosen.max_concurrent_seqs == plan.chosen.kv.num_blocks // 2048 > 100
+    # the tied token table is 63 % of the model: int4 keeps it 16-bit, int8 does not
+    assert plan.token_table_parameters == vocab * h
+    assert plan.weight_bytes["int4"] > plan.weight_bytes["int8"]
+    groups = h // 128
+    packed_table = vocab * h // 2 + vocab * groups * 2 + vocab * groups // 2
+    assert plan.int4_packed_table_bytes == plan.weight_bytes["int4"] - 2 * vocab * h + packed_table
 
 
 @pytest.mark.parametrize(
@@ -166,3 +176,75 @@ def test_cli_json_and_errors(tmp_path, capsys):
     # a device too small for any split is a plan that says so, and exit status 1
     assert kvgate(["plan", path, "--gpu-memory", "2GiB", "--max-model-len", "32768"]) == 1
     assert "no tensor-parallel size fits" in capsys.readouterr().out
+
+
+def run_plan(*argv: str, cwd: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """`kvgate plan ARGV` in its own process, and the modules it imported (-X importtime
+    lists each on stderr as it is imported)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gateway.cli", "plan", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    timings = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
+    out.stderr = "\n".join(line for line in out.stderr.splitlines() if line not in timings)
+    return out, {line.rsplit("|", 1)[1].strip() for line in timings}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["broken.json"],
+            "broken.json is not valid JSON: Expecting property name enclosed "
+            "in double quotes at line 2, column 21",
+        ),
+        (["no_type.json"], "no_type.json: a config.json names its model_type"),
+        (["missing.json"], "config file 'missing.json' does not exist"),
+        (
+            ["google/gemma-3-270m"],
+            "'google/gemma-3-270m' is no file or directory here, and kvgate plan downloads nothing",
+        ),
+        (["empty_dir"], "empty_dir has no config.json"),
+        (["fake.gguf"], "fake.gguf is not a GGUF file"),
+        (["mistral.json", "--max-model-len", "0"], "max_model_len must be >= 1, got 0"),
+        (["mistral.json", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must"),
+        (["mistral.json", "--gpu-memory", "80 parsecs"], "not a size: '80 parsecs'"),
+        (["mistral.json", "--kv-cache-memory", "lots"], "not a size: 'lots'"),
+        (["mistral.json", "--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
+    ],
+)
+def test_bad_input_is_refused_before_torch_is_imported(tmp_path, argv, message):
+    (tmp_path / "mistral.json").write_text(json.dumps(MISTRAL_7B))
+    (tmp_path / "broken.json").write_text('{"model_type": "llama",\n  "hidden_size": 64,,\n}')
+    (tmp_path / "no_type.json").write_text('{"hidden_size": 64}')
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "fake.gguf").write_bytes(b"not a model")
+    out, imported = run_plan(*argv, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith("kvgate plan: ") and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "torch" not in imported and "transformers" not in imported
+
+
+def test_a_plan_explains_int4_larger_than_int8(tmp_path):
+    """Gemma 3 270M's shape (the default model's): int4 above int8, and why."""
+    (tmp_path / "gemma.json").write_text(json.dumps(GEMMA3_270M))
+    out, imported = run_plan("gemma.json", "--gpu-memory", "l4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "torch" in imported  # the check above can see it
+    weights = next(line for line in out.stdout.splitlines() if line.startswith("weights"))
+    assert "int8 276.2 MiB, int4-g128 369.8 MiB" in weights
+    note = " ".join(out.stdout.split())
+    assert (
+        "int4 is larger than int8 here: int4 packs the decoder layers and keeps the token "
+        "table in bfloat16" in note
+    )
+    assert "167.8M of this model's 268.1M parameters (63%)" in note
+    assert "A checkpoint with its table in int4 too takes 132.9 MiB." in note
+    # a model whose table is a small part: int4 is the smallest, and nothing to explain
+    (tmp_path / "mistral.json").write_text(json.dumps(MISTRAL_7B))
+    out, _ = run_plan("mistral.json", "--gpu-memory", "h100-80gb", cwd=tmp_path)
+    assert out.returncode == 0 and "int4 is larger" not in out.stdout
