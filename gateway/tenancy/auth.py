@@ -165,10 +165,7 @@ class Authenticator:
     async def _read_epoch(self) -> None:
         self._epoch_read_at = time.monotonic()  # from the start: a commit after it is new
         try:
-            async with self.db.autocommit() as conn:
-                epoch = await conn.scalar(
-                    select(ServerSetting.value).where(ServerSetting.key == AUTH_EPOCH)
-                )
+            epoch = await self.db.setting(AUTH_EPOCH)
         except Exception:  # the database is away: cached keys serve out their TTL
             log.warning("could not read the auth epoch", exc_info=True)
             return

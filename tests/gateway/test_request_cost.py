@@ -4,6 +4,7 @@ Each test counts the work itself, never time."""
 
 from __future__ import annotations
 
+import asyncio
 import typing
 
 import pytest
@@ -13,6 +14,7 @@ from gateway.backends.capabilities import supports
 from gateway.backends.fake import FakeBackend
 from gateway.backends.remote import RemoteBackend
 from gateway.backends.spec import BackendSpec
+from gateway.tenancy.auth import EPOCH_CHECK_S
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 TEXT = {"model": "fake-model", "prompt": "hi", "max_tokens": 8}
@@ -58,3 +60,26 @@ def test_supports_answers_as_isinstance():
         for protocol in (PrefixCachingBackend, OutputCountingBackend):
             assert supports(backend, protocol) == isinstance(backend, protocol)
     assert supports(remote, OutputCountingBackend) and not supports(fake, OutputCountingBackend)
+
+
+async def test_the_auth_epoch_is_read_on_sqlite_without_a_thread_hop(gw, monkeypatch):
+    """Under load the auth epoch is read ten times a second: on SQLite through the plain
+    sqlite3 connection, never aiosqlite's worker thread (each read cost the event loop
+    milliseconds of GIL hand-offs); test_revocation holds what the reads are for."""
+    _, key = await gw.tenant()
+    r = await gw.post("/v1/chat/completions", key, CHAT)  # the key's own load is a hop
+    assert r.status == 200, await r.text()
+    db = gw.state.db
+    hops: list[str] = []
+    autocommit = db.autocommit
+
+    def counted():
+        hops.append("autocommit")
+        return autocommit()
+
+    monkeypatch.setattr(db, "autocommit", counted)
+    for _ in range(3):
+        r = await gw.post("/v1/chat/completions", key, CHAT)
+        assert r.status == 200, await r.text()
+        await asyncio.sleep(EPOCH_CHECK_S * 1.5)  # the next request reads the epoch
+    assert hops == []
