@@ -16,6 +16,7 @@ the model does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import threading
@@ -38,6 +39,7 @@ from engine_api.records import (
     EmbedRequest,
     EmbedResult,
     GenRequest,
+    Progress,
 )
 from engine_api.structured import StructuredOutput
 
@@ -62,12 +64,18 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, req: GenRequest, progress: Progress | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs; leaving early aborts it. Bad input
         raises BadRequestError (a ValueError) here, before anything is yielded; an
-        adapter whose files would not load, AdapterLoadError."""
+        adapter whose files would not load, AdapterLoadError.
+
+        `progress` hears how much of the prompt is computed. Leaving early returns once
+        the abort is applied, after the step in flight (whose blocks stay cached): then
+        `progress` holds all the engine computed for the request."""
         request_id = req.request_id
-        outputs = await self._add(request_id, lambda: self.engine.add_request(req))
+        outputs = await self._add(request_id, lambda: self.engine.add_request(req, progress))
         finished = False
         try:
             while True:
@@ -82,21 +90,22 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._abort_later(request_id)
+                await self._abort_applied(request_id)
 
-    async def embed(self, req: EmbedRequest) -> EmbedResult:
-        """The request's vectors, computed in a step with other queued inputs; leaving
-        early aborts it. Bad input raises BadRequestError here."""
+    async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
+        """The request's vectors, computed in a step with other queued inputs; `progress`
+        hears the tokens of its inputs pooled so far. Leaving early aborts it, once the
+        step in flight ends (as `generate`). Bad input raises BadRequestError here."""
         if self.task != EMBED:
             raise BadRequestError("this model generates text; it is not an embedding model")
-        outputs = await self._add(req.request_id, lambda: self.engine.add_embed(req))
+        outputs = await self._add(req.request_id, lambda: self.engine.add_embed(req, progress))
         finished = False
         try:
             item = await outputs.get()
             finished = True
         finally:
             if not finished:
-                self._abort_later(req.request_id)
+                await self._abort_applied(req.request_id)
         if isinstance(item, BaseException):
             raise EngineDeadError(f"engine failed: {item!r}") from item
         if item.result is None:  # aborted by a shutdown
@@ -116,10 +125,12 @@ class AsyncLLM:
         await self._call(add_and_listen)
         return outputs
 
-    def _abort_later(self, request_id: str) -> None:
-        """Abort a request its caller left, between steps (unless the engine is gone)."""
-        if self.error is None and not self._stopping:
-            self._commands.put((lambda: self._abort(request_id), None, None))
+    async def _abort_applied(self, request_id: str) -> None:
+        """Abort a request its caller left, between steps, and return once it is applied
+        (at once if the engine is gone: it computes nothing more). Cancelled meanwhile,
+        the abort still happens; only the wait ends."""
+        with contextlib.suppress(EngineDeadError):
+            await self._call(lambda: self._abort(request_id))
 
     async def check_structured(self, structured: StructuredOutput) -> None:
         """Compile a structured output ahead of its request, in a worker thread (not the

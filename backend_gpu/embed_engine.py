@@ -32,7 +32,7 @@ from backend_gpu.loader import open_model
 from backend_gpu.outputs import EngineStats
 from backend_gpu.pooling import check_dimensions, finish, read_embedding_spec, transformer_path
 from engine_api.errors import BadRequestError, PromptTooLongError
-from engine_api.records import EmbedRequest, EmbedResult, GenRequest
+from engine_api.records import EmbedRequest, EmbedResult, GenRequest, Progress
 from engine_api.throughput import Throughput
 
 NOT_A_GENERATOR = "this is an embedding model: it embeds text and does not generate it"
@@ -53,6 +53,8 @@ class _Pending:
     vectors: list[torch.Tensor | None] = field(default_factory=list)
     scheduled: int = 0  # inputs handed to a step so far
     done: int = 0
+    pooled: int = 0  # tokens of the inputs done
+    progress: Progress | None = None  # where its caller reads `pooled`
 
 
 class EmbeddingEngine:
@@ -80,9 +82,10 @@ class EmbeddingEngine:
         text = text.strip()
         return self.tokenizer(text.lower() if self.spec.lowercase else text)["input_ids"]
 
-    def add_embed(self, req: EmbedRequest) -> None:
+    def add_embed(self, req: EmbedRequest, progress: Progress | None = None) -> None:
         """Admit an embed request, or raise BadRequestError (PromptTooLongError for an
-        input longer than the model takes) and change nothing."""
+        input longer than the model takes) and change nothing. `progress` hears, after
+        each step, the tokens of its inputs pooled so far."""
         if req.request_id in self.pending:
             raise BadRequestError(f"request id {req.request_id!r} is already in use")
         if not isinstance(req.inputs, list) or not req.inputs:
@@ -90,7 +93,7 @@ class EmbeddingEngine:
         for i, ids in enumerate(req.inputs):
             self._check_input(i, ids)
         check_dimensions(self.spec, req.dimensions)
-        self.pending[req.request_id] = _Pending(req, [None] * len(req.inputs))
+        self.pending[req.request_id] = _Pending(req, [None] * len(req.inputs), progress=progress)
 
     def _check_input(self, i: int, ids: list[int]) -> None:
         if not isinstance(ids, list) or not ids:
@@ -104,7 +107,7 @@ class EmbeddingEngine:
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(len(ids), 0, self.max_model_len)
 
-    def add_request(self, req: GenRequest) -> None:
+    def add_request(self, req: GenRequest, progress: Progress | None = None) -> None:
         raise BadRequestError(NOT_A_GENERATOR)
 
     def abort_request(self, request_id: str) -> EmbedOutput | None:
@@ -157,6 +160,9 @@ class EmbeddingEngine:
         for (p, i), vector in zip(batch, vectors, strict=True):
             p.vectors[i] = vector
             p.done += 1
+            p.pooled += len(p.req.inputs[i])
+            if p.progress is not None:
+                p.progress.advance(p.pooled)
             if p.done == len(p.req.inputs) and self.pending.get(p.req.request_id) is p:
                 del self.pending[p.req.request_id]
                 outputs.append(EmbedOutput(p.req.request_id, self._result(p)))

@@ -24,7 +24,7 @@ from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
 from engine_api.block_hash import adapter_root, hash_blocks
 from engine_api.errors import AdapterLoadError, BadRequestError, PromptTooLongError
-from engine_api.records import AdapterRef, GenRequest
+from engine_api.records import AdapterRef, GenRequest, Progress
 from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
 
@@ -99,12 +99,13 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def add_request(self, req: GenRequest) -> None:
+    def add_request(self, req: GenRequest, progress: Progress | None = None) -> None:
         """Admit a request, or raise BadRequestError (a ValueError; PromptTooLongError for
         size) and change nothing. The first `req.shared_prefix_len` prompt tokens are a
         published prefix: their blocks are cached without `req.cache_salt`, shared with
         every other salt. `req.tenant_id` and its `weight` decide its fair share
-        (config.fairness)."""
+        (config.fairness). `progress` hears, after each step that computes some of the
+        prompt, how much of it is computed."""
         request_id, params, prompt_ids = req.request_id, req.sampling, req.prompt_token_ids
         if request_id in self.seqs:
             raise BadRequestError(f"request id {request_id!r} is already in use")
@@ -132,6 +133,7 @@ class LLMEngine:
         grammar = self.grammars.matcher(params.structured) if params.structured else None
         seq = Sequence(req)
         seq.grammar = grammar
+        seq.progress = progress
         self.seqs[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop
@@ -285,8 +287,12 @@ class LLMEngine:
             # proposed tokens count as computed only once accepted, below
             computed = n - len(seq.spec_token_ids)
             # positions past the prompt hold output tokens, fed back in or recomputed
-            prompt_tokens += max(0, min(computed, seq.num_prompt_tokens - seq.num_computed_tokens))
+            prompt = max(0, min(computed, seq.num_prompt_tokens - seq.num_computed_tokens))
+            prompt_tokens += prompt
             seq.num_computed_tokens += computed
+            if prompt and seq.progress is not None:  # a prefill chunk, never a decode
+                done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                seq.progress.advance(done, seq.num_cached_tokens)
         self._record_step(batch.num_tokens)
         sampled_seqs = [batch.seqs[i] for i in sampled]
         new_tokens = self._sample(logits, sampled_seqs) if sampled_seqs else []

@@ -8,7 +8,7 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING
 
 from engine_api.block_hash import adapter_root
-from engine_api.records import GenRequest
+from engine_api.records import GenRequest, Progress
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -72,6 +72,8 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         # a structured output's matcher (backend_gpu.guided): where its grammar is now
         self.grammar: LLMatcher | None = None
+        # where its caller reads how much of the prompt is computed (None: nobody does)
+        self.progress: Progress | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

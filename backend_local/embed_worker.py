@@ -24,6 +24,7 @@ from backend_local.errors import DecodeError
 from backend_local.model import LlamaModel
 from backend_local.stats import EngineStats
 from engine_api.errors import EngineDeadError
+from engine_api.records import Progress
 from engine_api.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,12 @@ class EmbedJob:
 
     request_id: str
     inputs: list[list[int]]
-    # hands the vectors, or the exception that ended the job, to its caller; safe to call
-    # from the worker thread
-    emit: Callable[[list[list[float]] | BaseException], None]
+    # hands the vectors, the exception that ended the job, or None once an abort dropped
+    # it, to its caller; safe to call from the worker thread
+    emit: Callable[[list[list[float]] | BaseException | None], None]
     vectors: list[list[float]] = field(default_factory=list)
+    progress: Progress | None = None  # where its caller reads `pooled`
+    pooled: int = 0  # tokens of the inputs embedded so far
 
 
 def l2_normalized(vector: np.ndarray) -> np.ndarray:
@@ -99,8 +102,10 @@ class EmbedWorker(ContextThread[EmbedJob]):
             if self._stopping and not self._drain:
                 return False  # the jobs left learn that the engine is shut down
             aborts, self._aborts = self._aborts, set()
-            for job in [j for j in self._inbox if j.request_id in aborts]:
-                self._inbox.remove(job)  # its caller has gone: nobody reads what it gets
+            dropped = [j for j in self._inbox if j.request_id in aborts]
+            for job in dropped:
+                self._inbox.remove(job)  # its caller has gone: it only waits for this
+                job.emit(None)
             if not self._inbox:
                 return not self._stopping
             job = self._inbox.popleft()
@@ -137,6 +142,9 @@ class EmbedWorker(ContextThread[EmbedJob]):
         if self.config.normalize:
             vector = l2_normalized(vector)
         job.vectors.append(vector.tolist())
+        job.pooled += len(ids)
+        if job.progress is not None:
+            job.progress.advance(job.pooled)
         self.throughput.record(len(ids), 0)
         if len(job.vectors) < len(job.inputs):
             return False

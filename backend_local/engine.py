@@ -32,7 +32,7 @@ from backend_local.requests import Request, RequestOutput
 from backend_local.stats import EngineStats
 from backend_local.worker import Worker
 from engine_api.errors import BadRequestError, PromptTooLongError
-from engine_api.records import AdapterRef, EmbedRequest, EmbedResult, GenRequest
+from engine_api.records import AdapterRef, EmbedRequest, EmbedResult, GenRequest, Progress
 from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
 
@@ -101,8 +101,13 @@ class LocalEngine:
         BadRequestError if it cannot be. The request finds it compiled."""
         await asyncio.to_thread(self.grammars.compile, structured)
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, req: GenRequest, progress: Progress | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has finish_reason and usage set.
+        `progress` hears how much of the prompt is in cells (reused cells as cached);
+        leaving early returns once the worker has applied the abort, after the decode in
+        flight (whose cells it keeps): `progress` then holds all it computed.
 
         Cached cells are reused under the same `req.cache_salt`; under another salt only
         within the first `req.shared_prefix_len` prompt tokens (a published prefix) when
@@ -131,6 +136,7 @@ class LocalEngine:
             request_id, list(req.prompt_token_ids), params, req.cache_salt, emit, shared_prefix_len
         )
         request.adapter = req.adapter
+        request.progress = progress
         if params.structured is not None:  # compiled before the worker sees it
             request.grammar = self.grammars.matcher(params.structured)
         self._worker.submit(request)
@@ -151,6 +157,7 @@ class LocalEngine:
             self._active.discard(request_id)
             if not finished:
                 self._worker.abort(request_id)
+                await _ended(queue)
 
     def check_embed(self, req: EmbedRequest) -> None:
         """Raise BadRequestError (PromptTooLongError for an input past the context) if the
@@ -171,9 +178,11 @@ class LocalEngine:
         if req.dimensions is not None:
             raise BadRequestError("this model's vectors are not made to be shortened (dimensions)")
 
-    async def embed(self, req: EmbedRequest) -> EmbedResult:
-        """The inputs' pooled vectors (normalized if the config says so), in order.
-        Cancelling the caller drops the inputs not yet embedded."""
+    async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
+        """The inputs' pooled vectors (normalized if the config says so), in order;
+        `progress` hears the tokens of the inputs embedded so far. Cancelling the caller
+        drops the inputs not yet embedded, once the one in flight is (`progress` then
+        holds all it embedded)."""
         if sum(len(ids) for ids in req.inputs) > LARGE_EMBED_TOKENS:
             await asyncio.to_thread(self.check_embed, req)
         else:
@@ -182,10 +191,12 @@ class LocalEngine:
             raise BadRequestError(f"request id {req.request_id!r} is already running")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[list[list[float]]] = loop.create_future()
+        ended = asyncio.Event()  # the worker is through with the job, however it ended
 
-        def emit(item: list[list[float]] | BaseException) -> None:
+        def emit(item: list[list[float]] | BaseException | None) -> None:
             def settle() -> None:
-                if done.done():  # the caller has gone
+                ended.set()
+                if done.done() or item is None:  # the caller has gone
                     return
                 if isinstance(item, BaseException):
                     done.set_exception(item)
@@ -195,7 +206,7 @@ class LocalEngine:
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
                 loop.call_soon_threadsafe(settle)
 
-        self._worker.submit(EmbedJob(req.request_id, req.inputs, emit))
+        self._worker.submit(EmbedJob(req.request_id, req.inputs, emit, progress=progress))
         self._active.add(req.request_id)
         try:
             vectors = await done
@@ -203,6 +214,7 @@ class LocalEngine:
             self._active.discard(req.request_id)
             if not done.done() or done.cancelled():
                 self._worker.abort(req.request_id)
+                await ended.wait()
         return EmbedResult(vectors, sum(len(i) for i in req.inputs))
 
     def check_adapter(self, ref: AdapterRef) -> None:
@@ -243,3 +255,14 @@ class LocalEngine:
 
     async def stop(self, drain: bool = True) -> None:
         await asyncio.to_thread(self.shutdown, drain)
+
+
+async def _ended(queue: asyncio.Queue[RequestOutput | BaseException]) -> None:
+    """Until the worker's last word on an aborted request: its abort, its last output
+    (it finished first) or the error that ended it. The worker says one on every path:
+    an abort is applied between decodes, and a worker that stops or dies tells every
+    request it holds."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            return

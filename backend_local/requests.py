@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend_local.sampling import TokenLogprob
-from engine_api.records import AdapterRef
+from engine_api.records import AdapterRef, Progress
 from engine_api.sampling import SamplingParams
 
 
@@ -45,3 +45,5 @@ class Request:
     # a structured output's llguidance matcher (backend_local.grammar), made at submission
     grammar: Any = None
     adapter: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
+    # where its caller reads how much of the prompt is in cells (reused ones as cached)
+    progress: Progress | None = None

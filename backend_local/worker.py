@@ -185,6 +185,8 @@ class Worker(ContextThread[Request]):
             slot.output_ids = []
             slot.next_token = None
             slot.reused = reuse
+            if request.progress is not None:
+                request.progress.advance(reuse, reuse)
             slot.prompt_logprobs = [None] if scored else None
             if not scored:  # as in vLLM, a request that skips the cache does not query it
                 self.prefix_query_tokens += len(request.prompt)
@@ -316,8 +318,12 @@ class Worker(ContextThread[Request]):
             if len(slot.cached) == slot.save_at:
                 self.disk.save(slot.seq_id, slot.save_key)
                 slot.save_at, slot.save_key = 0, None
-            if len(slot.cached) == len(slot.request.prompt):  # its prompt is all in cells
-                self._sync_blocks(slot)
+            prompt = slot.request.prompt
+            if len(slot.cached) <= len(prompt):  # a prompt chunk, never a decode
+                if slot.request.progress is not None:
+                    slot.request.progress.advance(len(slot.cached), slot.reused)
+                if len(slot.cached) == len(prompt):  # its prompt is all in cells
+                    self._sync_blocks(slot)
         self.throughput.record(n - n_gen, len(outputs))
         for slot, index, start, count in scored:
             self._score_prompt(slot, index, start, count)

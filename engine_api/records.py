@@ -1,6 +1,7 @@
 """What an engine consumes and produces, as plain records the gateway, both backends and
 the wire to a worker process share: a generation request, its output chunks, their
-usage and logprobs, prefix-cache events, the model card and the replica's stats.
+usage and logprobs, how much of a request's input was computed (Progress), prefix-cache
+events, the model card and the replica's stats.
 
 The ones that cross to a worker process are `Record`s: `to_dict` / `from_dict` carry them
 as JSON objects and refuse unknown or mistyped fields.
@@ -56,6 +57,38 @@ class GenRequest(Record):
     adapter: AdapterRef | None = None
 
     wire_error = BadRequestError
+
+
+class Progress:
+    """How much of one request's input an engine has computed, for a caller that must know
+    after it stopped reading the request's stream: the gateway bills a request cut short
+    (a client that hung up during prefill) by what was computed, since that work stays in
+    the prefix cache for the next request to hit. For a generation: its prompt tokens
+    whose KV is computed, the prefix-cache hits among them as `cached`; for an embedding
+    request: the tokens of its inputs pooled so far.
+
+    The engine writes it from its own thread, once per prefill chunk or batch of inputs
+    (never per output token), only ever upward: a preempted prompt computed again is not
+    counted twice. Each write is one assignment, so a reader on another thread never sees
+    half of one; an engine that aborts a request on its caller's behalf returns from the
+    abort only once its last write is done."""
+
+    __slots__ = ("_counts",)
+
+    def __init__(self) -> None:
+        self._counts = (0, 0)  # (tokens, cached)
+
+    def advance(self, tokens: int, cached: int = 0) -> None:
+        if tokens > self._counts[0]:
+            self._counts = (tokens, min(cached, tokens))
+
+    @property
+    def tokens(self) -> int:
+        return self._counts[0]
+
+    @property
+    def cached(self) -> int:
+        return self._counts[1]
 
 
 @dataclass
