@@ -21,6 +21,7 @@ from engine_api.records import (
     GenRequest,
     KVEvent,
     ModelCard,
+    Progress,
     TokenLogprob,
     Usage,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "ModelCard",
     "OutputCountingBackend",
     "PrefixCachingBackend",
+    "Progress",
     "PromptTooLongError",
     "SamplingParams",
     "TokenLogprob",

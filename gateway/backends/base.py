@@ -19,6 +19,7 @@ from engine_api.records import (
     GenRequest,
     KVEvent,
     ModelCard,
+    Progress,
     PromptInput,
 )
 from engine_api.structured import StructuredOutput
@@ -56,9 +57,13 @@ class Backend(Protocol):
         BadRequestError naming what cannot be compiled or is not supported here."""
         ...
 
-    def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+    def generate(
+        self, req: GenRequest, progress: Progress | None = None
+    ) -> AsyncIterator[GenChunk]:
         """Stream the request's output. Closing the iterator early aborts the request
-        in the engine and frees its KV blocks."""
+        in the engine and frees its KV blocks. `progress` hears how much of the prompt
+        was computed, and holds all of it once the iterator is closed (the step in
+        flight included): what a request cut short is billed for."""
         ...
 
     def stats(self) -> BackendStats: ...
@@ -128,7 +133,9 @@ class OutputCountingBackend(Backend, Protocol):
 class EmbeddingBackend(Backend, Protocol):
     """A backend that serves embedding models (the ones whose ModelCard.task is EMBED)."""
 
-    async def embed(self, req: EmbedRequest) -> EmbedResult:
+    async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         """The inputs' vectors, pooled and normalized as the model says; BadRequestError
-        for an input it cannot take (too long, `dimensions` it does not support)."""
+        for an input it cannot take (too long, `dimensions` it does not support).
+        `progress` hears the tokens of the inputs pooled, all of them once a cancelled
+        call has returned."""
         ...

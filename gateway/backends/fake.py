@@ -46,6 +46,7 @@ from engine_api.records import (
     GenChunk,
     GenRequest,
     ModelCard,
+    Progress,
     PromptInput,
     TokenLogprob,
     Usage,
@@ -157,7 +158,7 @@ class FakeBackend:
             ]
         return [ModelCard(self.model_id, self.name, self.context_length)]
 
-    async def embed(self, req: EmbedRequest) -> EmbedResult:
+    async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         if self.down or not self.started:
             raise BackendError(f"backend {self.name} is down")
         if self.fail_rate and self.rng.random() < self.fail_rate:
@@ -172,6 +173,8 @@ class FakeBackend:
             if self.ttft_s:
                 await asyncio.sleep(self.ttft_s)
             vectors = [_unit_vector(ids, self.embedding_size, size) for ids in req.inputs]
+            if progress is not None:  # every input at once, after its "compute" (ttft)
+                progress.advance(sum(len(ids) for ids in req.inputs))
         finally:
             self.running -= 1
         return EmbedResult(vectors, sum(len(ids) for ids in req.inputs))
@@ -210,10 +213,14 @@ class FakeBackend:
         if name in self.adapters_loaded:
             self.adapters_loaded.remove(name)
 
-    def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
-        return self._generate(req)
+    def generate(
+        self, req: GenRequest, progress: Progress | None = None
+    ) -> AsyncIterator[GenChunk]:
+        return self._generate(req, progress)
 
-    async def _generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+    async def _generate(
+        self, req: GenRequest, progress: Progress | None
+    ) -> AsyncIterator[GenChunk]:
         if self.down or not self.started:
             raise BackendError(f"backend {self.name} is down")
         if self.fail_rate and self.rng.random() < self.fail_rate:
@@ -231,6 +238,8 @@ class FakeBackend:
             if name not in self.adapters_loaded:
                 self.adapters_loaded.append(name)
         cached = self._match_prefix(req.prompt_token_ids, req.cache_salt, req.adapter)
+        if progress is not None:  # its "prefill" is done: the blocks are stored now
+            progress.advance(len(req.prompt_token_ids), cached)
         self.running += 1
         finished = False
         emitted = 0

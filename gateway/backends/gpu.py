@@ -29,6 +29,7 @@ from engine_api.records import (
     EmbedResult,
     GenRequest,
     KVEvent,
+    Progress,
     PromptInput,
     Usage,
 )
@@ -118,9 +119,9 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             return list(prompt)
         raise BadRequestError(f"{NOT_A_GENERATOR} (it takes text or token ids, not messages)")
 
-    async def embed(self, req: EmbedRequest) -> EmbedResult:
+    async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         check_model(req.model, self.model_id)
-        return await self.engine.embed(req)
+        return await self.engine.embed(req, progress)
 
     def _tokenization(self) -> Tokenization:
         tokenizer = self.engine.tokenizer
@@ -140,8 +141,8 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
         tokenizer = self.engine.tokenizer
         return lambda token: tokenizer.decode([token])
 
-    def _stream(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(req)
+    def _stream(self, req: GenRequest, progress: Progress | None) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(req, progress)
 
     def _output(self, out: RequestOutput, req: GenRequest) -> Output:
         usage = None
@@ -231,6 +232,8 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 "num_blocks": s.num_blocks,
                 "num_free_blocks": s.num_free_blocks,
                 "num_steps": s.num_steps,
+                # prompt (or embedded) tokens computed: cache hits are not
+                "prompt_tokens_total": self._engine.engine.throughput.prompt_total,
                 "kv_cache_bytes": s.kv_cache_bytes,
                 "weight_bytes": s.weight_bytes,
                 "spec_decode_num_drafts": s.num_drafts,

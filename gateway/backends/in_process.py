@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from engine_api.errors import BackendError
-from engine_api.records import GenChunk, GenRequest, ModelCard, PromptInput, Usage
+from engine_api.records import GenChunk, GenRequest, ModelCard, Progress, PromptInput, Usage
 from engine_api.structured import StructuredOutput
 from gateway.backends.common import (
     check_model,
@@ -115,8 +115,9 @@ class InProcessBackend(ABC, Generic[E]):
         """One token's text, for logprobs."""
 
     @abstractmethod
-    def _stream(self, req: GenRequest) -> AsyncIterator[Any]:
-        """The engine's outputs for `req`; closing it aborts the request."""
+    def _stream(self, req: GenRequest, progress: Progress | None) -> AsyncIterator[Any]:
+        """The engine's outputs for `req`; closing it aborts the request (and returns
+        once `progress` holds all the engine computed)."""
 
     @abstractmethod
     def _output(self, out: Any, req: GenRequest) -> Output: ...
@@ -148,11 +149,13 @@ class InProcessBackend(ABC, Generic[E]):
         check_model(model, self.model_id)
         await self.engine.check_structured(structured)  # type: ignore[attr-defined]
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+    async def generate(
+        self, req: GenRequest, progress: Progress | None = None
+    ) -> AsyncIterator[GenChunk]:
         """BadRequestError (400) comes from the engine before the first chunk; an
         EngineDeadError (a BackendError, 503) at any chunk."""
         check_model(req.model, self.model_id)
-        stream = self._stream(req)
+        stream = self._stream(req, progress)
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for out in stream:
                 output = self._output(out, req)

@@ -29,6 +29,7 @@ from engine_api.records import (
     EmbedResult,
     GenRequest,
     KVEvent,
+    Progress,
     PromptInput,
     Usage,
 )
@@ -40,7 +41,7 @@ from gateway.backends.spec import BackendSpec
 ENGINE_OPTIONS = (
     *("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose"),
     *("task", "pooling", "normalize"),
-    *("kv_disk_path", "kv_disk_gb"),
+    *("kv_disk_path", "kv_disk_gb", "kv_tier_secret"),
     *("enable_lora", "max_loras"),
 )
 
@@ -97,9 +98,9 @@ class LocalBackend(InProcessBackend[LocalEngine]):
             return list(prompt)
         raise BadRequestError(f"{NOT_A_GENERATOR} (it takes text or token ids, not messages)")
 
-    async def embed(self, req: EmbedRequest) -> EmbedResult:
+    async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         check_model(req.model, self.model_id)
-        return await self.engine.embed(req)
+        return await self.engine.embed(req, progress)
 
     def _tokenization(self) -> Tokenization:
         engine = self.engine
@@ -119,8 +120,8 @@ class LocalBackend(InProcessBackend[LocalEngine]):
     def _token_text(self) -> Callable[[int], str]:
         return self.engine.model.token_text
 
-    def _stream(self, req: GenRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(req)
+    def _stream(self, req: GenRequest, progress: Progress | None) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(req, progress)
 
     def _output(self, out: RequestOutput, req: GenRequest) -> Output:
         usage = None

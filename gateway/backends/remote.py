@@ -63,6 +63,7 @@ from engine_api.records import (
     GenRequest,
     KVEvent,
     ModelCard,
+    Progress,
     PromptInput,
 )
 from engine_api.structured import StructuredOutput
@@ -318,10 +319,14 @@ class RemoteBackend:
         if not self._is_worker:
             raise BadRequestError(unconstrained_upstream(model))
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+    async def generate(
+        self, req: GenRequest, progress: Progress | None = None
+    ) -> AsyncIterator[GenChunk]:
         """Errors before the first chunk (connect, 5xx, timeout, invalid JSON) let the
         gateway try another replica; closing this iterator closes the HTTP response,
-        which aborts the request upstream."""
+        which aborts the request upstream. `progress`: a worker's count of the prompt it
+        computed, asked for when the iterator closes early (remote_abort.py); a
+        third-party upstream cannot say, so the whole prompt once its response began."""
         check_model(req.model, self.model_id)
         if self.monitor.info is None:
             raise BackendError(f"{self.label}: the upstream has not answered yet")
@@ -332,9 +337,9 @@ class RemoteBackend:
         self.monitor.progress()
         try:
             if self._is_worker:
-                stream = worker_stream(self.client, upstream_req)
+                stream = worker_stream(self.client, upstream_req, progress)
             else:
-                stream = self._completions(upstream_req)
+                stream = self._completions(upstream_req, progress)
             timed = self._in_time(stream)
             async with contextlib.aclosing(timed):
                 async for chunk in timed:
@@ -356,8 +361,9 @@ class RemoteBackend:
         if self._is_worker:
             await worker_remove_adapter(self.client, name)
 
-    async def embed(self, req: EmbedRequest) -> EmbedResult:
-        """The upstream's /v1/embeddings (remote_embed.py), within first_token_timeout_s."""
+    async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
+        """The upstream's /v1/embeddings (remote_embed.py), within first_token_timeout_s;
+        `progress` as remote_embed says."""
         check_model(req.model, self.model_id)
         if self.monitor.info is None:
             raise BackendError(f"{self.label}: the upstream has not answered yet")
@@ -366,7 +372,9 @@ class RemoteBackend:
         self.monitor.progress()
         try:
             timeout_s = self.opts.first_token_timeout_s
-            return await embed_upstream(self.client, upstream_req, self._is_worker, timeout_s)
+            return await embed_upstream(
+                self.client, upstream_req, self._is_worker, timeout_s, progress
+            )
         except BackendError as e:
             self._failed(e)
             raise
@@ -429,7 +437,9 @@ class RemoteBackend:
         only this request?) has the watch check at once."""
         self.monitor.check_now(down=str(e) if isinstance(e, UpstreamUnreachable) else None)
 
-    async def _completions(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+    async def _completions(
+        self, req: GenRequest, progress: Progress | None
+    ) -> AsyncIterator[GenChunk]:
         tok = self.tokenizer
         if tok is not None:  # else the upstream's own tokenizer judges (vLLM: a 400)
             req.sampling.check_vocab(len(tok.tokenizer))
@@ -439,6 +449,8 @@ class RemoteBackend:
             resp, self._takes_ids = await open_completion(
                 self.client, req, req.model, self._takes_ids, tok and tok.prompt_text
             )
+        if progress is not None:  # it took the prompt: billed whole from here, as it
+            progress.advance(len(req.prompt_token_ids))  # cannot tell what it computed
         # the upstream took the prompt: its blocks are likely in its cache now (an
         # adapter's are keyed apart upstream: not recorded)
         if req.adapter is None:

@@ -24,7 +24,8 @@ import math
 from typing import Any
 
 from engine_api.errors import BackendError
-from engine_api.records import EMBED, GENERATE, EmbedRequest, EmbedResult
+from engine_api.records import EMBED, GENERATE, EmbedRequest, EmbedResult, Progress
+from gateway.backends.remote_abort import REQUEST_ID_HEADER, opened
 from gateway.backends.remote_http import UpstreamClient
 
 LARGE_ANSWER_BYTES = 1 << 20  # an answer past this is parsed in a worker thread
@@ -43,20 +44,37 @@ def task_option(name: str, task: str | None) -> str:
 
 
 async def embed_upstream(
-    client: UpstreamClient, req: EmbedRequest, worker: bool, timeout_s: float
+    client: UpstreamClient,
+    req: EmbedRequest,
+    worker: bool,
+    timeout_s: float,
+    progress: Progress | None = None,
 ) -> EmbedResult:
     """The upstream's vectors for `req` (its model already the upstream's id), within
     `timeout_s` in all; BadRequestError for an upstream's 400 (a worker's words relayed),
-    BackendError for any other failure or an answer that does not fit."""
+    BackendError for any other failure or an answer that does not fit. `progress`: the
+    tokens of the inputs pooled; a worker's count when the caller leaves first (it names
+    the request to the worker, remote_abort.py), else all of them once the answer came."""
     body: dict[str, Any] = {"model": req.model, "encoding_format": "float"}
     body["input"] = req.texts if req.texts is not None and not worker else req.inputs
     if req.dimensions is not None:
         body["dimensions"] = req.dimensions
     url = client.endpoint.base + "/embeddings"
-    resp = await client.request("POST", url, body, timeout_s=timeout_s)
+    headers = {REQUEST_ID_HEADER: req.request_id} if worker else None
+    resp = await opened(
+        client,
+        url,
+        body,
+        req.request_id,
+        progress if worker else None,
+        timeout_s=timeout_s,
+        headers=headers,
+    )
     async with resp:
         if resp.status >= 300:
             await client.raise_for(resp, relay=worker)
+        if progress is not None:  # the whole answer is on its way: all of it was pooled
+            progress.advance(sum(len(ids) for ids in req.inputs))
         raw = await client.read(resp, client.max_response_bytes)
     if len(raw) > LARGE_ANSWER_BYTES:
         return await asyncio.to_thread(parse_answer, raw, len(req.inputs), client.label)

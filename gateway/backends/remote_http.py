@@ -126,11 +126,12 @@ class UpstreamClient:
         body: Any = None,
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         """The response, whatever its status (the caller reads or closes it); never a
         redirect followed, never a compressed body. `body`: JSON, or bytes of it."""
+        headers = dict(headers or {})
         # a traced request's span (gateway/serving/traces.py): the upstream's spans join it
-        headers: dict[str, str] = {}
         _W3C.inject(headers)
         extra: dict[str, Any] = {"headers": headers}
         if timeout_s is not None:  # a short call (health) or a long poll, not a stream

@@ -9,6 +9,7 @@ a numbered log that may tell the reader to resync (docs: the worker HTTP contrac
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -19,8 +20,17 @@ from typing import Any
 from urllib.parse import quote
 
 from engine_api.errors import BackendError
-from engine_api.records import KV_MEDIA, AdapterRef, BackendStats, GenChunk, GenRequest, KVEvent
+from engine_api.records import (
+    KV_MEDIA,
+    AdapterRef,
+    BackendStats,
+    GenChunk,
+    GenRequest,
+    KVEvent,
+    Progress,
+)
 from gateway.backends.kv_transfer import BOTH, ROLES
+from gateway.backends.remote_abort import opened, stop_and_count
 from gateway.backends.remote_http import (
     UpstreamClient,
     parse_json_line,
@@ -61,11 +71,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-async def worker_stream(client: UpstreamClient, req: GenRequest) -> AsyncIterator[GenChunk]:
+async def worker_stream(
+    client: UpstreamClient, req: GenRequest, progress: Progress | None = None
+) -> AsyncIterator[GenChunk]:
     """The worker's chunks for `req` (already carrying the upstream's model id). Closing
-    this iterator closes the connection, which aborts the request in the worker."""
+    this iterator closes the connection, which aborts the request in the worker; with
+    `progress`, the worker first stops it and says how much of its prompt the engine
+    computed (remote_abort.py)."""
     url = client.endpoint.root + "/kvgate/v1/generate"
-    resp = await client.request("POST", url, req.to_dict())
+    resp = await opened(client, url, req.to_dict(), req.request_id, progress)
     finished = False
     try:
         if resp.status != 200:
@@ -87,6 +101,10 @@ async def worker_stream(client: UpstreamClient, req: GenRequest) -> AsyncIterato
             yield chunk
         if not finished:
             raise BackendError(f"{client.label} ended the stream before the request finished")
+    except (asyncio.CancelledError, GeneratorExit):  # the caller left: before the close
+        if progress is not None and not finished:
+            await stop_and_count(client, req.request_id, progress)
+        raise
     finally:
         if finished:
             resp.release()  # complete: the connection goes back to the pool

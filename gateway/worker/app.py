@@ -3,7 +3,8 @@
 Routes (the contract with the gateway's `remote` adapter):
 GET /health, GET /ready (503 while draining), GET /v1/models, POST /tokenize,
 POST /detokenize, POST /v1/completions, POST /v1/embeddings (an embedding model's),
-POST /kvgate/v1/generate,
+POST /kvgate/v1/generate, POST /kvgate/v1/abort (stop one of those, or an embedding
+request, and hear what it computed: generate.py),
 GET /kvgate/v1/stats, GET /kvgate/v1/kv_events, POST /kvgate/v1/kv/export (a prefill
 worker's blocks of a prompt, for a decode worker: kv_export.py),
 POST /kvgate/v1/adapters/check and DELETE /kvgate/v1/adapters/{name} (LoRA: adapters.py).
@@ -30,7 +31,7 @@ from gateway.worker import adapters
 from gateway.worker.completions import completions
 from gateway.worker.embeddings import embeddings
 from gateway.worker.errors import api_error
-from gateway.worker.generate import generate
+from gateway.worker.generate import abort, generate
 from gateway.worker.kv_export import export_kv
 from gateway.worker.kv_pull import EXPORT_PATH
 from gateway.worker.state import WORKER, WorkerState
@@ -156,6 +157,7 @@ def create_worker_app(state: WorkerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/kvgate/v1/generate", generate)
+    app.router.add_post("/kvgate/v1/abort", abort)
     app.router.add_get("/kvgate/v1/stats", stats)
     app.router.add_get("/kvgate/v1/kv_events", kv_events)
     app.router.add_post(EXPORT_PATH, export_kv)

@@ -4,7 +4,9 @@ model, for a gateway's `remote` entry with `task = "embed"` and for direct calle
 The body and the answer are the gateway's own (gateway/schemas/embeddings.py); inputs
 are rendered with the worker's tokenizer (token ids pass as they are: a gateway sends
 the ids the worker's /tokenize gave it) and held to the model's context, as the gateway
-holds them. No tenant and no quota here: the gateway in front keeps those.
+holds them. No tenant and no quota here: the gateway in front keeps those. A gateway
+names its request (gateway.backends.remote_abort.REQUEST_ID_HEADER), so that, its client gone, it can stop the
+request and hear the tokens of the inputs pooled by then (POST /kvgate/v1/abort).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gateway.serving.embedding import answer_bytes, check_dimensions
 from gateway.serving.token_plan import check_input_tokens
 from gateway.tenancy.quota import QuotaLimits
 from gateway.worker.errors import api_error
+from gateway.worker.running import request_id_of
 from gateway.worker.state import WORKER
 
 
@@ -34,13 +37,13 @@ async def embeddings(request: web.Request) -> web.Response:
     if card.task != EMBED or not isinstance(backend, EmbeddingBackend):
         raise ApiError(400, f"The model `{card.id}` is not an embedding model.", param="model")
     check_dimensions(card, body.dimensions)
+    request_id = request_id_of(request, "embd-" + os.urandom(12).hex())
     try:
         rendered = [await backend.render(body.model, x) for x in body.inputs()]
         tokens = check_input_tokens([len(r) for r in rendered], card.context_length, QuotaLimits())
-        req = EmbedRequest(
-            "embd-" + os.urandom(12).hex(), body.model, rendered, dimensions=body.dimensions
-        )
-        result = await backend.embed(req)
+        req = EmbedRequest(request_id, body.model, rendered, dimensions=body.dimensions)
+        with state.running.track(request_id) as progress:
+            result = await backend.embed(req, progress)
     except (BadRequestError, BackendError) as e:
         raise api_error(e) from None
     # the engine's own count: the gateway in front takes it only where it agrees

@@ -8,6 +8,10 @@ cuts the stream: gateway/http/drain.py). A client that hangs up cancels
 this handler (handler_cancellation), which closes the engine's stream: the request is
 aborted and its KV blocks freed. A request with `kv_source` first pulls its prompt's
 blocks from that prefill worker (kv_pull.py), or computes them here if it cannot.
+
+A gateway whose client left first calls POST /kvgate/v1/abort with the request's id: the
+same abort, answered with what the engine computed of the prompt by then (running.py),
+which the gateway bills; then it closes the stream.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ from typing import Any
 from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
-from engine_api.records import GenChunk, GenRequest
+from engine_api.records import GenChunk, GenRequest, Progress
 from gateway.http.drain import SHUTTING_DOWN
-from gateway.http.util import parse_body
+from gateway.http.errors import ApiError
+from gateway.http.util import json_response, parse_body
 from gateway.observe.tracing import current_span, step
 from gateway.serving.traces import recorded
 from gateway.worker.errors import api_error
-from gateway.worker.schemas import JsonObject
-from gateway.worker.state import WORKER
+from gateway.worker.schemas import AbortRequest, JsonObject
+from gateway.worker.state import WORKER, WorkerState
 
 NDJSON = "application/x-ndjson"
 
@@ -47,11 +52,28 @@ async def read_request(request: web.Request) -> GenRequest:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     req = await read_request(request)
+    with state.running.track(req.request_id) as progress:
+        return await _generate(request, state, req, progress)
+
+
+async def abort(request: web.Request) -> web.Response:
+    """POST /kvgate/v1/abort: stop a request running here (running.py) and answer what
+    its engine computed of it, its step in flight included; 404 if none runs."""
+    body = await parse_body(request, AbortRequest)
+    progress = await request.app[WORKER].running.stop(body.request_id)
+    if progress is None:
+        raise ApiError(404, "no such request runs here", code="not_found", param="request_id")
+    return json_response({"prompt_tokens": progress.tokens, "cached_tokens": progress.cached})
+
+
+async def _generate(
+    request: web.Request, state: WorkerState, req: GenRequest, progress: Progress
+) -> web.StreamResponse:
     if req.kv_source is not None:
         with step(state.tracing, "kvgate.kv_pull"):
             await state.puller.pull(state.backend, req)
         req = dataclasses.replace(req, kv_source=None)
-    stream = state.backend.generate(req)
+    stream = state.backend.generate(req, progress)
     span = current_span(state.tracing)  # the request's server span, if it is traced
     if span is not None and span.is_recording():
         stream = recorded(span, req, stream)

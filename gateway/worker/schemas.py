@@ -4,7 +4,7 @@ The worker's /v1/completions is the gateway's CompletionRequest narrowed to what
 engine call serves (one prompt, n = 1) plus vLLM's `cache_salt` and `priority`, which a
 gateway in front sets per tenant. /tokenize and /detokenize take the gateway's own bodies
 (gateway.schemas.inference). /kvgate/v1/generate takes any JSON object: the GenRequest record
-decodes it, strictly, itself.
+decodes it, strictly, itself; /kvgate/v1/abort a request's id.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import RootModel, field_validator
 
+from gateway.schemas.base import StrictBody
 from gateway.schemas.fields import Name, Priority
 from gateway.schemas.inference import CompletionRequest
 
@@ -38,6 +39,12 @@ class WorkerCompletionRequest(CompletionRequest):
         if v != 1:
             raise ValueError("a worker serves n = 1 only")
         return v
+
+
+class AbortRequest(StrictBody):
+    """POST /kvgate/v1/abort: the gateway's id of a request running here."""
+
+    request_id: Name
 
 
 class JsonObject(RootModel[dict[str, Any]]):

@@ -1,5 +1,5 @@
-"""What one worker process holds: its engine adapter, its epoch and its KV event log,
-and the checks every route makes before it reaches the engine."""
+"""What one worker process holds: its engine adapter, its epoch and its KV event log, the
+requests it runs, and the checks every route makes before it reaches the engine."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from gateway.http.errors import ApiError
 from gateway.observe.tracing import Tracing
 from gateway.worker.events import EventLog, drain_forever
 from gateway.worker.kv_pull import KVPuller
+from gateway.worker.running import RunningRequests
 
 log = logging.getLogger("kvgate.worker")
 WORK_PATHS = ("/v1/", "/kvgate/v1/generate")  # POSTs under these are what a drain waits for
@@ -47,6 +48,8 @@ class WorkerState:
     tracing: Tracing | None = None
     # SIGTERM's drain (gateway/http/drain.py): generation is its work
     drain: Drain = field(default_factory=lambda: Drain(WORK_PATHS))
+    # the requests in flight, for a gateway to stop one and hear what it computed
+    running: RunningRequests = field(default_factory=RunningRequests)
     events: EventLog = field(init=False)
     _drain: asyncio.Task | None = field(default=None, init=False)
 
