@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,9 @@ class EngineConfig:
     # blocks sent to and taken from another engine (prefill on one worker, decode on
     # another): export_kv / import_kv; host rows to stage them
     kv_transfer: bool = False
+    # the key of the MAC on every block those tiers store or move (engine_api.kv_records),
+    # shared by the engines that read each other's blocks; None: one of this engine's own
+    kv_tier_secret: str | None = field(default=None, repr=False)
     # CUDA: no CUDA graphs, every step eager (vLLM's flag); elsewhere always eager
     enforce_eager: bool = False
     # "dummy": random weights in place of the checkpoint's (vLLM's load format, for

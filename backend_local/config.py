@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llama_cpp
 
@@ -39,6 +39,9 @@ class EngineConfig:
     # (kv_disk_tier.py); None: off. At most kv_disk_gb GiB, least recently used out.
     kv_disk_path: str | None = None
     kv_disk_gb: float = 16
+    # the key of the MAC on every saved prefix (engine_api.kv_records), shared by the
+    # engines that read each other's; None: one of this engine's own
+    kv_tier_secret: str | None = field(default=None, repr=False)
     # LoRA adapters (GGUF LoRA files, lora.py): requests may name one; at most max_loras
     # stay loaded, least recently used out
     enable_lora: bool = False

@@ -18,8 +18,10 @@ state past that window cannot be cut short later (Slot.floor).
 
 The copy out of the context runs on the worker thread (milliseconds for a thousand
 tokens); the file is written by a thread of its own. The fingerprint names what a
-state's layout depends on; a state llama.cpp refuses all the same is counted as
-rejected, not tried again, and computed.
+state's layout depends on, and the MAC (keyed by `kv_tier_secret`) that the engine
+wrote it; a state llama.cpp refuses all the same is counted as rejected, not tried
+again, and computed. A file is read no further than the most a state of its prefix's
+length can take (`state_bytes_bound`), so a huge or endless one costs no memory.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BLOCK_SIZE
 from engine_api.block_hash import adapter_root, hash_blocks
 from engine_api.kv_disk import DiskStore
-from engine_api.kv_records import fingerprint
+from engine_api.kv_records import HEADER_SIZE, RecordCodec, fingerprint
 from engine_api.records import AdapterRef
 
 GIB = 1 << 30
@@ -45,6 +47,13 @@ MIB = 1 << 20
 # states copied out and not yet written; past this a save is skipped (a slow disk must
 # not fill memory)
 MAX_PENDING = 16
+# no KV type is wider than float32; llama.cpp's framing of a state takes a few bytes a
+# cell (position, sequences) and a few a layer
+MAX_ELEMENT_BYTES = 4
+CELL_BYTES = 64
+# a recurrent or hybrid model's per-sequence state, per layer and embedding width:
+# its SSM state (d_state <= 128 of 2 x n_embd float32s) and its conv state
+RECURRENT_BYTES = 2048
 
 
 def model_file_hash(path: str) -> str:
@@ -80,14 +89,36 @@ def state_fingerprint(model: LlamaModel, config: EngineConfig) -> bytes:
     )
 
 
+def state_bytes_bound(model: LlamaModel, tokens: int) -> int:
+    """The most the saved state of a `tokens`-token sequence can take: every layer's
+    K and V of every cell at the widest type, as if each head were a KV head, plus
+    llama.cpp's framing (and a recurrent state, for a model that has one). Only a
+    bound to read up to: a state is always smaller."""
+    ptr = model.ptr
+    n_layer, n_embd = llama_cpp.llama_model_n_layer(ptr), llama_cpp.llama_model_n_embd(ptr)
+    n_head = llama_cpp.llama_model_n_head(ptr)
+    arch = model.architecture
+    head_dims = [
+        int(model.meta(f"{arch}.attention.{which}_length") or n_embd // max(n_head, 1))
+        for which in ("key", "value")
+    ]
+    per_cell = n_layer * n_head * sum(head_dims) * MAX_ELEMENT_BYTES + CELL_BYTES
+    recurrent = llama_cpp.llama_model_is_recurrent(ptr) or llama_cpp.llama_model_is_hybrid(ptr)
+    fixed = MIB + (n_layer * n_embd * RECURRENT_BYTES if recurrent else 0)
+    return HEADER_SIZE + fixed + tokens * per_cell
+
+
 class DiskTier:
     """Saves and restores sequence states of one context. Called from the worker
     thread only; the writer thread only writes files."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig, ctx: llama_cpp.llama_context_p):
         self.ctx = ctx
+        self.model = model
         capacity = int(config.kv_disk_gb * GIB)
-        self.store = DiskStore(config.kv_disk_path, capacity, state_fingerprint(model, config))
+        codec = RecordCodec(state_fingerprint(model, config), config.kv_tier_secret)
+        largest = state_bytes_bound(model, config.n_ctx_per_seq)
+        self.store = DiskStore(config.kv_disk_path, capacity, codec, largest)
         self.hits = 0  # prompt tokens restored
         self.refused = 0  # records that passed their checks but llama.cpp would not load
         self._bad: set[bytes] = set()  # those records' keys
@@ -127,7 +158,8 @@ class DiskTier:
         """Load the first of `candidates` that loads into the (empty) sequence; its
         length, or 0 with the sequence left empty."""
         for length, key in candidates:
-            payload = self.store.get(key)  # None: refused (and deleted) by its checks
+            # None: refused (and deleted) by its checks
+            payload = self.store.get(key, state_bytes_bound(self.model, length))
             if payload is None:
                 continue
             data = (ctypes.c_uint8 * len(payload)).from_buffer_copy(payload)

@@ -40,6 +40,9 @@ class Settings:
     instance: str = ""
     admin_key: str | None = None
     secret: str | None = None  # HMAC secret for cache salts; generated and stored when unset
+    # the key of the MAC on the KV blocks the engines store (disk, Redis) or move between
+    # workers; unset: the one generated into the database, shared by its gateways
+    kv_tier_secret: str | None = field(default=None, repr=False)
     max_body_bytes: int = MAX_BODY_BYTES  # also the limit on a decompressed body
     key_cache_ttl_s: float = 5.0
     # /metrics names tenants: it needs the admin key, or `metrics_token` for a scraper
@@ -127,6 +130,11 @@ class Settings:
             )
         if self.metrics_token is not None and len(self.metrics_token) < MIN_ADMIN_KEY_CHARS:
             raise ValueError(f"metrics_token must be at least {MIN_ADMIN_KEY_CHARS} characters")
+        if self.kv_tier_secret is not None and len(self.kv_tier_secret) < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(
+                f"kv_tier_secret must be at least {MIN_ADMIN_KEY_CHARS} characters; leave it "
+                "unset to have one generated into the database"
+            )
         if self.fairness not in (None, "vtc", "fcfs"):
             raise ValueError(f"fairness must be vtc or fcfs, got {self.fairness!r}")
         if not 0 <= self.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:
@@ -146,6 +154,7 @@ class Settings:
             raise ValueError("prefill_threshold must be >= 1 and prefill_timeout_s > 0")
         for spec in self.backends:
             replica_count(spec)  # a bad `replicas` is a configuration error, found here
+            check_no_kv_tier_secret(spec.options, f"backend {spec.name!r}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(
                 f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}"
@@ -213,6 +222,25 @@ def with_lora(spec: BackendSpec, modules: list[LoraModule]) -> BackendSpec:
     return replace(spec, options=options, lora_modules=modules)
 
 
+def check_no_kv_tier_secret(options: dict[str, Any], where: str) -> None:
+    """The KV tiers' secret is one for all engines, and kept off command lines: never
+    an engine option."""
+    if "kv_tier_secret" in options:
+        raise ValueError(
+            f"{where}: kv_tier_secret is not an engine option; set it once in [server] "
+            "(or KVGATE_KV_TIER_SECRET)"
+        )
+
+
+def with_kv_tier_secret(spec: BackendSpec, secret: str | None) -> BackendSpec:
+    """The spec of an in-process engine (gpu, local) given the KV tiers' secret."""
+    if secret is None or spec.type not in KV_TIER_ENGINES:
+        return spec
+    return replace(spec, options=spec.options | {"kv_tier_secret": secret})
+
+
+KV_TIER_ENGINES = ("gpu", "local")  # the engines that store KV blocks below their caches
+
 # the engine settings above and the backend types that take each
 ENGINE_SETTINGS: dict[str, tuple[str, ...]] = {
     "quantization": ("gpu",),
@@ -265,6 +293,7 @@ _ENV_FIELDS = {
     "instance": str,
     "admin_key": str,
     "secret": str,
+    "kv_tier_secret": str,
     "max_body_bytes": int,
     "key_cache_ttl_s": float,
     "metrics_auth": lambda v: v.lower() in ("1", "true", "yes"),

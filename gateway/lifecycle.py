@@ -1,18 +1,24 @@
 """A gateway's start and stop: the database migrated, the services built in order, the
 workers and backends started (one that fails is reported, not fatal), the pins
 prefilled; and the reverse, each step's failure logged so the rest still stop.
+
+The engines get the KV tiers' secret (`kv_tier_secret`, else the database's) as an
+engine option in-process and as an environment variable in a worker, never on its
+command line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
 from gateway.backends import Backend, BackendSpec, ModelCard, build_backends
-from gateway.config import Settings
+from gateway.config import Settings, with_kv_tier_secret
 from gateway.db import Database, migrate
+from gateway.db.tables import ServerSetting
 from gateway.http.drain import Drain
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
@@ -32,6 +38,7 @@ from gateway.worker_pool.pool import start_workers, stop_workers
 from gateway.worker_pool.supervisor import WorkerSupervisor
 
 log = logging.getLogger("kvgate")
+KV_TIER_SECRET = "kv_tier_secret"  # its server_settings row (migration 0012)
 
 
 async def start_gateway(settings: Settings, drain: Drain | None = None) -> GatewayState:
@@ -42,6 +49,7 @@ async def start_gateway(settings: Settings, drain: Drain | None = None) -> Gatew
     # a first start that made the admin key makes a tenant key too: one paste to a chat
     starter_key = await tenants.create_starter() if generated else None
     secret = await tenants.server_secret(settings.secret)
+    kv_secret = settings.kv_tier_secret or await stored_kv_tier_secret(db)
     quota = await _start_quota(db, tenants)
     usage = UsageRecorder(db)
     usage.start()
@@ -60,6 +68,7 @@ async def start_gateway(settings: Settings, drain: Drain | None = None) -> Gatew
         queues=queues,
         traffic=TrafficStats(),
         secret=secret,
+        kv_tier_secret=kv_secret,
         catalog=catalog,
         pins=PinService(db, router, catalog, secret),
         adapters=AdapterRegistry(db, router),
@@ -78,6 +87,17 @@ async def start_gateway(settings: Settings, drain: Drain | None = None) -> Gatew
     if state.auth.listener is not None:
         state.auth.listener.start()
     return state
+
+
+async def stored_kv_tier_secret(db: Database) -> str:
+    """The KV tiers' secret that migration 0012 generated into the database, the same for
+    every gateway on it (one it lacks, deleted by hand, is generated again)."""
+    async with db.session() as s, s.begin():
+        row = await s.get(ServerSetting, KV_TIER_SECRET)
+        if row is None:
+            row = ServerSetting(key=KV_TIER_SECRET, value=secrets.token_hex(32))
+            s.add(row)
+        return row.value
 
 
 async def _start_quota(db: Database, tenants: TenantService) -> QuotaStore:
@@ -134,15 +154,18 @@ async def start_entries(state: GatewayState, configured: list[BackendSpec]) -> S
         log.info("worker %s restarted with an empty cache: prefilling the pins again", url)
         await state.pins.prefill_all()
 
-    # the workers trace where the gateway does, however it was told (flag, file, variable)
-    endpoint = settings.otlp_traces_endpoint
-    env = {"KVGATE_OTLP_TRACES_ENDPOINT": endpoint} if endpoint else None
+    # the workers key their KV records as the gateway's engines do, and trace where the
+    # gateway does, however it was told (flag, file, variable)
+    env = {"KVGATE_KV_TIER_SECRET": state.kv_tier_secret}
+    if endpoint := settings.otlp_traces_endpoint:
+        env["KVGATE_OTLP_TRACES_ENDPOINT"] = endpoint
     specs, supervisors = await start_workers(
         configured, settings.workers, on_restart, settings.prefill_workers, env
     )
     started = Started(supervisors=supervisors)
     for spec in specs:
-        for backend in build_backends(spec):  # one per replica
+        # one per replica; an in-process engine takes the secret as an option
+        for backend in build_backends(with_kv_tier_secret(spec, state.kv_tier_secret)):
             started.by_entry.setdefault(spec.name, []).append(backend)
             started.backends.append((backend, spec.type))
             try:

@@ -45,6 +45,7 @@ class GatewayState:
     metrics: Metrics
     traffic: TrafficStats
     secret: str
+    kv_tier_secret: str = field(repr=False)  # the engines' KV records' MAC key (lifecycle)
     catalog: PrefixCatalog
     pins: PinService
     adapters: AdapterRegistry

@@ -213,7 +213,9 @@ def run_restart(args, model: str, pool_blocks: int | None, workdir: Path, name: 
     max_model_len = args.restart_prefix_len + args.suffix_len + args.max_tokens
     spec = {"model": model, "pool_blocks": pool_blocks, "max_model_len": max_model_len}
     disk = workdir / f"restart-{name}"
-    arms = [("disk tier", {"kv_disk_path": str(disk)}), ("recomputed", {})]
+    # one secret for every engine on the directory, as a gateway's database gives them
+    disk_tier = {"kv_disk_path": str(disk), "kv_tier_secret": "studies.kv_tiers restart"}
+    arms = [("disk tier", disk_tier), ("recomputed", {})]
     runs = [(v, arm, tiers) for v in RESTART_VARIANTS for arm, tiers in arms]
     repeats = []
     with tqdm(total=1 + len(runs) * args.repeats, desc=f"restart, {name}", unit="engine") as bar:

@@ -16,7 +16,7 @@ records of the shape's block size written (`put`, as the tier stack's writer doe
 read back and checked (`get`; `get_many` in one call, as a lookup asks Redis) through
 engine_api.kv_disk's DiskStore in a fresh directory (the page cache, not the disk, is
 what they reach) and, with --shared-url, backend_gpu's SharedStore. What it costs is
-the records' framing and check, which is what issue 45's MAC changes.
+the records' framing and check (an HMAC-SHA256 since issue 45, a CRC-32 before).
 
     python -m studies.kv_tiers_copy --out OUTDIR --stores [--shared-url redis://...]
 """
@@ -40,6 +40,7 @@ from backend_gpu.kv_tiers.host import HostRows
 from backend_gpu.kv_tiers.shared import SharedStore
 from bench.options import DefaultsHelpFormatter
 from engine_api.kv_disk import DiskStore
+from engine_api.kv_records import HEADER_SIZE, RecordCodec
 from studies.harness import device_environment
 
 # (layers, KV heads, head dim, dtype); "tiny" runs on a CPU in a second (a smoke test)
@@ -167,6 +168,8 @@ def measure_stores(block_bytes: int, num_blocks: int, repeats: int, shared_url: 
     Every repeat writes new keys (a store writes a key it holds only once) into a new
     directory; the first repeat is not counted (first-call costs)."""
     fp = hashlib.sha256(b"studies.kv_tiers_copy").digest()[:16]
+    codec = RecordCodec(fp, secret="studies.kv_tiers_copy")
+    record_bytes = HEADER_SIZE + block_bytes
     payloads = [os.urandom(block_bytes) for _ in range(num_blocks)]
     nbytes = block_bytes * num_blocks
     times: dict[str, list[float]] = {}
@@ -174,9 +177,10 @@ def measure_stores(block_bytes: int, num_blocks: int, repeats: int, shared_url: 
         keys = [hashlib.sha256(b"%d %d" % (repeat, i)).digest() for i in range(num_blocks)]
         runs = {}
         with tempfile.TemporaryDirectory(prefix="kv-tiers-copy-") as root:
-            runs["disk"] = put_and_get(DiskStore(root, 2 * nbytes, fp), keys, payloads)
+            disk = DiskStore(root, 2 * nbytes, codec, record_bytes)
+            runs["disk"] = put_and_get(disk, keys, payloads)
         if shared_url is not None:
-            shared = SharedStore(shared_url, fp)
+            shared = SharedStore(shared_url, codec, record_bytes)
             runs["shared"] = put_and_get(shared, keys, payloads)
             shared.client.delete(*(shared.prefix + k.hex().encode() for k in keys))
         for store, (put, get) in runs.items():

@@ -1,7 +1,7 @@
 """Tiers under the device's KV cache: host memory, a disk directory, a shared Redis
 store (kv_offload_gb, kv_disk_path and kv_disk_gb, kv_shared_url). The block manager
 sees them as one LowerTier (stack.TierStack); `build_tiers` makes it from the
-engine's settings."""
+engine's settings, its records keyed by `kv_tier_secret`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from backend_gpu.kv_tiers.host import GIB, HostRows, block_bytes
 from backend_gpu.kv_tiers.shared import SharedStore
 from backend_gpu.kv_tiers.stack import TierStack
 from engine_api.kv_disk import DiskStore
+from engine_api.kv_records import HEADER_SIZE, RecordCodec
 
 __all__ = ["TierStack", "build_tiers"]
 
@@ -36,14 +37,17 @@ def build_tiers(
         # one sequence's worth, within STAGING_BYTES
         num_rows = min(-(-max_model_len // config.block_size) + 1, STAGING_BYTES // per_block)
         num_rows = max(num_rows, 1)
-    fp = engine_fingerprint(config, attention_layers)
+    codec = RecordCodec(engine_fingerprint(config, attention_layers), config.kv_tier_secret)
+    record_bytes = HEADER_SIZE + per_block  # every record is one block
     disk = (
-        DiskStore(config.kv_disk_path, int(config.kv_disk_gb * GIB), fp)
+        DiskStore(config.kv_disk_path, int(config.kv_disk_gb * GIB), codec, record_bytes)
         if config.kv_disk_path
         else None
     )
-    shared = SharedStore(config.kv_shared_url, fp) if config.kv_shared_url else None
+    shared = (
+        SharedStore(config.kv_shared_url, codec, record_bytes) if config.kv_shared_url else None
+    )
     rows = HostRows(attention_layers, config.block_size, num_rows)
     return TierStack(
-        rows, fp, disk, shared, config.enable_kv_events, keeps_evicted=bool(config.kv_offload_gb)
+        rows, codec, disk, shared, config.enable_kv_events, keeps_evicted=bool(config.kv_offload_gb)
     )

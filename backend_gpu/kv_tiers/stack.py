@@ -15,7 +15,7 @@ computed under tenant A's salt sits under a key that tenant B's prompt never pro
   ones are not queued (a slow disk never holds up the engine or fills memory).
 - Up: a prefix lookup (`leading_hits`) walks the prompt's block keys past the device's
   hits: a key in host memory is a hit as it is; one on disk or in the shared store is
-  read, checked (fingerprint, key, checksum: engine_api.kv_records) and put in a host
+  read, checked (fingerprint, key, MAC: engine_api.kv_records) and put in a host
   row, then counted. So a block is only ever loaded onto the device from a host row,
   and a bad one is never a hit: it is recomputed.
 - Ahead of the lookup: when a request arrives, `prefetch` hands its prompt's keys
@@ -48,7 +48,7 @@ from backend_gpu.block_manager import KVCacheEvent
 from backend_gpu.kv_tiers.host import HostRows
 from backend_gpu.kv_tiers.shared import SharedStore
 from engine_api.kv_disk import DiskStore
-from engine_api.kv_records import decode_record, encode_record
+from engine_api.kv_records import RecordCodec
 
 log = logging.getLogger(__name__)
 HOST, DISK, SHARED, TRANSFER = "host", "disk", "shared", "transfer"
@@ -61,7 +61,7 @@ class TierStack:
     def __init__(
         self,
         rows: HostRows,
-        fp: bytes,
+        codec: RecordCodec,
         disk: DiskStore | None = None,
         shared: SharedStore | None = None,
         enable_events: bool = False,
@@ -70,7 +70,7 @@ class TierStack:
         """`keeps_evicted`: the rows are a host tier (kv_offload_gb), not only a staging
         area: a block the device evicts is kept in a row even if the disk has it."""
         self.rows = rows
-        self.fp = fp
+        self.codec = codec
         self.keeps_evicted = keeps_evicted
         self.block_size = rows.block_size
         self.disk = disk
@@ -288,17 +288,17 @@ class TierStack:
                 payload = self.disk.get(key) if self.disk is not None else None
             if payload is None:
                 break
-            out.append(encode_record(self.fp, key, payload))
+            out.append(self.codec.encode(key, payload))
         self.blocks_exported += len(out)
         return out
 
     def import_records(self, keys: list[bytes], records: list[bytes]) -> int:
         """Put another engine's records of `keys` (in order) in host rows, for the
         request that asked for them to find; how many were taken. A record that is not
-        a whole block of `keys` under this engine's fingerprint ends the run."""
+        a whole block of `keys` under this engine's fingerprint and secret ends the run."""
         taken = 0
         for key, record in zip(keys, records, strict=False):
-            payload = decode_record(record, self.fp, key)
+            payload = self.codec.decode(record, key)
             if payload is None:
                 self.import_rejected += 1
                 break

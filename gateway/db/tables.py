@@ -161,7 +161,8 @@ class AuditLog(Base):
 
 class ServerSetting(Base):
     """Values the server generates once and must keep across restarts (the cache-salt
-    secret), and the auth epoch every key and tenant change rewrites (gateway.tenancy.auth)."""
+    secret; the KV tiers' secret, made by migration 0012), and the auth epoch every key
+    and tenant change rewrites (gateway.tenancy.auth)."""
 
     __tablename__ = "server_settings"
 

@@ -3,7 +3,8 @@
 The engine flags are `kvgate serve`'s (add_engine_args, one definition for both) and
 become a BackendSpec through the same code (Settings.resolved_backends); `--options`
 adds engine options (a JSON object) that serve takes from a [[backends]] entry. A
-worker is one replica of one backend.
+worker is one replica of one backend. The KV tiers' secret comes from the config file
+or KVGATE_KV_TIER_SECRET (how its supervisor passes it), never from a flag.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from gateway.config import ENGINE_SETTINGS, load_settings
+from gateway.config import (
+    ENGINE_SETTINGS,
+    check_no_kv_tier_secret,
+    load_settings,
+    with_kv_tier_secret,
+)
 from gateway.worker_pool.supervisor import READY_LINE
 
 ENGINE_CHOICES = ["auto", "fake", "gpu", "local"]
@@ -261,11 +267,18 @@ def run(args: argparse.Namespace) -> int:
         specs = settings.resolved_backends()
         if len(specs) != 1:
             raise ValueError(f"a worker runs one backend; the configuration has {len(specs)}")
+        check_no_kv_tier_secret(args.options, "--options")
         spec = replace(specs[0], options=specs[0].options | args.options)
         if args.role != "both":  # the engine keeps host rows to send or take blocks
             if spec.type != "gpu":
                 raise ValueError(f"--role {args.role} needs the gpu backend, not {spec.type!r}")
+            if not settings.kv_tier_secret:
+                raise ValueError(
+                    f"--role {args.role} needs kv_tier_secret (KVGATE_KV_TIER_SECRET), the "
+                    "same on paired workers: each checks the other's KV blocks with it"
+                )
             spec = replace(spec, options=spec.options | {"kv_transfer": True})
+        spec = with_kv_tier_secret(spec, settings.kv_tier_secret)
         backends = build_backends(spec)
         if len(backends) != 1:
             raise ValueError("a worker is one replica: run one worker per replica")

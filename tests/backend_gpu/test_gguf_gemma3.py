@@ -32,6 +32,7 @@ def test_gemma3_270m_gguf_greedy_matches_transformers(tmp_path):
     # a short max_model_len: the KV budget (a tenth of free memory by default) then holds
     # a sequence whatever else the machine holds
     options = {"max_num_batched_tokens": 64, "max_model_len": 512, "kv_disk_path": str(tmp_path)}
+    options["kv_tier_secret"] = "one secret for both engines, as a gateway gives them"
     llm = LLM(path, **options)
     assert type(llm.engine.runner.model).__name__ == "Gemma3ForCausalLM"
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]

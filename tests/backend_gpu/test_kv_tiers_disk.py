@@ -1,13 +1,15 @@
 """The disk tier under the KV cache (kv_disk_path): blocks are written as they are
 computed, a restarted engine serves them as cached tokens with the output unchanged,
-a block keeps its tenant's salt there, and a file that is foreign, cut short or
-damaged is recomputed, never used; a path that cannot be written keeps the engine
-serving."""
+a block keeps its tenant's salt there, and a file that is foreign, cut short,
+damaged, forged, swapped, written under another secret or no record at all (a
+symlink to /dev/zero, a FIFO, a 1 GiB sparse file) is a miss, recomputed, never used
+(issue 45); a path that cannot be written keeps the engine serving."""
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -15,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from backend_gpu import LLM, SamplingParams
-from engine_api.kv_records import encode_record
+from engine_api.block_hash import hash_blocks
+from engine_api.kv_records import RecordCodec
 from tests.requests import req
 
 BS = 8
@@ -25,6 +28,7 @@ BLOCK_BYTES = (
 DEVICE_BLOCKS = 140
 PROMPT_LEN = 1001  # a 1,000-token prefix (125 blocks) and one token to compute
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+SECRET = "the secret the gateways share, for tests"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def long_llama(tiny_model_dir, tmp_path_factory) -> str:
 
 def _llm(model: str, disk: Path | None, **kwargs) -> LLM:
     if disk is not None:
-        kwargs["kv_disk_path"] = str(disk)
+        kwargs = {"kv_disk_path": str(disk), "kv_tier_secret": SECRET} | kwargs
     return LLM(
         model,
         block_size=BS,
@@ -109,34 +113,65 @@ def _block_files(disk: Path) -> list[Path]:
     return sorted(fp_dir.iterdir(), key=lambda p: p.stat().st_mtime_ns)
 
 
-def _damage(path: Path, how: str) -> None:
+def _damage(path: Path, how: str, next_block: Path) -> None:
+    """Spoil a stored block's file as whoever can write to the directory could (without
+    the secret); `next_block`: the file of the block after it in the prompt."""
     data = path.read_bytes()
-    if how == "corrupt":  # one bit of the payload
+    key, fp = bytes.fromhex(path.stem), bytes.fromhex(path.parent.name)
+    if how == "symlink to /dev/zero":
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif how == "sparse 1 GiB":  # its own header, then a hole
+        with open(path, "r+b") as f:
+            f.truncate(1 << 30)
+    elif how == "corrupt":  # one bit of the payload
         path.write_bytes(data[:-7] + bytes([data[-7] ^ 1]) + data[-6:])
     elif how == "truncated":
         path.write_bytes(data[: len(data) // 2])
-    else:  # another model's block under this key's name
-        key = bytes.fromhex(path.stem)
-        path.write_bytes(encode_record(b"another model!!!", key, data[-BLOCK_BYTES:]))
+    elif how == "foreign":  # another model's block under this key's name
+        path.write_bytes(RecordCodec(b"another model!!!", SECRET).encode(key, data[-BLOCK_BYTES:]))
+    elif how == "forged":  # this model and key, chosen bytes, keyed by a guessed secret
+        path.write_bytes(RecordCodec(fp, "a guess").encode(key, bytes(BLOCK_BYTES)))
+    else:  # "swapped": the next block's valid record, its header naming this block
+        swapped = bytearray(next_block.read_bytes())
+        swapped[24:56] = key
+        path.write_bytes(swapped)
 
 
-@pytest.mark.parametrize("how", ["corrupt", "truncated", "foreign"])
+SPOILS = ["corrupt", "truncated", "foreign", "forged", "swapped"]
+SPOILS += ["symlink to /dev/zero", "fifo", "sparse 1 GiB"]
+
+
+@pytest.mark.parametrize("how", SPOILS)
 def test_a_bad_block_file_is_recomputed_never_used(long_llama, reference, tmp_path, how):
     first = _llm(long_llama, tmp_path)
     _run(first, _prompt())
-    llm_files = _block_files(tmp_path)
-    # the 10th block of the chain: the first 9 still load, the rest are recomputed
-    by_key = {p.stem: p for p in llm_files}
-    from engine_api.block_hash import hash_blocks
-
-    keys = hash_blocks(_prompt()[:1000], BS, None)
-    _damage(by_key[keys[9].hex()], how)
     second = _restart(first, long_llama, tmp_path)
+    by_key = {p.stem: p for p in _block_files(tmp_path)}
+    keys = hash_blocks(_prompt()[:1000], BS, None)
+    # the 10th block of the chain, spoiled under the running engine: the first 9 still
+    # load, the rest are recomputed
+    _damage(by_key[keys[9].hex()], how, by_key[keys[10].hex()])
     assert _run(second, _prompt()) == (reference, 9 * BS)
     stats = second.stats()
-    assert stats.kv_disk_rejected == 1
+    assert stats.kv_disk_rejected == 1 and stats.kv_disk_hits == 9 * BS
     # the bad file is gone, and the block computed again was written again
     assert stats.kv_disk_blocks == 125 and stats.kv_disk_blocks_written == 1
+
+
+def test_blocks_written_under_another_secret_are_dropped_at_start(long_llama, reference, tmp_path):
+    """Their headers name another key: the restart deletes them all, and stores the
+    blocks computed again in their place."""
+    first = _llm(long_llama, tmp_path, kv_tier_secret="another gateway's secret")
+    _run(first, _prompt())
+    second = _restart(first, long_llama, tmp_path)
+    assert second.stats().kv_disk_blocks == 0
+    assert _run(second, _prompt()) == (reference, 0)
+    assert second.stats().kv_disk_blocks_written == 125
+    assert _run(_restart(second, long_llama, tmp_path), _prompt()) == (reference, 1000)
 
 
 def test_an_unwritable_path_keeps_the_engine_serving(long_llama, reference, tmp_path, caplog):
@@ -172,8 +207,6 @@ def test_lower_tier_events_tell_a_router_what_the_engine_still_holds(long_llama,
     second = _restart(first, long_llama, tmp_path, enable_kv_events=True)
     events = second.engine.take_kv_events()
     lower = {e.block_hash for e in events if e.medium == "lower" and e.kind == "stored"}
-    from engine_api.block_hash import hash_blocks
-
     assert lower == set(hash_blocks(_prompt()[:1000], BS, None))
 
 

@@ -1,7 +1,7 @@
 """Blocks between engines (kv_transfer): one engine prefills a prompt, another takes
 its blocks and decodes without computing them again, with the output unchanged; the
-tokens taken are not the request's cached tokens; records of another model, or of
-another tenant's salt, are never taken."""
+tokens taken are not the request's cached tokens; records of another model, of
+another tenant's salt, or of an engine with another secret are never taken."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ BS = 8
 PROMPT_LEN = 201  # 25 full blocks and one token to compute
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PREFILL = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+SECRET = "the secret the gateways share, for tests"
 
 
 def _prompt() -> list[int]:
@@ -24,6 +25,7 @@ def _prompt() -> list[int]:
 
 
 def _llm(tiny_model_dir, **kwargs) -> LLM:
+    kwargs = {"kv_tier_secret": SECRET} | kwargs
     return LLM(tiny_model_dir("llama"), block_size=BS, kv_transfer=True, **kwargs)
 
 
@@ -70,6 +72,15 @@ def test_records_of_another_model_are_refused(tiny_model_dir, reference):
     assert decode.stats().kv_transfer_rejected == 1
     assert _run(decode, GREEDY) == (reference, 0)
     assert decode.stats().kv_transfer_hits == 0
+
+
+def test_records_of_an_engine_with_another_secret_are_refused(tiny_model_dir, reference):
+    prefill = _llm(tiny_model_dir, kv_tier_secret="another gateway's secret")
+    decode = _llm(tiny_model_dir)
+    _run(prefill, PREFILL)
+    assert _move(prefill, decode) == 0
+    assert decode.stats().kv_transfer_rejected == 1
+    assert _run(decode, GREEDY) == (reference, 0)
 
 
 def test_another_salts_request_finds_nothing_to_take(tiny_model_dir, reference):

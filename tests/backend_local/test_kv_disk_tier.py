@@ -1,8 +1,11 @@
 """The llama.cpp engine's disk tier (kv_disk_path) with the real default model: saved
-prefixes survive a restart as cached tokens, keep tenants apart, and a damaged, foreign
-or unloadable file, or a path that cannot be written, never changes an output."""
+prefixes survive a restart as cached tokens, keep tenants apart, and a damaged,
+foreign, unloadable, forged or swapped file, one that is no record at all (a symlink
+to /dev/zero, a FIFO, a 1 GiB sparse file: issue 45), or a path that cannot be
+written, never changes an output."""
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ from backend_local import EngineConfig, LocalEngine, SamplingParams
 from backend_local.kv_disk_tier import DiskTier
 from backend_local.prefix_blocks import BLOCK_SIZE
 from engine_api.kv_disk import SUFFIX
-from engine_api.kv_records import decode_record, encode_record, fingerprint
+from engine_api.kv_records import RecordCodec, fingerprint
 from gateway.backends import BackendError, BackendSpec, GenRequest, build_backend
 from gateway.backends.default_model import DEFAULT_MODEL_ID
 from tests.backend_local.helpers import assert_same_up_to_near_tie, collect, collect_logprobs
@@ -22,10 +25,14 @@ OPTIONS = {"n_ctx": 4096, "n_parallel": 2, "n_batch": 256, "n_threads": 2}
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 SCORED = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
 SLIDING_WINDOW = 512  # Gemma 3's sliding-window layers
+SECRET = "the secret the gateways share, for tests"
 
 
 def engine_on(model_path: str, disk: Path | None) -> LocalEngine:
-    return LocalEngine(EngineConfig(model_path, kv_disk_path=disk and str(disk), **OPTIONS))
+    disk_path = disk and str(disk)
+    return LocalEngine(
+        EngineConfig(model_path, kv_disk_path=disk_path, kv_tier_secret=SECRET, **OPTIONS)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,30 +97,52 @@ async def test_a_restart_serves_a_saved_prefix_as_cached_tokens_to_its_tenant_on
 
 
 def damage(disk: Path, prompts: dict[str, list[int]]) -> None:
-    """Spoil each prompt's record as its name says."""
-    corrupt = record_path(disk, prompts["corrupt"], "t")
-    data = bytearray(corrupt.read_bytes())
+    """Spoil each prompt's record as its name says, as whoever can write to the
+    directory could (without the secret)."""
+    path = {name: record_path(disk, prompt, "t") for name, prompt in prompts.items()}
+    original = {name: p.read_bytes() for name, p in path.items()}
+    fp = bytes.fromhex(path["corrupt"].parent.name)
+    codec = RecordCodec(fp, SECRET)
+
+    def key_of(name: str) -> bytes:
+        return bytes.fromhex(path[name].stem)
+
+    data = bytearray(path["corrupt"].read_bytes())
     data[len(data) // 2] ^= 0x40
-    corrupt.write_bytes(data)
+    path["corrupt"].write_bytes(data)
 
-    truncated = record_path(disk, prompts["truncated"], "t")
-    truncated.write_bytes(truncated.read_bytes()[:-1000])
+    path["truncated"].write_bytes(path["truncated"].read_bytes()[:-1000])
 
-    foreign = record_path(disk, prompts["foreign"], "t")
-    fp, key = bytes.fromhex(foreign.parent.name), bytes.fromhex(foreign.stem)
-    payload = decode_record(foreign.read_bytes(), fp, key)
+    payload = codec.decode(original["foreign"], key_of("foreign"))
     assert payload is not None
-    other = fingerprint(model="another-model.gguf")
-    foreign.write_bytes(encode_record(other, key, payload))  # another model's, this name
+    other = RecordCodec(fingerprint(model="another-model.gguf"), SECRET)
+    path["foreign"].write_bytes(other.encode(key_of("foreign"), payload))  # this name
 
     # passes every check of its own, but is no llama.cpp state
-    refused = record_path(disk, prompts["refused"], "t")
-    refused.write_bytes(encode_record(fp, bytes.fromhex(refused.stem), b"\x01" * 4096))
+    path["refused"].write_bytes(codec.encode(key_of("refused"), b"\x01" * 4096))
+
+    # chosen bytes (another prompt's state), framed as the format says, keyed by a guess
+    path["forged"].write_bytes(RecordCodec(fp, "a guess").encode(key_of("forged"), payload))
+
+    # another prompt's valid record, its header naming this prompt's prefix
+    swapped = bytearray(original["foreign"])
+    swapped[24:56] = key_of("swapped")
+    path["swapped"].write_bytes(swapped)
+
+    for name in ("symlink to /dev/zero", "fifo"):
+        path[name].unlink()
+    path["symlink to /dev/zero"].symlink_to("/dev/zero")
+    os.mkfifo(path["fifo"])
+    with open(path["sparse 1 GiB"], "r+b") as f:  # its own header, then a hole
+        f.truncate(1 << 30)
 
 
-async def test_damaged_foreign_and_unloadable_files_are_recomputed(plain, model_path, tmp_path):
+async def test_damaged_foreign_forged_and_unloadable_files_are_recomputed(
+    plain, model_path, tmp_path
+):
     subjects = {"corrupt": "rivers", "truncated": "mountains", "foreign": "deserts"}
-    subjects["refused"] = "oceans"
+    subjects |= {"refused": "oceans", "forged": "forests", "swapped": "islands"}
+    subjects |= {"symlink to /dev/zero": "lakes", "fifo": "volcanoes", "sparse 1 GiB": "caves"}
     prompts = {
         name: plain.tokenize(f"A short lecture on the {subject} of the world. " * 12)
         for name, subject in subjects.items()
@@ -123,10 +152,10 @@ async def test_damaged_foreign_and_unloadable_files_are_recomputed(plain, model_
         cold = {n: (await collect(first, n, p, GREEDY, "t"))[0] for n, p in prompts.items()}
     finally:
         first.shutdown()
-    assert first.stats().kv_disk_blocks_written == 4
-    damage(tmp_path, prompts)
+    assert first.stats().kv_disk_blocks_written == len(prompts)
 
     second = engine_on(model_path, tmp_path)
+    damage(tmp_path, prompts)  # under the running engine: each found at its read
     try:
         for name, prompt in prompts.items():
             ids, _, out = await collect(second, name, prompt, GREEDY, "t")
@@ -136,10 +165,10 @@ async def test_damaged_foreign_and_unloadable_files_are_recomputed(plain, model_
     finally:
         second.shutdown()
     assert stats.kv_disk_hits == 0
-    assert stats.kv_disk_rejected == 4
+    assert stats.kv_disk_rejected == len(prompts)
     # the spoiled files went; the recomputed prefixes were saved again, except the one
     # llama.cpp refused under this very fingerprint
-    assert stats.kv_disk_blocks_written == 3
+    assert stats.kv_disk_blocks_written == len(prompts) - 1
 
 
 async def test_an_unwritable_path_keeps_serving_and_counts_a_write_error(
@@ -160,7 +189,8 @@ async def test_an_unwritable_path_keeps_serving_and_counts_a_write_error(
 
 
 async def test_the_gateway_bills_restored_tokens_as_cached_and_reports_the_tier(tmp_path):
-    options = {**OPTIONS, "kv_disk_path": str(tmp_path), "kv_disk_gb": 1}
+    # the secret as the gateway's lifecycle passes it to an in-process engine
+    options = {**OPTIONS, "kv_disk_path": str(tmp_path), "kv_disk_gb": 1, "kv_tier_secret": SECRET}
     backend = build_backend(BackendSpec(name="local", type="local", options=options))
     prompt = None
     try:

@@ -125,7 +125,16 @@ async def test_the_same_prompt_under_two_adapters_shares_no_cached_tokens(engine
 async def test_the_disk_tier_keeps_adapters_apart(model_path, loras, tmp_path):
     def start() -> LocalEngine:
         disk, lora = str(tmp_path), True
-        config = EngineConfig(model_path, 512, 1, n_threads=1, kv_disk_path=disk, enable_lora=lora)
+        secret = "one secret for both engines, as a gateway gives them"
+        config = EngineConfig(
+            model_path,
+            512,
+            1,
+            n_threads=1,
+            kv_disk_path=disk,
+            enable_lora=lora,
+            kv_tier_secret=secret,
+        )
         return LocalEngine(config)
 
     engine = start()

@@ -1,7 +1,10 @@
 """The disk tier's store (engine_api.kv_disk) and its records (engine_api.kv_records):
-what comes back is what went in, under the same fingerprint and key only."""
+what comes back is what went in, under the same fingerprint, key and secret only."""
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -9,12 +12,15 @@ from pathlib import Path
 import pytest
 
 from engine_api.kv_disk import STALE_TMP_S, SUFFIX, DiskStore
-from engine_api.kv_records import HEADER_SIZE, decode_record, encode_record, fingerprint
+from engine_api.kv_records import HEADER_SIZE, RecordCodec, fingerprint
 
 FP = fingerprint(model="m", block_size=16)
 OTHER_FP = fingerprint(model="another", block_size=16)
+SECRET = "the secret the gateways share, for tests"
+CODEC = RecordCodec(FP, SECRET)
 BLOCK = bytes(range(256)) * 4  # 1 KiB
 RECORD = HEADER_SIZE + len(BLOCK)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def key(i: int) -> bytes:
@@ -22,7 +28,7 @@ def key(i: int) -> bytes:
 
 
 def store_at(root: Path, blocks: int = 8) -> DiskStore:
-    return DiskStore(root, blocks * RECORD, FP)
+    return DiskStore(root, blocks * RECORD, CODEC, RECORD)
 
 
 def test_fingerprint_is_16_bytes_and_tells_parts_apart():
@@ -32,17 +38,17 @@ def test_fingerprint_is_16_bytes_and_tells_parts_apart():
 
 
 def test_a_record_decodes_only_under_its_fingerprint_and_key():
-    data = encode_record(FP, key(1), BLOCK)
-    assert bytes(decode_record(data, FP, key(1))) == BLOCK
-    assert decode_record(data, OTHER_FP, key(1)) is None
-    assert decode_record(data, FP, key(2)) is None
-    assert decode_record(data[:-1], FP, key(1)) is None
-    assert decode_record(data + b"\0", FP, key(1)) is None
+    data = CODEC.encode(key(1), BLOCK)
+    assert bytes(CODEC.decode(data, key(1))) == BLOCK
+    assert RecordCodec(OTHER_FP, SECRET).decode(data, key(1)) is None
+    assert CODEC.decode(data, key(2)) is None
+    assert CODEC.decode(data[:-1], key(1)) is None
+    assert CODEC.decode(data + b"\0", key(1)) is None
     flipped = bytearray(data)
     flipped[HEADER_SIZE + 10] ^= 1
-    assert decode_record(bytes(flipped), FP, key(1)) is None
+    assert CODEC.decode(bytes(flipped), key(1)) is None
     with pytest.raises(ValueError):
-        encode_record(FP[:8], key(1), BLOCK)
+        RecordCodec(FP[:8], SECRET)
 
 
 def test_round_trip_and_a_second_put_of_a_key_is_not_written(tmp_path):
@@ -99,7 +105,8 @@ def test_a_restart_removes_what_an_interrupted_write_left(tmp_path):
 
 @pytest.mark.parametrize("spoil", ["corrupt", "truncated", "foreign", "misnamed"])
 def test_a_bad_file_is_rejected_deleted_and_not_served(tmp_path, spoil):
-    store_at(tmp_path).put(key(1), BLOCK)
+    store = store_at(tmp_path)
+    store.put(key(1), BLOCK)
     path = tmp_path / FP.hex() / (key(1).hex() + SUFFIX)
     data = bytearray(path.read_bytes())
     if spoil == "corrupt":
@@ -107,32 +114,84 @@ def test_a_bad_file_is_rejected_deleted_and_not_served(tmp_path, spoil):
     elif spoil == "truncated":
         data = data[: len(data) // 2]
     elif spoil == "foreign":  # another model's block, copied in under this name
-        data = encode_record(OTHER_FP, key(1), BLOCK)
+        data = RecordCodec(OTHER_FP, SECRET).encode(key(1), BLOCK)
     else:  # a block of another key, under this one's name
-        data = encode_record(FP, key(2), BLOCK)
-    path.write_bytes(data)
-    store = store_at(tmp_path)
+        data = CODEC.encode(key(2), BLOCK)
+    path.write_bytes(data)  # under the running store
     assert key(1) in store
     assert store.get(key(1)) is None
     assert store.rejected == 1 and key(1) not in store and not path.exists()
     assert store.bytes == 0
 
 
-def test_a_full_disk_stops_writing_and_reads_go_on(tmp_path, caplog):
-    if not os.path.exists("/dev/full"):
-        pytest.skip("needs /dev/full")
+FAILED_WRITE = """
+import json, resource, signal, sys
+from engine_api.kv_disk import DiskStore
+from tests.engine_api.test_kv_disk import BLOCK, CODEC, RECORD, key
+
+store = DiskStore(sys.argv[1], 8 * RECORD, CODEC, RECORD)
+store.put(key(1), BLOCK)
+# files past 100 bytes cannot be written (EFBIG, as a full disk's ENOSPC)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))
+store.put(key(2), BLOCK)
+errors, writable = store.write_errors, store.writable
+store.put(key(3), BLOCK)  # stopped: not even tried
+print(json.dumps({
+    "first": [errors, writable], "errors": store.write_errors,
+    "index": [k.hex() for k in store.index], "read": bytes(store.get(key(1))) == BLOCK,
+}))
+"""
+
+
+def test_a_restart_deletes_the_records_it_could_never_read(tmp_path):
+    """Told from their headers alone: another secret's (or an engine's with none),
+    another key's, cut short; a damaged payload only shows at its read."""
+    store = store_at(tmp_path)
+    for i in range(5):
+        store.put(key(i), BLOCK)
+    files = [store.dir / (key(i).hex() + SUFFIX) for i in range(5)]
+    files[0].write_bytes(RecordCodec(FP, "another gateway's secret").encode(key(0), BLOCK))
+    files[1].write_bytes(RecordCodec(FP, None).encode(key(1), BLOCK))
+    files[2].write_bytes(CODEC.encode(key(3), BLOCK))
+    files[3].write_bytes(files[3].read_bytes()[:-1])
+    damaged = bytearray(files[4].read_bytes())
+    damaged[-1] ^= 1
+    files[4].write_bytes(damaged)
+    again = store_at(tmp_path)
+    assert list(again.index) == [key(4)] and [f.exists() for f in files] == [False] * 4 + [True]
+    assert again.get(key(4)) is None and again.rejected == 1
+
+
+def test_a_failed_write_stops_writing_and_reads_go_on(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", FAILED_WRITE, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = json.loads(run.stdout)
+    assert out == {"first": [1, False], "errors": 1, "index": [key(1).hex()], "read": True}
+    assert "no more blocks are written" in run.stderr
+
+
+def test_a_symlink_at_a_writes_temporary_name_is_not_written_through(tmp_path):
+    store = store_at(tmp_path / "kv")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone else's file")
+    tmp = store.dir / f"{key(1).hex()}.{os.getpid()}-{threading.get_ident()}.tmp"  # this writer's
+    tmp.symlink_to(victim)
+    store.put(key(1), BLOCK)
+    assert victim.read_bytes() == b"someone else's file"
+    assert (store.write_errors, store.writable) == (1, False) and key(1) not in store
+    assert not tmp.is_symlink()  # the planted link is gone
+
+
+def test_records_are_written_for_their_owner_alone(tmp_path):
     store = store_at(tmp_path)
     store.put(key(1), BLOCK)
-    # the next write lands on a device that is always full (ENOSPC)
-    tmp = f"{key(2).hex()}.{os.getpid()}-{threading.get_ident()}.tmp"  # this writer's
-    (store.dir / tmp).symlink_to("/dev/full")
-    store.put(key(2), BLOCK)
-    assert (store.write_errors, store.writable) == (1, False)
-    assert "no more blocks are written" in caplog.text
-    assert key(2) not in store
-    store.put(key(3), BLOCK)  # stopped: not even tried
-    assert key(3) not in store and store.write_errors == 1
-    assert bytes(store.get(key(1))) == BLOCK
+    assert (store.dir / (key(1).hex() + SUFFIX)).stat().st_mode & 0o777 == 0o600
 
 
 def test_an_unwritable_path_counts_a_write_error_and_stores_nothing(tmp_path):

@@ -26,6 +26,7 @@ from gateway.worker.events import EventLog
 from tests.backend_gpu.tiny_models import save_tiny_model
 
 TOKEN = "worker-token-" + "t" * 32
+KV_TIER_SECRET = "kv-tier-secret-" + "s" * 32
 MODEL = "fake-model"
 
 
@@ -52,7 +53,8 @@ class LiveWorker:
 def start_worker(tmp_path: Path, *args: str, timeout: float = 120) -> LiveWorker:
     """`kvgate worker --port 0 ARGS` with the test token; waits for its ready line."""
     log = tmp_path / f"worker-{time.monotonic_ns()}.log"
-    env = dict(os.environ, KVGATE_WORKER_TOKEN=TOKEN)
+    # the KV tiers' secret, as a supervisor passes it: paired workers share it
+    env = dict(os.environ, KVGATE_WORKER_TOKEN=TOKEN, KVGATE_KV_TIER_SECRET=KV_TIER_SECRET)
     cmd = [sys.executable, "-m", "gateway.cli", "worker", "--port", "0", *args]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
