@@ -211,9 +211,9 @@ class UpstreamClient:
         with contextlib.suppress(Exception):  # the status is the answer; the body is a hint
             raw = await self.read(resp, MAX_ERROR_BODY)
         error = _error_object(raw)
-        log.warning("%s: %s answered HTTP %d: %r", self.label, resp.url, resp.status, raw[:2000])
         if relay and (adapter_error := relayed_adapter_error(error)) is not None:
-            raise adapter_error
+            raise adapter_error  # the registry logs it, once
+        log.warning("%s: %s answered HTTP %d: %r", self.label, resp.url, resp.status, raw[:2000])
         if resp.status in BAD_REQUEST_STATUSES:
             sizes = [error.get(k) for k in ("prompt_tokens", "max_tokens", "context_length")]
             if error.get("code") == "context_length_exceeded" and all(

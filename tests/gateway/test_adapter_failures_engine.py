@@ -128,7 +128,9 @@ async def test_a_peft_adapter_broken_after_registration(make_gateway, files, tmp
     assert listed["data"][0]["state"] == "ready"
 
 
-async def test_a_peft_adapter_broken_after_registration_on_a_worker(make_gateway, files, tmp_path):
+async def test_a_peft_adapter_broken_after_registration_on_a_worker(
+    make_gateway, files, tmp_path, caplog
+):
     worker = start_worker(
         tmp_path,
         *("--backend", "gpu", "--model", files["model"], "--served-model-name", "tiny"),
@@ -148,8 +150,14 @@ async def test_a_peft_adapter_broken_after_registration_on_a_worker(make_gateway
         broken = copy_of(files["good"], tmp_path / "broken")
         assert (await register(gw, "broken", broken))[0] == 201
         (broken / WEIGHTS).unlink()
+        caplog.clear()
         await assert_load_fails(gw, key, "broken", f"no {WEIGHTS}")  # the worker's reason
         assert up.stats().healthy
+        said = [r.getMessage() for r in caplog.records if "HTTP 500" in r.getMessage()]
+        failed = [
+            r for r in caplog.records if "LoRA adapter broken failed to load" in r.getMessage()
+        ]
+        assert not said and len(failed) == 2  # a line a request, the registry's
     finally:
         worker.stop()
 
