@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import operator
 import sqlite3
 import time
 from collections import defaultdict
@@ -80,7 +82,13 @@ class UsageRow:
 
     @property
     def day(self) -> str:
-        return time.strftime("%Y-%m-%d", time.gmtime(self.created_at))
+        return _utc_day(int(self.created_at // 86400))
+
+
+@functools.lru_cache(maxsize=4)
+def _utc_day(day: int) -> str:
+    """The date of a UTC day number (each row's, once a day rather than once a row)."""
+    return time.strftime("%Y-%m-%d", time.gmtime(day * 86400))
 
 
 Waiter = tuple[UsageRow, asyncio.Future[None]]
@@ -280,8 +288,8 @@ class UsageRecorder:
     async def _commit(self, rows: list[UsageRow]) -> None:
         # Core statements on a bare connection: executemany, no ORM unit of work.
         daily = self._daily_totals(rows)
+        values = [_row_values(r) for r in rows]  # a tuple in _USAGE_COLUMNS' order
         if self.db.sync_engine is not None:
-            values = [{c: getattr(r, c) for c in _USAGE_COLUMNS} for r in rows]
             # A small batch costs less than the two thread switches that would hide it;
             # a large one goes to a worker thread so the event loop keeps serving.
             if len(rows) <= INLINE_COMMIT_ROWS:
@@ -294,9 +302,7 @@ class UsageRecorder:
         async with self.db.driver() as conn, conn.transaction():
             if settlements:  # first: counter rows are locked before any other row
                 await apply_settlements(conn, settlements)
-            await conn.executemany(
-                _PG_USAGE_INSERT, [[getattr(r, c) for c in _USAGE_COLUMNS] for r in rows]
-            )
+            await conn.executemany(_PG_USAGE_INSERT, values)
             await conn.executemany(
                 _PG_DAILY_UPSERT, [[d[c] for c in _DAILY_COLUMNS] for d in daily]
             )
@@ -333,7 +339,7 @@ class UsageRecorder:
             log.warning("SQLite %s checkpoint failed: %s", mode, e)
             return False
 
-    def _commit_sync(self, values: list[dict], daily: list[dict]) -> None:
+    def _commit_sync(self, values: list[tuple], daily: list[dict]) -> None:
         # The plain sqlite3 cursor: SQLAlchemy's per-statement work would be most of a
         # small batch's cost, and this thread holds the GIL the event loop needs.
         assert self.db.sync_engine is not None
@@ -381,6 +387,7 @@ def _row_fault(e: Exception) -> bool:
 
 
 _USAGE_COLUMNS = [f.name for f in fields(UsageRow) if f.name != "settlement"]
+_row_values = operator.attrgetter(*_USAGE_COLUMNS)
 _DAILY_COUNTS = (
     "requests",
     "prompt_tokens",
@@ -405,8 +412,9 @@ def _daily_upsert(marks: list[str]) -> str:
     )
 
 
-# SQLite's cursor takes named parameters (from the rows' dicts), asyncpg numbered ones
-_SQLITE_USAGE_INSERT = _insert("usage_records", _USAGE_COLUMNS, [":" + c for c in _USAGE_COLUMNS])
+# SQLite's cursor takes the rows' values by position (?) and the daily totals by name
+# (from their dicts), asyncpg both by number
+_SQLITE_USAGE_INSERT = _insert("usage_records", _USAGE_COLUMNS, ["?"] * len(_USAGE_COLUMNS))
 _SQLITE_DAILY_UPSERT = _daily_upsert([":" + c for c in _DAILY_COLUMNS])
 _PG_USAGE_INSERT = _insert(
     "usage_records", _USAGE_COLUMNS, [f"${i + 1}" for i in range(len(_USAGE_COLUMNS))]

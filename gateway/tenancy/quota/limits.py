@@ -190,14 +190,12 @@ class Windows:
         return self.month if kind in (MONTHLY, MONTHLY_SPEND) else 0
 
     def reset_s(self, kind: str) -> float:
-        return {
-            REQUESTS: self.minute_reset_s,
-            TOKENS: self.minute_reset_s,
-            DAILY: self.day_reset_s,
-            MONTHLY: self.month_reset_s,
-            DAILY_SPEND: self.day_reset_s,
-            MONTHLY_SPEND: self.month_reset_s,
-        }.get(kind, 1.0)
+        # as `of` reads: every response's x-ratelimit-* headers ask it, no dict built
+        if kind in (REQUESTS, TOKENS):
+            return self.minute_reset_s
+        if kind in (DAILY, DAILY_SPEND):
+            return self.day_reset_s
+        return self.month_reset_s if kind in (MONTHLY, MONTHLY_SPEND) else 1.0
 
 
 @functools.lru_cache(maxsize=4)
