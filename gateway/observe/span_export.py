@@ -11,6 +11,10 @@ variable works as the SDK defines it (the child inherits the environment).
 
 Closing flushes what is buffered, tells the child to stop, and waits for it to export
 what it holds. The child leaves on its own when its parent is gone.
+
+An endpoint that is down is said once, and once again when it answers (ReportedExporter):
+the SDK's exporters log a line on every retry of every batch, which on a gateway whose
+collector is down buried everything else in its log.
 """
 
 from __future__ import annotations
@@ -101,8 +105,10 @@ def serve(
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the parent, which stops it
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")  # as serve's
+    log.setLevel(logging.INFO)
     resource = Resource.create({SERVICE_NAME: service_name})
-    processor = BatchSpanProcessor(exporter(endpoint, grpc))
+    processor = BatchSpanProcessor(ReportedExporter(exporter(endpoint, grpc)))
     scope = InstrumentationScope("kvgate")
     limits = SpanLimits()
     try:
@@ -162,3 +168,65 @@ def exporter(endpoint: str | None, grpc: bool):
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     return OTLPSpanExporter(endpoint=endpoint)
+
+
+class ReportedExporter:
+    """An OTLP exporter whose failures are logged once, and its recovery once.
+
+    The SDK exporters' own lines (a warning per retry, an error per batch dropped) are
+    kept from the log: the first of a failing run is quoted as the reason."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self._where = inner._endpoint  # both OTLP exporters keep the URL they send to
+        self._said = _SdkLines()
+        sdk = logging.getLogger("opentelemetry.exporter.otlp")
+        sdk.addHandler(self._said)
+        sdk.propagate = False
+        self._dropped = 0  # spans of the batches that failed since the last success
+        # the inner's own: the processor reads shutdown's arguments to pass it a timeout
+        self.shutdown = inner.shutdown
+        self.force_flush = inner.force_flush
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self._said.lines.clear()
+        result = self._inner.export(spans)
+        if result is SpanExportResult.SUCCESS:
+            if self._dropped:
+                log.info(
+                    "traces reach %s again (%d spans were dropped while it did not answer)",
+                    self._where,
+                    self._dropped,
+                )
+            self._dropped = 0
+        else:
+            if not self._dropped:
+                reason = self._said.lines[0] if self._said.lines else "the export failed"
+                log.warning(
+                    "traces cannot be sent to %s: spans are dropped until it answers (said "
+                    "once, and again when it does): %s",
+                    self._where,
+                    reason,
+                )
+            self._dropped += len(spans)
+        return result
+
+
+class _SdkLines(logging.Handler):
+    """What the SDK's OTLP exporters logged during one export, not printed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("Transient error") and args:
+            # a retry's line: the error is its first argument (gRPC's details its fifth),
+            # the rest says it will retry, which a line said once should not
+            details = args[4] if len(args) == 5 else None
+            self.lines.append(f"{args[0]}: {details}" if details else str(args[0]))
+        else:
+            self.lines.append(record.getMessage())
