@@ -7,7 +7,10 @@ slot and the inputs' tokens (and their worst-case spend at the model's input pri
 before any engine work; then a replica embeds them (through the gateway's fair queue
 where it keeps one), trying the next healthy one if it fails. There is no output, so the
 usage row has no completion tokens; it is committed before the answer goes out, and the
-reservation is settled on every path, a failure or a client that left included.
+reservation is settled on every path, a failure or a client that left included. A client
+that hangs up pays for the inputs the replica had pooled by then (their tokens, as its
+Progress says: a request of hundreds of inputs is computed over many steps); a failure
+pays nothing.
 
 The tokens billed are the gateway's own count of what it rendered (what it reserved and
 checked). A backend's own count (a remote upstream's `usage.prompt_tokens`) is a claim,
@@ -37,6 +40,7 @@ from gateway.backends import (
     EmbedRequest,
     EmbedResult,
     ModelCard,
+    Progress,
     is_text_bound,
 )
 from gateway.http.errors import ApiError
@@ -157,6 +161,9 @@ class _Call:
     request_id: str = field(default_factory=lambda: "embd-" + os.urandom(12).hex())
     started: float = field(default_factory=time.perf_counter)
     counted_by: str = "engine"
+    # the tokens of the inputs the replica called last has pooled (it fills this): what
+    # a client that hangs up pays for
+    progress: Progress = field(default_factory=Progress)
 
     async def run(self, order: list[Backend], req: EmbedRequest) -> Embedded:
         p = self.principal
@@ -165,7 +172,8 @@ class _Call:
             result = await self._on_replicas(order, req)
             vectors = _checked(result, req)
         except CLIENT_GONE:
-            await asyncio.shield(self._finish(499, 0, "the client went away"))
+            pooled = min(self.progress.tokens, self.tokens)
+            await asyncio.shield(self._finish(499, pooled, "the client went away"))
             raise
         except BadRequestError as e:
             await asyncio.shield(self._finish(400, 0, str(e)))
@@ -193,6 +201,7 @@ class _Call:
             if not isinstance(backend, EmbeddingBackend):
                 raise BackendError(f"the backend of model {self.model!r} cannot embed")
             router.claim(backend)
+            self.progress = Progress()  # a replica that failed is not billed
             try:
                 return await self._embed_on(backend, req)
             except BackendError as e:
@@ -211,11 +220,11 @@ class _Call:
         not kvgate's), charged the inputs' tokens: the service the tenant is given."""
         queue = self.gw.queues.get(backend.name)
         if queue is None:
-            return await backend.embed(req)
+            return await backend.embed(req, self.progress)
         tenant = req.tenant_id
         async with queue.slot(tenant, self.principal.weight):
             queue.charge(tenant, self.tokens)
-            return await backend.embed(req)
+            return await backend.embed(req, self.progress)
 
     def _billed(self, claimed: int, inputs: int) -> int:
         """The backend's count where it agrees with the gateway's; else the gateway's."""

@@ -143,7 +143,7 @@ class Job:
     ) -> AsyncIterator[GenChunk]:
         """The backend's stream for one choice, through its meter; through the gateway's
         fair queue when the backend has one (its scheduler is not kvgate's)."""
-        stream = metered(self.backend.generate(req), meter)
+        stream = metered(self.backend.generate(req, meter.progress), meter)
         queue = self.gw.queues.get(self.backend.name)
         return stream if queue is None else queued(queue, req, stream, meter, slot_given)
 
@@ -208,6 +208,24 @@ class Job:
         self.completion_tokens, self.cached_by_prompt = total, cached
         self.counted_by = "gateway" if "gateway" in counters else "engine"
 
+    def _prompt_computed(self) -> int:
+        """The prompt tokens of a request that ended before its answer did (a client that
+        left, a drain's cut, a failure): per prompt, what its engine computed (all of it
+        once one of its choices had output: its prefill was done), the cached tokens
+        within that; none for a prompt no engine took. What it did not compute is not
+        cached for the next request either."""
+        total = 0
+        for prompt, first in enumerate(range(0, len(self.meters), self.n)):
+            meters = self.meters[first : first + self.n]
+            whole = meters[0].prompt
+            computed = max(m.progress.tokens for m in meters)
+            if any(m.delivered for m in meters):
+                computed = whole
+            computed = min(computed, whole)
+            self.cached_by_prompt[prompt] = min(self.cached_by_prompt.get(prompt, 0), computed)
+            total += computed
+        return total
+
     async def _count_prompt(self, index: int) -> int | None:
         """A text-bound prompt the backend sent no usage for: its tokens by the upstream's
         tokenizer where it can count them (else the bound stands)."""
@@ -267,7 +285,7 @@ class Job:
         try:
             if delivered:
                 await self._settle_meters()
-                prompt_tokens = self.prompt_tokens if self.first_token_at or status == 200 else 0
+                prompt_tokens = self.prompt_tokens if status == 200 else self._prompt_computed()
             else:
                 self.completion_tokens, self.cached_by_prompt = 0, {}
             row = self._usage_row(status, finish_reason, prompt_tokens, end)

@@ -15,7 +15,9 @@ client passes one ChoiceMeter, which
 - takes the backend's usage on the last chunk only where it is consistent with what was
   delivered (what was counted <= completion <= max_tokens, 0 <= cached <= prompt); the
   prompt is the gateway's own count, or, where that is only a bound (a text-bound prompt,
-  gateway/backends/remote_text.py), the claim within it.
+  gateway/backends/remote_text.py), the claim within it;
+- carries the Progress the backend fills with how much of the prompt it computed: what a
+  choice cut before its last chunk (before its first, during prefill) pays for its prompt.
 
 `Job.finish` settles each choice to `ChoiceMeter.billed`.
 """
@@ -26,7 +28,15 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.backends import Backend, GenChunk, GenRequest, TokenLogprob, Usage, is_text_bound
+from gateway.backends import (
+    Backend,
+    GenChunk,
+    GenRequest,
+    Progress,
+    TokenLogprob,
+    Usage,
+    is_text_bound,
+)
 
 log = logging.getLogger("kvgate")
 
@@ -59,6 +69,9 @@ class ChoiceMeter:
     # the upstream tokenizer's count of it where one was made
     prompt_bound: bool = False
     prompt_counted: int | None = None
+    # how much of the prompt the backend computed (it fills this): a choice cut short
+    # bills its prompt by it (Job.finish)
+    progress: Progress = field(default_factory=Progress)
 
     @classmethod
     def of(cls, req: GenRequest, backend: Backend) -> ChoiceMeter:
@@ -89,7 +102,9 @@ class ChoiceMeter:
 
     @property
     def cached(self) -> int:
-        return self.claim.cached_tokens if self.claim is not None else 0
+        """Its prompt's cached tokens: the backend's claim once taken, else as far as its
+        computed prompt shows them."""
+        return self.claim.cached_tokens if self.claim is not None else self.progress.cached
 
     def plausible(self) -> bool:
         """The taken claim leaves no more text per token than real text has."""

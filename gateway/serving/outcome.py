@@ -4,11 +4,12 @@ committed before the response completes, a failure's status and the words a clie
 hear, and large tool calls handled off the event loop.
 
 `whole_answer` and `streamed` hold the rules once, and each API brings only its shapes:
-a client that hangs up is billed for what it received (a 499 row); a whole answer that
-failed bills nothing and is the client's error; a stream that failed after its 200
-bills what went out and ends with the API's error event, as does one the drain cuts at
-its deadline (a 503 row); and an answer whose usage row is not committed does not
-complete.
+a client that hangs up is billed for what it received and for the prompt its engine
+computed, prefill cut short or not (a 499 row: Job.finish); a whole answer that failed
+bills nothing and is the client's error; a stream that failed after its 200 bills what
+went out (and the prompt computed) and ends with the API's error event, as does one the
+drain cuts at its deadline (a 503 row); and an answer whose usage row is not committed
+does not complete.
 """
 
 from __future__ import annotations
