@@ -29,7 +29,15 @@ def check_types(obj: Any, hints: dict[str, Any], skip: frozenset[str] = frozense
     for name, hint in hints.items():
         value = getattr(obj, name)
         if name not in skip and not _fits(value, hint):
-            raise ConfigError(name, f"{name} must be {_described(hint)}, got {value!r}")
+            raise ConfigError(name, f"{name} must be {_described(hint)}, got {_shown(name, value)}")
+
+
+def _shown(name: str, value: Any) -> str:
+    """A wrong value as an error may repeat it: a secret's only by its type, for errors
+    reach logs and an admin's HTTP answers."""
+    if name.endswith(("key", "secret", "password", "token")):
+        return f"a value of type {type(value).__name__}"
+    return repr(value)
 
 
 def table(value: Any, key: str) -> dict[str, Any]:

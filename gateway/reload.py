@@ -103,13 +103,13 @@ async def _reload(gw: GatewayState, actor: str) -> Reload:
             raise ReloadError("the gateway is shutting down")
         try:
             new = gw.source.load()
-            configured = new.resolved_backends()
+            configured = new.resolved_backends(starter=True)
         except ConfigError as e:
             raise ReloadError(f"the config was refused: {e}", field=e.key) from None
         except (OSError, ValueError, TypeError) as e:  # TypeError: a wrong type unforeseen
             raise ReloadError(f"the config was refused: {e}") from None
         done = Reload(changed=_changed(gw.settings, new))
-        old = {spec.name: spec for spec in gw.settings.resolved_backends()}
+        old = {spec.name: spec for spec in gw.settings.resolved_backends(starter=True)}
         now = {spec.name: spec for spec in configured}
         done.added = [n for n in now if n not in old]
         done.removed = [n for n in old if n not in now]
@@ -152,7 +152,8 @@ def _audited(old: Settings, new: Settings, done: Reload) -> tuple[dict, dict]:
                 out[name] = (
                     value if isinstance(value, str | int | float | bool | None) else str(value)
                 )
-        return out | {"backends": sorted(spec.name for spec in settings.resolved_backends())}
+        backends = settings.resolved_backends(starter=True)
+        return out | {"backends": sorted(spec.name for spec in backends)}
 
     return view(old), view(new) | {"replaced": done.replaced}
 

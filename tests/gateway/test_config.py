@@ -91,3 +91,14 @@ def test_sqlite_wal_limit_is_a_setting(tmp_path):
     assert load_settings(cfg, environ={}).sqlite_wal_limit_bytes == 2**20
     env = {"KVGATE_SQLITE_WAL_LIMIT_BYTES": "262144"}
     assert load_settings(cfg, environ=env).sqlite_wal_limit_bytes == 2**18
+
+
+@pytest.mark.parametrize("name", ["admin_key", "kv_tier_secret"])
+def test_a_secret_of_the_wrong_type_is_named_not_shown(tmp_path, name):
+    cfg = tmp_path / "kvgate.toml"
+    secret = 918273645546372819918273645546372819
+    cfg.write_text(f"[server]\n{name} = {secret}\n\n[[backends]]\nname = 'a'\ntype = 'fake'\n")
+    with pytest.raises(ValueError, match=name) as refused:
+        load_settings(cfg, environ={})
+    assert str(secret) not in str(refused.value)
+    assert "a value of type int" in str(refused.value)
