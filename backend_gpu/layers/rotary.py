@@ -25,7 +25,53 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_frequencies(head_dim, theta, scaling)
     raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+
+
+def _yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): the low frequencies interpolated
+    by `factor`, the high ones kept, a linear ramp between the two correction dims."""
+    old_len = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no ramp of width 0
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # in transformers' order of operations, so the tables are its bits
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return 1.0 / (scaling["factor"] * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1 * mscale * ln(factor) + 1 (1 for no stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (1 for every other kind): its
+    attention_factor, else mscale over mscale_all_dim (DeepSeek's), else mscale(factor)."""
+    scaling = scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, mscale, all_dim = (
+        scaling["factor"],
+        scaling.get("mscale"),
+        scaling.get("mscale_all_dim"),
+    )
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -48,7 +94,8 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        magnitude = attention_factor(scaling)
+        self.cos, self.sin = emb.cos() * magnitude, emb.sin() * magnitude
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
