@@ -140,9 +140,10 @@ async def _whole(job: Job) -> web.Response:
     logprobs: list[list[TokenLogprob | str]] | None = None
     if job.requests[0].sampling.logprobs is not None:
         logprobs = [[] for _ in range(k)]
+    echoes = job.echoes is not None
     async with whole_answer(job):
         async for i, chunk in job.events():
-            if (echo := job.echo_of(i)) is not None and not texts[i]:
+            if echoes and not texts[i] and (echo := job.echo_of(i)) is not None:
                 texts[i].append(echo.text)
                 if logprobs is not None:
                     logprobs[i].extend(echo.logprobs(chunk.prompt_logprobs))
@@ -192,7 +193,8 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
                 calls,
             )
             large = bool(calls) and tools[i].held_chars > LARGE_CALL_CHARS
-            await resp.write(await off_loop_if(large, sse, body))
+            # the common chunk is encoded inline: no coroutine a chunk to decide that
+            await resp.write(await off_loop_if(large, sse, body) if large else sse(body))
             first[i] = False
         return last_finish
 
