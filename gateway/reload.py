@@ -13,7 +13,8 @@ A config that does not parse or validate is refused as a whole, checked exactly 
 start-up (a wrong type, a value out of range, a config file with no backend left:
 gateway/config_check.py), and so is one that changes a setting that only a restart can
 (the port, the database, ...), or one with a new backend that fails to start: the
-running config stays, the error is logged, and the caller hears which field. Everything is read, checked and started before the swap, and
+running config stays, the error is logged, and the caller hears which field. A gateway
+started without a config file has none to read again, and says so. Everything is read, checked and started before the swap, and
 the swap itself has no await in it, so a request sees the old config or the new one,
 never half of each (docs/design.md, "Live reload").
 """
@@ -34,6 +35,10 @@ from gateway.tenancy import audit
 
 log = logging.getLogger("kvgate")
 SIGNAL_ACTOR = "signal:SIGHUP"  # who the audit log names for a SIGHUP's reload
+NO_CONFIG_FILE = (
+    "this gateway was started without a config file, so there is no file to read again "
+    "and nothing was changed: start it with --config FILE (or KVGATE_CONFIG) to reload"
+)
 
 # the settings a reload applies; any other that differs needs a restart
 RELOADABLE = frozenset(
@@ -99,6 +104,8 @@ async def _reload(gw: GatewayState, actor: str) -> Reload:
     async with gw.reload_lock:
         if gw.source is None:
             raise ReloadError("this gateway was not started from a config it can read again")
+        if gw.source.config_file is None:  # flags and KVGATE_* are as they were at start
+            raise ReloadError(NO_CONFIG_FILE)
         if gw.drain.draining:  # what it would start would only be stopped again
             raise ReloadError("the gateway is shutting down")
         try:

@@ -5,7 +5,8 @@ changed; SIGHUP does the same as the admin call, here removing a backend while a
 on it is in flight: the stream finishes whole, then the model is gone (404) and the
 backend is stopped. Values that would break serving (a price past what a usage row
 holds, a wrong type, no backend left) are refused on a reload, by SIGHUP, and at
-start-up alike, each naming its key."""
+start-up alike, each naming its key. A gateway started without a config file refuses a
+reload, saying it has no file to read again."""
 
 from __future__ import annotations
 
@@ -161,6 +162,24 @@ def test_reload_refuses_values_that_would_break_serving(tmp_path):
             time.sleep(0.1)
         assert _priced_at(gw, client, db, 2)
         assert "Traceback" not in gw.log.read_text()
+    finally:
+        gw.stop()
+
+
+def test_a_gateway_without_a_config_file_says_there_is_none_to_read(tmp_path):
+    gw = start_gateway(tmp_path, "--backend", "fake")
+    try:
+        refused = _reload(gw)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "invalid_config", error
+        assert "without a config file" in error["message"] and "--config" in error["message"]
+        gw.proc.send_signal(signal.SIGHUP)  # the same words in the log
+        deadline = time.monotonic() + 30
+        while gw.log.read_text().count("without a config file") < 2:
+            assert time.monotonic() < deadline, "SIGHUP's refusal was not logged"
+            time.sleep(0.1)
+        assert "config reloaded" not in gw.log.read_text()
     finally:
         gw.stop()
 
