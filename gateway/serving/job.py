@@ -23,6 +23,7 @@ from gateway.backends import (
     GenChunk,
     GenRequest,
     OutputCountingBackend,
+    Progress,
 )
 from gateway.observe.stats import Finished
 from gateway.serving.choice_streams import merged, queued
@@ -76,6 +77,8 @@ class Job:
     # a long prompt prefilled on a prefill worker first (prefill_apart.py): that job's
     # cached tokens, per prompt; None until it has been tried
     prefill_cached: dict[int, int] | None = None
+    # how much of each prompt sent apart the prefill worker computed (it fills this)
+    prefill_progress: dict[int, Progress] = field(default_factory=dict)
     span: Span | None = None  # the request's server span while tracing is on
 
     def echo_of(self, choice: int) -> Echo | None:
@@ -106,7 +109,12 @@ class Job:
     async def events(self) -> AsyncIterator[tuple[int, GenChunk]]:
         if self.prefill_cached is None:
             self.requests, self.prefill_cached = await prefill_apart(
-                self.gw, self.backend, self.requests, self.n, self.block_hashes
+                self.gw,
+                self.backend,
+                self.requests,
+                self.n,
+                self.block_hashes,
+                self.prefill_progress,
             )
         while True:
             try:
@@ -210,19 +218,25 @@ class Job:
 
     def _prompt_computed(self) -> int:
         """The prompt tokens of a request that ended before its answer did (a client that
-        left, a drain's cut, a failure): per prompt, what its engine computed (all of it
-        once one of its choices had output: its prefill was done), the cached tokens
-        within that; none for a prompt no engine took. What it did not compute is not
-        cached for the next request either."""
+        left, a drain's cut, a failure): per prompt, what its engines computed (its
+        choices' replica, a prefill worker it went to first; all of it once one of its
+        choices had output: its prefill was done), the cached tokens within that; none
+        for a prompt no engine took. What was not computed is not cached for the next
+        request either."""
         total = 0
-        for prompt, first in enumerate(range(0, len(self.meters), self.n)):
+        for prompt in range(len(self.requests) // self.n):
+            first = prompt * self.n
             meters = self.meters[first : first + self.n]
-            whole = meters[0].prompt
-            computed = max(m.progress.tokens for m in meters)
+            whole = meters[0].prompt if meters else len(self.requests[first].prompt_token_ids)
+            taken = [m.progress for m in meters]
+            if prompt in self.prefill_progress:
+                taken.append(self.prefill_progress[prompt])
+            computed = max((p.tokens for p in taken), default=0)
             if any(m.delivered for m in meters):
                 computed = whole
             computed = min(computed, whole)
-            self.cached_by_prompt[prompt] = min(self.cached_by_prompt.get(prompt, 0), computed)
+            cached = max([self.cached_by_prompt.get(prompt, 0), *(p.cached for p in taken)])
+            self.cached_by_prompt[prompt] = min(cached, computed)
             total += computed
         return total
 

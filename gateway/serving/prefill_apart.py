@@ -17,7 +17,9 @@ replica holds as not to compute. A prefill job that fails or takes longer than
 `prefill_timeout_s` only means the decode replica computes the prompt (a slower first
 token); it is counted (kvgate:prefill_jobs, outcome fallback). Billing is unchanged: one
 request, one usage row, and its cached tokens are the larger of the prefill job's and
-the decode side's (the blocks the decode worker took are not cached tokens there).
+the decode side's (the blocks the decode worker took are not cached tokens there). A
+request cut while its prefill job runs pays for what the prefill replica computed of it
+(the job's Progress), as one cut on a single replica does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import contextlib
 import dataclasses
 import logging
 
-from engine_api.records import GenRequest
+from engine_api.records import GenRequest, Progress
 from engine_api.sampling import SamplingParams
 from gateway.backends import Backend, BackendError, BadRequestError
 from gateway.backends.kv_transfer import DECODE, role_of
@@ -43,10 +45,14 @@ async def prefill_apart(
     requests: list[GenRequest],
     n: int,
     block_hashes: list[str],
+    progress: dict[int, Progress],
 ) -> tuple[list[GenRequest], dict[int, int]]:
     """`requests` (one per choice, prompt-major, `n` a prompt) with `kv_source` set on
     the choices of each prompt a prefill replica computed, and each such prompt's cached
-    tokens on that replica. Unchanged, and {}, where nothing goes apart."""
+    tokens on that replica. Unchanged, and {}, where nothing goes apart. `progress` gets,
+    per prompt sent apart, how much of it the prefill replica computed: what a request
+    cut meanwhile pays (none for a prompt whose job failed: the decode replica computes
+    it)."""
     if role_of(decode) != DECODE:  # only a decode worker pulls blocks
         return requests, {}
     prompts = requests[::n]
@@ -54,12 +60,15 @@ async def prefill_apart(
     replicas = gw.router.prefill_replicas(prompts[0].model) if long else []
     if not replicas:
         return requests, {}
-    results = await asyncio.gather(*(_prefill(gw, replicas, prompts[i]) for i in long))
+    progress.update({i: Progress() for i in long})
+    results = await asyncio.gather(*(_prefill(gw, replicas, prompts[i], progress[i]) for i in long))
     cached: dict[int, int] = {}
     sources: dict[int, str] = {}
     for i, result in zip(long, results, strict=True):
         if result is not None:
             sources[i], cached[i] = result
+        else:
+            del progress[i]
     out = [
         dataclasses.replace(r, kv_source=sources[c // n]) if c // n in sources else r
         for c, r in enumerate(requests)
@@ -90,7 +99,7 @@ def _least_queued(gw: GatewayState, replicas: list[Candidate]) -> Backend:
 
 
 async def _prefill(
-    gw: GatewayState, replicas: list[Candidate], req: GenRequest
+    gw: GatewayState, replicas: list[Candidate], req: GenRequest, progress: Progress
 ) -> tuple[str, int] | None:
     """The prefill replica's base URL and its cached tokens of the prompt, once it has
     computed the prompt's blocks; None (a fallback, counted) if it could not."""
@@ -102,7 +111,7 @@ async def _prefill(
     gw.router.claim(replica)
     try:
         async with asyncio.timeout(gw.settings.prefill_timeout_s):
-            cached = await _run(replica, job)
+            cached = await _run(replica, job, progress)
     except (BackendError, BadRequestError, TimeoutError) as e:
         log.warning(
             "request %s: prefill on %s failed (%s); the decode replica computes its prompt",
@@ -116,10 +125,10 @@ async def _prefill(
     return replica.kv_url, cached  # type: ignore[attr-defined]  # a prefill role: remote
 
 
-async def _run(replica: Backend, job: GenRequest) -> int:
+async def _run(replica: Backend, job: GenRequest, progress: Progress) -> int:
     """The job's cached tokens as the replica reports them, within the prompt (a claim)."""
     cached = 0
-    stream = replica.generate(job)
+    stream = replica.generate(job, progress)
     async with contextlib.aclosing(stream):  # type: ignore[type-var]
         async for chunk in stream:
             if chunk.usage is not None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ from tests.gateway.test_hangup_prefill import (
     MODEL,
     PRICES,
     Count,
+    ask,
     check_embeddings_hang_up,
     check_prefill_hang_up,
     hang_up,
@@ -41,14 +44,16 @@ from tests.gateway.test_hangup_prefill import (
 from tests.gateway.test_remote import TOKEN, wait_until
 
 
-def start_worker(log: Path, model: str, options: dict) -> tuple[subprocess.Popen, int]:
+def start_worker(tmp: Path, model: str, options: dict, *args: str) -> tuple[subprocess.Popen, int]:
     """A real `kvgate worker` of the gpu engine on the CPU, serving `model` as MODEL."""
     port = free_port()
+    log = tmp / f"worker-{port}.log"
     cmd = [sys.executable, "-m", "gateway.cli", "worker", "--port", str(port)]
     cmd += ["--backend", "gpu", "--model", model, "--device", "cpu"]
     cmd += ["--served-model-name", MODEL, "--worker-token", TOKEN]
-    cmd += ["--options", json.dumps(options)]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    cmd += ["--options", json.dumps(options), *args]
+    env = os.environ | {"KVGATE_KV_TIER_SECRET": "paired-workers-" + "x" * 24}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     try:
         wait_until(lambda: "listening on" in log.read_text() or proc.poll() is not None, "up")
         assert proc.poll() is None, log.read_text()
@@ -60,8 +65,8 @@ def start_worker(log: Path, model: str, options: dict) -> tuple[subprocess.Popen
 
 
 @contextlib.contextmanager
-def worker(tmp: Path, model: str, options: dict) -> Iterator[int]:
-    proc, port = start_worker(tmp / "worker.log", model, options)
+def worker(tmp: Path, model: str, options: dict, *args: str) -> Iterator[int]:
+    proc, port = start_worker(tmp, model, options, *args)
     try:
         yield port
     finally:
@@ -116,6 +121,30 @@ async def test_a_worker_says_what_it_embedded(make_gateway, tmp_path):
         gw = await make_gateway([spec], prices=PRICES)
         await healthy(gw)
         await check_embeddings_hang_up(gw, worker_count(port), INPUTS)
+
+
+async def test_a_prefill_worker_says_what_it_computed(make_gateway, tmp_path):
+    """Prefill and decode on different workers: a client that leaves while its prompt's
+    prefill job runs pays for what the prefill worker computed."""
+    model = save_byte_token_model("llama", str(tmp_path))
+    options = {"max_num_batched_tokens": 8}
+    with (
+        worker(tmp_path, model, options, "--role", "prefill") as prefill,
+        worker(tmp_path, model, options, "--role", "decode") as decode,
+    ):
+        specs = [
+            dataclasses.replace(remote_spec(f"http://127.0.0.1:{port}/v1"), name=name)
+            for name, port in (("prefill", prefill), ("decode", decode))
+        ]
+        gw = await make_gateway(specs, prices=PRICES, prefill_threshold=64)
+        await healthy(gw)
+        tenant, key = await gw.tenant("apart")
+        count, decoded = worker_count(prefill), worker_count(decode)
+        before, decoded_before = await count(), await decoded()
+        await hang_up(count, ask(gw, key, "chat", True, GPU_PROMPT))
+        (row,) = await until(lambda: rows(gw, tenant["id"]), "the usage row")
+        assert row.status == 499 and 0 < row.prompt_tokens == await count() - before
+        assert await decoded() == decoded_before  # the decode worker never got it
 
 
 class SlowUpstream:
