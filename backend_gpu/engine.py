@@ -23,7 +23,12 @@ from backend_gpu.sequence import Logprob, Sequence, SequenceStatus
 from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
 from engine_api.block_hash import adapter_root, hash_blocks
-from engine_api.errors import AdapterLoadError, BadRequestError, PromptTooLongError
+from engine_api.errors import (
+    AdapterLoadError,
+    BadRequestError,
+    LoraDisabledError,
+    PromptTooLongError,
+)
 from engine_api.records import AdapterRef, GenRequest, Progress
 from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
@@ -170,7 +175,7 @@ class LLMEngine:
         """Accept adapter `ref` (its files fit the base model) or raise BadRequestError
         naming the problem; reads files only, so any thread may call it."""
         if self.lora is None:
-            raise BadRequestError(
+            raise LoraDisabledError(
                 f"adapter {ref.name!r}: this engine was started without enable_lora"
             )
         self.lora.check(ref)

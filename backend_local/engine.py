@@ -31,7 +31,7 @@ from backend_local.prefix_blocks import BlockEvent
 from backend_local.requests import Request, RequestOutput
 from backend_local.stats import EngineStats
 from backend_local.worker import Worker
-from engine_api.errors import BadRequestError, PromptTooLongError
+from engine_api.errors import BadRequestError, LoraDisabledError, PromptTooLongError
 from engine_api.records import AdapterRef, EmbedRequest, EmbedResult, GenRequest, Progress
 from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
@@ -224,7 +224,7 @@ class LocalEngine:
         if self.pooling is not None:
             raise BadRequestError(NOT_A_GENERATOR)
         if not self.config.enable_lora:
-            raise BadRequestError(NO_LORA)
+            raise LoraDisabledError(NO_LORA)
         self._worker.adapters.check(ref)
 
     def remove_adapter(self, name: str) -> None:

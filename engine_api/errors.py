@@ -36,6 +36,11 @@ class BadRequestError(ValueError):
     """The request can never be served as sent (prompt too long, empty...): HTTP 400."""
 
 
+class LoraDisabledError(BadRequestError):
+    """A LoRA adapter for an engine started without enable_lora: its caller knows how LoRA
+    is turned on (a flag, a config key) and says so."""
+
+
 class PromptTooLongError(BadRequestError):
     """The prompt, with the tokens asked for, does not fit the model's context."""
 

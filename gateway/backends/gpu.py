@@ -187,8 +187,8 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
         hashes = hash_blocks(token_ids, block_size, cache_salt, shared_prefix_len, root)
         return [h.hex() for h in hashes]
 
-    async def check_adapter(self, ref: AdapterRef) -> None:
-        """LoraBackend: the engine validates it against its model, off its own thread."""
+    async def _check_adapter(self, ref: AdapterRef) -> None:
+        """The engine validates it against its model, off its own thread."""
         await self.engine.check_adapter(ref)
 
     async def remove_adapter(self, name: str) -> None:

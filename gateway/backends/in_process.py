@@ -16,8 +16,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from engine_api.errors import BackendError
-from engine_api.records import GenChunk, GenRequest, ModelCard, Progress, PromptInput, Usage
+from engine_api.errors import BackendError, BadRequestError, LoraDisabledError
+from engine_api.records import (
+    AdapterRef,
+    GenChunk,
+    GenRequest,
+    ModelCard,
+    Progress,
+    PromptInput,
+    Usage,
+)
 from engine_api.structured import StructuredOutput
 from gateway.backends.common import (
     check_model,
@@ -113,6 +121,23 @@ class InProcessBackend(ABC, Generic[E]):
     @abstractmethod
     def _token_text(self) -> Callable[[int], str]:
         """One token's text, for logprobs."""
+
+    async def check_adapter(self, ref: AdapterRef) -> None:
+        """LoraBackend: the engine checks the adapter against its model; an engine started
+        without LoRA is a BadRequestError saying how to turn it on, as the gateway and a
+        `kvgate worker` take it (the engine knows neither's flags)."""
+        try:
+            await self._check_adapter(ref)
+        except LoraDisabledError:
+            raise BadRequestError(
+                f"the {self.kind} backend {self.name!r} of {self.model_id!r} was started "
+                "without LoRA: start it with --enable-lora, or set enable_lora = true in the "
+                "config file ([server], or the backend's [[backends]] entry)"
+            ) from None
+
+    @abstractmethod
+    async def _check_adapter(self, ref: AdapterRef) -> None:
+        """The engine's check of adapter `ref` against its model (BadRequestError)."""
 
     @abstractmethod
     def _stream(self, req: GenRequest, progress: Progress | None) -> AsyncIterator[Any]:

@@ -148,8 +148,8 @@ class LocalBackend(InProcessBackend[LocalEngine]):
         hashes = hash_blocks(token_ids, BLOCK_SIZE, cache_salt, shared_prefix_len, root)
         return [h.hex() for h in hashes]
 
-    async def check_adapter(self, ref: AdapterRef) -> None:
-        """LoraBackend: the engine reads the GGUF adapter's header, off the event loop."""
+    async def _check_adapter(self, ref: AdapterRef) -> None:
+        """The engine reads the GGUF adapter's header, off the event loop."""
         await asyncio.to_thread(self.engine.check_adapter, ref)
 
     async def remove_adapter(self, name: str) -> None:

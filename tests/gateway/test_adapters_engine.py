@@ -3,7 +3,8 @@ CPU) with random PEFT adapters, through the `openai` client, in process and thro
 `kvgate worker` process; and a random GGUF LoRA on the llama.cpp backend's default model. Registration is refused with the engine's reason for each kind of
 bad adapter; an adapter changes the output; tenant B cannot see or use tenant A's adapter;
 a prompt under an adapter shares no cached blocks with the base model, and the gateway's
-block hashes for it are the engine's (the catalog matches them)."""
+block hashes for it are the engine's (the catalog matches them). On an engine started
+without LoRA, either kind, the refusal says how to turn it on (the flag, the config key)."""
 
 from __future__ import annotations
 
@@ -188,3 +189,18 @@ async def test_gguf_adapters_on_the_llama_cpp_backend(make_gateway, tmp_path):
     under, _ = await complete(gw, key, "acme", "The capital of France is")
     assert under != base
     assert "acme" in gw.backend("local").stats().extra["adapters_loaded"]
+
+
+async def test_an_engine_without_lora_says_how_to_turn_it_on(make_gateway, files):
+    gw = await make_gateway(
+        [
+            BackendSpec("tiny", "gpu", files["model"], "tiny"),
+            BackendSpec("local", "local", "", "", {"n_ctx": 256, "n_parallel": 1}),
+        ]
+    )
+    for name, base in (("tiny", "tiny"), ("local", DEFAULT_MODEL_ID)):
+        body = {"name": f"{name}-lora", "path": files["a"], "base_model": base}
+        status, answer = await gw.admin("POST", "/admin/adapters", body)
+        message = answer["error"]["message"]
+        assert status == 400 and f"backend {name!r}" in message, answer
+        assert "--enable-lora" in message and "enable_lora = true" in message, answer
