@@ -20,6 +20,8 @@ from backend_gpu.tp_shards import SKIP, CheckpointShards, ShardRead
 
 # "model.layers.3.mlp.experts.5.gate_proj.weight" -> ("model.layers.3.mlp.experts", 5, "gate_proj")
 EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# "model.layers.3.mlp.shared_expert.down_proj.weight" -> "down_proj" (not its gate's)
+SHARED_EXPERT_TENSOR = re.compile(r"\.shared_experts?\.(\w+)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class MoEConfig:
     renormalize: bool  # the top-k probabilities divided by their sum
     leaves: tuple[str, str, str]  # the checkpoint's names of gate, up and down
     sparse_layers: frozenset[int]  # layers with experts; the others a dense MLP
+    shared_intermediate: int = 0  # a shared expert's (Qwen2-MoE's), every token takes it
 
     @classmethod
     def of(cls, hf_config) -> MoEConfig | None:
@@ -46,7 +49,7 @@ class MoEConfig:
                 ("w1", "w3", "w2"),
                 frozenset(layers),
             )
-        if hf_config.model_type == "qwen3_moe":
+        if hf_config.model_type in ("qwen2_moe", "qwen3_moe"):
             step = hf_config.decoder_sparse_step
             dense = set(hf_config.mlp_only_layers or ())
             sparse = {i for i in layers if i not in dense and (i + 1) % step == 0}
@@ -57,6 +60,17 @@ class MoEConfig:
                 bool(hf_config.norm_topk_prob),
                 ("gate_proj", "up_proj", "down_proj"),
                 frozenset(sparse if hf_config.num_experts > 0 else ()),
+                getattr(hf_config, "shared_expert_intermediate_size", 0),
+            )
+        if hf_config.model_type == "deepseek_v3":  # its shared experts: models/deepseek_v3.py
+            first_sparse = hf_config.first_k_dense_replace or 0
+            return cls(
+                hf_config.n_routed_experts,
+                hf_config.num_experts_per_tok,
+                hf_config.moe_intermediate_size,
+                bool(hf_config.norm_topk_prob),
+                ("gate_proj", "up_proj", "down_proj"),
+                frozenset(range(first_sparse, hf_config.num_hidden_layers)),
             )
         return None
 
@@ -64,7 +78,8 @@ class MoEConfig:
 @dataclass(frozen=True)
 class ExpertShard:
     """Experts [first, first + count) of num_experts, each holding intermediate rows
-    [inter_start, inter_start + inter) of its MLP."""
+    [inter_start, inter_start + inter) of its MLP; and rows [shared_start, shared_start +
+    shared) of the shared expert's, which is cut as a dense MLP either way."""
 
     num_experts: int
     first: int
@@ -72,14 +87,22 @@ class ExpertShard:
     inter_start: int
     inter: int
     sliced: bool  # each expert cut over the ranks (tensor parallel without expert parallel)
+    shared_start: int = 0
+    shared: int = 0
 
     @classmethod
     def of(cls, moe: MoEConfig, tp: ParallelGroup, expert_parallel: bool) -> ExpertShard:
+        shared = moe.shared_intermediate // tp.size
+        shared_rows = (tp.rank * shared, shared)
         if expert_parallel:
             count = moe.num_experts // tp.size
-            return cls(moe.num_experts, tp.rank * count, count, 0, moe.intermediate_size, False)
+            first = tp.rank * count
+            return cls(moe.num_experts, first, count, 0, moe.intermediate_size, False, *shared_rows)
         inter = moe.intermediate_size // tp.size
-        return cls(moe.num_experts, 0, moe.num_experts, tp.rank * inter, inter, tp.size > 1)
+        sliced = tp.size > 1
+        return cls(
+            moe.num_experts, 0, moe.num_experts, tp.rank * inter, inter, sliced, *shared_rows
+        )
 
 
 def check_experts_divisible(moe: MoEConfig, size: int, expert_parallel: bool) -> None:
@@ -88,6 +111,11 @@ def check_experts_divisible(moe: MoEConfig, size: int, expert_parallel: bool) ->
         raise ValueError(
             f"enable_expert_parallel over {size} ranks does not divide the model's "
             f"{moe.num_experts} experts: pick a tensor_parallel_size that does"
+        )
+    if moe.shared_intermediate % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the shared expert's intermediate "
+            f"size {moe.shared_intermediate}: pick a size that does"
         )
     if not expert_parallel and moe.intermediate_size % size:
         raise ValueError(
@@ -107,10 +135,14 @@ class ExpertCheckpointShards:
 
     def __call__(self, name: str) -> ShardRead | None:
         match = EXPERT_TENSOR.match(name)
-        if match is None:
-            return self.dense(name)
-        expert, leaf = int(match.group(2)), match.group(3)
         s = self.shard
+        if match is None:
+            shared = SHARED_EXPERT_TENSOR.search(name)
+            if shared is None or not s.shared:
+                return self.dense(name)
+            dim = 1 if shared.group(1) == self.down else 0
+            return ShardRead(dim, s.shared_start, s.shared_start + s.shared)
+        expert, leaf = int(match.group(2)), match.group(3)
         if not s.first <= expert < s.first + s.count:
             return SKIP
         if not s.sliced:  # expert parallel: the expert whole

@@ -139,8 +139,9 @@ def step_shape_of(hf_config, tp_size: int, dtype_bytes: int) -> StepShape:
     q_heads, kv_heads = local_heads(hf_config, tp_size)
     inter = hf_config.intermediate_size
     if (moe := MoEConfig.of(hf_config)) is not None:
-        # a token's rows through its top_k experts (layers/moe.py): k intermediates
-        inter = max(inter, moe.top_k * moe.intermediate_size)
+        # a token's rows through its top_k experts (layers/moe.py): k intermediates,
+        # and the shared expert's beside them
+        inter = max(inter, moe.top_k * moe.intermediate_size + moe.shared_intermediate)
     return StepShape(
         hidden_size=hf_config.hidden_size,
         intermediate_size=-(-inter // tp_size),

@@ -9,6 +9,7 @@ from backend_gpu.models.bert import BertModel
 from backend_gpu.models.gemma3 import Gemma3ForCausalLM
 from backend_gpu.models.llama import LlamaEmbeddingModel, LlamaForCausalLM
 from backend_gpu.models.moe import MoEForCausalLM
+from backend_gpu.models.qwen2_moe import Qwen2MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +19,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 # an embedding model (a sentence-transformers directory) by its config's model_type

@@ -45,6 +45,7 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        bias = bias or getattr(config, "qkv_bias", False)  # Qwen2-MoE names it
         self.qkv_proj = PackedLinear(
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias
         )

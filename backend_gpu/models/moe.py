@@ -1,8 +1,8 @@
 """Mixture-of-experts decoders on the paged KV cache: Mixtral and Qwen3-MoE. Attention is
 the Llama family's (Qwen3-MoE with its per-head q/k norm); the MLP of a sparse layer is
 a router and experts (layers/moe.py), of the others (Qwen3-MoE's mlp_only_layers,
-decoder_sparse_step) the dense one. Neither has a shared expert (Qwen2-MoE's
-shared_expert is not in Qwen3-MoE, transformers' modeling_qwen3_moe.py).
+decoder_sparse_step) the dense one. Neither has a shared expert (Qwen2-MoE's, which
+models/qwen2_moe.py adds to this decoder).
 
 Checkpoints name the block `block_sparse_moe` (Mixtral) or `mlp` (Qwen3-MoE); ours is
 `mlp` in both, as in transformers 5. Under tensor parallelism each rank holds a slice
@@ -38,6 +38,8 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
+    sparse_block = SparseMoeBlock  # a sparse layer's MLP (Qwen2-MoE's adds a shared expert)
+
     def __init__(
         self,
         config,
@@ -49,7 +51,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     ) -> None:
         super().__init__(config, layer, rotary, tp)
         if layer in moe.sparse_layers:
-            self.mlp = SparseMoeBlock(config, moe, tp, expert_parallel)
+            self.mlp = self.sparse_block(config, moe, tp, expert_parallel)
         else:
             self.mlp = GatedMLP(config, F.silu, tp)
 
@@ -57,13 +59,15 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 class MoEForCausalLM(LlamaForCausalLM):
     """Mixtral and Qwen3-MoE; `expert_parallel`: each rank holds whole experts."""
 
+    decoder_layer = MoEDecoderLayer
+
     def __init__(self, config, tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
         if config.hidden_act != "silu":
             raise NotImplementedError(f"experts with {config.hidden_act!r} are not supported")
         moe = MoEConfig.of(config)
         if moe is None:
             raise ValueError(f"{config.model_type!r} is not a mixture-of-experts model")
-        layer = partial(MoEDecoderLayer, moe=moe, expert_parallel=expert_parallel)
+        layer = partial(self.decoder_layer, moe=moe, expert_parallel=expert_parallel)
         super().__init__(config, tp, layer)
 
     @staticmethod

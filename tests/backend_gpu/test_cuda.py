@@ -39,8 +39,9 @@ def free_the_gpu():
     torch.cuda.empty_cache()
 
 
-# mixtral, qwen3_moe: the experts' Triton grouped GEMM, in CUDA graphs for decodes
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe"])
+# mixtral, qwen3_moe, qwen2_moe: the experts' Triton grouped GEMM, in CUDA graphs for
+# decodes (qwen2_moe's shared expert beside it)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_on_cuda_matches_transformers_on_the_cpu(tiny_model_dir, arch, setting):
     model_dir = tiny_model_dir(arch)

@@ -1,4 +1,4 @@
-"""Tiny seeded random models (Llama, Qwen2/3, Gemma 3, Mixtral, Qwen3-MoE) with a locally
+"""Tiny seeded random models (Llama, Qwen2/3, Gemma 3, Mixtral, Qwen2/3-MoE) with a locally
 trained tokenizer, saved like a hub checkpoint so that the engine and transformers load
 the same files."""
 
@@ -15,6 +15,7 @@ from transformers import (
     MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -27,6 +28,8 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen2_moe_norm": "Qwen2MoeForCausalLM",
 }
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -98,7 +101,26 @@ def _config(arch: str):
         return Qwen3MoeConfig(
             **common, **moe, head_dim=16, norm_topk_prob=False, mlp_only_layers=[1]
         )
+    if arch.startswith("qwen2_moe"):
+        return _qwen2_moe(common, arch)
     raise ValueError(arch)
+
+
+def _qwen2_moe(common: dict, arch: str):
+    """8 experts of 32, top 2, and a shared expert of 48 (neither the dense layers' 128
+    nor the experts' size, so each is cut by its own). As published: top-k weights not
+    renormalized, every layer sparse but those of mlp_only_layers (layer 1 dense);
+    "qwen2_moe_norm": renormalized, every second layer sparse (decoder_sparse_step 2)."""
+    moe = dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    common = dict(common, num_hidden_layers=3)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, **moe, norm_topk_prob=False, mlp_only_layers=[1])
+    return Qwen2MoeConfig(**common, **moe, norm_topk_prob=True, decoder_sparse_step=2)
 
 
 def _gemma3(common: dict):
