@@ -71,8 +71,10 @@ class LocalEngine:
     ) -> list[int]:
         return self.model.tokenize(text, add_special, parse_special)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.model.detokenize(token_ids)
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The ids' text; special tokens (a chat's turn markers) as their text unless
+        `skip_special_tokens`, as a transformers tokenizer's decode."""
+        return self.model.detokenize(token_ids, special=not skip_special_tokens)
 
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, shared_prefix_len: int = 0

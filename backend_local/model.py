@@ -105,8 +105,10 @@ class LlamaModel:
             )
         return list(tokens[:n])
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return b"".join(self.piece(t) for t in token_ids).decode("utf-8", "replace")
+    def detokenize(self, token_ids: list[int], special: bool = False) -> str:
+        """The ids' text; with `special`, control tokens (<|im_start|>, <bos>) as text."""
+        pieces = (self.piece(t, special) for t in token_ids)
+        return b"".join(pieces).decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))

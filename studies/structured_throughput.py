@@ -118,7 +118,11 @@ def run_local(texts: list[str], max_tokens: int, threads: int, rounds: int) -> d
 
     try:
         return _alternate(
-            batch, schema, free, lambda outs: [engine.detokenize(o) for o in outs], rounds
+            batch,
+            schema,
+            free,
+            lambda outs: [engine.detokenize(o, skip_special_tokens=True) for o in outs],
+            rounds,
         )
     finally:
         engine.shutdown()

@@ -47,9 +47,12 @@ class Backend(Protocol):
         -> token ids."""
         ...
 
-    async def detokenize(self, model: str, token_ids: list[int]) -> str:
-        """Token ids -> text, with the model's tokenizer (/detokenize); BadRequestError
-        for an id outside its vocabulary."""
+    async def detokenize(
+        self, model: str, token_ids: list[int], skip_special_tokens: bool = False
+    ) -> str:
+        """Token ids -> text, with the model's tokenizer (/detokenize): special tokens (a
+        chat's turn markers, BOS) as their text unless `skip_special_tokens`;
+        BadRequestError for an id outside its vocabulary."""
         ...
 
     async def check_structured(self, model: str, structured: StructuredOutput) -> None:

@@ -199,8 +199,11 @@ class FakeBackend:
             raise BadRequestError("The prompt is empty.")
         return ids
 
-    async def detokenize(self, model: str, token_ids: list[int]) -> str:
-        # its prompt ids are hashes of words, not invertible: only its output decodes
+    async def detokenize(
+        self, model: str, token_ids: list[int], skip_special_tokens: bool = False
+    ) -> str:
+        # its prompt ids are hashes of words, not invertible: only its output decodes (and
+        # it has no special tokens to skip)
         known = range(WORD_ID_BASE, WORD_ID_BASE + len(WORDS))
         return await decode_off_loop(_words, token_ids, known)
 

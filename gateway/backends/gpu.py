@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Callable
 
 from backend_gpu import AsyncLLM, EngineStats, RequestOutput
@@ -133,9 +134,10 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             tokenizer.eos_token or "",
         )
 
-    def _decoder(self) -> tuple[Callable[[list[int]], str], range]:
+    def _decoder(self, skip_special_tokens: bool) -> tuple[Callable[[list[int]], str], range]:
         tokenizer = self.engine.tokenizer
-        return tokenizer.decode, range(len(tokenizer))
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+        return decode, range(len(tokenizer))
 
     def _token_text(self) -> Callable[[int], str]:
         tokenizer = self.engine.tokenizer

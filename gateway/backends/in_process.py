@@ -115,8 +115,9 @@ class InProcessBackend(ABC, Generic[E]):
     def _tokenization(self) -> Tokenization: ...
 
     @abstractmethod
-    def _decoder(self) -> tuple[Callable[[list[int]], str], range]:
-        """The engine's decode of ids to text, and the ids it knows."""
+    def _decoder(self, skip_special_tokens: bool) -> tuple[Callable[[list[int]], str], range]:
+        """The engine's decode of ids to text (special tokens as text, or left out), and
+        the ids it knows."""
 
     @abstractmethod
     def _token_text(self) -> Callable[[int], str]:
@@ -165,9 +166,11 @@ class InProcessBackend(ABC, Generic[E]):
             prompt,
         )
 
-    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+    async def detokenize(
+        self, model: str, token_ids: list[int], skip_special_tokens: bool = False
+    ) -> str:
         check_model(model, self.model_id)
-        decode, known = self._decoder()
+        decode, known = self._decoder(skip_special_tokens)
         return await decode_off_loop(decode, token_ids, known)
 
     async def check_structured(self, model: str, structured: StructuredOutput) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Callable
 
 from backend_local import EngineConfig, LocalEngine, ModelLoadError, RequestOutput
@@ -113,9 +114,10 @@ class LocalBackend(InProcessBackend[LocalEngine]):
             llama.eos_text,
         )
 
-    def _decoder(self) -> tuple[Callable[[list[int]], str], range]:
+    def _decoder(self, skip_special_tokens: bool) -> tuple[Callable[[list[int]], str], range]:
         engine = self.engine
-        return engine.detokenize, range(engine.model.n_vocab)
+        decode = functools.partial(engine.detokenize, skip_special_tokens=skip_special_tokens)
+        return decode, range(engine.model.n_vocab)
 
     def _token_text(self) -> Callable[[int], str]:
         return self.engine.model.token_text

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -284,13 +285,17 @@ class RemoteBackend:
             self._failed(e)
             raise
 
-    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+    async def detokenize(
+        self, model: str, token_ids: list[int], skip_special_tokens: bool = False
+    ) -> str:
         """With options.tokenizer where it renders too; else the upstream's /detokenize
-        (vLLM's shape, which a worker serves)."""
+        (vLLM's shape, which a worker serves). Special tokens stay, as in vLLM's; only a
+        tokenizer here or a worker can skip them."""
         check_model(model, self.model_id)
         if self.tokenizer is not None and not self._is_worker:
             tok = self.tokenizer.tokenizer
-            return await decode_off_loop(tok.decode, token_ids, range(len(tok)))
+            decode = functools.partial(tok.decode, skip_special_tokens=skip_special_tokens)
+            return await decode_off_loop(decode, token_ids, range(len(tok)))
         if self.text_bound:
             text = carried_prompt(token_ids) if marked(token_ids) else None
             if not isinstance(text, str):
@@ -298,7 +303,14 @@ class RemoteBackend:
                     f"the upstream of model {model!r} does not detokenize for the gateway"
                 )
             return text
-        body = {"model": self.upstream_model, "tokens": token_ids}
+        body: dict[str, Any] = {"model": self.upstream_model, "tokens": token_ids}
+        if skip_special_tokens:  # vLLM's /detokenize has no such field: it would keep them
+            if not self._is_worker:
+                raise BadRequestError(
+                    f"the upstream of model {model!r} cannot skip special tokens: its "
+                    "/detokenize keeps them (the entry's options.tokenizer would skip them)"
+                )
+            body["skip_special_tokens"] = True
         try:
             url = self.client.endpoint.root + "/detokenize"
             data = await self.client.json("POST", url, body, relay=self._is_worker)

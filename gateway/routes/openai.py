@@ -104,7 +104,8 @@ async def detokenize(request: web.Request) -> web.Response:
         body = await parse_body(request, DetokenizeRequest)
         model_card(gw, principal, body.model)
         served = served_model(gw, principal, body.model)  # an adapter's: its base model's
-        text = await on_a_replica(gw, served, lambda b: b.detokenize(served, body.tokens))
+        skip = body.skip_special_tokens
+        text = await on_a_replica(gw, served, lambda b: b.detokenize(served, body.tokens, skip))
     return json_response({"prompt": text}, headers=headers)
 
 

@@ -344,5 +344,10 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
+    """vLLM's /detokenize: token ids back to text, special tokens (a chat's turn markers)
+    included as vLLM's are, unless `skip_special_tokens` (kvgate's, the sampling field's
+    name) leaves them out."""
+
     model: Name
     tokens: TokenIds
+    skip_special_tokens: bool = False

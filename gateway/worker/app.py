@@ -104,7 +104,7 @@ async def detokenize_route(request: web.Request) -> web.Response:
     body = await parse_body(request, DetokenizeRequest)
     state.card(body.model)
     try:
-        text = await state.backend.detokenize(body.model, body.tokens)
+        text = await state.backend.detokenize(body.model, body.tokens, body.skip_special_tokens)
     except (BadRequestError, BackendError) as e:
         raise api_error(e) from None
     return json_response({"prompt": text})

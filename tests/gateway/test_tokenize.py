@@ -1,7 +1,9 @@
 """/tokenize and /detokenize on the gateway, in vLLM's shape: under a tenant's key and
 its (and its key's) allowed models, OpenAI-shaped errors, never billed (their rpm is
 test_counted_requests.py's); on the fake backend, a real tokenizer (the gpu engine's tiny
-model) and a remote `kvgate worker` (through its own /tokenize and /detokenize)."""
+model), llama.cpp's default model and a remote `kvgate worker` (through its own /tokenize
+and /detokenize). A chat's special tokens (its turn markers) come back as text, as vLLM's
+do, unless skip_special_tokens; an upstream whose /detokenize cannot skip them says so."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import asyncio
 import pytest
 
 from gateway.backends import BackendSpec
+from gateway.backends.default_model import DEFAULT_MODEL_ID
 from gateway.backends.fake import FakeBackend
 from tests.backend_gpu.tiny_models import save_tiny_model
+from tests.gateway.test_remote import MODEL
+from tests.gateway.test_remote_faults import FakeUpstream
 from tests.gateway.test_worker import TOKEN, start_worker
 
 PROMPT = "the gateway counts exactly what a completion gets"
@@ -27,8 +32,8 @@ async def tokenize(gw, key: str, model: str, **body) -> tuple[int, dict]:
     return await call(gw, key, "/tokenize", {"model": model} | body)
 
 
-async def detokenize(gw, key: str, model: str, tokens: list[int]) -> tuple[int, dict]:
-    return await call(gw, key, "/detokenize", {"model": model, "tokens": tokens})
+async def detokenize(gw, key: str, model: str, tokens: list[int], **body) -> tuple[int, dict]:
+    return await call(gw, key, "/detokenize", {"model": model, "tokens": tokens} | body)
 
 
 async def test_tokenize_and_detokenize_on_the_fake_backend(gw):
@@ -111,9 +116,50 @@ async def test_a_real_tokenizer_round_trips(make_gateway, tmp_path):
     status, chat = await tokenize(gw, key, "tiny-llama", messages=MESSAGES)
     rendered = await gw.backend("gpu0").render("tiny-llama", MESSAGES)
     assert status == 200 and chat["tokens"] == rendered
+    # a chat's special tokens come back as text (vLLM's), unless asked to be skipped
+    status, back = await detokenize(gw, key, "tiny-llama", rendered)
+    assert status == 200 and back["prompt"] == tokenizer.decode(rendered)
+    assert tokenizer.bos_token in back["prompt"]
+    status, bare = await detokenize(gw, key, "tiny-llama", rendered, skip_special_tokens=True)
+    assert status == 200 and bare["prompt"] == tokenizer.decode(rendered, skip_special_tokens=True)
+    assert tokenizer.bos_token not in bare["prompt"]
     size = len(tokenizer)
     status, error = await detokenize(gw, key, "tiny-llama", [size])
     assert status == 400 and f"vocabulary (0..{size - 1})" in error["error"]["message"]
+
+
+async def test_a_chat_prompt_keeps_its_turn_markers_on_llama_cpp(make_gateway):
+    """The llama.cpp backend's default model (Gemma 3): /detokenize of a rendered chat
+    gives the turn markers back as text, as the chat template wrote them; with
+    skip_special_tokens only the words."""
+    spec = BackendSpec("local", "local", "", "", {"n_ctx": 256, "n_parallel": 1})
+    gw = await make_gateway([spec])
+    _, key = await gw.tenant()
+    status, chat = await tokenize(gw, key, DEFAULT_MODEL_ID, messages=MESSAGES)
+    assert status == 200
+    status, back = await detokenize(gw, key, DEFAULT_MODEL_ID, chat["tokens"])
+    assert status == 200, back
+    text = back["prompt"]
+    assert text.startswith("<bos><start_of_turn>user\n") and "be brief" in text, text
+    assert text.endswith("hi<end_of_turn>\n<start_of_turn>model\n"), text
+    ask = {"skip_special_tokens": True}
+    status, bare = await detokenize(gw, key, DEFAULT_MODEL_ID, chat["tokens"], **ask)
+    assert status == 200 and "<" not in bare["prompt"] and "be brief" in bare["prompt"], bare
+
+
+async def test_a_third_party_upstream_cannot_skip_special_tokens(make_gateway):
+    """vLLM's /detokenize has no skip_special_tokens: asked of an upstream that would
+    ignore it, the gateway says so instead of answering the markers."""
+    with FakeUpstream("openai") as up:
+        options = {"urls": [up.url], "context_length": 4096}
+        gw = await make_gateway([BackendSpec("up", "remote", MODEL, options=options)])
+        (remote,) = gw.state.backends
+        while not remote.stats().healthy:  # the health watch's first answer
+            await asyncio.sleep(0.05)
+        _, key = await gw.tenant()
+        status, error = await detokenize(gw, key, MODEL, [1, 2], skip_special_tokens=True)
+        assert status == 400 and "cannot skip special tokens" in error["error"]["message"]
+        assert "options.tokenizer" in error["error"]["message"]
 
 
 async def test_through_a_remote_worker(make_gateway, tmp_path):
