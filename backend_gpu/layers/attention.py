@@ -11,7 +11,9 @@ the matmuls, and SDPA's kernel is several times slower for a single query. A pre
 chunk goes through SDPA with the causal (and sliding-window) mask its position calls
 for; a chunk that starts a sequence attends to its own fresh keys and skips the gather.
 An FP8 cache holds K and V divided by the layer's scales; the reads fold them back into
-the query's scale and the attention output.
+the query's scale and the attention output. Attention sinks (gpt-oss: a learned logit
+per query head in the softmax's denominator, attending to nothing) have no SDPA form, so
+a layer with sinks computes its scores explicitly (`_attention_with_sinks`).
 
 A decoder serving as an embedding model has no cache at all (empty k_cache): its
 inputs are whole prefills from position 0, which attend to their fresh keys only.
@@ -134,13 +136,69 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tenso
     return out.view(-1, heads, dim)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor):
+def _decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+):
     """out [H, D] = attention of one query q [H, D], already scaled, over k, v [L, Hkv, D]:
-    each KV head with the query heads that share it (h // (H / Hkv), as SDPA's enable_gqa)."""
+    each KV head with the query heads that share it (h // (H / Hkv), as SDPA's enable_gqa).
+    `sinks` [H]: a logit per head that joins the softmax and attends to nothing."""
     heads, dim = k.shape[1], k.shape[2]
-    scores = torch.bmm(q.view(heads, -1, dim), k.permute(1, 2, 0))  # [Hkv, H / Hkv, L]
-    probs = scores.float().softmax(-1).to(v.dtype)
+    scores = torch.bmm(q.view(heads, -1, dim), k.permute(1, 2, 0)).float()  # [Hkv, H / Hkv, L]
+    if sinks is not None:
+        sink = sinks.float().view(heads, -1, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1].to(v.dtype)
+    else:
+        probs = scores.softmax(-1).to(v.dtype)
     torch.bmm(probs, v.transpose(0, 1), out=out.view(heads, -1, dim))
+
+
+# the most float32 scores (query heads x queries x keys) _attention_with_sinks holds at once
+SINK_SCORES = 1 << 24
+
+
+def _attention_with_sinks(
+    q: torch.Tensor,  # [B, H, Q, D]
+    k: torch.Tensor,  # [B, Hkv, L, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # broadcast to [B, H, Q, L], True where a key is seen; None: causal
+    scale: float,
+    sinks: torch.Tensor,  # [H]
+) -> torch.Tensor:
+    """SDPA (GQA) with each head's sink logit in the softmax's denominator, as
+    transformers' eager gpt-oss attention computes it; queries in slices, so the float32
+    scores of a long prefill chunk stay under SINK_SCORES."""
+    batch, heads, queries, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    if mask is None:
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
+    mask = mask.expand(batch, heads, queries, keys)
+    sink = sinks.float().view(1, heads, 1, 1)
+    out = torch.empty_like(q)
+    step = max(1, SINK_SCORES // max(1, batch * heads * keys))
+    for lo in range(0, queries, step):
+        qs = q[:, :, lo : lo + step]
+        rows = qs.shape[2]
+        grouped = qs.reshape(batch, kv_heads, -1, dim)  # a KV head's query heads, stacked
+        scores = torch.matmul(grouped, k.transpose(-1, -2)).view(batch, heads, rows, keys)
+        scores = (scores.float() * scale).masked_fill(~mask[:, :, lo : lo + rows], float("-inf"))
+        with_sink = torch.cat([scores, sink.expand(batch, heads, rows, 1)], dim=-1)
+        probs = with_sink.softmax(-1)[..., :-1].to(v.dtype)
+        probs = probs.view(batch, kv_heads, -1, keys)
+        out[:, :, lo : lo + rows] = torch.matmul(probs, v).view(batch, heads, rows, dim)
+    return out
+
+
+def _sdpa(q, k, v, mask, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with GQA over a boolean mask (None: causal), or with sinks when the layer has them."""
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, mask, scale, sinks)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
 
 
 def _unscale(x: torch.Tensor, v_scale: float) -> torch.Tensor:
@@ -157,6 +215,7 @@ def _kernel_attention(
     window: int | None,
     k_scale: float,
     v_scale: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """The Triton kernels on the batch: decode's when every query is alone, else prefill's."""
     # imported here: triton comes with CUDA builds of torch, a CPU-only install may lack it
@@ -168,7 +227,7 @@ def _kernel_attention(
     tables, lens = paged.block_tables, paged.context_lens
     if paged.max_query_len == 1:
         return triton_attention.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, scale, window, k_scale, v_scale
+            q, k_cache, v_cache, tables, lens, scale, window, k_scale, v_scale, sinks=sinks
         )
     return triton_attention.paged_prefill_attention(
         q,
@@ -182,6 +241,7 @@ def _kernel_attention(
         window,
         k_scale,
         v_scale,
+        sinks,
     )
 
 
@@ -196,12 +256,13 @@ def paged_attention(
     window: int | None = None,
     k_scale: float = 1.0,  # the caches hold k / k_scale and v / v_scale
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [H]: a logit per query head in the denominator
 ) -> torch.Tensor:
     if k_cache.numel():  # an embedding model's layers keep no cache: fresh keys only
         _write(k_cache, meta.slot_mapping, k, k_scale)
         _write(v_cache, meta.slot_mapping, v, v_scale)
     if meta.paged is not None:
-        return _kernel_attention(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
+        return _kernel_attention(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale, sinks)
     # keys and values read back from the cache are scaled down: rather than a pass over
     # the gathered workspace, K's scale joins the query's, q . (k * s) = (q * s) . k,
     # and V's multiplies the attention output
@@ -215,9 +276,7 @@ def paged_attention(
         vd = _gather(v_cache, group.block_ids, meta.v_workspace, bs)
         kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask(g, window), scale=cached_scale, enable_gqa=True
-        )
+        od = _sdpa(qd, kd, vd, meta.decode_mask(g, window), cached_scale, sinks)
         out.index_copy_(0, group.rows, _unscale(od.squeeze(2), v_scale))
     q_scaled = q * cached_scale if meta.decodes else q
     for d in meta.decodes:
@@ -227,7 +286,7 @@ def paged_attention(
         blocks = d.block_ids[first // bs :]
         kd = _gather(k_cache, blocks, meta.k_workspace, bs)[first - skipped : d.ctx_len - skipped]
         vd = _gather(v_cache, blocks, meta.v_workspace, bs)[first - skipped : d.ctx_len - skipped]
-        _decode_attention(q_scaled[d.row], kd, vd, out[d.row])
+        _decode_attention(q_scaled[d.row], kd, vd, out[d.row], sinks)
         if v_scale != 1.0:
             out[d.row] *= v_scale
     for i, span in enumerate(meta.prefills):
@@ -243,8 +302,6 @@ def paged_attention(
         kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         vp = vp.transpose(0, 1).unsqueeze(0)
         mask = meta.prefill_mask(i, window)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=span_scale, enable_gqa=True
-        )
+        op = _sdpa(qp, kp, vp, mask, span_scale, sinks)
         out[span.q_start : span.q_end] = _unscale(op[0].transpose(0, 1), span_v_scale)
     return out

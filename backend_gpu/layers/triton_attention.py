@@ -8,7 +8,10 @@ tiles looked up slot by slot in the block table (so a tile may span several cach
 blocks of any size), an online softmax in base 2, causal and sliding-window masks by
 position. GQA: a program takes every query head of one KV head as rows, so each key
 tile is loaded once for the group. An FP8 cache is widened to the query's dtype in the
-kernel; K's scale joins the score scale and V's multiplies the output.
+kernel; K's scale joins the score scale and V's multiplies the output. Attention sinks
+(gpt-oss: a logit per query head in the softmax's denominator, attending to nothing)
+join the sum after the keys: in the prefill kernel's final normalization, in the decode
+merge's (so the splits need not know of them).
 
 - Decode (one query per sequence) splits each context over programs (flash decoding):
   short batches still fill the GPU, and a second kernel merges the splits by their
@@ -170,19 +173,25 @@ def _decode_merge_kernel(
     part_out,
     part_lse,
     out_ptr,
+    sinks_ptr,  # [heads] (HAS_SINKS)
     v_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Program (sequence, query head): the splits weighted by their share of the softmax."""
     row = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     offs_s, offs_d = tl.arange(0, NUM_SPLITS), tl.arange(0, BLOCK_D)
     lse = tl.load(part_lse + row * NUM_SPLITS + offs_s)
     top = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)
     parts = tl.load(part_out + (row * NUM_SPLITS + offs_s)[:, None] * BLOCK_D + offs_d[None, :])
     total = tl.sum(weight, 0)
+    if HAS_SINKS:  # the sink's share of the denominator, in the splits' base-2 units
+        sink = tl.load(sinks_ptr + tl.program_id(1)).to(tl.float32) * LOG2E
+        total += tl.exp2(sink - top)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total) * v_scale
     dst = out_ptr + row * HEAD_DIM + offs_d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -197,6 +206,7 @@ def _prefill_kernel(
     tables_ptr,
     lens_ptr,
     q_starts_ptr,
+    sinks_ptr,  # [heads] (HAS_SINKS)
     score_scale,
     v_scale,
     window,
@@ -210,6 +220,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Program (sequence, query tile, KV head): BLOCK_Q new tokens x the group's heads as
@@ -255,6 +266,9 @@ def _prefill_kernel(
         USE_WINDOW,
         PRECISION,
     )
+    if HAS_SINKS:  # each row's head's sink joins the denominator (base 2, as m_i)
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        l_i += tl.exp2(sink - m_i)  # a row with no keys (m_i -inf) gets inf: its acc is 0
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     o_rows = (q_start + token) * num_kv_heads * GROUP * HEAD_DIM + heads * HEAD_DIM
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask)
@@ -285,11 +299,13 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, Hq, D]: one query per sequence, q [B, Hq, D], over its context_lens[b] keys in
     k_cache, v_cache [num_blocks, block_size, Hkv, D] (holding k / k_scale, v / v_scale)
     found through block_tables [B, max_blocks]. num_splits (a power of two) shares each
-    context between programs; None picks it from the batch and the device."""
+    context between programs; None picks it from the batch and the device. sinks [Hq]:
+    a logit per query head in the softmax's denominator."""
     block_size, group = _check(q, k_cache, v_cache)
     batch, heads, dim = q.shape
     splits = num_splits or _num_splits(q.device, batch * k_cache.shape[2])
@@ -320,7 +336,15 @@ def paged_decode_attention(
     )
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(batch, heads)](
-        part_out, part_lse, out, v_scale, HEAD_DIM=dim, BLOCK_D=block_d, NUM_SPLITS=splits
+        part_out,
+        part_lse,
+        out,
+        sinks if sinks is not None else part_lse,
+        v_scale,
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=splits,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -337,10 +361,12 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, Hq, D]: sequence b's queries q[query_start_loc[b]:query_start_loc[b + 1]] are
     its last tokens of context_lens[b] (their keys already in the cache), each attending
-    causally (and within the window) to its sequence's keys, read as in decode."""
+    causally (and within the window) to its sequence's keys, read as in decode. sinks
+    [Hq]: a logit per query head in the softmax's denominator."""
     block_size, group = _check(q, k_cache, v_cache)
     group_pad = triton.next_power_of_2(group)
     # short queries (speculative verification) get short tiles; a tile is >= MIN_DOT rows
@@ -356,6 +382,7 @@ def paged_prefill_attention(
         block_tables,
         context_lens,
         query_start_loc,
+        sinks if sinks is not None else out,
         scale * k_scale * LOG2E,
         v_scale,
         sliding_window or 0,
@@ -369,6 +396,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=KEY_TILE,
         USE_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
         PRECISION=dot_precision(q.dtype),
     )
     return out
