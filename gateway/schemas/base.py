@@ -3,6 +3,7 @@ refused by name (gateway.schemas.inference, gateway.schemas.structured)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -34,10 +35,16 @@ class StrictBody(BaseModel):
     def _refuse_unknown(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        # a field may be known by its alias ("schema", "json" would shadow BaseModel's)
-        known = {f.alias or name for name, f in cls.model_fields.items()}
+        known = _known_names(cls)
         unknown = [k for k in data if k not in known and data[k] is not None]
         if unknown:
             names = ", ".join(repr(k) for k in unknown)
             raise ValueError(f"Unrecognized request argument supplied: {names}")
         return {k: v for k, v in data.items() if k in known}
+
+
+@functools.cache
+def _known_names(model: type[BaseModel]) -> frozenset[str]:
+    """The names a body of `model` may use, made once per model, not once per body: a
+    field may be known by its alias ("schema", "json" would shadow BaseModel's)."""
+    return frozenset(f.alias or name for name, f in model.model_fields.items())

@@ -325,15 +325,24 @@ def _usd(nanos: int) -> str:
     return "$" + usd_text(to_usd(nanos))
 
 
+# each per-minute counter's x-ratelimit-* header names, made once (every answer has them)
+_HEADER_NAMES = {
+    kind: tuple(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset"))
+    for kind in (REQUESTS, TOKENS)
+}
+
+
 def ratelimit_headers(
     limits: QuotaLimits, remaining: dict[str, int | None], windows: Windows
 ) -> dict[str, str]:
     headers = {}
+    reset = f"{windows.minute_reset_s:.3f}s"  # both count in the minute window
     for kind, limit in ((REQUESTS, limits.rpm), (TOKENS, limits.tpm)):
         if limit is None:
             continue
         left = remaining.get(kind)
-        headers[f"x-ratelimit-limit-{kind}"] = str(limit)
-        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, left if left is not None else limit))
-        headers[f"x-ratelimit-reset-{kind}"] = f"{windows.reset_s(kind):.3f}s"
+        name_limit, name_remaining, name_reset = _HEADER_NAMES[kind]
+        headers[name_limit] = str(limit)
+        headers[name_remaining] = str(max(0, left if left is not None else limit))
+        headers[name_reset] = reset
     return headers
