@@ -41,6 +41,12 @@ class ServeConfig:
     # candidate whose goals are already lost): nothing more is sent, and what is in
     # flight is cancelled and left out of the result
     abort_when: Callable[[RequestOutput], bool] | None = None
+    # seconds after the run's start past which no request starts (`kvgate tune`'s share
+    # of its budget per candidate): those in flight finish and count, the rest are left out
+    send_for_s: float | None = None
+    # seconds after the run's start at which it stops as abort_when stops it (the end of
+    # that share); the result's cut_in_flight counts the requests it cut
+    abort_after_s: float | None = None
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -91,8 +97,9 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, api_key: st
 
 async def run_requests(
     cfg: ServeConfig, requests: Sequence[SampleRequest]
-) -> tuple[list[RequestOutput], float, str]:
-    """Send every request on its arrival schedule; returns outputs, duration and model."""
+) -> tuple[list[RequestOutput], float, str, int]:
+    """Send every request on its arrival schedule; returns outputs, duration, model and
+    how many requests were cut in flight (the run stopped before they finished)."""
     base_url = normalize_url(cfg.url)
     keys = tenant_keys(cfg.api_keys, cfg.num_tenants)
     offsets = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
@@ -103,15 +110,23 @@ async def run_requests(
         model = cfg.model or await first_model(session, base_url, keys[0])
         progress = tqdm(total=len(requests), disable=not cfg.show_progress, desc="requests")
 
-        async def one(i: int, req: SampleRequest) -> RequestOutput:
+        def too_late() -> bool:
+            return cfg.send_for_s is not None and time.perf_counter() - start >= cfg.send_for_s
+
+        async def one(i: int, req: SampleRequest) -> RequestOutput | None:
             tenant = (i if req.tenant is None else req.tenant) % len(keys)
             payload = build_payload(
                 cfg.endpoint, model, req.prompt, req.max_tokens, cfg.temperature, cfg.ignore_eos
             )
+            nonlocal in_flight
             async with limit or contextlib.nullcontext():
+                if too_late():  # waited for a seat past the time to send
+                    return None
+                in_flight += 1
                 out = await send_request(
                     session, base_url, cfg.endpoint, payload, keys[tenant], tenant
                 )
+                in_flight -= 1
             progress.update(1)
             if cfg.abort_when is not None and cfg.abort_when(out):
                 stop.set()
@@ -119,21 +134,30 @@ async def run_requests(
 
         stop = asyncio.Event()
         start = time.perf_counter()
+        in_flight = 0
+        if cfg.abort_after_s is not None:
+            timer = asyncio.get_running_loop().call_later(cfg.abort_after_s, stop.set)
         tasks = []
         for i, (req, offset) in enumerate(zip(requests, offsets, strict=True)):
+            if cfg.send_for_s is not None and offset >= cfg.send_for_s:
+                break  # due after the time to send: not waited for
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if stop.is_set():
+            if stop.is_set() or too_late():
                 break
             tasks.append(asyncio.create_task(one(i, req)))
-        outputs = await until_stopped(tasks, stop)
+        outputs = [out for out in await until_stopped(tasks, stop) if out is not None]
         duration = time.perf_counter() - start
+        if cfg.abort_after_s is not None:
+            timer.cancel()
         progress.close()
-    return outputs, duration, model
+    return outputs, duration, model, in_flight
 
 
-async def until_stopped(tasks: list[asyncio.Task], stop: asyncio.Event) -> list[RequestOutput]:
+async def until_stopped(
+    tasks: list[asyncio.Task], stop: asyncio.Event
+) -> list[RequestOutput | None]:
     """Every task's output, or, if `stop` is set first, those that finished by then
     (the rest cancelled)."""
     everything = asyncio.gather(*tasks)
@@ -213,8 +237,10 @@ def build_result(
 def serve_benchmark(
     cfg: ServeConfig, requests: Sequence[SampleRequest], extra: dict | None = None
 ) -> tuple[dict, str]:
-    outputs, duration, model = asyncio.run(run_requests(cfg, requests))
-    return build_result(cfg, requests, outputs, duration, model, extra or {})
+    outputs, duration, model, cut = asyncio.run(run_requests(cfg, requests))
+    return build_result(
+        cfg, requests, outputs, duration, model, {"cut_in_flight": cut} | (extra or {})
+    )
 
 
 def plot_requests(result: dict, path: str) -> None:

@@ -7,10 +7,13 @@ time budget: the engine's defaults first (the baseline), then a coarse grid of
 max_num_seqs and max_num_batched_tokens, then the features one at a time on the best
 (FP8 KV, 8-bit weights, n-gram speculation of two lengths, no prefix caching), then
 the neighbours of the best's batch sizes; a candidate whose goals are already lost (more
-requests over a goal than its p99 allows) is stopped there; when the best two are within
-the noise, both run again and their medians decide. Every candidate leaves a history
-record (history.py); the best is written as the TOML file `kvgate serve --config` takes,
-beside a table and a plot of every candidate (tune_report.py).
+requests over a goal than its p99 allows) is stopped there, and none runs past its share
+of the budget (the budget over the first two stages' candidates); when the best two are
+within the noise, both run again and their medians decide. Every candidate leaves a
+history record (history.py); the best is written as the TOML file `kvgate serve
+--config` takes, beside a table and a plot of every candidate (tune_report.py). When
+none meets the goals, the closest is written, marked with what it misses, and the exit
+status is 1.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from bench.tune_server import Candidate
 from gateway.cli.parsing import Parser
 
 DEFAULTS = Candidate()
+MIN_SHARE_S = 30.0  # a candidate's requests are sent for at least this long
 
 
 def parse_duration(text: str) -> float:
@@ -75,8 +79,12 @@ def neighbours(best: Candidate) -> list[Candidate]:
 
 def search(tuner: Tuner, useful_seqs: int) -> Measured | None:
     """Run the stages while the budget lasts; the best candidate meeting the goals."""
+    grid = coarse_grid(useful_seqs)
+    # each candidate of the first two stages, which every search runs, may send requests
+    # for its share of the budget: the first one no longer spends all of it
+    tuner.share_s = max(tuner.budget_s / (1 + len(grid)), MIN_SHARE_S)
     tuner.run_stage("defaults", [DEFAULTS])
-    tuner.run_stage("coarse", coarse_grid(useful_seqs))
+    tuner.run_stage("coarse", grid)
     if tuner.best() is not None:
         tuner.run_stage("features", feature_steps(tuner.best().candidate))
     if tuner.best() is not None:
@@ -123,19 +131,36 @@ def main(argv: list[str] | None = None) -> int:
         if min(args.slo_ttft_p99, args.slo_tpot_p99) <= 0:
             raise ValueError("--slo-ttft-p99 and --slo-tpot-p99 must be > 0 seconds")
         goals = Goals(args.slo_ttft_p99, args.slo_tpot_p99)
+        if args.model.endswith(".gguf"):
+            convert_once(args.model)
         tuner = Tuner(args, goals, budget, Path(args.output), ["kvgate", "tune", *argv])
         useful = args.max_concurrency or args.num_prompts
         if not math.isinf(args.request_rate):
             useful = min(useful, args.num_prompts)
         best = search(tuner, useful)
-        write_report(tuner, best)
+        chosen = best or tuner.closest()
+        write_report(tuner, chosen)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"kvgate tune: error: {e}", file=sys.stderr)
         return 2
-    if best is None:
-        print("kvgate tune: no candidate met the goals; see the report", file=sys.stderr)
+    if chosen is None:
+        print("kvgate tune: no candidate could be measured; see the report", file=sys.stderr)
         return 1
-    return 0
+    return 0 if best else 1
+
+
+def convert_once(model: str) -> None:
+    """Convert a GGUF file for the gpu engine before the search, its progress shown: else
+    the first candidate converts it inside its start-up, unseen, and that minute or two
+    on a CPU counts as the candidate's (the conversion is cached for every later start)."""
+    from backend_gpu.gguf_loader import convert_gguf
+
+    print(
+        f"[prepare] {model}: converting it for the gpu engine (once, then cached; not "
+        "counted in --budget)",
+        flush=True,
+    )
+    convert_gguf(model)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """What `kvgate tune` leaves in its output directory: the chosen config (kvgate.toml,
 for `kvgate serve --config`), every candidate as a table (report.md) and as JSON
-(tune.json), and a plot of throughput against p99 TTFT with the goals drawn (tune.png)."""
+(tune.json), and a plot of throughput against p99 TTFT with the goals drawn (tune.png).
+
+When no candidate meets the goals (a CPU against a GPU's goals), the closest one's config
+is written all the same, so that the next command, `kvgate serve --config`, works: its
+first lines, and what tune prints, say which goals it misses and by how much."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ def candidate_rows(tuner: Tuner, best: Measured | None) -> list[dict]:
                 "peak_memory_mib": m.median(peak) / (1 << 20) if peak else None,
                 "meets_goals": m.meets(tuner.goals),
                 "chosen": m is best,
-                "note": m.error,
+                "note": m.error or m.note,
             }
         )
     return rows
@@ -45,7 +49,9 @@ def markdown_table(rows: list[dict]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
-        name = f"**{r['candidate']}** (chosen)" if r["chosen"] else r["candidate"]
+        name = r["candidate"]
+        if r["chosen"]:
+            name = f"**{name}** ({'chosen' if r['meets_goals'] else 'closest, written'})"
         peak = f"{r['peak_memory_mib']:.0f}" if r["peak_memory_mib"] else "-"
         lines.append(
             f"| {name} | {r['stage']} | {r['rounds']} | {_f(r['output_throughput'], 1)} "
@@ -82,8 +88,9 @@ def plot(rows: list[dict], tuner: Tuner, path: str) -> None:
             ms=12 if r["chosen"] else 7,
         )
         if r["chosen"] or r["stage"] == "defaults":
+            chosen = "chosen" if r["meets_goals"] else "closest"
             ax.annotate(
-                "chosen" if r["chosen"] else "defaults",
+                chosen if r["chosen"] else "defaults",
                 (r["p99_ttft_s"], r["output_throughput"]),
                 textcoords="offset points",
                 xytext=(6, 6),
@@ -103,7 +110,30 @@ def plot(rows: list[dict], tuner: Tuner, path: str) -> None:
     plt.close(fig)
 
 
+def missed(tuner: Tuner, m: Measured) -> list[str]:
+    """How `m` misses the goals; a candidate stopped early says so."""
+    return tuner.goals.misses(m.figures()) + ([m.error] if m.error else [])
+
+
+def toml_header(tuner: Tuner, chosen: Measured) -> str:
+    """The chosen config's first lines: what it was chosen for, or what it misses."""
+    goals = tuner.goals
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    wanted = f"p99 TTFT <= {goals.ttft_p99_s} s and p99 TPOT <= {goals.tpot_p99_s} s"
+    measured = f"{chosen.median('output_throughput'):.1f} tok/s on the workload of tune.json"
+    if chosen.meets(goals):
+        return f"kvgate tune, {when}: the most output tokens/s meeting {wanted}\n({measured})"
+    return "\n".join(
+        [
+            f"kvgate tune, {when}: NO candidate met {wanted}.",
+            f"This is the closest ({chosen.candidate.name}, {measured}); it misses:",
+            *(f"  {miss}" for miss in missed(tuner, chosen)),
+        ]
+    )
+
+
 def write_report(tuner: Tuner, best: Measured | None) -> None:
+    """The files; `best` is the config written: the chosen one, or the closest."""
     out, args = tuner.out, tuner.args
     rows = candidate_rows(tuner, best)
     table = markdown_table(rows)
@@ -117,20 +147,25 @@ def write_report(tuner: Tuner, best: Measured | None) -> None:
         "goals": {"ttft_p99_s": tuner.goals.ttft_p99_s, "tpot_p99_s": tuner.goals.tpot_p99_s},
         "budget_s": tuner.budget_s,
         "chosen": best.candidate.name if best else None,
+        "chosen_misses": missed(tuner, best) if best and not best.meets(tuner.goals) else [],
         "candidates": rows,
     }
     (out / "tune.json").write_text(json.dumps(summary, indent=2))
     (out / "report.md").write_text(table + "\n")
     plot(rows, tuner, str(out / "tune.png"))
     print("\n" + table)
-    if best is not None:
-        header = (
-            f"kvgate tune, {summary['when']}: the most output tokens/s meeting p99 TTFT <= "
-            f"{tuner.goals.ttft_p99_s} s and p99 TPOT <= {tuner.goals.tpot_p99_s} s\n"
-            f"({best.median('output_throughput'):.1f} tok/s on the workload of tune.json)"
-        )
+    if best is None:  # nothing measured: no config, not even an older run's
+        (out / "kvgate.toml").unlink(missing_ok=True)
+    else:
         (out / "kvgate.toml").write_text(
-            config_toml(args.model, tuner.base, best.candidate, header)
+            config_toml(args.model, tuner.base, best.candidate, toml_header(tuner, best))
         )
-        print(f"\nchosen: {best.candidate.name}; wrote {out / 'kvgate.toml'}")
+        if best.meets(tuner.goals):
+            print(f"\nchosen: {best.candidate.name}; wrote {out / 'kvgate.toml'}")
+        else:
+            misses = "".join(f"\n  {miss}" for miss in missed(tuner, best))
+            print(
+                f"\nno candidate met the goals; wrote the closest, {best.candidate.name}, to "
+                f"{out / 'kvgate.toml'}. It misses:{misses}"
+            )
     print(f"wrote {out / 'report.md'}, {out / 'tune.json'} and {out / 'tune.png'}")

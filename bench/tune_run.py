@@ -35,6 +35,26 @@ class Goals:
             and figures["p99_tpot_ms"] <= 1000 * self.tpot_p99_s
         )
 
+    def misses(self, figures: dict) -> list[str]:
+        """Each goal `figures` miss, and by how much."""
+        out = [f"{figures['failed']:.0f} requests failed"] if figures.get("failed") else []
+        for metric, goal in (("TTFT", self.ttft_p99_s), ("TPOT", self.tpot_p99_s)):
+            value = figures[f"p99_{metric.lower()}_ms"] / 1000
+            if value > goal:
+                out.append(
+                    f"p99 {metric} {value:.3f} s, over its goal of {goal:g} s by "
+                    f"{value - goal:.3f} s ({value / goal:.1f}x)"
+                )
+        return out
+
+    def shortfall(self, figures: dict) -> float:
+        """How far `figures` are from the goals: the larger of p99 over goal, TTFT's and
+        TPOT's (at most 1 where both are met)."""
+        return max(
+            figures["p99_ttft_ms"] / 1000 / self.ttft_p99_s,
+            figures["p99_tpot_ms"] / 1000 / self.tpot_p99_s,
+        )
+
 
 @dataclass
 class Measured:
@@ -42,16 +62,21 @@ class Measured:
     stage: str
     rounds: list[dict] = field(default_factory=list)  # each round's figures
     error: str = ""  # it did not start, or a goal was lost early ("stopped: ...")
+    note: str = ""  # measured on part of the workload: its share of the budget was spent
     seconds: float = 0.0  # start and benchmark, every round
 
     def median(self, name: str) -> float:
-        return statistics.median(r[name] for r in self.rounds) if self.rounds else math.nan
+        values = [r.get(name, math.nan) for r in self.rounds]
+        return statistics.median(values) if values else math.nan
+
+    def figures(self) -> dict[str, float]:
+        """The medians the goals are judged by."""
+        return {n: self.median(n) for n in ("p99_ttft_ms", "p99_tpot_ms", "failed")}
 
     def meets(self, goals: Goals) -> bool:
         if self.error or not self.rounds:
             return False
-        names = ("p99_ttft_ms", "p99_tpot_ms", "failed")
-        return goals.met_by({n: self.median(n) for n in names})
+        return goals.met_by(self.figures())
 
 
 class GoalWatch:
@@ -104,6 +129,8 @@ class Tuner:
             "gpu_memory_utilization": args.gpu_memory_utilization,
         }
         self.measured: list[Measured] = []
+        # how long one candidate may send requests: search() shares the budget out
+        self.share_s = budget_s
         (out / "candidates").mkdir(parents=True, exist_ok=True)
 
     def left(self) -> float:
@@ -120,6 +147,22 @@ class Tuner:
     def best(self) -> Measured | None:
         meeting = [m for m in self.measured if m.meets(self.goals)]
         return max(meeting, key=lambda m: m.median("output_throughput"), default=None)
+
+    def closest(self) -> Measured | None:
+        """When none meets the goals, the one nearest them: no failed requests first,
+        then the smallest shortfall (p99 over goal), then the most tokens/s. None when
+        no candidate was measured at all."""
+        measured = [m for m in self.measured if not any(map(math.isnan, m.figures().values()))]
+
+        def distance(m: Measured) -> tuple:
+            figures = m.figures()
+            return (
+                figures["failed"] > 0,
+                self.goals.shortfall(figures),
+                -m.median("output_throughput"),
+            )
+
+        return min(measured, key=distance, default=None)
 
     def run_stage(self, stage: str, candidates: list[Candidate]) -> None:
         seen = {m.candidate for m in self.measured}
@@ -161,11 +204,16 @@ class Tuner:
         toml = self.out / "candidates" / f"{m.candidate.name}.toml"
         toml.write_text(config_toml(self.args.model, self.base, m.candidate))
         try:
-            with CandidateServer(toml, self.out / "candidates", self.args.start_timeout) as srv:
+            workdir, timeout = self.out / "candidates", self.args.start_timeout
+            with CandidateServer(toml, workdir, timeout, self.starting) as srv:
                 self.bench(m, srv)
         except (RuntimeError, OSError) as e:
             m.error = f"did not start: {e}"[:300]
         m.seconds += time.monotonic() - started
+
+    @staticmethod
+    def starting(line: str) -> None:
+        print(f"  starting: {line}", flush=True)
 
     def bench(self, m: Measured, server: CandidateServer) -> None:
         args = argparse.Namespace(**vars(self.args))
@@ -175,16 +223,26 @@ class Tuner:
         args.url, args.api_key, args.api_key_file = server.url, ",".join(keys), None
         args.goodput, args.no_progress, args.model = None, True, None
         cfg = serve_config(args, args.max_concurrency)
-        serve_benchmark(cfg, self.requests[:WARMUP_REQUESTS])
+        # the share bounds the warm-up and the run: requests start until it is spent,
+        # and those in flight get half as long again before they are cut
+        began, share = time.monotonic(), self.share_s
+        serve_benchmark(replace(cfg, abort_after_s=share), self.requests[:WARMUP_REQUESTS])
+        left = share - (time.monotonic() - began)
+        if left <= 0:
+            m.error = f"stopped: its share of the budget ({share:.0f} s) went on warming up"
+            return
         watch = GoalWatch(self.goals, len(self.requests), m.candidate.name)
-        cfg = replace(cfg, abort_when=watch)
+        cfg = replace(cfg, abort_when=watch, send_for_s=left, abort_after_s=left + share / 2)
         with MemorySampler(server.proc.pid) as memory:
             result, _ = serve_benchmark(cfg, self.requests, self.workload)
         figures = serve_figures(result) | memory.figures()
-        if watch.reason:
-            m.error = f"stopped: {watch.reason}"
+        self.judge(m, watch.reason, result)
         m.rounds.append(figures)
-        config = {"candidate": m.candidate.name, "stage": m.stage, "stopped": watch.reason}
+        config = {
+            "candidate": m.candidate.name,
+            "stage": m.stage,
+            "stopped": m.error.removeprefix("stopped: "),
+        }
         config |= m.candidate.engine_options() | self.base | self.workload
         config |= request_shape(self.args) | {"model": self.args.model}
         config["max_concurrency"] = self.args.max_concurrency
@@ -192,10 +250,24 @@ class Tuner:
         record = make_record("tune", self.command, config, [figures], memory.peak())
         save_record(record, self.args.results_dir)
 
+    def judge(self, m: Measured, lost: str, result: dict) -> None:
+        """A run's verdict beyond its figures: stopped (a goal lost, or requests cut at
+        the end of its share: not to be chosen), or measured on part of the workload."""
+        finished, total = len(result["ttfts"]), len(self.requests)
+        share = f"its share of the budget ({self.share_s:.0f} s)"
+        if lost:
+            m.error = f"stopped: {lost}"
+        elif result["cut_in_flight"]:
+            m.error = f"stopped: {share} ran out with {result['cut_in_flight']} requests unfinished"
+        elif finished < total:
+            m.note = f"measured on {finished} of {total} requests: {share} was spent"
+
     def progress(self, m: Measured) -> None:
         if m.error:
             print(f"  -> {m.error}", flush=True)
         else:
+            if m.note:
+                print(f"  -> {m.note}", flush=True)
             verdict = "meets the goals" if m.meets(self.goals) else "misses the goals"
             print(
                 f"  -> {m.median('output_throughput'):.1f} output tok/s, p99 TTFT "

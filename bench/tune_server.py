@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+PROGRESS_S = 10.0  # while a candidate starts, a line this often (none if it is quicker)
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a progress bar's cursor moves
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,14 @@ def config_toml(model: str, base: dict, candidate: Candidate, header: str = "") 
     return "\n".join(lines) + "\n"
 
 
+def newest_line(log: str, width: int = 100) -> str:
+    """The last line a log shows, as a terminal would: after its last carriage return
+    (a progress bar redraws its line), without escape sequences, cut to `width`."""
+    lines = [line.strip() for line in re.split(r"[\r\n]", ANSI.sub("", log))]
+    line = next((line for line in reversed(lines) if line), "")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,9 +103,17 @@ def _post(url: str, admin_key: str, body: dict) -> dict:
 
 
 class CandidateServer:
-    """`kvgate serve --config FILE` on a free port, until stop(); its log in `workdir`."""
+    """`kvgate serve --config FILE` on a free port, until stop(); its log in `workdir`.
+    While it starts (a model loaded, a first one's minutes on a CPU), `progress` is told
+    every PROGRESS_S how long it has taken and its log's newest line."""
 
-    def __init__(self, config_file: Path, workdir: Path, start_timeout: float) -> None:
+    def __init__(
+        self,
+        config_file: Path,
+        workdir: Path,
+        start_timeout: float,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_key = "kvg-tune-" + secrets.token_hex(20)
@@ -103,15 +124,23 @@ class CandidateServer:
         cmd += ["--port", str(self.port)]
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready(start_timeout)
+        self._wait_ready(start_timeout, progress or (lambda line: None))
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _wait_ready(self, timeout: float, progress: Callable[[str], None]) -> None:
+        started = time.monotonic()
+        deadline, told, said = started + timeout, started, ""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvgate serve exited: {self.log_tail()}")
-            if "kvgate: listening on" in self.log.read_text(errors="replace"):
+            text = self.log.read_text(errors="replace")
+            now = time.monotonic()
+            if "kvgate: listening on" in text:
+                progress(f"started in {now - started:.0f} s")
                 return
+            if now - told >= PROGRESS_S:
+                line = newest_line(text)
+                progress(f"{now - started:.0f} s" + (f": {line}" if line != said else ""))
+                told, said = now, line
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"kvgate serve did not start in {timeout:.0f}s: {self.log_tail()}")

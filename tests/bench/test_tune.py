@@ -1,17 +1,25 @@
 """`kvgate tune` end to end on the CPU: a tiny model, a budget that leaves room for the
 first candidate only, goals loose enough to meet; the config it writes starts `kvgate
-serve`, and benchmarked again it meets the goals. Then the goal watch that stops a
-candidate early, on real request records."""
+serve`, and benchmarked again it meets the goals. With goals no CPU meets, the closest
+candidate's config is written all the same, saying what it misses, and serves. Then the
+goal watch that stops a candidate early, on real request records, and a candidate's
+share of the budget: requests stop starting, those in flight finish."""
 
 import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 
 from bench.cli import main as bench
 from bench.client import RequestOutput
+from bench.datasets import SampleRequest
 from bench.history import load_records
+from bench.serve import ServeConfig, arrival_times, serve_benchmark
 from bench.tiny_model import build_tiny_llama
-from bench.tune import coarse_grid, parse_duration
+from bench.tune import MIN_SHARE_S, coarse_grid, parse_duration, search
 from bench.tune_run import Goals, GoalWatch
 from gateway.cli.main import main as kvgate
 from tests.conftest import start_gateway
@@ -104,3 +112,105 @@ def test_budget_and_grid():
     assert {c.max_num_seqs for c in grid} == {4, 8, 16}
     assert {c.max_num_seqs for c in coarse_grid(2)} == {1, 2}
     assert [c.max_num_batched_tokens for c in grid[:2]] == [2048, 2048]
+
+
+def test_goals_it_cannot_meet_still_leave_a_config_that_serves(tmp_path):
+    """The docs' two lines on a CPU: `kvgate tune` with a GPU's goals, then `kvgate serve
+    --config` on what it wrote."""
+    model = build_tiny_llama(tmp_path / "tiny", hidden_size=64, num_layers=2)
+    out = tmp_path / "tune"
+    argv = ["tune", "--model", str(model), "--device", "cpu", "--max-model-len", "256"]
+    argv += ["--slo-ttft-p99", "0.000001", "--slo-tpot-p99", "0.000001", "--budget", "1s"]
+    argv += ["--output", str(out), *WORKLOAD, "--results-dir", str(tmp_path / "history")]
+    tune = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *argv, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert tune.returncode == 1, tune.stdout + tune.stderr  # the goals were missed
+    # the first candidate's start-up was shown, not waited on in silence
+    assert "  starting: started in " in tune.stdout
+    summary = json.loads((out / "tune.json").read_text())
+    (row,) = summary["candidates"]
+    assert row["chosen"] and not row["meets_goals"] and summary["chosen"] == row["candidate"]
+    assert "(closest, written)" in (out / "report.md").read_text()
+    toml = (out / "kvgate.toml").read_text()
+    header = [line for line in toml.splitlines() if line.startswith("#")]
+    assert "NO candidate met p99 TTFT <= 1e-06 s and p99 TPOT <= 1e-06 s" in header[0]
+    assert f"This is the closest ({row['candidate']}, " in header[1]
+    ttft = f"p99 TTFT {row['p99_ttft_s']:.3f} s, over its goal of 1e-06 s by "
+    assert any(line.startswith(f"#   {ttft}") for line in header), header
+    assert summary["chosen_misses"][0].startswith(ttft)
+    printed = tune.stdout[tune.stdout.index("no candidate met the goals") :]
+    assert f"wrote the closest, {row['candidate']}, to {out / 'kvgate.toml'}" in printed
+    assert ttft in printed
+    # and the next line of the docs works
+    gw = start_gateway(tmp_path, config=toml, timeout=180)
+    try:
+        key = gw.tenant_key("check")[1]
+        check = ["serve", "--url", gw.url, "--api-key", key, *WORKLOAD, "--no-progress"]
+        assert bench([*check, "--no-history"]) == 0
+    finally:
+        gw.stop()
+
+
+def test_a_share_of_the_budget_stops_requests_starting_then_cuts_them(tmp_path):
+    """Requests due after the share are not sent, those sent finish whole; past the
+    share's grace, those still in flight are cut and counted."""
+    config = """
+[[backends]]
+name = "slow"
+type = "fake"
+served_model_name = "slow-model"
+[backends.options]
+tokens_per_second = 20
+"""
+    gw = start_gateway(tmp_path, config=config)
+    try:
+        key = gw.tenant_key("share")[1]
+        requests = [SampleRequest("a prompt", 20, 2) for _ in range(12)]
+        cfg = ServeConfig(
+            gw.url, None, [key], request_rate=4.0, ignore_eos=True, show_progress=False
+        )
+        share = 1.0
+        result, _ = serve_benchmark(replace(cfg, send_for_s=share), requests)
+        # at its end, requests still in flight (a second each, all sent at once) are cut
+        at_once = replace(cfg, request_rate=math.inf, abort_after_s=0.5)
+        cut, _ = serve_benchmark(at_once, requests[:4])
+    finally:
+        gw.stop()
+    due = sum(offset < share for offset in arrival_times(12, 4.0, 1.0, 0))
+    sent = len(result["ttfts"])
+    assert 1 <= sent <= due < 12
+    assert result["completed"] == sent and result["failed"] == 0
+    assert result["output_lens"] == [20] * sent  # in flight at the end, and finished
+    assert result["cut_in_flight"] == 0
+    assert cut["cut_in_flight"] == 4 and cut["completed"] == 0
+
+
+class StagesOnly:
+    """What search() asks of a tuner, recorded: the share set before the first stage."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s, self.share_s, self.stages = budget_s, math.inf, []
+
+    def run_stage(self, stage, candidates) -> None:
+        self.stages.append((stage, len(candidates), self.share_s))
+
+    def best(self) -> None:
+        return None
+
+    def repeat_close_calls(self) -> None:
+        pass
+
+
+def test_the_first_candidate_gets_a_share_of_the_budget_not_all_of_it():
+    tuner = StagesOnly(budget_s=20 * 60)
+    search(tuner, 256)
+    (defaults, coarse) = tuner.stages
+    assert defaults == ("defaults", 1, 20 * 60 / (1 + coarse[1]))
+    assert coarse[2] == defaults[2] < tuner.budget_s
+    short = StagesOnly(budget_s=60)
+    search(short, 256)
+    assert short.stages[0][2] == MIN_SHARE_S
