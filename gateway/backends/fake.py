@@ -258,7 +258,7 @@ class FakeBackend:
                 emitted = i + 1
                 if i and pace:
                     await asyncio.sleep(pace)
-                word_index = self._pick(start, i)
+                word_index = (start + i * 2654435761) % 1000003 % len(WORDS)  # by position
                 word, token_id = WORDS[word_index], WORD_ID_BASE + word_index
                 piece = " " + word if i else word
                 logprobs = None if top is None else _logprobs(word, top)
@@ -315,9 +315,6 @@ class FakeBackend:
             gen_tokens_per_s=recent / 10,
             extra={"adapters_loaded": list(self.adapters_loaded)} if self.adapters_loaded else {},
         )
-
-    def _pick(self, start: int, i: int) -> int:
-        return (start + i * 2654435761) % 1000003 % len(WORDS)
 
     def _start(self, req: GenRequest) -> int:
         seed = req.sampling.seed if req.sampling.temperature > 0 else None
