@@ -30,6 +30,7 @@ import triton.language as tl
 from backend_gpu.layers.triton_launch import dot_precision, splits_to_fill
 
 LOG2E = 1.4426950408889634
+LOG2E_IN_KERNEL = tl.constexpr(LOG2E)  # a kernel reads only constexpr globals
 KEY_TILE = 64  # keys per inner-loop step
 PREFILL_ROWS = 64  # query rows (tokens x heads of a group) per prefill program
 MIN_DOT = 16  # tl.dot needs each dimension at least this on a GPU
@@ -190,7 +191,7 @@ def _decode_merge_kernel(
     parts = tl.load(part_out + (row * NUM_SPLITS + offs_s)[:, None] * BLOCK_D + offs_d[None, :])
     total = tl.sum(weight, 0)
     if HAS_SINKS:  # the sink's share of the denominator, in the splits' base-2 units
-        sink = tl.load(sinks_ptr + tl.program_id(1)).to(tl.float32) * LOG2E
+        sink = tl.load(sinks_ptr + tl.program_id(1)).to(tl.float32) * LOG2E_IN_KERNEL
         total += tl.exp2(sink - top)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total) * v_scale
     dst = out_ptr + row * HEAD_DIM + offs_d
@@ -267,7 +268,7 @@ def _prefill_kernel(
         PRECISION,
     )
     if HAS_SINKS:  # each row's head's sink joins the denominator (base 2, as m_i)
-        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E_IN_KERNEL
         l_i += tl.exp2(sink - m_i)  # a row with no keys (m_i -inf) gets inf: its acc is 0
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     o_rows = (q_start + token) * num_kv_heads * GROUP * HEAD_DIM + heads * HEAD_DIM
