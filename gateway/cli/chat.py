@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.cli.parsing import Parser
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 COMMANDS = "/exit (or Ctrl-D) quits, /clear forgets the conversation, Ctrl-C stops a reply"
 # One conversation needs one llama.cpp sequence, with room for a long history.
@@ -218,7 +220,7 @@ def _stream_reply(chat: RemoteChat | LocalChat, history: Messages) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvgate chat",
         description="Chat with a model in the terminal: against a running gateway (the "
         "openai client, streaming), or with --model-file, loading the model in this process "

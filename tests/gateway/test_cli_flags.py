@@ -21,6 +21,7 @@ import pytest
 from bench.cli import build_parser as bench_parser
 from bench.tune import build_parser as tune_parser
 from gateway.cli import build_parser
+from gateway.cli.chat import build_parser as chat_parser
 from gateway.cli.output import format_table
 
 LONG_NAME = "acme-corporation-research-and-development-division-east"
@@ -73,7 +74,7 @@ def parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser
 
 
 def test_no_parser_takes_an_abbreviation() -> None:
-    trees = [build_parser(), bench_parser(), tune_parser()]
+    trees = [build_parser(), bench_parser(), tune_parser(), chat_parser()]
     found = [p for tree in trees for p in parsers(tree)]
     assert len(found) > 30  # the walk reached the subcommands
     assert [p.prog for p in found if p.allow_abbrev] == []
@@ -102,6 +103,8 @@ def test_an_abbreviated_flag_is_refused_and_changes_nothing(tmp_path: Path) -> N
         ),
         (["bench", "serve", "--num-prompt", "5"], "usage: kvgate bench serve ", "--num-prompts"),
         (["plan", "config.json", "--gpu-mem", "80GiB"], "usage: kvgate plan ", "--gpu-memory"),
+        (["chat", "--max-token", "5"], "usage: kvgate chat ", "--max-tokens"),
+        (["top", "--spee", "2"], "usage: kvgate top ", ""),  # the dashboard's own parser
     ],
 )
 def test_a_mistyped_flag_gets_its_subcommands_usage_and_a_guess(
