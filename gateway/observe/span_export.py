@@ -108,7 +108,7 @@ def serve(
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")  # as serve's
     log.setLevel(logging.INFO)
     resource = Resource.create({SERVICE_NAME: service_name})
-    processor = BatchSpanProcessor(ReportedExporter(exporter(endpoint, grpc)))
+    processor = BatchSpanProcessor(ReportedExporter(exporter(endpoint, grpc), endpoint))
     scope = InstrumentationScope("kvgate")
     limits = SpanLimits()
     try:
@@ -176,13 +176,15 @@ class ReportedExporter:
     The SDK exporters' own lines (a warning per retry, an error per batch dropped) are
     kept from the log: the first of a failing run is quoted as the reason."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, endpoint: str | None) -> None:
         self._inner = inner
-        self._where = inner._endpoint  # both OTLP exporters keep the URL they send to
+        # both OTLP exporters keep the URL they send to (endpoint None: from OTEL_*)
+        self._where = getattr(inner, "_endpoint", endpoint) or "the OTLP endpoint"
         self._said = _SdkLines()
         sdk = logging.getLogger("opentelemetry.exporter.otlp")
         sdk.addHandler(self._said)
         sdk.propagate = False
+        self._failing = False
         self._dropped = 0  # spans of the batches that failed since the last success
         # the inner's own: the processor reads shutdown's arguments to pass it a timeout
         self.shutdown = inner.shutdown
@@ -194,15 +196,15 @@ class ReportedExporter:
         self._said.lines.clear()
         result = self._inner.export(spans)
         if result is SpanExportResult.SUCCESS:
-            if self._dropped:
+            if self._failing:
                 log.info(
                     "traces reach %s again (%d spans were dropped while it did not answer)",
                     self._where,
                     self._dropped,
                 )
-            self._dropped = 0
+            self._failing, self._dropped = False, 0
         else:
-            if not self._dropped:
+            if not self._failing:
                 reason = self._said.lines[0] if self._said.lines else "the export failed"
                 log.warning(
                     "traces cannot be sent to %s: spans are dropped until it answers (said "
@@ -210,6 +212,7 @@ class ReportedExporter:
                     self._where,
                     reason,
                 )
+            self._failing = True
             self._dropped += len(spans)
         return result
 
