@@ -141,12 +141,14 @@ class Process:
         ready: str,
         env: dict[str, str] | None = None,
         timeout_s: float = 180,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.log = workdir / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", *args],
             env=os.environ | (env or {}),
+            cwd=cwd,  # another commit's checkout: its modules come before the installed ones
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
         )
@@ -176,17 +178,24 @@ class Process:
 
 
 def start_gateway(
-    workdir: Path, name: str, config: str, *flags: str, env: dict[str, str] | None = None
+    workdir: Path,
+    name: str,
+    config: str,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Process:
     """`kvgate serve` on a free port with `config` as its TOML and its own SQLite file,
-    unless `env` (over these defaults) names another database."""
+    unless `env` (over these defaults) names another database; from the source tree
+    `cwd` when given."""
     (workdir / f"{name}.toml").write_text(config)
     args = ["--config", str(workdir / f"{name}.toml"), "serve", "--port", str(free_port())]
     defaults = {
         "KVGATE_ADMIN_KEY": ADMIN_KEY,
         "KVGATE_DATABASE_URL": f"sqlite+aiosqlite:///{workdir / name}.db",
     }
-    return Process(workdir, name, [*args, *flags], GATEWAY_READY, defaults | (env or {}))
+    env = defaults | (env or {})
+    return Process(workdir, name, [*args, *flags], GATEWAY_READY, env, cwd=cwd)
 
 
 def start_worker(
