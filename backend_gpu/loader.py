@@ -4,16 +4,17 @@ A model is built on the meta device (no memory, no random init), given uninitial
 memory on its device in its dtype, then every parameter is filled from the checkpoint
 (or with random values, load_format "dummy"): no float32 copy is ever made and cast.
 Checkpoint tensors keep their HF names; the ones our models pack into one matmul
-(q/k/v, gate/up) are copied into their shard of the packed weight. Under tensor
-parallelism a rank reads only its part of each tensor (tp_shards.py): safetensors
-slices are read from the file as such, so no rank ever holds the whole model.
+(q/k/v, gate/up) are copied into their shard of the packed weight, and a checkpoint that
+fuses them itself (Phi-3's qkv_proj) is read as its parts. Under tensor parallelism a
+rank reads only its part of each tensor (tp_shards.py): safetensors slices are read from
+the file as such, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ PACKED_MODULES = {
 }
 
 
+# a fused checkpoint tensor's name -> its parts (name, rows), in row order; None: unfused
+FusedParts = Callable[[str], list[tuple[str, int]] | None]
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A directory of safetensors files, read one tensor (or one rank's part) at a time."""
@@ -48,10 +53,15 @@ class Checkpoint:
     directory: str
 
     def tensors(
-        self, shards: CheckpointShards | None = None, dropped: tuple[str, ...] = ()
+        self,
+        shards: CheckpointShards | None = None,
+        dropped: tuple[str, ...] = (),
+        fused: FusedParts | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs: whole, or what `shards` says this rank holds; tensors
-        whose name starts with one of `dropped` (another pipeline stage's) are not read."""
+        whose name starts with one of `dropped` (another pipeline stage's) are not read.
+        `fused`: the parts of a tensor that holds several of ours, each read and cut as a
+        tensor of its own."""
         files = sorted(glob.glob(os.path.join(self.directory, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
@@ -60,11 +70,27 @@ class Checkpoint:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if name.startswith(dropped):
                         continue
+                    if fused is not None and (parts := fused(name)) is not None:
+                        yield from _read_parts(f.get_slice(name), parts, shards)
+                        continue
                     read = shards(name) if shards is not None else None
                     if read is None:
                         yield name, f.get_tensor(name)
                     elif read is not SKIP:
                         yield name, _read_shard(f.get_slice(name), read)
+
+
+def _read_parts(tensor_slice, parts: list[tuple[str, int]], shards) -> Iterator:
+    """A fused tensor's parts (rows [start, start + rows) each, in order), each cut as
+    `shards` cuts a tensor of its name: fused tensors are column-parallel, cut by rows."""
+    start = 0
+    for name, rows in parts:
+        read = shards(name) if shards is not None else None
+        if read is not SKIP:
+            assert read is None or read.dim == 0, (name, read)
+            lo, hi = (0, rows) if read is None else (read.start, read.stop)
+            yield name, tensor_slice[(slice(start + lo, start + hi),)]
+        start += rows
 
 
 def _read_shard(tensor_slice, read: ShardRead) -> torch.Tensor:
@@ -143,13 +169,15 @@ def build_model(
     cls: type[nn.Module] | None = None,
     stage: Stage = WHOLE_MODEL,
     expert_parallel: bool = False,
+    context_len: int | None = None,
 ) -> nn.Module:
     """The model of `hf_config` on `device` in `dtype` (tensor-parallel rank tp.rank's
     part of it), its parameters from `checkpoint`, or random for load_format "dummy".
     `cls`: the class to build, when not the generator of the config's architecture
     (an embedding model's). `stage`: the pipeline stage whose part alone is built and
     read (pp_stages.py). `expert_parallel`: a mixture of experts' ranks each hold whole
-    experts (expert_shards.py)."""
+    experts (expert_shards.py). `context_len`: the positions the engine serves, for a model
+    that computes by it (Phi-3's LongRoPE picks its factors by it: set_context_len)."""
     if cls is None:
         cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
     moe = MoEConfig.of(hf_config)
@@ -174,6 +202,8 @@ def build_model(
     for (first, first_name), *others in shared.values():
         for module, name in others:
             setattr(module, name, getattr(first, first_name))
+    if context_len is not None and hasattr(model, "set_context_len"):
+        model.set_context_len(context_len)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.compute_tables()
@@ -186,7 +216,8 @@ def build_model(
             shards = ExpertCheckpointShards(moe, ExpertShard.of(moe, tp, expert_parallel), shards)
         if quantized is not None:
             shards = quantized.reads(shards)
-        weights = checkpoint.tensors(shards, tuple(dropped))
+        fused = getattr(cls, "fused_checkpoint_tensors", None)  # Phi-3's qkv_proj, gate_up_proj
+        weights = checkpoint.tensors(shards, tuple(dropped), fused and fused(hf_config))
         if quantized is not None:
             weights = quantized.weights(weights, model, dtype, device)
         load_weights(model, weights)

@@ -118,6 +118,7 @@ class ModelRunner:
             tp,
             stage=stage,
             expert_parallel=config.enable_expert_parallel,
+            context_len=config.context_len(hf_config),
         )
         if config.quantization is not None:
             quantize_model(self.model, config.quantization, tp)

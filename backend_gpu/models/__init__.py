@@ -9,6 +9,7 @@ from backend_gpu.models.bert import BertModel
 from backend_gpu.models.gemma3 import Gemma3ForCausalLM
 from backend_gpu.models.llama import LlamaEmbeddingModel, LlamaForCausalLM
 from backend_gpu.models.moe import MoEForCausalLM
+from backend_gpu.models.phi3 import Phi3ForCausalLM
 from backend_gpu.models.qwen2_moe import Qwen2MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -20,6 +21,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 # an embedding model (a sentence-transformers directory) by its config's model_type

@@ -31,7 +31,7 @@ def sliding_window_of(config, layer: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return config.sliding_window if layer_types[layer] == "sliding_attention" else None
-    if config.model_type in ("mistral", "mixtral", "qwen3_moe"):
+    if config.model_type in ("mistral", "mixtral", "qwen3_moe", "phi3"):
         return getattr(config, "sliding_window", None)
     return None
 
@@ -108,12 +108,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, tp: ParallelGroup, layer=LlamaDecoderLayer) -> None:
+    def __init__(
+        self, config, tp: ParallelGroup, layer=LlamaDecoderLayer, rotary: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.vocab = VocabShard.of(config.vocab_size, tp)
         self.embed_tokens = nn.Embedding(self.vocab.rows, config.hidden_size)
-        rotary = RotaryEmbedding(
+        rotary = rotary or RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, *rope_settings(config)
         )
         self.layers = nn.ModuleList(
@@ -134,11 +136,18 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`layer`: the decoder layer's class (config, index, rotary, tp): a mixture of
-    experts' (models/moe.py) in place of the dense one."""
+    experts' (models/moe.py) in place of the dense one. `rotary`: the layers' table, when
+    not the config's plain one (Phi-3's, models/phi3.py)."""
 
-    def __init__(self, config, tp: ParallelGroup = SINGLE, layer=LlamaDecoderLayer) -> None:
+    def __init__(
+        self,
+        config,
+        tp: ParallelGroup = SINGLE,
+        layer=LlamaDecoderLayer,
+        rotary: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.model = LlamaModel(config, tp, layer)
+        self.model = LlamaModel(config, tp, layer, rotary)
         self.lm_head = LMHead(config.hidden_size, self.model.vocab.rows)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -40,8 +40,11 @@ def free_the_gpu():
 
 
 # mixtral, qwen3_moe, qwen2_moe: the experts' Triton grouped GEMM, in CUDA graphs for
-# decodes (qwen2_moe's shared expert beside it)
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe"])
+# decodes (qwen2_moe's shared expert beside it); phi3_window: fused checkpoint tensors, a
+# window on every layer
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3_window"]
+)
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_on_cuda_matches_transformers_on_the_cpu(tiny_model_dir, arch, setting):
     model_dir = tiny_model_dir(arch)
@@ -50,6 +53,17 @@ def test_greedy_on_cuda_matches_transformers_on_the_cpu(tiny_model_dir, arch, se
     assert runner.paged_kernels and runner.graphs is not None
     check(llm, model_dir)
     assert runner.num_graph_steps > 0  # the decodes replayed CUDA graphs
+
+
+def test_phi3_longrope_on_cuda_matches_transformers(tiny_model_dir):
+    """Partial rotary and LongRoPE's long factors (prompts past the original context,
+    where transformers takes them too; test_phi3.py)."""
+    from tests.backend_gpu.test_phi3 import greedy_matches, long_prompts
+
+    model_dir = tiny_model_dir("phi3")
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_batched_tokens=24, **POOL)
+    greedy_matches(llm, model_dir, long_prompts())
+    assert llm.engine.runner.num_graph_steps > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

@@ -1,4 +1,4 @@
-"""Tiny seeded random models (Llama, Qwen2/3, Gemma 3, Mixtral, Qwen2/3-MoE) with a locally
+"""Tiny seeded random models (Llama, Qwen2/3, Gemma 3, Mixtral, Qwen2/3-MoE, Phi-3) with a locally
 trained tokenizer, saved like a hub checkpoint so that the engine and transformers load
 the same files."""
 
@@ -13,6 +13,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -30,6 +31,8 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen2_moe_norm": "Qwen2MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "phi3_window": "Phi3ForCausalLM",
 }
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -103,6 +106,8 @@ def _config(arch: str):
         )
     if arch.startswith("qwen2_moe"):
         return _qwen2_moe(common, arch)
+    if arch.startswith("phi3"):
+        return _phi3(common, arch)
     raise ValueError(arch)
 
 
@@ -121,6 +126,26 @@ def _qwen2_moe(common: dict, arch: str):
     if arch == "qwen2_moe":
         return Qwen2MoeConfig(**common, **moe, norm_topk_prob=False, mlp_only_layers=[1])
     return Qwen2MoeConfig(**common, **moe, norm_topk_prob=True, decoder_sparse_step=2)
+
+
+def _phi3(common: dict, arch: str):
+    """Phi-4-mini's shape ("phi3"): rotary on 3/4 of each head (12 of 16 dimensions),
+    LongRoPE from 32 original positions to 256 (6 short and 6 long factors), tied head;
+    or Phi-3-mini-4k's ("phi3_window"): whole-head rotary, every layer a window."""
+    if arch == "phi3":
+        rope = {
+            "type": "longrope",
+            "short_factor": [1.0, 1.02, 1.1, 1.3, 1.6, 2.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0],
+        }
+        return Phi3Config(
+            **common,
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=32,
+            rope_scaling=rope,
+            tie_word_embeddings=True,
+        )
+    return Phi3Config(**common, sliding_window=16, tie_word_embeddings=False)
 
 
 def _gemma3(common: dict):
