@@ -5,9 +5,10 @@ memory on its device in its dtype, then every parameter is filled from the check
 (or with random values, load_format "dummy"): no float32 copy is ever made and cast.
 Checkpoint tensors keep their HF names; the ones our models pack into one matmul
 (q/k/v, gate/up) are copied into their shard of the packed weight, and a checkpoint that
-fuses them itself (Phi-3's qkv_proj) is read as its parts. Under tensor parallelism a
-rank reads only its part of each tensor (tp_shards.py): safetensors slices are read from
-the file as such, so no rank ever holds the whole model.
+fuses them itself (Phi-3's qkv_proj) is read as its parts. A multimodal checkpoint's text
+model (Gemma 3 4B-27B) is read under a text model's names, its vision tower not at all.
+Under tensor parallelism a rank reads only its part of each tensor (tp_shards.py):
+safetensors slices are read from the file as such, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ PACKED_MODULES = {
 }
 
 
+# a multimodal checkpoint's text model, in the hub's layout and in transformers 5's
+TEXT_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
+VISION_PREFIXES += ("model.multi_modal_projector.",)
+
+
+def text_model_name(name: str) -> str | None:
+    """A checkpoint tensor's name in a text model; None for a vision tower's (the engine
+    serves text: nothing of it is read)."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    for prefix, ours in TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return name
+
+
 # a fused checkpoint tensor's name -> its parts (name, rows), in row order; None: unfused
 FusedParts = Callable[[str], list[tuple[str, int]] | None]
 
@@ -60,24 +82,25 @@ class Checkpoint:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs: whole, or what `shards` says this rank holds; tensors
         whose name starts with one of `dropped` (another pipeline stage's) are not read.
-        `fused`: the parts of a tensor that holds several of ours, each read and cut as a
-        tensor of its own."""
+        Names are a text model's (text_model_name). `fused`: the parts of a tensor that
+        holds several of ours, each read and cut as a tensor of its own."""
         files = sorted(glob.glob(os.path.join(self.directory, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
         for path in files:
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name.startswith(dropped):
+                for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    name = text_model_name(stored)
+                    if name is None or name.startswith(dropped):
                         continue
                     if fused is not None and (parts := fused(name)) is not None:
-                        yield from _read_parts(f.get_slice(name), parts, shards)
+                        yield from _read_parts(f.get_slice(stored), parts, shards)
                         continue
                     read = shards(name) if shards is not None else None
                     if read is None:
-                        yield name, f.get_tensor(name)
+                        yield name, f.get_tensor(stored)
                     elif read is not SKIP:
-                        yield name, _read_shard(f.get_slice(name), read)
+                        yield name, _read_shard(f.get_slice(stored), read)
 
 
 def _read_parts(tensor_slice, parts: list[tuple[str, int]], shards) -> Iterator:
@@ -248,7 +271,9 @@ def open_model(path: str):
         path = convert_gguf(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model {path!r} is neither a directory nor a .gguf file")
-    hf_config = AutoConfig.from_pretrained(path)
-    hf_config = getattr(hf_config, "text_config", None) or hf_config
+    config = AutoConfig.from_pretrained(path)
+    hf_config = getattr(config, "text_config", None) or config
+    if not hf_config.architectures:  # a multimodal model's text model: served by its name
+        hf_config.architectures = config.architectures
     tokenizer = AutoTokenizer.from_pretrained(path)
     return hf_config, tokenizer, Checkpoint(path)

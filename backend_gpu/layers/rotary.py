@@ -27,7 +27,10 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         return torch.where(medium, smoothed, scaled)
     if kind == "yarn":
         return _yarn_inv_frequencies(head_dim, theta, scaling)
-    raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+    raise NotImplementedError(
+        f"config field rope_scaling (rope_parameters): type {kind!r} is not supported; "
+        "supported: default, linear, llama3, yarn (and Phi-3's longrope)"
+    )
 
 
 def _yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:

@@ -18,6 +18,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # Gemma 3 4B-27B as published: its text model (loader.text_model_name)
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -41,9 +41,10 @@ def free_the_gpu():
 
 # mixtral, qwen3_moe, qwen2_moe: the experts' Triton grouped GEMM, in CUDA graphs for
 # decodes (qwen2_moe's shared expert beside it); phi3_window: fused checkpoint tensors, a
-# window on every layer
+# window on every layer; gemma3_mm: Gemma 3 as published, its text model
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3_window"]
+    "arch",
+    ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3_window", "gemma3_mm"],
 )
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_on_cuda_matches_transformers_on_the_cpu(tiny_model_dir, arch, setting):

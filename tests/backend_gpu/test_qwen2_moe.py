@@ -9,6 +9,7 @@ checkpoint reads cut by its own size; kvgate plan counts the shared experts."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -197,3 +198,13 @@ def test_plan_counts_the_shared_experts(tmp_path):
     eight_bit = sum(r * c + 4 * r - 2 * r * c for r, c in linears + experts) * layers
     table = vocab * h + vocab * h // 32 * 4 - 2 * vocab * h
     assert plan.weight_bytes["fp8"] == plan.weight_bytes["bfloat16"] + eight_bit + 2 * table
+
+
+def test_an_unknown_rope_type_is_refused_naming_the_field(tiny_model_dir, tmp_path):
+    path = tmp_path / "qwen2_moe"
+    shutil.copytree(tiny_model_dir("qwen2_moe"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="rope_scaling .*type 'dynamic'"):
+        LLM(str(path))

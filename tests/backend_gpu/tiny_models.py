@@ -1,6 +1,6 @@
-"""Tiny seeded random models (Llama, Qwen2/3, Gemma 3, Mixtral, Qwen2/3-MoE, Phi-3) with a locally
-trained tokenizer, saved like a hub checkpoint so that the engine and transformers load
-the same files."""
+"""Tiny seeded random models (Llama, Qwen2/3, Gemma 3 text and multimodal, Mixtral,
+Qwen2/3-MoE, Phi-3) with a locally trained tokenizer, saved like a hub checkpoint so that
+the engine and transformers load the same files."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
     Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
@@ -33,6 +34,7 @@ ARCHITECTURES = {
     "qwen2_moe_norm": "Qwen2MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "phi3_window": "Phi3ForCausalLM",
+    "gemma3_mm": "Gemma3ForConditionalGeneration",
 }
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -108,6 +110,8 @@ def _config(arch: str):
         return _qwen2_moe(common, arch)
     if arch.startswith("phi3"):
         return _phi3(common, arch)
+    if arch == "gemma3_mm":
+        return _gemma3_multimodal(common)
     raise ValueError(arch)
 
 
@@ -146,6 +150,33 @@ def _phi3(common: dict, arch: str):
             tie_word_embeddings=True,
         )
     return Phi3Config(**common, sliding_window=16, tie_word_embeddings=False)
+
+
+def _gemma3_multimodal(common: dict):
+    """Gemma 3 4B's layout (Gemma3ForConditionalGeneration: a text model beside a SigLIP
+    vision tower and its projector), with its global layers' linear rope scaling."""
+    text = _gemma3(common).to_dict()
+    text["rope_parameters"]["full_attention"] = {
+        "rope_type": "linear",
+        "factor": 8.0,
+        "rope_theta": 1_000_000.0,
+    }
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 4,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+    )
 
 
 def _gemma3(common: dict):
