@@ -72,6 +72,15 @@ class MoEConfig:
                 ("gate_proj", "up_proj", "down_proj"),
                 frozenset(range(first_sparse, hf_config.num_hidden_layers)),
             )
+        if hf_config.model_type == "gpt_oss":  # stacked: one tensor for all experts
+            return cls(
+                hf_config.num_local_experts,
+                hf_config.num_experts_per_tok,
+                hf_config.intermediate_size,
+                True,  # a softmax over the top k logits
+                ("gate_up_proj", "gate_up_proj", "down_proj"),
+                frozenset(layers),
+            )
         return None
 
 

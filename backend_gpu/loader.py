@@ -117,11 +117,7 @@ def _read_parts(tensor_slice, parts: list[tuple[str, int]], shards) -> Iterator:
 
 
 def _read_shard(tensor_slice, read: ShardRead) -> torch.Tensor:
-    index = (
-        (slice(read.start, read.stop),)
-        if read.dim == 0
-        else (slice(None), slice(read.start, read.stop))
-    )
+    index = (slice(None),) * read.dim + (slice(read.start, read.stop),)
     part = tensor_slice[index]
     if read.rows is not None and part.shape[0] < read.rows:  # the vocabulary's padding
         part = torch.cat([part, part.new_zeros(read.rows - part.shape[0], *part.shape[1:])])
@@ -212,7 +208,8 @@ def build_model(
     dropped = prune_to_stage(model, stage) if stage.count > 1 else []
     # before the model gets memory: its quantized layers get none of 16 bits
     quantized = None
-    if load_format != "dummy":
+    # a model that reads its checkpoint's quantization itself (gpt-oss's MXFP4 experts)
+    if load_format != "dummy" and not getattr(model, "reads_own_quantization", False):
         quantized = QuantizedCheckpoint.of(
             model, hf_config, checkpoint.directory, PACKED_MODULES, tp
         )
@@ -236,11 +233,15 @@ def build_model(
         # one rank reads whole tensors (and an encoder's config has no KV heads to split)
         shards = CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
         if shards is not None and moe is not None:
-            shards = ExpertCheckpointShards(moe, ExpertShard.of(moe, tp, expert_parallel), shards)
+            # experts stacked in one tensor (gpt-oss's) are cut by the model's own rule
+            experts = getattr(cls, "expert_checkpoint_shards", ExpertCheckpointShards)
+            shards = experts(moe, ExpertShard.of(moe, tp, expert_parallel), shards)
         if quantized is not None:
             shards = quantized.reads(shards)
         fused = getattr(cls, "fused_checkpoint_tensors", None)  # Phi-3's qkv_proj, gate_up_proj
         weights = checkpoint.tensors(shards, tuple(dropped), fused and fused(hf_config))
+        if hasattr(model, "checkpoint_weights"):  # a layout of its own (gpt-oss's experts)
+            weights = model.checkpoint_weights(weights)
         if quantized is not None:
             weights = quantized.weights(weights, model, dtype, device)
         load_weights(model, weights)
@@ -250,15 +251,21 @@ def build_model(
 @torch.no_grad()
 def dummy_weights(model: nn.Module, seed: int) -> None:
     """Seeded random weights, normal(0, 0.02) as HF initializes; vectors (norm scales,
-    biases) at 1, which keeps the activations at their usual size."""
+    biases) at 1, which keeps the activations at their usual size; packed bytes (MXFP4
+    experts) by their module's fill_dummy."""
     generator = None
     for param in model.parameters():
         if generator is None:
             generator = torch.Generator(param.device).manual_seed(seed)
+        if not param.is_floating_point():
+            continue
         if param.dim() > 1:
             param.normal_(0.0, 0.02, generator=generator)
         else:
             param.fill_(1.0)
+    for module in model.modules():
+        if hasattr(module, "fill_dummy"):
+            module.fill_dummy(generator)
 
 
 def open_model(path: str):

@@ -28,6 +28,7 @@ from torch import nn
 
 from backend_gpu.distributed import ParallelGroup
 from backend_gpu.gguf_loader import cache_root, file_digest
+from backend_gpu.layers.gpt_oss_moe import Mxfp4Experts
 from backend_gpu.layers.linear import TABLE_GROUP
 from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.memory import (
@@ -50,6 +51,7 @@ from backend_gpu.plan_inputs import (
     PlanSettings,
     check_model_path,
 )
+from backend_gpu.quantization.mxfp4 import without_quantization
 from backend_gpu.tp_shards import check_divisible
 
 WEIGHT_FORMATS = ("16-bit", "fp8", "int8", "int4")
@@ -91,6 +93,8 @@ class MemoryPlan:
     num_layers: int
     kv_bytes_per_seq_windowed: int  # a window-aware cache's bytes for one full sequence
     ranks: list[RankPlan] = field(default_factory=list)
+    # experts the checkpoint ships packed (gpt-oss's MXFP4): their bytes so, and in 16 bits
+    expert_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def chosen(self) -> RankPlan | None:
@@ -246,10 +250,20 @@ def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> Memory
     length = min(settings.max_model_len or max_positions, max_positions)  # context_len's
     model = meta_model(hf_config, dtype, 1)
     dtype_bytes, group_size = DTYPE_BYTES[dtype], settings.int4_group_size
+    # experts shipped packed (gpt-oss's MXFP4, which the engine keeps so): the formats
+    # are the 16-bit model's, the checkpoint's own beside them
+    packed = [m for m in model.modules() if isinstance(m, Mxfp4Experts)]
+    whole = meta_model(without_quantization(hf_config), dtype, 1) if packed else model
     formats = {
-        dtype if fmt == "16-bit" else fmt: format_bytes(model, fmt, dtype_bytes, group_size)
+        dtype if fmt == "16-bit" else fmt: format_bytes(whole, fmt, dtype_bytes, group_size)
         for fmt in WEIGHT_FORMATS
     }
+    expert_bytes = {}
+    if packed:
+        formats["mxfp4"] = parameter_bytes(model)
+        experts = [m.mlp.experts for m in whole.model.layers]
+        expert_bytes = {"mxfp4": sum(map(parameter_bytes, packed))}
+        expert_bytes[dtype] = sum(map(parameter_bytes, experts))
     per_token = {
         kv_dtype: kv_shape_of(hf_config, 1, size or DTYPE_BYTES[dtype]).bytes_per_token
         for kv_dtype, size in KV_ITEMSIZE.items()
@@ -261,25 +275,26 @@ def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> Memory
     for size in sizes:
         try:
             check_divisible(hf_config, size)
+            # and the model's own rules (MXFP4 experts are cut in whole groups)
+            ranks.append(plan_rank(hf_config, device, settings, size, length))
         except ValueError:
             if settings.tensor_parallel_size:
                 raise
-            continue
-        ranks.append(plan_rank(hf_config, device, settings, size, length))
     return MemoryPlan(
         model=path,
         architecture=(hf_config.architectures or [hf_config.model_type])[0],
         device=device,
         settings=settings,
         max_model_len=length,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=sum(p.numel() for p in whole.parameters()),
         weight_bytes=formats,
         token_table_parameters=sum(t.numel() for t in token_tables(model)),
-        int4_packed_table_bytes=int4_packed_table_bytes(model, dtype_bytes, group_size),
+        int4_packed_table_bytes=int4_packed_table_bytes(whole, dtype_bytes, group_size),
         kv_bytes_per_token=per_token,
         sliding_window=window,
         sliding_layers=sliding,
         num_layers=hf_config.num_hidden_layers,
         kv_bytes_per_seq_windowed=windowed,
         ranks=ranks,
+        expert_bytes=expert_bytes,
     )

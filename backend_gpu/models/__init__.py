@@ -7,6 +7,7 @@ from torch import nn
 
 from backend_gpu.models.bert import BertModel
 from backend_gpu.models.gemma3 import Gemma3ForCausalLM
+from backend_gpu.models.gpt_oss import GptOssForCausalLM
 from backend_gpu.models.llama import LlamaEmbeddingModel, LlamaForCausalLM
 from backend_gpu.models.moe import MoEForCausalLM
 from backend_gpu.models.phi3 import Phi3ForCausalLM
@@ -22,6 +23,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
 }

@@ -181,6 +181,12 @@ def format_plan(plan) -> str:
     ]
     if plan.weight_bytes["int4"] >= plan.weight_bytes["int8"]:
         lines.append(_int4_note(plan))
+    if plan.expert_bytes:
+        packed, whole = plan.expert_bytes["mxfp4"], plan.expert_bytes[s.dtype]
+        lines.append(
+            f"experts    MXFP4 as the checkpoint ships them, kept so: {_gib(packed)} "
+            f"({packed / whole:.2f}x of {s.dtype}'s {_gib(whole)})"
+        )
     if plan.sliding_layers:
         lines.append(
             f"windows    {plan.sliding_layers} of {plan.num_layers} layers slide over "
@@ -188,6 +194,8 @@ def format_plan(plan) -> str:
             f"{plan.max_model_len}-token sequence in {_gib(plan.kv_bytes_per_seq_windowed)}"
         )
     quant = s.quantization or s.dtype
+    if plan.expert_bytes:  # the checkpoint's experts stay MXFP4 whatever the rest is in
+        quant += ", experts mxfp4"
     lines.append(
         f"\nper rank, weights {quant}, KV {s.kv_cache_dtype}, max_model_len "
         f"{plan.max_model_len}, blocks of {s.block_size} tokens:"

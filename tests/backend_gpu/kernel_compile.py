@@ -55,6 +55,7 @@ class Shape:
     fp8_cache: bool = False
     window: int | None = None
     block_size: int = 16
+    sinks: bool = False  # a logit per query head in the denominator (gpt-oss)
 
     def runs_on(self, capability: int) -> bool:
         """An FP8 cache only from Ada on: Triton has no E4M3 before it, and the engine
@@ -110,6 +111,8 @@ def run_wrappers(ta: ModuleType, shape: Shape) -> None:
     tables = torch.arange(blocks * batch, dtype=torch.int32).view(batch, blocks)
     lens = torch.full((batch,), blocks * shape.block_size, dtype=torch.int32)
     scales = dict(sliding_window=shape.window, k_scale=0.5, v_scale=0.25)
+    if shape.sinks:
+        scales["sinks"] = torch.zeros(shape.q_heads, dtype=shape.dtype)
     for splits in SPLITS:
         q = torch.zeros(batch, shape.q_heads, shape.head_dim, dtype=shape.dtype)
         ta.paged_decode_attention(

@@ -44,7 +44,17 @@ def free_the_gpu():
 # window on every layer; gemma3_mm: Gemma 3 as published, its text model
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3_window", "gemma3_mm"],
+    [
+        "llama",
+        "qwen3",
+        "gemma3",
+        "mixtral",
+        "qwen3_moe",
+        "qwen2_moe",
+        "phi3_window",
+        "gemma3_mm",
+        "gpt_oss",
+    ],
 )
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_on_cuda_matches_transformers_on_the_cpu(tiny_model_dir, arch, setting):

@@ -22,6 +22,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from tests.backend_gpu.tiny_gpt_oss import gpt_oss_config, randomize_gpt_oss
+
 VOCAB = 384
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -30,6 +32,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen2_moe_norm": "Qwen2MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -112,6 +115,8 @@ def _config(arch: str):
         return _phi3(common, arch)
     if arch == "gemma3_mm":
         return _gemma3_multimodal(common)
+    if arch == "gpt_oss":
+        return gpt_oss_config(common)
     raise ValueError(arch)
 
 
@@ -199,6 +204,8 @@ def save_tiny_model(arch: str, directory: str) -> str:
     config = _config(arch)
     config.architectures = [ARCHITECTURES[arch]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gpt_oss":
+        randomize_gpt_oss(model)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path

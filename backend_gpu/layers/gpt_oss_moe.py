@@ -1,0 +1,219 @@
+"""gpt-oss's mixture of experts: a router with a bias that keeps each token's top k
+logits and takes the softmax of those k alone, and experts whose projections have biases
+and whose activation is a clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate), gate
+clamped above at `limit` and up to [-limit, limit] (transformers' GptOssExperts).
+
+The experts' gate and up rows are interleaved as the checkpoints hold them (row 2i is
+gate i, row 2i + 1 up i), in [experts, rows, inputs] order: a tensor-parallel rank's
+intermediate rows are one contiguous range of them either way. Two formats:
+BiasedExperts, 16-bit (8-bit after quantize, FusedExperts' rule: it is one, so the
+loader, quantize_model and kvgate plan treat it as the other models' experts), and
+Mxfp4Experts, the published checkpoints' MXFP4 kept packed (quantization/mxfp4.py).
+
+Both run a step's (token, expert) pairs sorted by expert, as layers/moe.py does. The
+CPU: a matmul per expert over its run, an MXFP4 expert widened first, one at a time (its
+16-bit copy lives for its two matmuls). CUDA: two grouped GEMM launches for all experts
+(triton_moe.py's, or triton_mxfp4.py's decoding MXFP4 in registers), the biases and the
+activation in torch between them, no host sync, so decodes stay in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend_gpu.expert_shards import ExpertShard
+from backend_gpu.layers.moe import FusedExperts, local_expert_ids
+from backend_gpu.quantization import mxfp4
+
+STACKED = ("gate_up_proj", "gate_up_proj", "down_proj")  # one tensor for all experts
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    alpha: float
+    limit: float
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] interleaved gate/up -> [..., I]."""
+        gate = h[..., ::2].clamp(max=self.limit)
+        up = h[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class GptOssRouter(nn.Module):
+    """Logits with a bias, the top k of them, a softmax over those k (in float32). Its
+    own parameters, not a linear layer: never quantized (a rounded router picks other
+    experts)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 weights [T, k], expert ids [T, k])."""
+        top, ids = F.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
+        return top.float().softmax(dim=-1), ids
+
+
+class BiasedExperts(FusedExperts):
+    """16-bit experts with biases; gate_up_proj [E, 2I, H] interleaved, down_proj
+    [E, H, I]. `down_bias`: whether this rank adds down's bias (a rank holding a slice
+    of every expert adds partial sums: rank 0 alone adds it)."""
+
+    def __init__(
+        self, hidden_size: int, shard: ExpertShard, activation: ClampedSwiGLU, down_bias: bool
+    ) -> None:
+        super().__init__(hidden_size, shard, STACKED)
+        self.activation = activation
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(shard.count, 2 * shard.inter))
+        self.down_proj_bias = (
+            nn.Parameter(torch.empty(shard.count, hidden_size)) if down_bias else None
+        )
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        """Stacked: one tensor per projection (and bias) for all of this rank's experts."""
+        return [f"{prefix}.{name}" for name, _ in self.named_parameters() if "scale" not in name]
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up, down) in `dtype`, 8-bit ones widened by their row scales."""
+        return (
+            _widened(self.gate_up_proj[e], self.gate_up_scale, e, dtype),
+            _widened(self.down_proj[e], self.down_scale, e, dtype),
+        )
+
+    def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
+        from backend_gpu.layers.triton_moe import grouped_gemm
+
+        weight, scale = (
+            (self.gate_up_proj, self.gate_up_scale)
+            if which == "gate_up"
+            else (self.down_proj, self.down_scale)
+        )
+        return grouped_gemm(a, weight, scale, blocks, out, a_div, weights)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return expert_mlps(self, x, weights, ids)
+
+
+class Mxfp4Experts(nn.Module):
+    """The experts as the published checkpoints hold them: gate/up and down in MXFP4
+    (blocks and scales, quantization/mxfp4.py), their biases 16-bit; `down_bias` as in
+    BiasedExperts."""
+
+    def __init__(
+        self, hidden_size: int, shard: ExpertShard, activation: ClampedSwiGLU, down_bias: bool
+    ) -> None:
+        super().__init__()
+        self.shard = shard
+        self.activation = activation
+        packed = {
+            "gate_up_proj": mxfp4.packed_shapes(shard.count, 2 * shard.inter, hidden_size),
+            "down_proj": mxfp4.packed_shapes(shard.count, hidden_size, shard.inter),
+        }
+        for name, (blocks, scales) in packed.items():
+            self.register_parameter(f"{name}_blocks", _bytes(blocks))
+            self.register_parameter(f"{name}_scales", _bytes(scales))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(shard.count, 2 * shard.inter))
+        self.down_proj_bias = (
+            nn.Parameter(torch.empty(shard.count, hidden_size)) if down_bias else None
+        )
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up, down) widened to `dtype`."""
+        return (
+            mxfp4.dequantize(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], dtype),
+            mxfp4.dequantize(self.down_proj_blocks[e], self.down_proj_scales[e], dtype),
+        )
+
+    def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
+        from backend_gpu.layers.triton_mxfp4 import mxfp4_grouped_gemm
+
+        packed = getattr(self, f"{which}_proj_blocks"), getattr(self, f"{which}_proj_scales")
+        return mxfp4_grouped_gemm(a, *packed, blocks, out, a_div, weights)
+
+    @torch.no_grad()
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        """Random codes under scales of about 2^-7 (values of about the 0.02 the loader's
+        dummy weights have), for load_format "dummy"."""
+        for name, param in self.named_parameters():
+            if name.endswith("_blocks"):
+                param.random_(0, 256, generator=generator)
+            elif name.endswith("_scales"):
+                param.random_(118, 122, generator=generator)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return expert_mlps(self, x, weights, ids)
+
+
+def _widened(weight: torch.Tensor, scale, e: int, dtype: torch.dtype) -> torch.Tensor:
+    w = weight.to(dtype)
+    return w if scale is None else w * scale[e, :, None].to(dtype)
+
+
+def _bytes(shape: tuple[int, ...]) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+
+
+Experts = BiasedExperts | Mxfp4Experts
+
+
+def expert_mlps(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) -> torch.Tensor:
+    """[T, H]: each token's experts' outputs weighted and summed (this rank's part)."""
+    if x.device.type == "cuda":
+        return grouped_kernels(experts, x, weights, ids)
+    return per_expert(experts, x, weights, ids)
+
+
+def per_expert(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) -> torch.Tensor:
+    """The torch path: the pairs sorted by expert, a matmul per expert over its run."""
+    tokens, k = ids.shape
+    count = experts.shard.count
+    local = local_expert_ids(experts, ids)
+    order = local.argsort(stable=True)
+    runs = torch.bincount(local, minlength=count + 1).tolist()[:count]
+    held = sum(runs)
+    pairs = order[:held]  # the pairs on this rank's experts, by expert
+    out = x.new_zeros(tokens * k, x.shape[-1])
+    if held:
+        rows, outs, start = x[pairs // k], [], 0
+        down_bias = experts.down_proj_bias
+        for e, run in enumerate(runs):
+            if not run:
+                continue
+            gate_up, down = experts.expert_weights(e, x.dtype)
+            h = F.linear(rows[start : start + run], gate_up, experts.gate_up_proj_bias[e])
+            bias = None if down_bias is None else down_bias[e]
+            outs.append(F.linear(experts.activation(h), down, bias))
+            start += run
+        out[pairs] = torch.cat(outs)
+    return (out.view(tokens, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def grouped_kernels(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor):
+    """The CUDA path (also run on CPU tensors in Triton's interpreter by the tests): the
+    grouped GEMMs, each pair's gate/up bias added to its rows and down's scaled by the
+    pair's routing weight, as the kernel scales down's product."""
+    from backend_gpu.layers.triton_moe import align_by_expert, block_m_for
+
+    tokens, k = ids.shape
+    count = experts.shard.count
+    local = local_expert_ids(experts, ids)
+    blocks = align_by_expert(local, count, block_m_for(local.numel(), count))
+    # a zero bias row for pairs held elsewhere (local == count)
+    gate_up_bias = F.pad(experts.gate_up_proj_bias, (0, 0, 0, 1))
+    h = torch.empty(tokens * k, gate_up_bias.shape[1], dtype=x.dtype, device=x.device)
+    experts.grouped_gemm("gate_up", x, blocks, h, a_div=k)
+    act = experts.activation(h + gate_up_bias[local])
+    pair_weights = weights.flatten().float()
+    out = torch.zeros(tokens * k, x.shape[-1], dtype=torch.float32, device=x.device)
+    experts.grouped_gemm("down", act, blocks, out, 1, pair_weights)
+    if experts.down_proj_bias is not None:
+        down_bias = F.pad(experts.down_proj_bias, (0, 0, 0, 1))[local].float()
+        out += pair_weights[:, None] * down_bias
+    return out.view(tokens, k, -1).sum(dim=1).to(x.dtype)
