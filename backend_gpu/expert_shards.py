@@ -62,7 +62,7 @@ class MoEConfig:
                 frozenset(sparse if hf_config.num_experts > 0 else ()),
                 getattr(hf_config, "shared_expert_intermediate_size", 0),
             )
-        if hf_config.model_type == "deepseek_v3":  # its shared experts: models/deepseek_v3.py
+        if hf_config.model_type == "deepseek_v3":  # grouped routing: models/deepseek_v3.py
             first_sparse = hf_config.first_k_dense_replace or 0
             return cls(
                 hf_config.n_routed_experts,
@@ -71,6 +71,8 @@ class MoEConfig:
                 bool(hf_config.norm_topk_prob),
                 ("gate_proj", "up_proj", "down_proj"),
                 frozenset(range(first_sparse, hf_config.num_hidden_layers)),
+                # n_shared_experts of the routed experts' size, as one MLP
+                hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
             )
         if hf_config.model_type == "gpt_oss":  # stacked: one tensor for all experts
             return cls(

@@ -60,6 +60,7 @@ class KVSizing:
     dtype: torch.dtype  # the model's
     kv_dtype: torch.dtype
     kv_shape: tuple[int, int]  # (KV heads on this rank, head dim)
+    kv_tensors: int  # K and V: 2; MLA's one row: 1 (memory.KVShape)
     max_model_len: int
     logit_rows: int  # rows of logits a step holds at once (memory.logit_rows)
     weight_bytes: int
@@ -75,7 +76,12 @@ class KVSizing:
             # free the unquantized weights and the calibration's scratch before sizing
             torch.cuda.empty_cache()
         size = kv_cache_size(
-            KVShape(len(self.attention_layers), *self.kv_shape, self.kv_dtype.itemsize),
+            KVShape(
+                len(self.attention_layers),
+                *self.kv_shape,
+                self.kv_dtype.itemsize,
+                self.kv_tensors,
+            ),
             config.block_size,
             self.budget(),
             self.max_model_len,

@@ -231,7 +231,9 @@ def build_model(
         dummy_weights(model, seed + tp.rank)
     else:
         # one rank reads whole tensors (and an encoder's config has no KV heads to split)
-        shards = CheckpointShards(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
+        # a model cut otherwise than by Llama's heads names its own (DeepSeek's MLA)
+        cut = getattr(cls, "checkpoint_shards", CheckpointShards)
+        shards = cut(hf_config, head_dim_of(hf_config), tp) if tp.size > 1 else None
         if shards is not None and moe is not None:
             # experts stacked in one tensor (gpt-oss's) are cut by the model's own rule
             experts = getattr(cls, "expert_checkpoint_shards", ExpertCheckpointShards)

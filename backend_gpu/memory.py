@@ -32,16 +32,19 @@ def parameter_bytes(model: nn.Module) -> int:
 @dataclass(frozen=True)
 class KVShape:
     """What one token costs in one rank's KV cache: a key and a value row in every
-    attention layer (every layer holds a sequence in full, sliding-window ones too)."""
+    attention layer (every layer holds a sequence in full, sliding-window ones too), or
+    multi-head latent attention's one row (the latent and the rotary key, which all
+    heads share, whole on every rank)."""
 
     num_layers: int
     kv_heads: int  # on one rank
     head_dim: int
     itemsize: int  # bytes of one cached value: the KV cache dtype's
+    tensors: int = 2  # K and V; 1: MLA's latent row is keys and values both
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
+        return self.tensors * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.bytes_per_token * block_size
@@ -126,6 +129,9 @@ def step_activation_bytes(shape: StepShape, tokens: int, logit_rows: int) -> int
 
 def kv_shape_of(hf_config, tp_size: int, itemsize: int) -> KVShape:
     """The KV shape of one rank of `hf_config`'s model split over `tp_size` ranks."""
+    if getattr(hf_config, "kv_lora_rank", None):  # MLA (models/deepseek_v3.py)
+        row = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
+        return KVShape(hf_config.num_hidden_layers, 1, row, itemsize, tensors=1)
     return KVShape(
         num_layers=hf_config.num_hidden_layers,
         kv_heads=local_heads(hf_config, tp_size)[1],

@@ -30,7 +30,7 @@ from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.kv_budget import KVSizing
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
-from backend_gpu.memory import graph_batch, logit_rows, parameter_bytes
+from backend_gpu.memory import graph_batch, kv_shape_of, logit_rows, parameter_bytes
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage
 from backend_gpu.prompt_logprobs import (
@@ -46,7 +46,7 @@ from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.span_metadata import span_metadata
 from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
-from backend_gpu.tp_shards import CheckpointShards, local_heads
+from backend_gpu.tp_shards import CheckpointShards
 from engine_api.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,9 @@ class ModelRunner:
         self.attention_layers = [layer.self_attn for layer in layers]
         self.max_model_len = config.context_len(hf_config)
         self.hidden_size = hf_config.hidden_size
-        self.kv_shape = (local_heads(hf_config, tp.size)[1], head_dim_of(hf_config))
+        kv = kv_shape_of(hf_config, tp.size, self.kv_dtype.itemsize)
+        self.kv_shape = (kv.kv_heads, kv.head_dim)
+        self.kv_tensors = kv.tensors  # 1: MLA's one row per token, no V cache
         self.kv_row = self.kv_shape[0] * self.kv_shape[1]
         if self.kv_dtype == FP8:  # before the cache exists: calibration uses scratch rows
             calibrate_kv_scales(
@@ -191,6 +193,7 @@ class ModelRunner:
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
             kv_shape=self.kv_shape,
+            kv_tensors=self.kv_tensors,
             max_model_len=self.max_model_len,
             logit_rows=self.logit_rows,
             weight_bytes=self.weight_bytes,
@@ -205,7 +208,11 @@ class ModelRunner:
         shape = ((self.num_blocks + 1) * self.block_size, *self.kv_shape)
         for attn in self.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = (
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                if self.kv_tensors == 2
+                else attn.k_cache[:0]  # MLA: its one row is keys and values both
+            )
 
     def _capture_graphs(self) -> None:
         self.graphs = None  # the old graphs' memory goes back before new ones are made

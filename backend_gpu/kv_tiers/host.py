@@ -22,10 +22,16 @@ import torch
 GIB = 1 << 30
 
 
+def layer_caches(attn) -> tuple[torch.Tensor, ...]:
+    """A layer's cache tensors: K and V, or MLA's one row (its v_cache is empty)."""
+    return (attn.k_cache, attn.v_cache) if attn.v_cache.numel() else (attn.k_cache,)
+
+
 def block_bytes(attention_layers: list, block_size: int) -> int:
-    """Bytes of one block of every layer's K and V."""
+    """Bytes of one block of every layer's K and V (MLA's one row)."""
     k = attention_layers[0].k_cache
-    return 2 * len(attention_layers) * k[:block_size].nbytes
+    tensors = len(layer_caches(attention_layers[0]))
+    return tensors * len(attention_layers) * k[:block_size].nbytes
 
 
 class HostRows:
@@ -50,11 +56,11 @@ class HostRows:
     def _views(self, data: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host view, device cache) per layer's K and V, over one block's bytes `data`."""
         out = []
-        for i, attn in enumerate(self.layers):
-            for j, cache in enumerate((attn.k_cache, attn.v_cache)):
-                start = (2 * i + j) * self.layer_bytes
-                view = data[start : start + self.layer_bytes].view(cache.dtype)
-                out.append((view.view(self.row_shape), cache))
+        caches = [cache for attn in self.layers for cache in layer_caches(attn)]
+        for n, cache in enumerate(caches):
+            start = n * self.layer_bytes
+            view = data[start : start + self.layer_bytes].view(cache.dtype)
+            out.append((view.view(self.row_shape), cache))
         return out
 
     def _device_rows(self, block_id: int) -> slice:

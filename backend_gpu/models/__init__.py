@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from backend_gpu.models.bert import BertModel
+from backend_gpu.models.deepseek_v3 import DeepseekV3ForCausalLM
 from backend_gpu.models.gemma3 import Gemma3ForCausalLM
 from backend_gpu.models.gpt_oss import GptOssForCausalLM
 from backend_gpu.models.llama import LlamaEmbeddingModel, LlamaForCausalLM
@@ -14,6 +15,7 @@ from backend_gpu.models.phi3 import Phi3ForCausalLM
 from backend_gpu.models.qwen2_moe import Qwen2MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

@@ -22,6 +22,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from tests.backend_gpu.tiny_deepseek import deepseek_config, spread_biases
 from tests.backend_gpu.tiny_gpt_oss import gpt_oss_config, randomize_gpt_oss
 
 VOCAB = 384
@@ -32,6 +33,8 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v3_kimi": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen2_moe_norm": "Qwen2MoeForCausalLM",
@@ -117,6 +120,8 @@ def _config(arch: str):
         return _gemma3_multimodal(common)
     if arch == "gpt_oss":
         return gpt_oss_config(common)
+    if arch.startswith("deepseek_v3"):
+        return deepseek_config(common, arch)
     raise ValueError(arch)
 
 
@@ -204,6 +209,8 @@ def save_tiny_model(arch: str, directory: str) -> str:
     config = _config(arch)
     config.architectures = [ARCHITECTURES[arch]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch.startswith("deepseek_v3"):
+        spread_biases(model)
     if arch == "gpt_oss":
         randomize_gpt_oss(model)
     model.save_pretrained(path)
