@@ -41,7 +41,8 @@ def free_the_gpu():
 
 # mixtral, qwen3_moe, qwen2_moe: the experts' Triton grouped GEMM, in CUDA graphs for
 # decodes (qwen2_moe's shared expert beside it); phi3_window: fused checkpoint tensors, a
-# window on every layer; gemma3_mm: Gemma 3 as published, its text model
+# window on every layer; gemma3_mm: Gemma 3 as published, its text model; deepseek_v3*:
+# the MLA kernel on the latent cache (decodes in CUDA graphs) and grouped routing
 @pytest.mark.parametrize(
     "arch",
     [
@@ -54,6 +55,8 @@ def free_the_gpu():
         "phi3_window",
         "gemma3_mm",
         "gpt_oss",
+        "deepseek_v3",
+        "deepseek_v3_kimi",
     ],
 )
 @pytest.mark.parametrize("setting", list(SETTINGS))
