@@ -186,7 +186,7 @@ def plot(result: dict, path: Path) -> None:
 
     summary = result["summary"]
     names = list(summary)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(16, 4.8))
     for offset, name, color in ((-0.2, "before", "#999999"), (0.2, "after", "#1f77b4")):
         xs = [i + offset for i in range(len(names))]
         label = f"{name} ({result[name]})"
@@ -194,7 +194,8 @@ def plot(result: dict, path: Path) -> None:
         for x, case in zip(xs, names, strict=True):
             runs = [r["rps"] for r in result["runs"][case][name]]
             left.plot([x] * len(runs), runs, "k.")
-    left.set_xticks(range(len(names)), [c.replace(" ", "\n", 2) for c in names], fontsize=8)
+    labels = [c.replace("completions", "text").replace(" ", "\n") for c in names]
+    left.set_xticks(range(len(names)), labels, fontsize=8)
     left.set_ylabel("requests/s (wrk; dots: runs)")
     left.legend(fontsize=8)
     left.set_title("requests/s, each gateway on one core")
@@ -204,7 +205,7 @@ def plot(result: dict, path: Path) -> None:
         right.bar(xs, [summary[c][key] for c in names], 0.4, color=color, label=label)
     right.axhline(1.0, color="black", linewidth=0.8)
     right.axhline(0.97, color="red", linestyle="--", linewidth=0.8, label="0.97 (3% lost)")
-    right.set_xticks(range(len(names)), [c.replace(" ", "\n", 2) for c in names], fontsize=8)
+    right.set_xticks(range(len(names)), labels, fontsize=8)
     right.set_ylabel("after / before")
     right.legend(fontsize=8)
     right.set_title("after / before")
