@@ -15,7 +15,9 @@
 #    test_triton_attention.py's, test_triton_lora.py's and test_triton_int4.py's kernels
 #    at model sizes against the torch path; test_quantized_checkpoints.py's GPTQ, AWQ and
 #    compressed-tensors models through the INT4 kernel, which need the compressed-tensors
-#    package: a wheel in .whl/), at most TEST_S seconds: OUTDIR/pytest.log,
+#    package: a wheel in .whl/; test_gpt_oss.py's MXFP4 gpt-oss against transformers and
+#    test_triton_mxfp4.py's kernel path at gpt-oss-120b's expert sizes), at most TEST_S
+#    seconds: OUTDIR/pytest.log,
 #    OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
 #    kvgate bfloat16 against transformers' continuous batching, bfloat16 against FP8,
@@ -60,7 +62,8 @@ if wanted tests; then
         --junitxml="$out/pytest.xml" \
         tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
         tests/backend_gpu/test_triton_lora.py tests/backend_gpu/test_triton_int4.py \
-        tests/backend_gpu/test_quantized_checkpoints.py 2>&1 |
+        tests/backend_gpu/test_quantized_checkpoints.py tests/backend_gpu/test_gpt_oss.py \
+        tests/backend_gpu/test_triton_mxfp4.py 2>&1 |
         tee "$out/pytest.log"
     tests=${PIPESTATUS[0]}
     echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
@@ -103,5 +106,8 @@ step plan_check "${PLAN_S:-30}" "$python" -m studies.plan_check --out "$out"
 # issue 37: one MoE layer of Mixtral 8x7B's shape (8 experts of 14336, top 2, bfloat16):
 # the experts' Triton grouped GEMM against transformers' loop over experts, 16 to 2048 tokens
 step moe_kernels "${MOE_S:-45}" "$python" -m studies.moe_throughput --device cuda --out "$out"
+# issue 47: one layer of gpt-oss-120b's experts (128 of 2880, top 4): the experts' kernel
+# path over MXFP4 weights against the same over bfloat16 weights, 16 to 2048 tokens
+step gpt_oss_mxfp4 "${MXFP4_S:-60}" "$python" -m studies.gpt_oss_throughput --device cuda --out "$out"
 # new steps above this line
 exit "$tests"
