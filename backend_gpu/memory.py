@@ -140,9 +140,24 @@ def kv_shape_of(hf_config, tp_size: int, itemsize: int) -> KVShape:
     )
 
 
+def full_heads_kv_bytes_per_token(hf_config, itemsize: int) -> int:
+    """What caching every head's key and value would take a token, the whole model, for
+    a multi-head latent attention model (its saving's measure; 0 for any other model):
+    num_attention_heads keys of qk_nope + qk_rope and values of v_head_dim a layer."""
+    if not getattr(hf_config, "kv_lora_rank", None):
+        return 0
+    key = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+    per_layer = hf_config.num_attention_heads * (key + hf_config.v_head_dim)
+    return hf_config.num_hidden_layers * per_layer * itemsize
+
+
 def step_shape_of(hf_config, tp_size: int, dtype_bytes: int) -> StepShape:
     """The activation sizes of one rank of `hf_config`'s model over `tp_size` ranks."""
     q_heads, kv_heads = local_heads(hf_config, tp_size)
+    head_dim = head_dim_of(hf_config)
+    if getattr(hf_config, "kv_lora_rank", None):  # MLA: each head's absorbed query and
+        # output are a latent row wide, its one new row beside them (mla_attention.py)
+        kv_heads, head_dim = 1, hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
     inter = hf_config.intermediate_size
     if (moe := MoEConfig.of(hf_config)) is not None:
         # a token's rows through its top_k experts (layers/moe.py): k intermediates,
@@ -153,7 +168,7 @@ def step_shape_of(hf_config, tp_size: int, dtype_bytes: int) -> StepShape:
         intermediate_size=-(-inter // tp_size),
         q_heads=q_heads,
         kv_heads=kv_heads,
-        head_dim=head_dim_of(hf_config),
+        head_dim=head_dim,
         vocab_size=hf_config.vocab_size,
         dtype_bytes=dtype_bytes,
     )

@@ -34,6 +34,7 @@ from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.memory import (
     KVCacheSize,
     device_kv_budget,
+    full_heads_kv_bytes_per_token,
     graph_batch,
     graph_pool_bytes,
     kv_cache_size,
@@ -95,6 +96,9 @@ class MemoryPlan:
     ranks: list[RankPlan] = field(default_factory=list)
     # experts the checkpoint ships packed (gpt-oss's MXFP4): their bytes so, and in 16 bits
     expert_bytes: dict[str, int] = field(default_factory=dict)
+    # multi-head latent attention (DeepSeek-V3): what full heads' keys and values would
+    # take a token in the chosen KV dtype, against kv_bytes_per_token's one latent row
+    full_heads_kv_bytes_per_token: int = 0
 
     @property
     def chosen(self) -> RankPlan | None:
@@ -297,4 +301,7 @@ def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> Memory
         kv_bytes_per_seq_windowed=windowed,
         ranks=ranks,
         expert_bytes=expert_bytes,
+        full_heads_kv_bytes_per_token=full_heads_kv_bytes_per_token(
+            hf_config, KV_ITEMSIZE[settings.kv_cache_dtype] or dtype_bytes
+        ),
     )

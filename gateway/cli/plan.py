@@ -187,6 +187,14 @@ def format_plan(plan) -> str:
             f"experts    MXFP4 as the checkpoint ships them, kept so: {_gib(packed)} "
             f"({packed / whole:.2f}x of {s.dtype}'s {_gib(whole)})"
         )
+    if plan.full_heads_kv_bytes_per_token:
+        latent = plan.kv_bytes_per_token[s.kv_cache_dtype]
+        full = plan.full_heads_kv_bytes_per_token
+        lines.append(
+            f"latent     one MLA row a token and layer, whole on every rank: "
+            f"{latent / 1024:.1f} KiB against {full / 1024:.1f} KiB for every head's key "
+            f"and value ({full / latent:.1f}x)"
+        )
     if plan.sliding_layers:
         lines.append(
             f"windows    {plan.sliding_layers} of {plan.num_layers} layers slide over "
