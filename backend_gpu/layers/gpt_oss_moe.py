@@ -78,7 +78,7 @@ class BiasedExperts(FusedExperts):
 
     def checkpoint_names(self, prefix: str) -> list[str]:
         """Stacked: one tensor per projection (and bias) for all of this rank's experts."""
-        return [f"{prefix}.{name}" for name, _ in self.named_parameters() if "scale" not in name]
+        return [f"{prefix}.{name}" for name, _ in self.named_parameters()]
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up, down) in `dtype`, 8-bit ones widened by their row scales."""
