@@ -43,6 +43,7 @@ from gateway.backends import (
     Progress,
     is_text_bound,
 )
+from gateway.backends.capabilities import supports
 from gateway.http.errors import ApiError
 from gateway.observe.stats import Finished
 from gateway.observe.tracing import step
@@ -198,7 +199,7 @@ class _Call:
         request to the next, as a completion's does before any output went out."""
         router = self.gw.router
         for i, backend in enumerate(order):
-            if not isinstance(backend, EmbeddingBackend):
+            if not supports(backend, EmbeddingBackend):
                 raise BackendError(f"the backend of model {self.model!r} cannot embed")
             router.claim(backend)
             self.progress = Progress()  # a replica that failed is not billed

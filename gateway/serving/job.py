@@ -25,6 +25,7 @@ from gateway.backends import (
     OutputCountingBackend,
     Progress,
 )
+from gateway.backends.capabilities import supports
 from gateway.observe.stats import Finished
 from gateway.serving.choice_streams import merged, queued
 from gateway.serving.echo import Echo
@@ -40,6 +41,9 @@ from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.usage import UsageRow
 
 log = logging.getLogger("kvgate")
+# A stream's tokens reach the dashboard's rates (gateway.observe.stats) at its first token,
+# then at most this often, and the rest when it ends: not once a chunk.
+RATES_EVERY_S = 0.1
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Job:
     completion_tokens: int = 0
     cached_by_prompt: dict[int, int] = field(default_factory=dict)
     counted: dict[int, int] = field(default_factory=dict)  # choice -> its tokens so far
+    told: int = 0  # the completion tokens the dashboard's rates have heard of
+    told_at: float = 0.0
     counted_by: str = "engine"  # "gateway" if the gateway counted any choice's output
     finished: bool = False
     tools: ToolPlan = field(default_factory=ToolPlan)  # chat: the calls a reply may make
@@ -178,42 +184,60 @@ class Job:
 
     def _account(self, index: int, chunk: GenChunk) -> None:
         """The chunk is on its way to the client: the running counts move."""
-        counted = self.counted.get(index, 0)
-        prompt = 0
+        tokens = self.meters[index].count
+        self.completion_tokens += tokens - self.counted.get(index, 0)
+        self.counted[index] = tokens
         if chunk.token_ids or chunk.text:
             now = time.perf_counter()
+            self.last_token_at = now
             if self.first_token_at is None:
                 self.first_token_at = now
-                prompt = self.prompt_tokens  # its prefill is done
-            self.last_token_at = now
-        tokens = self.meters[index].count
-        delta = tokens - counted
-        self.completion_tokens += delta
-        self.counted[index] = tokens
-        if prompt or delta:  # the dashboard's rates move while it streams
+                self._tell_rates(now, self.prompt_tokens)  # its prefill is done
+            elif now - self.told_at >= RATES_EVERY_S:  # the rates move while it streams
+                self._tell_rates(now)
+
+    def _tell_rates(self, now: float, prompt: int = 0) -> None:
+        """The dashboard's rates hear of the tokens streamed since they last did."""
+        delta = self.completion_tokens - self.told
+        if prompt or delta:
             p = self.principal
             self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, prompt, delta)
+        self.told, self.told_at = self.completion_tokens, now
 
-    async def _settle_meters(self) -> None:
-        """Each choice's completion tokens and each prompt's cached tokens, as billed:
-        the backend's usage where its meter took it, else the gateway's own count (with
-        the model's tokenizer for text that came without token ids)."""
-        total, cached, counters = 0, {}, set()
+    def _counts_to_await(self) -> bool:
+        """Whether settling needs the tokenizer's counts (_count_tokens), which may await
+        the upstream: a text-bound prompt without the backend's usage, or text that came
+        without token ids, from a backend that counts them."""
+        return supports(self.backend, OutputCountingBackend) and any(
+            meter.text or (index % self.n == 0 and meter.prompt_bound and meter.claim is None)
+            for index, meter in enumerate(self.meters)
+        )
+
+    async def _count_tokens(self) -> dict[int, int | None]:
+        """The tokenizer's counts the meters need: each text-bound prompt's (into its
+        meter), and each choice's text without token ids (returned, by choice)."""
+        texts = {}
         for index, meter in enumerate(self.meters):
             if index % self.n == 0 and meter.prompt_bound and meter.claim is None:
                 meter.prompt_counted = await self._count_prompt(index)
-            tokens, counter = meter.billed(await self._count_text(meter))
+            texts[index] = await self._count_text(meter)
+        return texts
+
+    def _settle_meters(self, text_counts: dict[int, int | None]) -> None:
+        """Each choice's completion tokens and each prompt's cached tokens, as billed:
+        the backend's usage where its meter took it, else the gateway's own count (with
+        the model's tokenizer for text that came without token ids: `text_counts`)."""
+        total, cached, counters = 0, {}, set()
+        for index, meter in enumerate(self.meters):
+            tokens, counter = meter.billed(text_counts.get(index))
             total += tokens
             counters.add(counter)
             cached.setdefault(index // self.n, meter.cached)
         for prompt, on_prefill in (self.prefill_cached or {}).items():
             # as without disaggregation: the blocks found cached where the prompt ran
             cached[prompt] = max(cached.get(prompt, 0), on_prefill)
-        p = self.principal
-        delta = total - self.completion_tokens
-        if delta:
-            self.gw.traffic.tokens_streamed(p.tenant_id or "", p.tenant_name, 0, delta)
         self.completion_tokens, self.cached_by_prompt = total, cached
+        self._tell_rates(time.perf_counter())  # what is left, as billed
         self.counted_by = "gateway" if "gateway" in counters else "engine"
 
     def _prompt_computed(self) -> int:
@@ -243,7 +267,7 @@ class Job:
     async def _count_prompt(self, index: int) -> int | None:
         """A text-bound prompt the backend sent no usage for: its tokens by the upstream's
         tokenizer where it can count them (else the bound stands)."""
-        if not isinstance(self.backend, OutputCountingBackend):
+        if not supports(self.backend, OutputCountingBackend):
             return None
         try:
             req = self.requests[index]  # its model: the replica's (an adapter's base)
@@ -255,7 +279,7 @@ class Job:
     async def _count_text(self, meter: ChoiceMeter) -> int | None:
         """The tokenizer's count of the text the choice delivered without token ids; the
         upstream's /tokenize against its own usage only where that usage looks off."""
-        if not meter.text or not isinstance(self.backend, OutputCountingBackend):
+        if not meter.text or not supports(self.backend, OutputCountingBackend):
             return None
         try:
             return await self.backend.count_output(
@@ -290,15 +314,36 @@ class Job:
         self.gw.router.release(self.backend)
         if self.adapter is not None:
             self.gw.adapters.release(self.adapter, served=self.first_token_at is not None)
-        # Shielded: a client that goes away must not lose the row.
-        await asyncio.shield(self._record(status, finish_reason, error, delivered))
-
-    async def _record(self, status: int, finish_reason: str | None, error: str, delivered: bool):
         end = time.perf_counter()
+        # Shielded: a client that goes away must not lose the row.
+        if delivered and self._counts_to_await():  # all of it in a task: it awaits counts
+            await asyncio.shield(self._count_then_record(status, finish_reason, error, end))
+            return
+        # the common case: the row is queued now and its commit awaited, with no task a
+        # request (each a turn of the event loop and about 10 us)
+        await asyncio.shield(self._record(status, finish_reason, error, delivered, end))
+
+    async def _count_then_record(
+        self, status: int, finish_reason: str | None, error: str, end: float
+    ) -> None:
+        counts = await self._count_tokens()
+        await self._record(status, finish_reason, error, True, end, counts)
+
+    def _record(
+        self,
+        status: int,
+        finish_reason: str | None,
+        error: str,
+        delivered: bool,
+        end: float,
+        text_counts: dict[int, int | None] | None = None,
+    ) -> asyncio.Future[None]:
+        """The usage row queued; its future resolves once it is committed. The metrics and
+        the dashboard count the request then, whether the commit worked or not."""
         prompt_tokens = 0
         try:
             if delivered:
-                await self._settle_meters()
+                self._settle_meters(text_counts or {})
                 prompt_tokens = self.prompt_tokens if status == 200 else self._prompt_computed()
             else:
                 self.completion_tokens, self.cached_by_prompt = 0, {}
@@ -314,10 +359,18 @@ class Job:
                         finish_reason,
                     )
                 )
-            await self.gw.usage.submit(row)
-            self.gw.metrics.billed(self.principal.tenant_name, self.model, row.spend_nano_usd)
-        finally:
+            committed = self.gw.usage.submit(row)
+        except BaseException:
             self._count(status, prompt_tokens, end, error)
+            raise
+
+        def done(f: asyncio.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.gw.metrics.billed(self.principal.tenant_name, self.model, row.spend_nano_usd)
+            self._count(status, prompt_tokens, end, error)
+
+        committed.add_done_callback(done)
+        return committed
 
     def _usage_row(
         self, status: int, finish_reason: str | None, prompt_tokens: int, end: float

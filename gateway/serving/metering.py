@@ -116,11 +116,14 @@ class ChoiceMeter:
         would pass max_tokens or the text bound ends the choice with "length" instead."""
         if self.finished:
             return None
-        logprobs = self._logprobs(chunk.logprobs, len(chunk.token_ids))
-        tokens = len(chunk.token_ids) or max(len(logprobs or ()), 1 if chunk.text else 0)
-        chars = len(chunk.text) + sum(_chars(lp) for lp in logprobs or ())
+        ids = len(chunk.token_ids)
+        logprobs = None if chunk.logprobs is None else self._logprobs(chunk.logprobs, ids)
+        tokens = ids or max(len(logprobs or ()), 1 if chunk.text else 0)
+        chars = len(chunk.text)
+        if logprobs:  # once a chunk: no generator for the common chunk without them
+            chars += sum(_chars(lp) for lp in logprobs)
         if (
-            self.delivered + tokens > self.max_tokens
+            self.ids + self.pieces + tokens > self.max_tokens
             or self.chars + chars > self.max_tokens * MAX_CHARS_PER_TOKEN
         ):
             log.warning("request %s: output past max_tokens cut", self.request_id)
@@ -154,10 +157,10 @@ class ChoiceMeter:
             chunk.stop_sequence,
         )
 
-    def _logprobs(self, items: list[TokenLogprob] | None, ids: int) -> list[TokenLogprob] | None:
+    def _logprobs(self, items: list[TokenLogprob], ids: int) -> list[TokenLogprob] | None:
         """What was asked for: none without `logprobs`, each entry's top cut to it, and
         no more entries than the chunk's token ids where it has them."""
-        if items is None or self.top_logprobs is None:
+        if self.top_logprobs is None:
             return None
         return [self._cut(lp) for lp in (items[:ids] if ids else items)]
 

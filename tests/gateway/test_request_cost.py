@@ -83,3 +83,48 @@ async def test_the_auth_epoch_is_read_on_sqlite_without_a_thread_hop(gw, monkeyp
         assert r.status == 200, await r.text()
         await asyncio.sleep(EPOCH_CHECK_S * 1.5)  # the next request reads the epoch
     assert hops == []
+
+
+async def test_the_rates_hear_of_a_stream_at_its_first_token_and_end(gw, monkeypatch):
+    """The dashboard's rates hear of a 64-token answer at its first token and when it
+    ends, not once a chunk; they still hear of every token it billed."""
+    _, key = await gw.tenant()
+    told: list[tuple[int, int]] = []
+    traffic = gw.state.traffic
+    streamed = traffic.tokens_streamed
+
+    def counted(tenant_id, name, prompt, output, now=None):
+        told.append((prompt, output))
+        streamed(tenant_id, name, prompt, output, now)
+
+    monkeypatch.setattr(traffic, "tokens_streamed", counted)
+    for extra in ({}, STREAM):
+        told.clear()
+        r = await gw.post("/v1/chat/completions", key, CHAT | {"max_tokens": 64} | extra)
+        assert r.status == 200, await r.text()
+        await r.read()
+        assert len(told) <= 2 and sum(output for _, output in told) == 64
+
+
+async def test_a_row_is_queued_without_a_task_of_its_own(gw):
+    """A request whose tokens need no tokenizer count queues its usage row at once and
+    awaits only the commit: no task a request (a turn of the loop and ~10 us each)."""
+    _, key = await gw.tenant()
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+    factory = loop.get_task_factory()
+
+    def counted(loop, coro, **kw):
+        made.append(getattr(coro, "__qualname__", ""))
+        return factory(loop, coro, **kw) if factory else asyncio.Task(coro, loop=loop, **kw)
+
+    loop.set_task_factory(counted)
+    try:
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+            for extra in ({}, STREAM):
+                r = await gw.post(path, key, body | extra)
+                assert r.status == 200, await r.text()
+                await r.read()
+    finally:
+        loop.set_task_factory(factory)
+    assert not [name for name in made if name.startswith("Job.")]
