@@ -33,6 +33,7 @@ from studies.hostile_surfaces_setup import (
     fake_config,
     message_of,
     peak_rss_mib,
+    reset_peak_rss,
     short,
 )
 
@@ -90,7 +91,7 @@ def reloads(gw: Gateway) -> list[Outcome]:
         error = answer.json().get("error", {}) if answer.status_code >= 400 else {}
         said = f"reload {answer.status_code}"
         if error:
-            said += f" {error.get('code')} ({error.get('param') or short(error['message'], 40)})"
+            said += f" {error.get('code')} ({error.get('param') or short(error['message'], 70)})"
         serving = _chat_spend(gw, f"reload-{n}")
         same = _models(gw) == models
         out.append(
@@ -142,7 +143,7 @@ def corrupt_adapters(gw: Gateway, good: str, huge_mib: int) -> list[Outcome]:
     gateway's peak memory growth."""
     out = []
     for name, (path, file) in _adapter_copies(good, gw.workdir, huge_mib).items():
-        rss = peak_rss_mib(gw.pid)
+        rss = reset_peak_rss(gw.pid)
         prober = Prober(gw.url, 0.005)
         start = time.monotonic()
         try:
@@ -156,7 +157,7 @@ def corrupt_adapters(gw: Gateway, good: str, huge_mib: int) -> list[Outcome]:
         figure = (
             f"{answer.status_code} {'naming' if named else 'not naming'} {file} in "
             f"{end - start:.1f} s; /health max {health['max_ms'] or 0:.0f} ms; "
-            f"peak RSS +{peak_rss_mib(gw.pid) - rss:.0f} MiB"
+            f"peak RSS +{max(peak_rss_mib(gw.pid) - rss, 0):.0f} MiB"
         )
         ok = answer.status_code == 400 and named
         out.append(Outcome(7, f"register adapter: {name}", ok, figure))
@@ -170,11 +171,12 @@ def token_id_errors(gw: Gateway) -> list[Outcome]:
     for name, value in BAD_TOKEN_INPUTS.items():
         answer = gw.post("/v1/embeddings", {"model": FAKE_EMBED, "input": value}, key)
         message = message_of(answer)
-        leaks = INTERNALS.search(message)
+        leaks = list(dict.fromkeys(m.group(0) for m in INTERNALS.finditer(message)))
         figure = f"{answer.status_code}: {short(message, 70)}"
         if leaks:
-            figure = f"{answer.status_code}, shows {leaks.group(0)!r}: {short(message, 50)}"
-        ok = answer.status_code == 400 and leaks is None
+            more = f" and {len(leaks) - 3} more" if len(leaks) > 3 else ""
+            figure = f"{answer.status_code}, shows {', '.join(map(repr, leaks[:3]))}{more}"
+        ok = answer.status_code == 400 and not leaks
         out.append(Outcome(8, f"embeddings input: {name}", ok, figure))
     return out
 

@@ -89,7 +89,11 @@ def compare_workloads(gw: Gateway) -> Outcome:
     run = bench(gw, history, "compare", first, second)
     said = (run.stderr + run.stdout).strip().splitlines() or [""]
     naming = [line.strip() for line in said if "input_len" in line]
-    figure = f"exit {run.returncode}: {short((naming or said)[0], 70)}"
+    if naming:
+        figure = f"exit {run.returncode}: {short(naming[0], 70)}"
+    else:
+        warned = any("WARNING" in line for line in said)
+        figure = f"exit {run.returncode}: compared, {'a' if warned else 'no'} warning, no line names input_len"
     return Outcome(
         12, "bench compare of other prompts", run.returncode != 0 and bool(naming), figure
     )

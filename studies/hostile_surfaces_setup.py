@@ -231,11 +231,18 @@ class Gateway:
 
 
 def peak_rss_mib(pid: int) -> float:
-    """The process's peak resident memory so far (VmHWM), in MiB."""
+    """The process's peak resident memory (VmHWM) since the last `reset_peak_rss`, MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmHWM for {pid}")
+
+
+def reset_peak_rss(pid: int) -> float:
+    """Start the process's peak resident memory again from what it holds now (Linux's
+    clear_refs 5), so that a case's growth is its own; that memory, in MiB."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return peak_rss_mib(pid)
 
 
 def cap_address_space(pid: int, headroom_gib: float) -> None:

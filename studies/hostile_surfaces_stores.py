@@ -34,6 +34,7 @@ from studies.hostile_surfaces_setup import (
     Outcome,
     cap_address_space,
     peak_rss_mib,
+    reset_peak_rss,
 )
 
 KEY_PREFIX = b"kvgate:kv:"
@@ -146,15 +147,16 @@ def untrusted_files(gw: Gateway, stored: Stored) -> list[Outcome]:
     out = []
     # the sparse files first: a reader without bound fails on /dev/zero, and may stay broken
     for tag, name in (("sparse", "sparse 1 GiB files"), ("zero", "symlinks to /dev/zero")):
-        rss = peak_rss_mib(gw.pid) if gw.proc.proc.poll() is None else 0
+        rss = reset_peak_rss(gw.pid) if gw.proc.proc.poll() is None else 0
         status, _, cached = ask(gw, DISK, tag)
         alive = gw.proc.proc.poll() is None
-        grown = peak_rss_mib(gw.pid) - rss if alive else float("nan")
+        grown = max(peak_rss_mib(gw.pid) - rss, 0) if alive else float("nan")
         figure = (
             f"{len(stored.files[tag])} blocks: {status or 'no answer'}, {cached} cached, "
             f"peak RSS +{grown:.0f} MiB{'' if alive else ', the gateway died'}; "
             f"untouched: {control} cached"
         )
+        # a record is a few KiB: tens of MiB is the engine's own noise, a GiB the file
         ok = status == 200 and cached == 0 and alive and grown < 64
         out.append(Outcome(4, f"disk tier: {name}", ok, figure))
     return out
