@@ -1,6 +1,5 @@
-"""Tiny random models of the families llama.cpp serves beside those it was built for
-(Qwen2-MoE, Phi-3 with partial rotary and LongRoPE, Gemma 3 as published: its multimodal
-checkpoint's text model), saved as Hugging Face checkpoints for transformers' reference
+"""Tiny random models of three families llama.cpp serves (Qwen2-MoE, Phi-3 with partial
+rotary and LongRoPE, Gemma 3 as published: its multimodal checkpoint's text model), saved as Hugging Face checkpoints for transformers' reference
 and written as float32 GGUF files with gguf-py, as llama.cpp's convert_hf_to_gguf.py
 writes them (that script lives in llama.cpp's source tree, which the installed
 llama-cpp-python wheel and gguf package do not carry): gguf-py's tensor name map, the
@@ -8,9 +7,10 @@ experts stacked into one tensor per projection, Gemma's norms stored as 1 + weig
 LongRoPE factors as tensors beside its attention factor and original context.
 
 The shapes are the ones llama.cpp can express: every Qwen2-MoE layer sparse (it has no
-dense layers), top-k weights not renormalized (as published); Gemma 3 with every sixth
-layer global (its fixed pattern); Phi-3 without a sliding window (llama.cpp turns Phi's
-off)."""
+dense layers: gguf-py has no names for their tensors), top-k weights not renormalized (as
+published); Gemma 3 with every sixth layer global (its fixed pattern, whatever
+`layer_types` says); Phi-3 without a sliding window (llama.cpp does not apply Phi's as
+transformers does: a windowed one's output differs past the window)."""
 
 from __future__ import annotations
 
