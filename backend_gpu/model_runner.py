@@ -147,6 +147,10 @@ class ModelRunner:
         # LoRA adapters' slots, before the memory profile and the graphs: both run them
         self.lora: LoRAStacks | None = None
         if config.enable_lora:
+            if not getattr(self.model, "supports_lora", True):  # its projections are others
+                raise ValueError(
+                    f"enable_lora: LoRA adapters on {type(self.model).__name__} are not supported"
+                )
             self.lora = LoRAStacks(
                 self.model,
                 BaseShapes.of(hf_config),

@@ -16,7 +16,8 @@
 #    at model sizes against the torch path; test_quantized_checkpoints.py's GPTQ, AWQ and
 #    compressed-tensors models through the INT4 kernel, which need the compressed-tensors
 #    package: a wheel in .whl/; test_gpt_oss.py's MXFP4 gpt-oss against transformers and
-#    test_triton_mxfp4.py's kernel path at gpt-oss-120b's expert sizes), at most TEST_S
+#    test_triton_mxfp4.py's kernel path at gpt-oss-120b's expert sizes;
+#    test_triton_mla.py's MLA kernel at DeepSeek-V3's widths), at most TEST_S
 #    seconds: OUTDIR/pytest.log,
 #    OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
@@ -63,7 +64,7 @@ if wanted tests; then
         tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
         tests/backend_gpu/test_triton_lora.py tests/backend_gpu/test_triton_int4.py \
         tests/backend_gpu/test_quantized_checkpoints.py tests/backend_gpu/test_gpt_oss.py \
-        tests/backend_gpu/test_triton_mxfp4.py 2>&1 |
+        tests/backend_gpu/test_triton_mxfp4.py tests/backend_gpu/test_triton_mla.py 2>&1 |
         tee "$out/pytest.log"
     tests=${PIPESTATUS[0]}
     echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
@@ -109,5 +110,9 @@ step moe_kernels "${MOE_S:-45}" "$python" -m studies.moe_throughput --device cud
 # issue 47: one layer of gpt-oss-120b's experts (128 of 2880, top 4): the experts' kernel
 # path over MXFP4 weights against the same over bfloat16 weights, 16 to 2048 tokens
 step gpt_oss_mxfp4 "${MXFP4_S:-60}" "$python" -m studies.gpt_oss_throughput --device cuda --out "$out"
+# issue 47: DeepSeek-V3's decode attention on one layer (a latent row of 512 + 64 a token,
+# 16 and 128 heads, batches 1-64 of 4k-32k tokens): the MLA kernel against the dense
+# kernel over every head's keys and values, and the latent bytes it reads a second
+step deepseek_mla "${MLA_S:-60}" "$python" -m studies.deepseek_mla --device cuda --out "$out"
 # new steps above this line
 exit "$tests"

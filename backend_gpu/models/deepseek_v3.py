@@ -280,6 +280,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """`expert_parallel`: each rank holds whole experts."""
 
     checkpoint_shards = DeepseekCheckpointShards
+    # the LoRA stacks adapt Llama's q/k/v/o/gate/up/down; MLA's projections are others
+    supports_lora = False
 
     def __init__(self, config, tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
         check_config(config)

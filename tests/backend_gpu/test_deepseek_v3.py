@@ -317,3 +317,8 @@ def test_a_checkpoint_with_an_unknown_router_is_refused_at_load(tiny_model_dir, 
     (path / "config.json").write_text(json.dumps(dict(config, scoring_func="softmax")))
     with pytest.raises(NotImplementedError, match="scoring_func='softmax' is not supported"):
         LLM(str(path))
+
+
+def test_lora_is_refused_at_start(tiny_model_dir):
+    with pytest.raises(ValueError, match="LoRA adapters on DeepseekV3ForCausalLM"):
+        LLM(tiny_model_dir("deepseek_v3"), enable_lora=True)
