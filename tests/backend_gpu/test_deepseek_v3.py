@@ -3,9 +3,10 @@ is published (q LoRA, YaRN, grouped routing) and one as Kimi-K2 differs from it
 (tiny_deepseek.py): greedy output equal to transformers' with chunked prefill and
 prefix hits, decodes batched or one by one; the cache holding one latent row per token
 and layer; the router picking transformers' experts with its weights; heads split over
-two ranks and experts parallel; FP8 weights computing what their dequantized values
-say; an FP8 cache and the host tier holding the latent rows; the multi-token-prediction
-layers left unread; a config field the engine cannot honour refused by name."""
+two ranks, experts parallel, pipeline stages, n-gram speculation; FP8 weights computing
+what their dequantized values say; an FP8 cache and the host tier holding the latent
+rows; the multi-token-prediction layers left unread; a config field the engine cannot
+honour refused by name, and LoRA."""
 
 from __future__ import annotations
 
@@ -199,6 +200,23 @@ def test_expert_parallel_over_two_ranks_matches_transformers(tiny_model_dir, che
     experts = llm.engine.runner.model.model.layers[1].mlp.experts
     assert experts.gate_up_proj.shape[0] == 4 and experts.shard.first == 0
     check(llm, "deepseek_v3")
+
+
+def test_ngram_speculation_and_pipeline_stages_match_transformers(tiny_model_dir, check):
+    """Speculative verification runs several queries of a sequence against its latent
+    rows at once; two pipeline stages each hold their layers' rows."""
+    path = tiny_model_dir("deepseek_v3")
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+    llm = LLM(path, max_num_batched_tokens=24, speculative_config=ngram)
+    check(llm, "deepseek_v3")
+    assert llm.stats().num_drafts > 0
+    staged = LLM(path, max_num_batched_tokens=24, pipeline_parallel_size=2)
+    check(staged, "deepseek_v3")
 
 
 def dequantized_experts(model) -> dict[str, torch.Tensor]:
