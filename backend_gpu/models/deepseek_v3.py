@@ -58,8 +58,47 @@ SUPPORTED_VALUES = {
 }
 
 
+# fields of DeepSeek's published config.json (V3, R1, Kimi-K2) that transformers'
+# DeepseekV3Config lacks: training's (aux_loss_alpha, seq_aux, ep_size) and the choices
+# SUPPORTED_VALUES holds to the one transformers implements
+PUBLISHED_FIELDS = frozenset(
+    {"aux_loss_alpha", "seq_aux", "ep_size", *SUPPORTED_VALUES, "auto_map", "quantization_config"}
+)
+# what the rotary tables and the softmax scale read, of the rope types rotary.py computes
+ROPE_KEYS = frozenset(
+    {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+        "low_freq_factor",
+        "high_freq_factor",
+    }
+)
+
+
 def check_config(config) -> None:
-    """Raise NotImplementedError naming the first field the engine cannot honour."""
+    """Raise NotImplementedError naming the first field the engine cannot honour: one
+    neither transformers' DeepseekV3Config nor DeepSeek's config.json has, or a value
+    other than the one transformers implements."""
+    known = set(type(config)().to_dict()) | PUBLISHED_FIELDS
+    for name in config.to_dict():
+        if name not in known:
+            raise NotImplementedError(
+                f"DeepseekV3ForCausalLM config field {name!r} is not supported"
+            )
+    for key in rope_settings(config)[1] or {}:
+        if key not in ROPE_KEYS:
+            raise NotImplementedError(
+                f"DeepseekV3ForCausalLM rope_parameters.{key} is not supported"
+            )
     for name, value in SUPPORTED_VALUES.items():
         got = getattr(config, name, value)
         if got != value:

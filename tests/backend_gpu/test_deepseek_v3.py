@@ -316,12 +316,14 @@ def test_multi_token_prediction_layers_are_not_read(tiny_model_dir, tmp_path, en
         ("hidden_act", "gelu"),
         ("n_group", 3),
         ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+        ("rope_parameters.long_factor", {"rope_type": "yarn", "long_factor": [1.0]}),
+        ("index_topk", 2048),  # DeepSeek-V3.2's sparse attention: another model
     ],
 )
 def test_a_field_the_engine_cannot_honour_is_refused_by_name(tiny_model_dir, field, value):
     config = AutoConfig.from_pretrained(tiny_model_dir("deepseek_v3"))
-    if field == "rope_scaling":
-        config.rope_parameters = dict(value, rope_theta=10000.0)
+    if field.startswith("rope"):
+        config.rope_parameters = dict(config.rope_parameters, **value)
     else:
         setattr(config, field, value)
     with pytest.raises(NotImplementedError, match=field), torch.device("meta"):
