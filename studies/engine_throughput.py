@@ -80,7 +80,9 @@ def run_kvgate(model_dir: str, requests, policy: str, max_num_seqs: int, args):
     return Run(name, len(requests), sum(n for _, n in requests), seconds), llm.stats()
 
 
-def run_hf_continuous(model_dir: str, requests) -> Run:
+def run_hf_continuous(model_dir: str, requests, cb_config=None) -> Run:
+    """`cb_config`: a ContinuousBatchingConfig (None: transformers sizes its cache from
+    the free memory)."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -88,7 +90,9 @@ def run_hf_continuous(model_dir: str, requests) -> Run:
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     done = 0
     with (
-        model.continuous_batching_context_manager(generation_config=config, block=True) as manager,
+        model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=cb_config, block=True
+        ) as manager,
         tqdm(total=len(requests), desc="transformers CB") as bar,
     ):
         start = time.perf_counter()  # after its set-up and warm-up, like ours after LLM()
