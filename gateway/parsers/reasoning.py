@@ -1,0 +1,63 @@
+"""`<think>...</think>` reasoning: DeepSeek-R1's (`deepseek_r1`) and Qwen3's (`qwen3`).
+
+They differ in where the reasoning starts. DeepSeek-R1's template (and QwQ's, and the
+Qwen3 *-Thinking-2507 ones) opens `<think>` in the prompt, so the output starts inside
+it: everything before `</think>` is reasoning, all of it when `</think>` never comes
+(vLLM's reading). Qwen3's hybrid models write `<think>` themselves when thinking is on,
+so only an output that opens with `<think>` reasons; one that does not is all content
+(thinking was off, or the model chose not to). The content after `</think>` and the
+reasoning are stripped of the blank lines the models put around them.
+"""
+
+from __future__ import annotations
+
+from gateway.parsers.base import OutputParser, ParsedDelta
+from gateway.parsers.text import Buffered, Trim, is_prefix
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class ThinkParser(Buffered, OutputParser):
+    """Reasoning until `</think>`, content after; `starts_inside`: DeepSeek-R1's reading."""
+
+    def __init__(self, starts_inside: bool) -> None:
+        super().__init__()
+        self.starts_inside = starts_inside
+        self.state = "start"
+        self.in_reasoning = starts_inside
+        self.trim = Trim()
+        self.lead = True  # content's leading whitespace after `</think>` is dropped
+
+    def feed(self, text: str) -> ParsedDelta:
+        self.buf += text
+        return self._run(final=False)
+
+    def finish(self) -> ParsedDelta:
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if not final and (not head or is_prefix(head, OPEN)):
+                return out
+            if head.startswith(OPEN):
+                self.buf = head[len(OPEN) :]
+                self.state = "reasoning"
+            else:
+                self.state = "reasoning" if self.starts_inside else "content"
+                self.lead = self.starts_inside
+            self.in_reasoning = self.state == "reasoning"
+        if self.state == "reasoning":
+            text, marker = self.take((CLOSE,), final)
+            out.reasoning = self.trim.add(text)
+            if marker is None:
+                return out
+            self.state = "content"
+            self.in_reasoning = False
+        text, self.buf = self.buf, ""
+        if self.lead:
+            text = text.lstrip()
+            self.lead = not text
+        out.content = text
+        return out

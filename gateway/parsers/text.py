@@ -1,0 +1,89 @@
+"""The text mechanics every parser shares: cutting a stream at markers, holding back only
+what could still become one, and trimming whitespace without looking ahead.
+
+A parser calls `take` with the markers its state waits for; what comes back is safe to
+hand out, and the buffer keeps only a tail that begins some marker (or everything, when
+the parser must see a block whole). That is what makes any split of the text parse the
+same: a decision is made only on text that no later text can change.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+
+def held_tail(buf: str, markers: Sequence[str]) -> int:
+    """The length of the longest tail of `buf` that is a proper prefix of a marker."""
+    best = 0
+    for m in markers:
+        first = m[0]
+        start = max(0, len(buf) - len(m) + 1)
+        i = buf.find(first, start)
+        while i != -1:
+            n = len(buf) - i
+            if n > best and m.startswith(buf[i:]):
+                best = n
+                break
+            i = buf.find(first, i + 1)
+    return best
+
+
+def first_marker(buf: str, markers: Sequence[str]) -> tuple[int, str] | None:
+    """Where the earliest whole marker in `buf` starts, and which (the longest at a tie)."""
+    found: tuple[int, str] | None = None
+    for m in markers:
+        i = buf.find(m)
+        if i != -1 and (found is None or i < found[0] or (i == found[0] and len(m) > len(found[1]))):
+            found = (i, m)
+    return found
+
+
+def is_prefix(text: str, *markers: str) -> bool:
+    """Whether `text` could still grow into one of `markers` (it is not one yet)."""
+    return any(len(text) < len(m) and m.startswith(text) for m in markers)
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class Buffered:
+    """A text buffer cut at markers."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+
+    def take(self, markers: Sequence[str], final: bool = False) -> tuple[str, str | None]:
+        """(text before the first whole marker, the marker), consumed from the buffer; else
+        (the text no marker can start in, None), keeping a possible marker's prefix unless
+        `final`."""
+        hit = first_marker(self.buf, markers)
+        if hit is not None:
+            i, m = hit
+            before, self.buf = self.buf[:i], self.buf[i + len(m) :]
+            return before, m
+        keep = 0 if final else held_tail(self.buf, markers)
+        out = self.buf[: len(self.buf) - keep]
+        self.buf = self.buf[len(self.buf) - keep :]
+        return out, None
+
+
+class Trim:
+    """Whitespace trimmed from both ends of a streamed span: the leading dropped, a trailing
+    run held until more text follows it (and dropped when the span closes)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.ws = ""
+
+    def add(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.started = True
+        text = self.ws + text
+        kept = text.rstrip()
+        self.ws = text[len(kept) :]
+        return kept
