@@ -25,7 +25,6 @@ too long), and settled by the upstream's claim anywhere within the bound.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -45,6 +44,7 @@ from gateway.backends import (
 )
 from gateway.backends.capabilities import supports
 from gateway.http.errors import ApiError
+from gateway.http.util import json_bytes
 from gateway.observe.stats import Finished
 from gateway.observe.tracing import step
 from gateway.schemas.embeddings import EmbeddingRequest, embedding_body
@@ -124,7 +124,7 @@ async def answer_bytes(
 
 def _json(model: str, vectors: list[list[float]], tokens: int, encoding_format: str) -> bytes:
     body = embedding_body(model, vectors, tokens, encoding_format)
-    return json.dumps(body, separators=(",", ":")).encode()
+    return json_bytes(body)
 
 
 def check_dimensions(card: ModelCard, dimensions: int | None) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest, Progress
 from gateway.http.drain import SHUTTING_DOWN
 from gateway.http.errors import ApiError
-from gateway.http.util import json_response, parse_body
+from gateway.http.util import json_bytes, json_response, parse_body
 from gateway.observe.tracing import current_span, step
 from gateway.serving.traces import recorded
 from gateway.worker.errors import api_error
@@ -123,4 +122,4 @@ async def chunks_from(
 
 
 def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+    return json_bytes(obj) + b"\n"
