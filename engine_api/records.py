@@ -55,6 +55,9 @@ class GenRequest(Record):
     # the LoRA adapter this request runs under (None: the base model); its blocks are
     # hashed under the adapter's own chain root (block_hash.adapter_root)
     adapter: AdapterRef | None = None
+    # LiteLLM's mock_response: the text to "generate" instead of sampling; only the fake
+    # backend takes it (tests of parsers, clients and APIs without a model)
+    mock_response: str | None = None
 
     wire_error = BadRequestError
 

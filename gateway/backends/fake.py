@@ -19,6 +19,11 @@ LoRA adapters: it accepts any adapter whose path exists (check_adapter), "loads"
 a request names it (stats' adapters_loaded; `adapter_requests` counts requests per
 adapter; a path gone since is the engines' AdapterLoadError) and words its output by the adapter's name too, so the gateway's registry,
 visibility, routing and metering of adapters can be tested alone.
+
+A request's `mock_response` (LiteLLM's field) is the text it "generates" instead: cut into
+word and punctuation tokens and streamed as its words are (max_tokens, stop strings and
+pace apply; the text's end is a "stop"), so that the output parsers, the clients and the
+three APIs can be tested end to end on a model's real output formats.
 """
 
 from __future__ import annotations
@@ -106,9 +111,12 @@ WORD_ID_BASE = 1
 PROMPT_ID_BASE = 1000
 BLOCK = 16
 _WORD_RE = re.compile(r"\S+")
+_MOCK_TOKEN_RE = re.compile(r"\s*(?:\w+|[^\w\s])|\s+")
 
 
 class FakeBackend:
+    takes_mock_response = True  # a request's mock_response is its output (nothing else's)
+
     def __init__(self, spec: BackendSpec) -> None:
         opts = spec.options
         self.name = spec.name
@@ -254,13 +262,23 @@ class FakeBackend:
             text = ""
             start, stops, top = self._start(req), sp.stop, sp.logprobs
             pace = 1 / self.tokens_per_second if self.tokens_per_second else 0
-            for i in range(sp.max_tokens):
+            mock = None if req.mock_response is None else _mock_tokens(req.mock_response)
+            limit = sp.max_tokens if mock is None else min(sp.max_tokens, len(mock))
+            if mock == []:  # nothing to say: the answer ends at once
+                finished = True
+                yield GenChunk([], "", "stop", Usage(len(req.prompt_token_ids), 0, cached))
+                return
+            for i in range(limit):
                 emitted = i + 1
                 if i and pace:
                     await asyncio.sleep(pace)
-                word_index = (start + i * 2654435761) % 1000003 % len(WORDS)  # by position
-                word, token_id = WORDS[word_index], WORD_ID_BASE + word_index
-                piece = " " + word if i else word
+                if mock is None:
+                    word_index = (start + i * 2654435761) % 1000003 % len(WORDS)  # by position
+                    word, token_id = WORDS[word_index], WORD_ID_BASE + word_index
+                    piece = " " + word if i else word
+                else:
+                    piece, token_id = mock[i]
+                    word = piece
                 logprobs = None if top is None else _logprobs(word, top)
                 if stops:
                     text += piece
@@ -277,11 +295,13 @@ class FakeBackend:
                             stop_sequence=stop[1],
                         )
                         return
-                finished = emitted == sp.max_tokens
+                finished = emitted == limit
+                # the mocked text ran out: its end is the model's end of sequence
+                ended = "stop" if mock is not None and emitted == len(mock) else "length"
                 yield GenChunk(
                     [token_id],
                     piece,
-                    "length" if finished else None,
+                    ended if finished else None,
                     Usage(len(req.prompt_token_ids), emitted, cached) if finished else None,
                     logprobs,
                 )
@@ -343,6 +363,16 @@ def _unit_vector(token_ids: list[int], size: int, keep: int) -> list[float]:
     v = [rng.gauss(0, 1) for _ in range(size)][:keep]
     norm = math.hypot(*v)
     return [x / norm for x in v]
+
+
+def _mock_tokens(text: str) -> list[tuple[str, int]]:
+    """A mock_response cut as a tokenizer would: each word or punctuation mark with the
+    whitespace before it, so that markers (`<tool_call>`, `[TOOL_CALLS]`) arrive in
+    pieces; the ids are hashes of the pieces, as its prompt's are."""
+    return [
+        (piece, PROMPT_ID_BASE + zlib.crc32(piece.encode()) % 30000)
+        for piece in _MOCK_TOKEN_RE.findall(text)
+    ]
 
 
 def _words(token_ids: list[int]) -> str:

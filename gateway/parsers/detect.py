@@ -6,7 +6,8 @@ so the format's markers are in the template's text; that is what vLLM's document
 asks a user to match by hand. Reasoning: a template that reads `enable_thinking` is
 Qwen3's hybrid (`qwen3`); one whose generation prompt opens `<think>` (DeepSeek-R1-0528,
 QwQ, the Qwen3 *-Thinking-2507 models), or a DeepSeek template that strips `</think>`
-from past turns (DeepSeek-R1), starts its output inside the reasoning (`deepseek_r1`).
+from past turns (DeepSeek-R1), starts its output inside the reasoning (`deepseek_r1`);
+DeepSeek-V3.1's, whose `thinking` switch is off unless a request turns it on, has none.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 
 GENERATION_PROMPT = re.compile(r"if\s+add_generation_prompt\s*-?%\}")
+THINKING_SWITCH = re.compile(r"\bthinking\s+is\s+defined")
 # (marker in the template, tool parser), the first that matches wins
 TOOL_MARKERS = (
     ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
@@ -42,6 +44,8 @@ def _reasoning(text: str, tools: str | None) -> str | None:
         return None
     if "enable_thinking" in text:
         return "qwen3"
+    if THINKING_SWITCH.search(text):
+        return None  # DeepSeek-V3.1's `thinking`, off unless asked: the output is content
     if tools == "deepseek_v3" or _prompt_opens_think(text):
         return "deepseek_r1"
     return None

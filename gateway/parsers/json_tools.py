@@ -159,7 +159,11 @@ class MistralParser(ToolParser):
                 self._to_content()
             return final
         items, end = found
-        calls = [json_call(i, "arguments", "parameters") for i in items] if isinstance(items, list) else []
+        calls = (
+            [json_call(i, "arguments", "parameters") for i in items]
+            if isinstance(items, list)
+            else []
+        )
         if not calls or any(c is None or not self.allowed(c[0]) for c in calls):
             self.raw += self.buf[:end]
             self.buf = self.buf[end:]

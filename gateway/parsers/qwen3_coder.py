@@ -121,7 +121,9 @@ class Qwen3CoderParser(ToolParser):
         name = self.pname.strip()
         value = typed(self.value, self._schema(name))
         sep = "{" if self.written == 0 else ", "
-        self.args(f"{sep}{json.dumps(name, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+        self.args(
+            f"{sep}{json.dumps(name, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        )
         self.written += 1
 
     def _end_call(self) -> None:
@@ -151,7 +153,11 @@ def typed(raw: str, schema: dict[str, Any] | None) -> Any:
             return int(value.strip())
         if kind == "number":
             number = float(value.strip())
-            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+            return (
+                int(number)
+                if number.is_integer() and "." not in value and "e" not in value.lower()
+                else number
+            )
         if kind == "boolean":
             low = value.strip().lower()
             return low == "true" if low in ("true", "false") else value

@@ -34,7 +34,9 @@ def first_marker(buf: str, markers: Sequence[str]) -> tuple[int, str] | None:
     found: tuple[int, str] | None = None
     for m in markers:
         i = buf.find(m)
-        if i != -1 and (found is None or i < found[0] or (i == found[0] and len(m) > len(found[1]))):
+        if i != -1 and (
+            found is None or i < found[0] or (i == found[0] and len(m) > len(found[1]))
+        ):
             found = (i, m)
     return found
 

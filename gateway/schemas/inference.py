@@ -42,6 +42,7 @@ from gateway.schemas.structured import (
 MAX_CHOICES = 128  # prompts x n, as OpenAI caps n
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_STOP_TOKEN_IDS = 64
+MAX_MOCK_RESPONSE = 1 << 20  # characters of a mock_response
 
 
 class TextPart(_Body):
@@ -140,6 +141,9 @@ class SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # LiteLLM's: the text the fake backend "generates" (testing without a model); any
+    # other backend refuses the request (gateway.serving.admission)
+    mock_response: Annotated[str, Field(max_length=MAX_MOCK_RESPONSE)] | None = None
 
     @field_validator(*GUIDED)
     @classmethod

@@ -22,7 +22,7 @@ from engine_api.structured import StructuredOutput
 from gateway.schemas.base import NO_CONTROL, Refused
 from gateway.schemas.base import StrictBody as _Body
 from gateway.schemas.fields import INT32, IntIn, Name
-from gateway.schemas.inference import MAX_STOP, ChatCompletionRequest
+from gateway.schemas.inference import MAX_MOCK_RESPONSE, MAX_STOP, ChatCompletionRequest
 from gateway.schemas.structured import (
     MAX_TOOLS,
     Description,
@@ -241,6 +241,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[int, IntIn(1, INT32)] | None = None
     metadata: Metadata | None = None
     stream: bool = False
+    mock_response: Annotated[str, Field(max_length=MAX_MOCK_RESPONSE)] | None = None  # LiteLLM's
 
     def sampling_fields(self) -> dict[str, Any]:
         """The chat completion fields of the sampling options."""
@@ -250,6 +251,7 @@ class MessagesRequest(CountTokensRequest):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "user": self.metadata.user_id if self.metadata else None,
+            "mock_response": self.mock_response,
         }
         fields["stream"] = self.stream
         return fields | {k: v for k, v in optional.items() if v is not None}

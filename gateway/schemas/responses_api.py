@@ -27,7 +27,7 @@ from engine_api.structured import StructuredOutput
 from gateway.schemas.base import NO_CONTROL, Refused
 from gateway.schemas.base import StrictBody as _Body
 from gateway.schemas.fields import INT32, IntIn, Name
-from gateway.schemas.inference import ChatCompletionRequest
+from gateway.schemas.inference import MAX_MOCK_RESPONSE, ChatCompletionRequest
 from gateway.schemas.structured import (
     MAX_TOOLS,
     Description,
@@ -198,6 +198,7 @@ class ResponseCreateRequest(_Body):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     stream: bool = False
     user: Annotated[str, Field(max_length=200, pattern=NO_CONTROL)] | None = None
+    mock_response: Annotated[str, Field(max_length=MAX_MOCK_RESPONSE)] | None = None  # LiteLLM's
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = (
         None
     )
@@ -281,6 +282,7 @@ class ResponseCreateRequest(_Body):
             "top_p": self.top_p,
             "stream": self.stream,
             "user": self.user,
+            "mock_response": self.mock_response,
             "parallel_tool_calls": self.parallel_tool_calls,
             "tools": [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

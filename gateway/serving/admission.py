@@ -76,6 +76,8 @@ async def prepare(
     salt = tenant_cache_salt(gw.secret, tenant_id)
     gw.catalog.note_salt(salt, tenant_id)
     candidates, renderer, prompts = await _render(gw, principal, body)
+    if body.mock_response is not None:
+        _check_mock(candidates)
     echo = None
     if isinstance(body, CompletionRequest) and body.echo:
         with _backend_errors(gw, principal, body.model):
@@ -299,9 +301,22 @@ def _requests(
             principal.priority,
             shared_lens[i // body.n],
             weight=principal.weight,
+            mock_response=body.mock_response,
         )
         for i in range(plan.choices)
     ]
+
+
+def _check_mock(candidates: list[Candidate]) -> None:
+    """A mock_response is the fake backend's output; a model served by any other backend
+    would ignore it, so the request is refused by the field's name."""
+    real = [c.backend.name for c in candidates if not getattr(c.backend, "takes_mock_response", 0)]
+    if real:
+        raise ApiError(
+            400,
+            f"mock_response is taken only by a fake backend; backend {real[0]!r} is not one",
+            param="mock_response",
+        )
 
 
 def model_card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:
