@@ -113,10 +113,20 @@ class Settings:
     # per served model name, from the config's [prices."model"] tables (USD per million
     # tokens); a model with none costs 0 and no money budget holds it
     prices: dict[str, Price] = field(default_factory=dict)
+    # the Files and Batch APIs (gateway/batches): the files' directory ("": kvgate-files
+    # beside a SQLite database, else in the working directory), an input file's bounds,
+    # the batch lines in flight at once, and [batch_prices."model"] as [prices."model"]
+    # (a model with none: half its price)
+    files_dir: str = ""
+    max_file_bytes: int = 100 * 1024 * 1024
+    max_file_lines: int = 50_000
+    batch_in_flight: int = 4
+    batch_prices: dict[str, Price] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_types(self, SETTING_TYPES, skip=frozenset({"prices"}))  # each model's: below
+        check_types(self, SETTING_TYPES, skip=frozenset({"prices", "batch_prices"}))
         self.prices = parse_prices(table(self.prices, "prices"))
+        self.batch_prices = parse_prices(table(self.batch_prices, "batch_prices"))
         self.instance = self.instance or f"{socket.gethostname()}:{self.port}"
         if "/" in self.instance or len(self.instance) > MAX_INSTANCE_CHARS:
             raise ValueError(
@@ -145,6 +155,8 @@ class Settings:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if min(self.max_file_bytes, self.max_file_lines, self.batch_in_flight) < 1:
+            raise ValueError("max_file_bytes, max_file_lines and batch_in_flight must be >= 1")
         if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
             raise ValueError(
                 f"prefill_workers must be fewer than workers, and >= 0 (the other workers "
@@ -336,6 +348,10 @@ _ENV_FIELDS = {
     "max_cpu_loras": int,
     "lora_modules": lambda v: v.split(),
     "fairness": str,
+    "files_dir": str,
+    "max_file_bytes": int,
+    "max_file_lines": int,
+    "batch_in_flight": int,
 }
 
 
@@ -413,6 +429,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         values.setdefault("backend", "")
     if "prices" in data:
         values["prices"] = table(data["prices"], "prices")  # each model's: by Settings
+    if "batch_prices" in data:
+        values["batch_prices"] = table(data["batch_prices"], "batch_prices")
     return values
 
 

@@ -40,9 +40,14 @@ FLAGLESS = {
     "max_pin_tokens_per_tenant": "tokens of a tenant's pinned prefixes",
     "prefill_timeout_s": "a prefill job's bound; past it the decode worker computes the "
     "prompt itself",
+    "files_dir": "the directory of the Files API's files (made 0700); empty: `kvgate-files` "
+    "beside a SQLite database, else in the working directory",
+    "max_file_bytes": "the largest file `POST /v1/files` takes",
+    "max_file_lines": "the most lines a batch input file may have",
+    "batch_in_flight": "batch lines run at once at most (each only while nothing waits)",
 }
 # Settings fields that are tables of the file, not scalar settings (the page's prose)
-TABLES = {"backends", "prices"}
+TABLES = {"backends", "prices", "batch_prices"}
 # `kvgate serve` flags that are no setting
 NOT_SETTINGS = {"help", "verbose", "config", "json"}
 
