@@ -90,8 +90,8 @@ class Llama3JsonParser(ToolParser):
             head = self.buf.lstrip()
             if self.calls and head.startswith(";"):
                 head = head[1:].lstrip()
-            if not head or (not final and self.calls and head == ""):
-                self.buf = head
+            self.buf = head  # the space and separators between calls go
+            if not head:
                 return
             if not head.startswith("{"):
                 self.state = "content"
