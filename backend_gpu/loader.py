@@ -9,6 +9,8 @@ fuses them itself (Phi-3's qkv_proj) is read as its parts. A multimodal checkpoi
 model (Gemma 3 4B-27B) is read under a text model's names, its vision tower not at all.
 Under tensor parallelism a rank reads only its part of each tensor (tp_shards.py):
 safetensors slices are read from the file as such, so no rank ever holds the whole model.
+A block-wise FP8 checkpoint (DeepSeek-V3's) is widened as it streams, a weight at a time
+(quantization/block_fp8.py); other pre-quantized ones stay quantized (quantized_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.models import model_class
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage, prune_to_stage
-from backend_gpu.quantized_checkpoint import QuantizedCheckpoint
+from backend_gpu.quantization.block_fp8 import BlockFp8Checkpoint, block_size_of
+from backend_gpu.quantized_checkpoint import QuantizedCheckpoint, tensor_names
 from backend_gpu.tp_shards import SKIP, CheckpointShards, ShardRead
 
 # checkpoint module name -> (our packed module name, shard)
@@ -160,6 +163,11 @@ def load_weights(model: nn.Module, weights) -> None:
             target = modules.get(f"{parent}.{packed}")
             if not isinstance(target, PackedLinear):
                 raise ValueError(f"unexpected checkpoint tensor {name}")
+            want = getattr(target, param_name)[target.shard_slices[shard]].shape
+            if want != tensor.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)}, model shape {tuple(want)}"
+                )
             target.load_shard(param_name, shard, tensor)
             missing.discard(f"{parent}.{packed}.{param_name}")
             continue
@@ -207,12 +215,14 @@ def build_model(
         model = cls(hf_config, tp, **extra).to(dtype)
     dropped = prune_to_stage(model, stage) if stage.count > 1 else []
     # before the model gets memory: its quantized layers get none of 16 bits
-    quantized = None
+    quantized = blocks = None
     # a model that reads its checkpoint's quantization itself (gpt-oss's MXFP4 experts)
     if load_format != "dummy" and not getattr(model, "reads_own_quantization", False):
-        quantized = QuantizedCheckpoint.of(
-            model, hf_config, checkpoint.directory, PACKED_MODULES, tp
-        )
+        blocks = block_fp8_checkpoint(checkpoint.directory, dtype)  # widened as read
+        if blocks is None:
+            quantized = QuantizedCheckpoint.of(
+                model, hf_config, checkpoint.directory, PACKED_MODULES, tp
+            )
     # to_empty gives each module its own tensors: note which parameters are one
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -238,16 +248,30 @@ def build_model(
             # experts stacked in one tensor (gpt-oss's) are cut by the model's own rule
             experts = getattr(cls, "expert_checkpoint_shards", ExpertCheckpointShards)
             shards = experts(moe, ExpertShard.of(moe, tp, expert_parallel), shards)
+        by_rank = shards  # what a widened FP8 weight is cut to
         if quantized is not None:
             shards = quantized.reads(shards)
+        if blocks is not None:
+            shards = blocks.reads(shards)
         fused = getattr(cls, "fused_checkpoint_tensors", None)  # Phi-3's qkv_proj, gate_up_proj
         weights = checkpoint.tensors(shards, tuple(dropped), fused and fused(hf_config))
         if hasattr(model, "checkpoint_weights"):  # a layout of its own (gpt-oss's experts)
             weights = model.checkpoint_weights(weights)
         if quantized is not None:
             weights = quantized.weights(weights, model, dtype, device)
+        if blocks is not None:
+            weights = blocks.weights(weights, by_rank)
         load_weights(model, weights)
     return model
+
+
+def block_fp8_checkpoint(directory: str, dtype: torch.dtype) -> BlockFp8Checkpoint | None:
+    """The widening of a block-wise FP8 checkpoint (DeepSeek-V3's); None for another."""
+    block = block_size_of(directory)
+    if block is None:
+        return None
+    names = (text_model_name(name) for name in tensor_names(directory))
+    return BlockFp8Checkpoint(block, dtype, [name for name in names if name is not None])
 
 
 @torch.no_grad()

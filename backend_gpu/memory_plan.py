@@ -52,6 +52,7 @@ from backend_gpu.plan_inputs import (
     PlanSettings,
     check_model_path,
 )
+from backend_gpu.quantization.block_fp8 import check_config
 from backend_gpu.quantization.mxfp4 import without_quantization
 from backend_gpu.tp_shards import check_divisible
 
@@ -99,6 +100,9 @@ class MemoryPlan:
     # multi-head latent attention (DeepSeek-V3): what full heads' keys and values would
     # take a token in the chosen KV dtype, against kv_bytes_per_token's one latent row
     full_heads_kv_bytes_per_token: int = 0
+    # a block-wise FP8 checkpoint's (DeepSeek-V3's) tile, rows x columns: the engine
+    # widens it as it loads, so it holds weight_bytes[dtype], or ["fp8"] quantized
+    fp8_tiles: tuple[int, int] | None = None
 
     @property
     def chosen(self) -> RankPlan | None:
@@ -304,4 +308,13 @@ def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> Memory
         full_heads_kv_bytes_per_token=full_heads_kv_bytes_per_token(
             hf_config, KV_ITEMSIZE[settings.kv_cache_dtype] or dtype_bytes
         ),
+        fp8_tiles=fp8_tiles_of(hf_config),
     )
+
+
+def fp8_tiles_of(hf_config) -> tuple[int, int] | None:
+    """The tile of a block-wise FP8 checkpoint's config (block_fp8.py); None otherwise."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() != "fp8":
+        return None
+    return check_config(quant)

@@ -22,7 +22,8 @@ SUPPORTED = (
     "gptq (4 or 8 bits, any group size, desc_act, checkpoint_format gptq or gptq_v2), "
     "awq (4 bits, version gemm, with zero points), compressed-tensors (pack-quantized "
     "W4A16/W8A16 in groups or channels, float-quantized FP8 weights per channel or "
-    "tensor, int-quantized W8A8 per channel or tensor)"
+    "tensor, int-quantized W8A8 per channel or tensor), fp8 in blocks (DeepSeek-V3's "
+    "weight_block_size, widened as loaded: quantization/block_fp8.py)"
 )
 
 

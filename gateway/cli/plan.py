@@ -187,6 +187,13 @@ def format_plan(plan) -> str:
             f"experts    MXFP4 as the checkpoint ships them, kept so: {_gib(packed)} "
             f"({packed / whole:.2f}x of {s.dtype}'s {_gib(whole)})"
         )
+    if plan.fp8_tiles:
+        rows, cols = plan.fp8_tiles
+        lines.append(
+            f"checkpoint FP8 in {rows}x{cols} tiles (block-wise fp8), widened to {s.dtype} "
+            f"as it loads ({_gib(plan.weight_bytes[s.dtype])}); --quantization fp8 holds "
+            f"it in FP8 ({_gib(plan.weight_bytes['fp8'])})"
+        )
     if plan.full_heads_kv_bytes_per_token:
         latent = plan.kv_bytes_per_token[s.kv_cache_dtype]
         full = plan.full_heads_kv_bytes_per_token

@@ -1,8 +1,8 @@
 """`kvgate plan` of DeepSeek-V3: the 671B model by hand (its parameters, its weights in
 bfloat16 and FP8 with the router kept float32 and the absorbed kv_b_proj kept 16-bit, its
 latent KV row against every head's keys and values, the tensor-parallel size that fits
-eight H200s), the command's lines about it, and the plan against what the engine holds
-for the tiny checkpoint."""
+eight H200s), the command's lines about it and about its published block-wise FP8, and
+the plan against what the engine holds for the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ H200 = PlanDevice("h200", 143_771 * MIB, 512 * MIB)
 # deepseek-ai/DeepSeek-V3's config.json as published on the Hugging Face hub (December
 # 2024), its fields as it spells them (the older transformers' rope_scaling, DeepSeek's
 # own scoring_func, topk_method, moe_layer_freq, ep_size); without its quantization_config
-# (block-wise FP8, which the engine does not read: this is the bfloat16 conversion its
-# fp8_cast_bf16.py writes)
+# (PUBLISHED_FP8): this is the bfloat16 conversion its fp8_cast_bf16.py writes
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "attention_bias": False,
@@ -74,6 +73,13 @@ DEEPSEEK_V3 = {
     "use_cache": True,
     "v_head_dim": 128,
     "vocab_size": 129280,
+}
+# its block-wise FP8 as published (quantization/block_fp8.py)
+PUBLISHED_FP8 = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
 }
 H, VOCAB, LAYERS, DENSE = 7168, 129280, 61, 3
 SPARSE = LAYERS - DENSE
@@ -164,3 +170,26 @@ def test_plan_matches_the_engine(tiny_model_dir):
     assert plan.ranks[0].kv.cache_bytes == runner.kv_cache_bytes
     assert plan.kv_bytes_per_token["auto"] == 3 * (32 + 16) * 4
     assert plan.full_heads_kv_bytes_per_token == 3 * 4 * (16 + 16 + 24) * 4
+
+
+def test_the_published_block_fp8_checkpoint_is_counted(tmp_path, capsys):
+    """DeepSeek-V3's config.json as published, with its quantization_config: the plan
+    names the tiles and what the engine holds of them, widened (bfloat16 fits no size
+    of H200s) or with --quantization fp8 (eight)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**DEEPSEEK_V3, "quantization_config": PUBLISHED_FP8}))
+    plan = plan_memory(str(path), H200, PlanSettings())
+    assert plan.fp8_tiles == (128, 128) and plan.chosen is None
+    assert kvgate(["plan", str(path), "--gpu-memory", "h200"]) == 1
+    out = capsys.readouterr().out
+    bf16, fp8 = plan.weight_bytes["bfloat16"] / (1 << 30), plan.weight_bytes["fp8"] / (1 << 30)
+    assert (
+        f"checkpoint FP8 in 128x128 tiles (block-wise fp8), widened to bfloat16 as it loads "
+        f"({bf16:.2f} GiB); --quantization fp8 holds it in FP8 ({fp8:.2f} GiB)" in out
+    )
+    assert kvgate(["plan", str(path), "--gpu-memory", "h200", "--quantization", "fp8"]) == 0
+    assert "smallest tensor-parallel size that fits: 8" in capsys.readouterr().out
+    bad = {**PUBLISHED_FP8, "fmt": "e5m2"}
+    path.write_text(json.dumps({**DEEPSEEK_V3, "quantization_config": bad}))
+    assert kvgate(["plan", str(path), "--gpu-memory", "h200"]) == 2
+    assert "quantization_config.fmt 'e5m2' is not supported" in capsys.readouterr().err

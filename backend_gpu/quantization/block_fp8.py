@@ -1,0 +1,157 @@
+"""Block-wise FP8, as DeepSeek-V3 / R1 (and Qwen3's FP8 releases) publish their weights:
+`quantization_config` {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size":
+[128, 128], "activation_scheme": "dynamic"}, each quantized linear layer's `weight` in
+float8_e4m3fn [out, in] beside a float32 `weight_scale_inv` [ceil(out / 128),
+ceil(in / 128)], one scale a 128 x 128 tile (the last row and column of tiles partial).
+Despite its name the scale multiplies: w = fp8 * weight_scale_inv (DeepSeek's
+fp8_cast_bf16.py, transformers' FP8Linear). Embeddings, the LM head, norms and routers
+ship unquantized; which layers are quantized is read from the tensors themselves (a
+weight with a scale beside it), so `modules_to_not_convert` needs no matching.
+
+The engine widens each such weight as it streams in, tile by tile, to the model's dtype
+(what transformers computes with on the dequantized weights): on the CPU the model is
+then the 16-bit one, exactly. `quantization="fp8"` then holds it in the engine's FP8
+layout (per output channel, requantized from the widened values). A weight is read
+whole and cut for a tensor-parallel rank after widening (a rank's rows need not start
+on a tile). A config field this cannot honour is refused by name at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from backend_gpu.tp_shards import SKIP, ShardRead
+
+FP8 = torch.float8_e4m3fn
+SCALE = "weight_scale_inv"
+# what transformers' FineGrainedFP8Config and DeepSeek's config.json say, and their values
+CONFIG_KEYS = ("quant_method", "fmt", "weight_block_size", "activation_scheme")
+IGNORED_KEYS = ("modules_to_not_convert",)  # the tensors say which layers are quantized
+
+
+def block_size_of(directory: str) -> tuple[int, int] | None:
+    """The (rows, columns) tile of a block-wise FP8 checkpoint in `directory`; None where
+    its config has no such quantization_config. ValueError names a field the engine
+    cannot honour."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        config = json.load(f)
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get(
+        "quantization_config"
+    )
+    if not quant or str(quant.get("quant_method", "")).lower() != "fp8":
+        return None
+    return check_config(quant)
+
+
+def check_config(quant: dict) -> tuple[int, int]:
+    """The tile of a `quant_method: fp8` config, or ValueError naming the first field
+    the engine cannot honour."""
+    for key in quant:
+        if key not in CONFIG_KEYS + IGNORED_KEYS:
+            raise ValueError(f"quantization_config.{key} is not supported for fp8 checkpoints")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":  # static input scales: tensors the engine would leave unread
+        raise ValueError(
+            f"quantization_config.activation_scheme {scheme!r} is not supported (only 'dynamic')"
+        )
+    block = quant.get("weight_block_size")
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"quantization_config.weight_block_size {block!r} is not supported "
+            "(two positive integers: per-tensor or per-channel FP8 are compressed-tensors')"
+        )
+    return block[0], block[1]
+
+
+def dequantize(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """weight [out, in] FP8 times its tile's scale, in `dtype` (computed in float32: an
+    E4M3 value times a float32 scale is exact there)."""
+    rows, cols = weight.shape
+    tiles = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != tiles:
+        raise ValueError(
+            f"{SCALE} {tuple(scale_inv.shape)} for a {rows} x {cols} weight in "
+            f"{block[0]} x {block[1]} tiles: expected {tiles}"
+        )
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
+    scale = scale.repeat_interleave(block[1], 1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+Shards = Callable[[str], ShardRead | None]
+
+
+class BlockFp8Checkpoint:
+    """Widens a block-wise FP8 checkpoint's weights as they stream in: `reads` makes a
+    quantized weight and its scale read whole, `weights` yields each weight widened and
+    cut to this rank's part, in place of the two."""
+
+    def __init__(self, block: tuple[int, int], dtype: torch.dtype, names: Iterable[str]) -> None:
+        """`names`: the checkpoint's tensor names (as the stream will name them)."""
+        self.block = block
+        self.dtype = dtype
+        self.quantized = {n[: -len(SCALE)] + "weight" for n in names if n.endswith(SCALE)}
+
+    @staticmethod
+    def _weight_name(name: str) -> str:
+        return name[: -len(SCALE)] + "weight" if name.endswith(SCALE) else name
+
+    def reads(self, shards: Shards | None) -> Shards | None:
+        """`shards` except that a weight and its scale are read whole (both, or neither
+        where the rank holds none of the weight): they are cut after widening."""
+        if shards is None:
+            return None
+
+        def read(name: str) -> ShardRead | None:
+            whole = self._weight_name(name)
+            if whole in self.quantized:
+                return SKIP if shards(whole) is SKIP else None
+            return shards(name)
+
+        return read
+
+    def weights(
+        self, stream: Iterator[tuple[str, torch.Tensor]], shards: Shards | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`stream` with each FP8 weight and its scale replaced by the weight widened
+        (and cut by `shards`); every other tensor as it is."""
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in stream:
+            whole = self._weight_name(name)
+            if whole not in self.quantized:
+                if tensor.dtype == FP8:
+                    raise ValueError(f"{name}: FP8 in the checkpoint without its {SCALE}")
+                yield name, tensor
+                continue
+            pair = held.setdefault(whole, {})
+            pair[SCALE if name.endswith(SCALE) else "weight"] = tensor
+            if len(pair) < 2:
+                continue
+            del held[whole]
+            try:
+                widened = dequantize(pair["weight"], pair[SCALE], self.block, self.dtype)
+            except ValueError as e:
+                raise ValueError(f"{whole}: {e}") from None
+            read = shards(whole) if shards is not None else None
+            if read is not None:  # never a padded token table: those ship unquantized
+                widened = widened.narrow(read.dim, read.start, read.stop - read.start)
+            yield whole, widened
+        if held:  # a scale whose weight never came (another stage's are never read)
+            name = next(iter(held))
+            raise ValueError(f"{name} is missing from the checkpoint beside its {SCALE}")
