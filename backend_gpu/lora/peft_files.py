@@ -5,7 +5,8 @@ modules, ...) and `adapter_model.safetensors` with one A [r, in] and one B [out,
 per adapted module, named `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`.
 What the engine cannot apply exactly as PEFT does (DoRA, extra trained modules, biases,
 embedding or LM head targets, per-module ranks) is refused with a BadRequestError that
-names it, before anything is loaded: a half-applied adapter would be a silently wrong
+names it (Phi-3's fused qkv_proj and gate_up_proj are applied as their parts, which is
+exactly what the engine holds), before anything is loaded: a half-applied adapter would be a silently wrong
 model. `inspect` reads only the config and the safetensors header (cheap: it runs in
 add_request); `read` then loads the tensors (in a background thread). Neither file is
 trusted: the config and the header are read only up to a size no real adapter comes
@@ -40,10 +41,18 @@ PROJECTIONS: dict[str, tuple[str, str | None]] = {
     "up_proj": ("gate_up_proj", "up"),
     "down_proj": ("down_proj", None),
 }
+# a checkpoint's own fused projection (Phi-3's) -> its parts in row order: PEFT adapts it
+# as one module (A [r, in], B [sum of the parts' out, r]), which is the parts each with
+# that A and its rows of B, as the engine holds them
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+FUSED_MODEL_TYPES = ("phi3",)  # whose transformers model has those modules (Phi-3, Phi-4)
 _GROUP = {
     proj: "self_attn" if packed in ("qkv_proj", "o_proj") else "mlp"
     for proj, (packed, _) in PROJECTIONS.items()
-}
+} | {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 _PREFIX = "base_model.model.model.layers"
 _KEY = re.compile(
     rf"{re.escape(_PREFIX)}\.(\d+)\."
@@ -64,7 +73,7 @@ class BaseShapes:
     """The base model's adaptable projections: (in, out) features of each, unsharded."""
 
     num_layers: int
-    features: dict[str, tuple[int, int]]
+    features: dict[str, tuple[int, int]]  # a fused base's fused projections too
 
     @classmethod
     def of(cls, hf_config) -> BaseShapes:
@@ -74,6 +83,10 @@ class BaseShapes:
         kv = hf_config.num_key_value_heads * head_dim
         features = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         features |= {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        if getattr(hf_config, "model_type", None) in FUSED_MODEL_TYPES:
+            features |= {
+                fused: (h, sum(features[p][1] for p in parts)) for fused, parts in FUSED.items()
+            }
         return cls(hf_config.num_hidden_layers, features)
 
 
@@ -144,10 +157,11 @@ def _check_config(ref: AdapterRef, config: dict, max_rank: int) -> tuple[int, fl
     targets = config.get("target_modules")
     if isinstance(targets, list):
         # a module's name, or its path (PEFT writes "all-linear" out as the paths)
-        unknown = sorted(t for t in targets if str(t).rpartition(".")[2] not in PROJECTIONS)
+        known = (*PROJECTIONS, *FUSED)
+        unknown = sorted(t for t in targets if str(t).rpartition(".")[2] not in known)
         if unknown:
             raise _refuse(
-                ref, f"target modules {unknown} are not supported; supported: {list(PROJECTIONS)}"
+                ref, f"target modules {unknown} are not supported; supported: {list(known)}"
             )
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -193,17 +207,30 @@ def inspect(ref: AdapterRef, shapes: BaseShapes, max_rank: int) -> AdapterInfo:
         if match is None and ("embed" in key or "lm_head" in key):
             raise _refuse(ref, f"tensor {key!r}: embedding and LM head targets are not supported")
         if match is None:
-            raise _refuse(ref, f"tensor {key!r} is not a LoRA A or B of {list(PROJECTIONS)}")
+            known = [*PROJECTIONS, *FUSED]
+            raise _refuse(ref, f"tensor {key!r} is not a LoRA A or B of {known}")
         layer, proj, half = int(match[1]), match[2].split(".")[1], match[3]
         halves.setdefault((layer, proj), {})[half] = shape
     if not halves:
         raise _refuse(ref, f"{WEIGHTS_FILE} holds no LoRA tensors")
+    for layer, proj in sorted(halves):
+        both = [p for p in FUSED.get(proj, ()) if (layer, p) in halves]
+        if both:
+            raise _refuse(
+                ref, f"layer {layer} {proj}: adapted both fused and as its part {both[0]}"
+            )
     for (layer, proj), pair in sorted(halves.items()):
         where = f"layer {layer} {proj}"
         if layer >= shapes.num_layers:
             raise _refuse(ref, f"{where}: the base model has {shapes.num_layers} layers")
         if set(pair) != {"A", "B"}:
             raise _refuse(ref, f"{where}: lora_A or lora_B is missing")
+        if proj not in shapes.features:
+            raise _refuse(
+                ref,
+                f"{where}: the base model has no fused {proj} (its checkpoint holds "
+                f"{', '.join(FUSED[proj])} apart): an adapter for another model?",
+            )
         fan_in, fan_out = shapes.features[proj]
         if pair["A"] != [rank, fan_in] or pair["B"] != [fan_out, rank]:
             raise _refuse(
@@ -227,7 +254,11 @@ def read(info: AdapterInfo, shapes: BaseShapes) -> AdapterWeights:
                 fan_in, fan_out = shapes.features[proj]
                 if list(a.shape) != [info.rank, fan_in] or list(b.shape) != [fan_out, info.rank]:
                     raise _refuse(ref, f"{WEIGHTS_FILE} changed while it was read")
-                tensors[layer, proj] = (a, b)
+                start = 0
+                for part in FUSED.get(proj, (proj,)):  # a fused one: its parts' rows of B
+                    rows = shapes.features[part][1]
+                    tensors[layer, part] = (a, b[start : start + rows])
+                    start += rows
     except BadRequestError:
         raise
     except _UNREADABLE as exc:
