@@ -9,6 +9,8 @@ import logging
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.batches import BATCHES
+from gateway.batches.start import start_batches
 from gateway.config import ConfigSource, Settings
 from gateway.http.drain import DRAIN, Drain, drain_guard
 from gateway.http.middleware import openai_errors, refuse_control_characters
@@ -19,7 +21,7 @@ from gateway.observe.tracing import Tracing, trace_export
 from gateway.routes import adapters as adapter_api
 from gateway.routes import admin as admin_api
 from gateway.routes import audit as audit_api
-from gateway.routes import embeddings, guards, openapi, responses_api
+from gateway.routes import batch_lines, batches, embeddings, files, guards, openapi, responses_api
 from gateway.routes import messages as messages_api
 from gateway.routes import prefixes as prefix_api
 from gateway.routes import reload as reload_api
@@ -104,6 +106,8 @@ def create_app(settings: Settings, source: ConfigSource | None = None) -> web.Ap
     prefix_api.add_routes(app)
     reload_api.add_routes(app)
     openapi.add_routes(app)
+    files.add_routes(app)
+    batches.add_routes(app)
 
     async def lifecycle(app: web.Application):
         state = await start_gateway(settings, drain)
@@ -111,7 +115,9 @@ def create_app(settings: Settings, source: ConfigSource | None = None) -> web.Ap
         state.url = f"http://{settings.host}:{settings.port}"
         state.tracing = None if export is None else Tracing(export)
         app[GW] = state
+        app[BATCHES] = room = start_batches(state, batch_lines.execute)
         yield
+        await room.runner.stop(settings.drain_timeout_s)
         await stop_gateway(state)
         if state.tracing is not None:  # the last requests' spans go out before the exit
             await state.tracing.close()

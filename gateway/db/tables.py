@@ -99,8 +99,14 @@ class UsageRecord(Base):
     counted_by: Mapped[str] = mapped_column(String(16), server_default="engine")
     # what the request cost at its model's price, in nanodollars (gateway.tenancy.quota.prices)
     spend_nano_usd: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # a Batch API line's (gateway/batches): unique together, so it is billed once
+    batch_id: Mapped[str | None] = mapped_column(String(40))
+    custom_id: Mapped[str | None] = mapped_column(String(200))
 
-    __table_args__ = (Index("ix_usage_records_tenant_created", "tenant_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_usage_records_tenant_created", "tenant_id", "created_at"),
+        Index("ux_usage_records_batch_line", "batch_id", "custom_id", unique=True),
+    )
 
 
 class DailyUsage(Base):

@@ -36,6 +36,7 @@ from gateway.schemas.admin import (
     TenantUpdate,
 )
 from gateway.schemas.base import NO_CONTROL
+from gateway.schemas.batches import BatchCreate
 from gateway.schemas.inference import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,6 +64,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     MessagesRequest,
     CountTokensRequest,
     AdapterCreate,
+    BatchCreate,
 )
 _ERRORS = {
     400: "The request is malformed or breaks a rule (the body, a parameter, the URL).",
@@ -77,6 +79,9 @@ _ERRORS = {
     "x-ratelimit-* headers which.",
     503: "No backend could serve it, or its usage could not be recorded.",
 }
+# the Files and Batch APIs' answers: OpenAI's objects, as its client reads them
+_OBJECT = {"application/json": {"schema": {"type": "object"}}}
+_BYTES = {"application/octet-stream": {"schema": {"type": "string"}}}
 # the statuses each kind of route answers with besides its success
 AUTHED = (400, 401, 403)
 LOOKUP = (*AUTHED, 404)
@@ -128,6 +133,15 @@ _SUMMARIES = {
     "delete /admin/adapters/{name}": "Delete a LoRA adapter (its requests in flight finish).",
     "post /admin/reload": "Read the config file again and apply it; 400 naming what is wrong.",
     "get /admin/audit": "The audit log of admin changes, newest first, a page at a time.",
+    "post /v1/files": "Upload a file (OpenAI's Files API; multipart, purpose batch: JSONL).",
+    "get /v1/files": "The tenant's files, a page at a time.",
+    "get /v1/files/{file_id}": "A file's metadata.",
+    "get /v1/files/{file_id}/content": "A file's bytes.",
+    "delete /v1/files/{file_id}": "Delete a file.",
+    "post /v1/batches": "Create a batch of an input file's lines (OpenAI's Batch API).",
+    "get /v1/batches": "The tenant's batches, newest first, a page at a time.",
+    "get /v1/batches/{batch_id}": "A batch: its status, counts and result files.",
+    "post /v1/batches/{batch_id}/cancel": "Cancel a batch: its lines not yet run are not.",
 }
 # http.middleware.refuse_control_characters answers 400 to a URL that holds a control character
 _TEXT_PARAM = {"type": "string", "pattern": NO_CONTROL}
@@ -136,6 +150,8 @@ _PATH_PARAMS = {
     "key_id": "The key's id (key_...).",
     "pin_id": "The prefix's id (pfx_...).",
     "name": "The pin's or the LoRA adapter's name.",
+    "file_id": "The file's id (file-...).",
+    "batch_id": "The batch's id (batch_...).",
 }
 # request bodies the examples phase of a fuzzer starts from; "model" becomes a served one
 _STREAM = {"stream": True, "stream_options": {"include_usage": True}}
@@ -163,6 +179,13 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     ),
     CountTokensRequest: (_ANTHROPIC | {"system": "Be brief."},),
     AdapterCreate: ({"name": "sql-lora", "path": "/srv/adapters/sql", "base_model": "base"},),
+    BatchCreate: (
+        {
+            "input_file_id": "file-abc",
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    ),
     e.EmbeddingRequest: (
         {"model": "", "input": "The food was delicious."},
         {"model": "", "input": ["first", "second"], "encoding_format": "base64"},
@@ -264,6 +287,15 @@ def _admin_routes() -> list[Route]:
         Route("delete /admin/adapters/{name}", _json(a.AdapterDeleted), errors=LOOKUP),
         Route("post /admin/reload", _json(a.Reloaded)),
         Route("get /admin/audit", _json(a.AuditList), query=_audit_query()),
+        Route("post /v1/files", _OBJECT, errors=(*AUTHED, 413)),
+        Route("get /v1/files", _OBJECT),
+        Route("get /v1/files/{file_id}", _OBJECT, errors=LOOKUP),
+        Route("get /v1/files/{file_id}/content", _BYTES, errors=LOOKUP),
+        Route("delete /v1/files/{file_id}", _OBJECT, errors=LOOKUP),
+        Route("post /v1/batches", _OBJECT, BatchCreate, errors=(*LOOKUP, *BODY)),
+        Route("get /v1/batches", _OBJECT),
+        Route("get /v1/batches/{batch_id}", _OBJECT, errors=LOOKUP),
+        Route("post /v1/batches/{batch_id}/cancel", _OBJECT, errors=(*LOOKUP, 409)),
     ]
 
 

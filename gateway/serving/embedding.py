@@ -62,6 +62,7 @@ from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 from gateway.tenancy.quota import Reservation
 from gateway.tenancy.quota.limits import ratelimit_headers
+from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.usage import UsageRow
 
 log = logging.getLogger("kvgate")
@@ -81,9 +82,16 @@ class Embedded:
     headers: dict[str, str]
 
 
-async def embed(gw: GatewayState, principal: Principal, body: EmbeddingRequest) -> Embedded:
+async def embed(
+    gw: GatewayState,
+    principal: Principal,
+    body: EmbeddingRequest,
+    batch: tuple[str, str] | None = None,
+    price: Price | None = None,
+) -> Embedded:
     """Admit, embed, record; an ApiError for any refusal or failure (nothing is taken
-    for a refused request, and a failed one settles what it took)."""
+    for a refused request, and a failed one settles what it took). A Batch API line's
+    (`batch`: its batch id and custom_id) is priced at `price`, the batch price."""
     tenant_of(principal)
     card = model_card(gw, principal, body.model)
     require_task(gw, principal, card, EMBED)
@@ -93,10 +101,11 @@ async def embed(gw: GatewayState, principal: Principal, body: EmbeddingRequest) 
     bound = any(is_text_bound(renderer, r) for r in rendered)
     context = None if bound else card.context_length
     tokens = check_input_tokens([len(r) for r in rendered], context, principal.limits)
-    worst = gw.settings.price_of(body.model).worst_case(tokens, 0)
+    price = price or gw.settings.price_of(body.model)
+    worst = price.worst_case(tokens, 0)
     check_spend(worst, principal.limits, EMBED_COST)
     reservation = await admit(gw, principal, tokens, 1, worst)
-    call = _Call(gw, principal, body.model, reservation, tokens, bound, body.user)
+    call = _Call(gw, principal, body.model, reservation, tokens, bound, body.user, price, batch)
     req = EmbedRequest(
         call.request_id,
         body.model,
@@ -159,6 +168,8 @@ class _Call:
     tokens: int  # the gateway's count of the rendered inputs: what it reserved
     bound: bool  # `tokens` is an upper bound (text-bound inputs), not a count
     user: str | None
+    price: Price
+    batch: tuple[str, str] | None  # a Batch API line's (batch id, custom_id)
     request_id: str = field(default_factory=lambda: "embd-" + os.urandom(12).hex())
     started: float = field(default_factory=time.perf_counter)
     counted_by: str = "engine"
@@ -247,7 +258,7 @@ class _Call:
         rides on it, metrics and the dashboard; a 503 if the row cannot be committed."""
         gw, p = self.gw, self.principal
         end = time.perf_counter()
-        spend = gw.settings.price_of(self.model).spend(tokens, 0, 0)
+        spend = self.price.spend(tokens, 0, 0)
         settlement = gw.quota.settlement(
             self.reservation, tokens, count_request=status != 503, used_spend=spend
         )
@@ -266,6 +277,8 @@ class _Call:
             user=self.user,
             counted_by=self.counted_by,
             spend_nano_usd=spend,
+            batch_id=self.batch[0] if self.batch else None,
+            custom_id=self.batch[1] if self.batch else None,
             settlement=settlement,
         )
         try:

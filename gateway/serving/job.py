@@ -86,6 +86,7 @@ class Job:
     # how much of each prompt sent apart the prefill worker computed (it fills this)
     prefill_progress: dict[int, Progress] = field(default_factory=dict)
     span: Span | None = None  # the request's server span while tracing is on
+    batch: tuple[str, str] | None = None  # a Batch API line's (batch id, custom_id)
 
     def echo_of(self, choice: int) -> Echo | None:
         return None if self.echoes is None else self.echoes[choice // self.n]
@@ -400,6 +401,8 @@ class Job:
             user=self.user,
             counted_by=self.counted_by,
             spend_nano_usd=spend,
+            batch_id=self.batch[0] if self.batch else None,
+            custom_id=self.batch[1] if self.batch else None,
             settlement=settlement,
         )
 

@@ -77,6 +77,8 @@ class UsageRow:
     created_at: float = 0.0
     counted_by: str = "engine"
     spend_nano_usd: int = 0  # at the model's price (gateway.tenancy.quota.prices)
+    batch_id: str | None = None  # a Batch API line's batch and custom_id (gateway/batches)
+    custom_id: str | None = None
     # the request's quota settlement on PostgreSQL: committed with the row, not a column
     settlement: Settlement | None = None
 
@@ -189,7 +191,7 @@ class UsageRecorder:
     async def _isolate(self, batch: list[Waiter]) -> None:
         for i, (row, fut) in enumerate(batch):
             error = await self._commit_alone(row)
-            if error is None:
+            if error is None or _billed_before(row, error):
                 self._committed([(row, fut)])
             elif _row_fault(error):
                 self._keep([(row, fut)], error)
@@ -374,6 +376,14 @@ class UsageRecorder:
             }
             for (tenant, day, model), counts in sorted(totals.items())
         ]
+
+
+def _billed_before(row: UsageRow, e: Exception) -> bool:
+    """A batch line run again after a crash whose row was committed before it: unique by
+    batch and custom_id, it is billed once (gateway/batches)."""
+    return row.batch_id is not None and any(
+        name in str(e) for name in ("ux_usage_records_batch_line", "usage_records.batch_id")
+    )
 
 
 def _row_fault(e: Exception) -> bool:

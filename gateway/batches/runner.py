@@ -1,0 +1,241 @@
+"""The batch runner: the gateway's own client of its batches, started and stopped with
+it (gateway.app). Every batch's lines run as requests of the endpoint they name, through
+the same admission and Job as an HTTP request (`execute`, gateway.routes.batch_lines),
+at the lowest priority: at most `batch_in_flight` at once, and none started while a
+request waits at a replica or a gateway queue (interactive work goes first).
+
+Durable: the rows are the state (gateway.batches.store). A gateway killed mid-batch
+runs, once restarted, every line not answered; a line that was running at the kill runs
+again, and its usage row (unique by batch and custom_id) bills it once. A batch past
+its window has the rest of its lines expired, unrun and unbilled; one whose tenant's
+budget ran out (a 429: batch lines are held to budgets, not rates) has the rest failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gateway.batches import store
+from gateway.batches.files import FileStore
+from gateway.db import ApiKey, Tenant
+from gateway.db.batch_tables import Batch, BatchLine
+from gateway.http.errors import error_body
+from gateway.state import GatewayState
+from gateway.tenancy.auth import Principal, principal_for
+from gateway.tenancy.quota import QuotaLimits
+
+log = logging.getLogger("kvgate.batches")
+LOWEST_PRIORITY = 2**31 - 1  # vLLM's priority: lower first; a batch line is last
+POLL_S = 0.5  # how often the runner looks again while nothing wakes it
+PRINCIPAL_TTL_S = 5.0  # a batch's key is read again this often (a revocation stops it)
+_END_TIME = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}
+_END_TIME |= {"failed": "failed_at"}
+
+
+@dataclass(frozen=True)
+class LineAnswer:
+    status: int
+    request_id: str | None
+    body: dict
+
+
+# (gateway, principal, endpoint, body, (batch id, custom_id)) -> the line's answer
+Execute = Callable[[GatewayState, Principal, str, dict, tuple[str, str]], Awaitable[LineAnswer]]
+
+
+class BatchRunner:
+    def __init__(self, gw: GatewayState, files: FileStore, execute: Execute) -> None:
+        self.gw, self.files, self.execute = gw, files, execute
+        self.running: dict[str, set[int]] = {}  # batch id -> its lines in flight
+        self.stopped: dict[str, dict] = {}  # batch id -> why its rest fails (a budget)
+        self.tasks: set[asyncio.Task] = set()
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self._principals: dict[str, tuple[Principal | None, float]] = {}
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._loop(), name="batch-runner")
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    async def stop(self, timeout_s: float) -> None:
+        """No line starts from now; those running get `timeout_s` to finish, then are
+        cancelled (and run again at the next start)."""
+        if self.task is None:
+            return
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.task = None
+        if self.tasks:
+            _, left = await asyncio.wait(self.tasks, timeout=timeout_s)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            self.wakeup.clear()
+            try:
+                for batch in await store.active(self.gw.db):
+                    await self._advance(batch)
+            except Exception:  # the database away: try again at the next turn
+                log.exception("the batch runner's turn failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), POLL_S)
+
+    async def _advance(self, b: Batch) -> None:
+        db, flying = self.gw.db, self.running.setdefault(b.id, set())
+        if b.status == "validating":
+            await store.set_status(db, b.id, "in_progress", in_progress_at=time.time())
+            b.status = "in_progress"
+        end = "completed"
+        if b.status == "cancelling":
+            await store.close_rest(db, b.id, store.CANCELLED, flying)
+            end = "cancelled"
+        elif b.status == "in_progress":
+            if time.time() >= b.expires_at:
+                await store.close_rest(db, b.id, store.EXPIRED, flying)
+                end = "expired"
+            elif b.id in self.stopped:
+                await store.close_rest(db, b.id, store.FAILED, flying)
+                end = "failed"
+            else:
+                await self._start_lines(b, flying)
+        if not flying and await store.pending_count(db, b.id) == 0:
+            await self._finalize(b, end)
+
+    async def _start_lines(self, b: Batch, flying: set[int]) -> None:
+        room = self.gw.settings.batch_in_flight - sum(map(len, self.running.values()))
+        if room <= 0 or interactive_waiting(self.gw):
+            return
+        principal = await self._principal(b)
+        if principal is None:
+            self.stopped[b.id] = {"code": "key_unavailable", "message": "The batch's API key "
+                                  "was revoked or has expired."}  # fmt: skip
+            return
+        for line in await store.pending(self.gw.db, b.id, flying, room):
+            flying.add(line.line)
+            task = asyncio.create_task(self._run_line(b, principal, line))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _run_line(self, b: Batch, principal: Principal, line: BatchLine) -> None:
+        try:
+            try:
+                body, tag = json.loads(line.body), (b.id, line.custom_id)
+                answer = await self.execute(self.gw, principal, b.endpoint, body, tag)
+            except Exception:
+                log.exception("batch %s line %d failed in the gateway", b.id, line.line)
+                answer = LineAnswer(500, None, error_body(500, "The gateway failed this line."))
+            if answer.status == 429:  # a budget: the batch's rest would be refused too
+                self.stopped[b.id] = {"code": "budget_exceeded", "message": _message(answer)}
+            state = store.DONE if answer.status == 200 else store.FAILED
+            await store.answer(self.gw.db, b.id, line.line, state, result_line(line, answer))
+        finally:
+            self.running[b.id].discard(line.line)
+            self.wake()
+
+    async def _principal(self, b: Batch) -> Principal | None:
+        """The batch's key as its lines use it: its tenant's budgets but no rates (the
+        runner paces itself), at the lowest priority; None: revoked or expired."""
+        cached = self._principals.get(b.id)
+        if cached is not None and time.monotonic() - cached[1] < PRINCIPAL_TTL_S:
+            return cached[0]
+        async with self.gw.db.session() as s:
+            key = await s.get(ApiKey, b.key_id)
+            tenant = None if key is None else await s.get(Tenant, b.tenant_id)
+        principal = None
+        usable = key is not None and key.revoked_at is None and tenant is not None
+        if usable and (key.expires_at is None or key.expires_at > time.time()):
+            p = principal_for(key, tenant)
+            limits = budgets_only(p.limits)
+            principal = dataclasses.replace(p, priority=LOWEST_PRIORITY, limits=limits)
+        self._principals[b.id] = (principal, time.monotonic())
+        return principal
+
+    async def _finalize(self, b: Batch, end: str) -> None:
+        """The output and error files written from the lines' rows, then the batch's end."""
+        db, now = self.gw.db, time.time()
+        await store.set_status(db, b.id, "finalizing", finalizing_at=b.finalizing_at or now)
+        out: list[str] = []
+        err: list[str] = []
+        for row in await store.lines(db, b.id):
+            if row.state == store.DONE:
+                out.append(row.result or "")
+            else:
+                err.append(row.result or json.dumps(closed_line(row, self.stopped.get(b.id))))
+        ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
+        for field, rows, name in (
+            ("output_file_id", out, "output"),
+            ("error_file_id", err, "error"),
+        ):
+            if rows:
+                data = ("\n".join(rows) + "\n").encode()
+                f = await self.files.create(
+                    b.tenant_id, "batch_output", f"{b.id}_{name}.jsonl", data
+                )
+                ids[field] = f.id
+        errors = [self.stopped[b.id]] if b.id in self.stopped else None
+        await store.set_status(db, b.id, end, errors=errors, **ids, **{_END_TIME[end]: now})
+        self.running.pop(b.id, None)
+        self.stopped.pop(b.id, None)
+        self._principals.pop(b.id, None)
+        log.info("batch %s %s", b.id, end)
+
+
+def interactive_waiting(gw: GatewayState) -> bool:
+    """Whether any request waits: in a replica's queue, or in a gateway queue before one."""
+    if any(b.stats().waiting for b in gw.router.backends if b.name not in gw.router.broken):
+        return True
+    return any(t.waiting for q in gw.queues.values() for t in q.tenants.values())
+
+
+def budgets_only(limits: QuotaLimits | None) -> QuotaLimits | None:
+    """`limits` without its rates (rpm, tpm, concurrency), in every scope."""
+    if limits is None:
+        return None
+    return dataclasses.replace(
+        limits,
+        rpm=None,
+        tpm=None,
+        max_concurrent=None,
+        tenant=budgets_only(limits.tenant),
+        key=budgets_only(limits.key),
+    )
+
+
+def result_line(line: BatchLine, answer: LineAnswer) -> dict:
+    """A line's answer in OpenAI's output (and error) file shape."""
+    response = {"status_code": answer.status, "request_id": answer.request_id, "body": answer.body}
+    return {
+        "id": "batch_req_" + secrets.token_hex(12),
+        "custom_id": line.custom_id,
+        "response": response,
+        "error": None,
+    }
+
+
+def closed_line(line: BatchLine, why: dict | None) -> dict:
+    """A line closed unrun: expired, cancelled, or failed with the batch's reason."""
+    error = why or {"code": "batch_failed", "message": "The line was not run."}
+    if line.state == store.EXPIRED:
+        error = {"code": "batch_expired", "message": "The batch's completion window passed."}
+    elif line.state == store.CANCELLED:
+        error = {"code": "batch_cancelled", "message": "The batch was cancelled."}
+    return {"id": "batch_req_" + secrets.token_hex(12), "custom_id": line.custom_id,
+            "response": None, "error": error}  # fmt: skip
+
+
+def _message(answer: LineAnswer) -> str:
+    error = answer.body.get("error")
+    return error.get("message", "") if isinstance(error, dict) else str(error)

@@ -1,0 +1,16 @@
+"""The room built and its runner started, once the gateway's state is (gateway.app)."""
+
+from __future__ import annotations
+
+from gateway.batches import Batches
+from gateway.batches.files import FileStore, files_dir
+from gateway.batches.runner import BatchRunner, Execute
+from gateway.state import GatewayState
+
+
+def start_batches(gw: GatewayState, execute: Execute) -> Batches:
+    files = FileStore(gw.db, files_dir(gw.settings))
+    files.open()
+    runner = BatchRunner(gw, files, execute)
+    runner.start()
+    return Batches(files, runner)
