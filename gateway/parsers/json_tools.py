@@ -1,5 +1,5 @@
-"""Tool calls written as JSON objects: `hermes` (Qwen2.5, QwQ, Qwen3, Hermes),
-`llama3_json` (Llama 3.1 / 3.2) and `mistral` (`[TOOL_CALLS]`).
+"""Tool calls written as JSON objects: `llama3_json` (Llama 3.1 / 3.2) and `mistral`
+(`[TOOL_CALLS]`). (Hermes' `<tool_call>` blocks: gateway.parsers.hermes.)
 
 A JSON call is known only once its object closes, so these hand out each call whole at
 its close, except Mistral's newer `[TOOL_CALLS]name[ARGS]{...}` form, whose name comes
@@ -16,44 +16,6 @@ from gateway.parsers.text import Trim, is_prefix
 
 DECODER = json.JSONDecoder()
 NOT_NAME = re.compile(r"[^\w.\-\[\]]")  # what cannot be in `name` or `name[CALL_ID]id`
-
-
-class HermesParser(ToolParser):
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them."""
-
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.block: str | None = None
-
-    def run(self, final: bool) -> None:
-        while True:
-            if self.block is None:
-                text, marker = self.take((self.OPEN,), final)
-                self.content(text)
-                if marker is None:
-                    return
-                self.block = ""
-            text, marker = self.take((self.CLOSE,), final)
-            self.block += text
-            if marker is None:
-                if final:
-                    self.content(self.OPEN + self.block)
-                    self.block = None
-                return
-            self._close(self.block)
-            self.block = None
-
-    def _close(self, block: str) -> None:
-        try:
-            found = json_call(json.loads(block), "arguments", "parameters")
-        except ValueError:
-            found = None
-        if found is not None and self.allowed(found[0]):
-            self.call(*found)
-        else:
-            self.content(self.OPEN + block + self.CLOSE)
 
 
 def _decode(text: str, final: bool) -> tuple[object, int] | None:
@@ -87,10 +49,9 @@ class Llama3JsonParser(ToolParser):
             else:
                 self.state = "calls" if head.startswith("{") else "content"
         while self.state == "calls":
-            head = self.buf.lstrip()
-            if self.calls and head.startswith(";"):
-                head = head[1:].lstrip()
-            self.buf = head  # the space and separators between calls go
+            # the space, and after a call the `;`s, before the next call go
+            head = self.buf.lstrip(" \t\r\n;" if self.calls else None)
+            self.buf = head
             if not head:
                 return
             if not head.startswith("{"):

@@ -14,7 +14,8 @@ from typing import Any
 
 from gateway.parsers.base import OutputParser, ParsedDelta
 from gateway.parsers.harmony import HarmonyParser
-from gateway.parsers.json_tools import HermesParser, Llama3JsonParser, MistralParser
+from gateway.parsers.hermes import HermesParser
+from gateway.parsers.json_tools import Llama3JsonParser, MistralParser
 from gateway.parsers.other_tools import DeepSeekV3Parser, PythonicParser
 from gateway.parsers.qwen3_coder import Qwen3CoderParser
 from gateway.parsers.reasoning import ThinkParser

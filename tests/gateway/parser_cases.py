@@ -141,6 +141,27 @@ CASES = [
         "Done.",
         [("lookup", '{"q": "<b>"}')],
     ),
+    Case(
+        "hermes-keys-reversed",
+        None,
+        "hermes",
+        '<tool_call>{"arguments": {"q":  1}, "name": "lookup"}</tool_call>',
+        calls=[("lookup", '{"q": 1}')],
+    ),
+    Case(
+        "hermes-string-arguments",
+        None,
+        "hermes",
+        '<tool_call>{"name": "lookup", "arguments": "{\\"q\\": 1}"}</tool_call>',
+        calls=[("lookup", '{"q": 1}')],
+    ),
+    Case(
+        "hermes-nested",
+        None,
+        "hermes",
+        '<tool_call>\n{"name": "lookup", "arguments": {"q": {"r": [1, {}]}}}  \n</tool_call>',
+        calls=[("lookup", '{"q": {"r": [1, {}]}}')],
+    ),
     # llama3_json
     Case(
         "llama3-tag",

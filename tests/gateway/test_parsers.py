@@ -105,6 +105,12 @@ def test_a_call_streams_its_arguments_where_the_format_allows() -> None:
     assert first.tool_calls[0].id
     second = p.feed("<parameter=q>\nx\n</parameter>\n")
     assert [(c.id, c.name, c.arguments) for c in second.tool_calls] == [(None, None, '{"q": "x"')]
+    h = output_parser(None, "hermes")
+    first = h.feed('<tool_call>\n{"name": "lookup", "arguments": {"q": ')
+    assert first.tool_calls[0].name == "lookup" and first.tool_calls[0].id
+    assert "".join(c.arguments for c in first.tool_calls) == '{"q":'  # the name came first
+    rest = h.feed('"x"}}\n</tool_call>')
+    assert [(c.id, c.arguments) for c in rest.tool_calls] == [(None, ' "x"}')]
     d = output_parser(None, "deepseek_v3")
     got = d.feed(
         '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": '

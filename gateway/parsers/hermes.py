@@ -1,0 +1,91 @@
+"""Hermes-style tool calls (`hermes`: Qwen2.5, QwQ, Qwen3, Hermes):
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them.
+
+A block that opens `{"name": "NAME", "arguments": {` (the order every template asks for)
+is a call from there: it opens at once and its arguments stream as the model writes them,
+up to the object's last `}` (held back until `</tool_call>` says it was the last). A
+block in any other shape (the keys the other way round, arguments as a string) is read
+whole at its close; one that is not a call to an offered function is content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from gateway.parsers.calls import ToolParser, json_call
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# where a block's arguments begin; nothing after it can change whether it matched
+HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+TAIL = re.compile(r"\}?\s*\Z")  # the outer object's close and the space around it
+
+
+class HermesParser(ToolParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.state = "content"  # content | head | args | block
+        self.block = ""  # a block not yet known to be a call
+        self.tail = ""  # the arguments' text that may be the outer object's close
+
+    def run(self, final: bool) -> None:
+        while getattr(self, "_" + self.state)(final):
+            pass
+
+    def _content(self, final: bool) -> bool:
+        text, marker = self.take((OPEN,), final)
+        self.content(text)
+        if marker is None:
+            return False
+        self.state, self.block = "head", ""
+        return True
+
+    def _head(self, final: bool) -> bool:
+        """Until the block's arguments begin (a streamed call) or it closes (read whole)."""
+        text, marker = self.take((CLOSE,), final)
+        self.block += text
+        head = HEAD.match(self.block)
+        if head is not None:
+            name = json.loads(head.group(1))
+            if self.allowed(name):
+                self.buf = self.block[head.end() :] + (marker or "") + self.buf
+                self.call(name)
+                self.state, self.tail = "args", ""
+                return True
+            self.state = "block"
+        if marker is None and not final:
+            return False
+        return self._close(marker)
+
+    def _block(self, final: bool) -> bool:
+        text, marker = self.take((CLOSE,), final)
+        self.block += text
+        if marker is None and not final:
+            return False
+        return self._close(marker)
+
+    def _args(self, final: bool) -> bool:
+        text, marker = self.take((CLOSE,), final)
+        text = self.tail + text
+        cut = TAIL.search(text).start()
+        self.args(text[:cut])
+        self.tail = text[cut:]
+        if marker is None and not final:
+            return False
+        self.state = "content"
+        return marker is not None
+
+    def _close(self, marker: str | None) -> bool:
+        """A block read whole: a call, or content as it was written."""
+        try:
+            found = json_call(json.loads(self.block), "arguments", "parameters")
+        except ValueError:
+            found = None
+        if marker is not None and found is not None and self.allowed(found[0]):
+            self.call(*found)
+        else:
+            self.content(OPEN + self.block + (marker or ""))
+        self.state, self.block = "content", ""
+        return marker is not None
