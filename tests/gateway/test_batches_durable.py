@@ -1,0 +1,183 @@
+"""Batches that outlive their gateway and their budget (issue 50): a gateway killed with
+SIGKILL mid-batch resumes it once restarted and bills each line once; cancel, expiry and
+a budget that runs out close the rest of a batch unrun and unbilled; a batch line's
+usage row committed twice (a line run again after a crash) is one row."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+from sqlalchemy import select
+
+from gateway.db import DailyUsage, Database, UsageRecord, migrate
+from gateway.tenancy.usage import UsageRecorder, UsageRow
+from tests.conftest import PG_URL, LiveGateway, start_gateway
+from tests.gateway.test_files_batches import _client, _jsonl, _line, _wait
+
+SLOW = """
+[server]
+batch_in_flight = {in_flight}
+
+[[backends]]
+name = "fake"
+type = "fake"
+model = "fake-model"
+ttft_ms = {ttft_ms}
+"""
+
+
+def _slow(tmp_path: Path, ttft_ms: int, in_flight: int = 2) -> LiveGateway:
+    return start_gateway(tmp_path, config=SLOW.format(ttft_ms=ttft_ms, in_flight=in_flight))
+
+
+def _submit(client: openai.OpenAI, n: int) -> str:
+    data = _jsonl([_line(i, max_tokens=4) for i in range(n)])
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    return batch.id
+
+
+def _billed(db: Path, batch_id: str) -> list[str]:
+    with sqlite3.connect(db) as conn:
+        q = "SELECT custom_id FROM usage_records WHERE batch_id = ? ORDER BY custom_id"
+        return [r[0] for r in conn.execute(q, (batch_id,))]
+
+
+def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_gateway_killed_mid_batch_resumes_it_and_bills_each_line_once(tmp_path):
+    gw = _slow(tmp_path, ttft_ms=300)
+    try:
+        _, key = gw.tenant_key("acme")
+        batch_id = _submit(_client(gw, key), 8)
+        _wait(_client(gw, key), batch_id, until=("in_progress",))
+        deadline = time.monotonic() + 30
+        while not _billed(tmp_path / "kvgate.db", batch_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gw.stop(signal.SIGKILL)  # lines in flight, and lines not started
+    finally:
+        gw.stop()
+    before = _billed(tmp_path / "kvgate.db", batch_id)
+    assert 0 < len(before) < 8
+    again = _slow(tmp_path, ttft_ms=0)  # the same database and files directory
+    try:
+        client = _client(again, key)
+        done = _wait(client, batch_id)
+        assert done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (8, 0)
+        out = _lines(client, done.output_file_id)
+        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(8))
+        assert done.error_file_id is None
+        assert _billed(tmp_path / "kvgate.db", batch_id) == sorted(f"req-{i}" for i in range(8))
+    finally:
+        again.stop()
+
+
+def test_cancel_leaves_the_rest_unrun_and_unbilled(tmp_path):
+    gw = _slow(tmp_path, ttft_ms=400, in_flight=1)
+    try:
+        _, key = gw.tenant_key("acme")
+        client = _client(gw, key)
+        batch_id = _submit(client, 6)
+        cancelling = client.batches.cancel(batch_id)
+        assert cancelling.status == "cancelling"
+        done = _wait(client, batch_id)
+        assert done.status == "cancelled" and done.cancelled_at is not None
+        ran = done.request_counts.completed
+        assert ran < 6
+        errors = _lines(client, done.error_file_id)
+        assert len(errors) == 6 - ran
+        assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+        assert len(_billed(tmp_path / "kvgate.db", batch_id)) == ran
+        with pytest.raises(openai.ConflictError):
+            client.batches.cancel(batch_id)
+    finally:
+        gw.stop()
+
+
+def test_a_batch_past_its_window_expires_unbilled(tmp_path):
+    gw = _slow(tmp_path, ttft_ms=300, in_flight=1)
+    try:
+        _, key = gw.tenant_key("acme")
+        client = _client(gw, key)
+        batch_id = _submit(client, 6)
+        with sqlite3.connect(tmp_path / "kvgate.db") as conn:  # its 24 hours gone by
+            conn.execute("UPDATE batches SET expires_at = 0 WHERE id = ?", (batch_id,))
+        done = _wait(client, batch_id)
+        assert done.status == "expired" and done.expired_at is not None
+        errors = _lines(client, done.error_file_id)
+        assert errors and {e["error"]["code"] for e in errors} == {"batch_expired"}
+        ran = done.request_counts.completed
+        assert ran + len(errors) == 6
+        assert len(_billed(tmp_path / "kvgate.db", batch_id)) == ran
+    finally:
+        gw.stop()
+
+
+def test_a_budget_that_runs_out_fails_the_rest_of_the_batch(tmp_path):
+    gw = _slow(tmp_path, ttft_ms=0, in_flight=1)
+    try:
+        # rates do not hold batch lines (rpm 1); the daily token budget does
+        _, key = gw.tenant_key("acme", rpm=1, daily_tokens=40)
+        client = _client(gw, key)
+        batch_id = _submit(client, 12)
+        done = _wait(client, batch_id)
+        assert done.status == "failed", done
+        assert done.errors.data[0].code == "budget_exceeded"
+        counts = done.request_counts
+        assert counts.completed >= 2 and counts.completed + counts.failed == 12
+        assert len(_billed(tmp_path / "kvgate.db", batch_id)) == counts.completed
+        failed = _lines(client, done.error_file_id)
+        assert len(failed) == counts.failed
+        assert failed[0]["response"]["status_code"] == 429
+    finally:
+        gw.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def db(request, tmp_path) -> AsyncIterator[Database]:
+    if request.param == "postgres":
+        db = Database(PG_URL, request.getfixturevalue("pg_schema"))
+    else:
+        db = Database(f"sqlite+aiosqlite:///{tmp_path / 'usage.db'}")
+    await migrate(db)
+    yield db
+    await db.close()
+
+
+def _row(request_id: str, custom_id: str) -> UsageRow:
+    return UsageRow(request_id, "t_1", "key_1", "fake-model", 10, 5, 0, 1.0, 2.0, 200, "stop",
+                    batch_id="batch_1", custom_id=custom_id)  # fmt: skip
+
+
+async def test_a_batch_line_billed_again_is_one_row(db):
+    recorder = UsageRecorder(db)
+    recorder.start()
+    try:
+        await recorder.submit(_row("chatcmpl-1", "a"))
+        # run again after a crash: another request id, the same line; beside another line
+        again, other = recorder.submit(_row("chatcmpl-2", "a")), recorder.submit(_row("c-3", "b"))
+        await again
+        await other
+    finally:
+        await recorder.stop()
+    assert not recorder.kept
+    async with db.session() as s:
+        rows = (await s.scalars(select(UsageRecord))).all()
+        daily = (await s.scalars(select(DailyUsage))).all()
+    assert sorted((r.request_id, r.custom_id) for r in rows) == [("c-3", "b"), ("chatcmpl-1", "a")]
+    assert [d.requests for d in daily] == [2]
