@@ -17,7 +17,9 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
+from gateway.batches.usage import batch_usage
 from gateway.cli import audit as cli_audit
+from gateway.cli import batches as cli_batches
 from gateway.cli.audit import cli_actor
 from gateway.cli.output import cell, print_rows
 from gateway.config import Settings
@@ -74,6 +76,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     usage.add_argument("--since", help="YYYY-MM-DD")
     usage.add_argument("--until", help="YYYY-MM-DD")
     cli_audit.add_command(sub)
+    cli_batches.add_command(sub)
 
     prefixes = sub.add_parser(
         "prefixes", help="a running gateway's hottest cached prefixes, pins and hits per tenant"
@@ -162,6 +165,8 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
             await _usage(args, service)
         elif args.command == "audit":
             await cli_audit.show(args, service)
+        elif args.command == "batches":
+            await cli_batches.run(args, service)
         return 0
     finally:
         await db.close()
@@ -235,8 +240,9 @@ async def _usage(args: argparse.Namespace, service: TenantService) -> None:
     if tenant is not None:  # an unknown tenant is an error, not no usage
         tenant = await service.tenant_id_of(tenant)
     usage = await service.usage(tenant, args.since, args.until, summaries=True)
+    usage["batches"] = await batch_usage(service.db, tenant, args.since, args.until)
     names = {t["id"]: t["name"] for t in await service.list_tenants()}
-    for row in (*usage["data"], *usage["tenants"], *usage["keys"]):
+    for row in (*usage["data"], *usage["tenants"], *usage["keys"], *usage["batches"]):
         row["tenant_name"] = names.get(row["tenant_id"])  # None: the tenant was deleted
     if args.json:
         print_rows(usage, True)
@@ -253,6 +259,9 @@ async def _usage(args: argparse.Namespace, service: TenantService) -> None:
     print_rows(
         [{"key": r["key_id"], "name": r["name"]} | _usage_row(r) for r in usage["keys"]], False
     )
+    if usage["batches"]:  # within the totals above, at the batch price
+        print("\nbatch work (in the totals above)")
+        print_rows([_batch_row(r) for r in usage["batches"]], False)
 
 
 def _usage_row(r: dict[str, Any]) -> dict[str, Any]:
@@ -264,6 +273,12 @@ def _usage_row(r: dict[str, Any]) -> dict[str, Any]:
         row["model"] = r["model"]
     counts = {c: r[c] for c in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
     return row | counts | {"spend_usd": usd_text(r["spend"])}
+
+
+def _batch_row(r: dict[str, Any]) -> dict[str, Any]:
+    tenant = r["tenant_name"] or f"{r['tenant_id']} (deleted)"
+    tokens = {c: r[c] for c in ("lines", "prompt_tokens", "completion_tokens")}
+    return {"batch": r["batch_id"], "tenant": tenant} | tokens | {"spend_usd": usd_text(r["spend"])}
 
 
 async def _prefixes(args: argparse.Namespace) -> int:

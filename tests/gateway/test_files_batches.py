@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +48,14 @@ def _wait(
             return batch
         time.sleep(0.2)
     raise AssertionError(f"batch {batch_id} still {batch.status}")
+
+
+def _cli(gw: LiveGateway, *args: str, ok: bool = True) -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args], env=gw.env, capture_output=True, text=True
+    )
+    assert (run.returncode == 0) == ok, run.stderr
+    return run.stdout + run.stderr
 
 
 def _usage_rows(db: Path, batch_id: str) -> list[tuple]:
@@ -112,6 +122,14 @@ def test_files_are_tenant_scoped_and_batches_run_with_the_openai_client(gateway,
     assert list(b.batches.list()) == []
     with pytest.raises(openai.ConflictError):
         a.batches.cancel(batch.id)
+    # the operator's view: `kvgate batches` and batch work apart in `kvgate usage`
+    shown = json.loads(_cli(gateway, "--json", "batches", "show", batch.id))
+    assert shown["status"] == "completed" and shown["request_counts"]["completed"] == 3
+    assert batch.id in _cli(gateway, "batches", "list", "--tenant", "acme")
+    assert batch.id not in _cli(gateway, "batches", "list", "--tenant", "other")
+    usage = _cli(gateway, "usage")
+    assert "batch work" in usage and batch.id in usage
+    assert "cannot be cancelled" in _cli(gateway, "batches", "cancel", batch.id, ok=False)
     a.files.delete(f.id)
     with pytest.raises(openai.NotFoundError):
         a.files.retrieve(f.id)
