@@ -25,7 +25,7 @@ from engine_api.sampling import (
 from engine_api.structured import StructuredOutput
 from gateway.schemas.base import NO_CONTROL
 from gateway.schemas.base import StrictBody as _Body
-from gateway.schemas.fields import INT32, INT53, Count32, IntIn, Name, TokenId
+from gateway.schemas.fields import INT32, INT53, Count32, IntIn, Name, Priority, TokenId
 from gateway.schemas.structured import (
     GUIDED,
     MAX_TOOLS,
@@ -144,6 +144,9 @@ class SamplingFields(_Body):
     # LiteLLM's: the text the fake backend "generates" (testing without a model); any
     # other backend refuses the request (gateway.serving.admission)
     mock_response: Annotated[str, Field(max_length=MAX_MOCK_RESPONSE)] | None = None
+    # vLLM's: the request's scheduling class, lower first; a request may only yield, never
+    # go ahead of its tenant's own priority (gateway.serving.admission takes the larger)
+    priority: Priority | None = None
 
     @field_validator(*GUIDED)
     @classmethod

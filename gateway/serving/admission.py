@@ -289,7 +289,11 @@ def _requests(
     shared_lens: list[int],
     structured: StructuredOutput | None,
 ) -> list[GenRequest]:
-    """One GenRequest per choice, prompt-major; seeds differ by choice."""
+    """One GenRequest per choice, prompt-major; seeds differ by choice. A body's
+    priority only yields: never ahead of the principal's."""
+    priority = principal.priority
+    if body.priority is not None:
+        priority = max(priority, body.priority)
     return [
         GenRequest(
             request_id if plan.choices == 1 else f"{request_id}-{i}",
@@ -298,7 +302,7 @@ def _requests(
             sampling(body, plan.max_tokens[i // body.n], i % body.n, structured),
             principal.tenant_id or "",
             salt,
-            principal.priority,
+            priority,
             shared_lens[i // body.n],
             weight=principal.weight,
             mock_response=body.mock_response,
