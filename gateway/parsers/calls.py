@@ -17,6 +17,11 @@ from gateway.parsers.text import Buffered, new_call_id
 
 
 class ToolParser(Buffered, OutputParser):
+    # the first characters of the markers a parser looks for while in its "content" state
+    # (none: its content state is the rest of the reply)
+    OPENERS = ""
+    state = ""  # "content" where a parser has that state (harmony's has none)
+
     def __init__(
         self,
         tool_names: frozenset[str] | None,
@@ -50,6 +55,12 @@ class ToolParser(Buffered, OutputParser):
         self.out.content += text
 
     def feed(self, text: str) -> ParsedDelta:
+        if self.state == "content" and not self.buf and not self.after_call:
+            for c in self.OPENERS:
+                if c in text:
+                    break
+            else:  # the common case, a token of plain text: no call can begin in it
+                return ParsedDelta(content=text)
         self.buf += text
         return self._flush(final=False)
 

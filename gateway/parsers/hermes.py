@@ -24,6 +24,8 @@ TAIL = re.compile(r"\}?\s*\Z")  # the outer object's close and the space around 
 
 
 class HermesParser(ToolParser):
+    OPENERS = "<"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.state = "content"  # content | head | args | block

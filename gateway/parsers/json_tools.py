@@ -81,6 +81,7 @@ class MistralParser(ToolParser):
     and later; `name[CALL_ID]id[ARGS]` too)."""
 
     MARK, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    OPENERS = "["
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

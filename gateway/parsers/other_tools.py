@@ -79,6 +79,8 @@ FENCE = "```"
 
 
 class DeepSeekV3Parser(ToolParser):
+    OPENERS = "<"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.state = "content"  # content | calls | head | name | fence | args | tail | skip

@@ -30,6 +30,8 @@ PARAM, PARAM_END = "<parameter=", "</parameter>"
 
 
 class Qwen3CoderParser(ToolParser):
+    OPENERS = "<"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.state = "content"  # content | open | block | params | pname | value | close

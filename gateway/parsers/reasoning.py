@@ -29,6 +29,8 @@ class ThinkParser(Buffered, OutputParser):
         self.lead = True  # content's leading whitespace after `</think>` is dropped
 
     def feed(self, text: str) -> ParsedDelta:
+        if self.state == "content" and not self.lead:  # past the reasoning: all content
+            return ParsedDelta(content=text)
         self.buf += text
         return self._run(final=False)
 

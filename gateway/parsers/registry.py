@@ -67,6 +67,8 @@ class Chain(OutputParser):
         return self._then(self.reasoning.finish(), final=True)
 
     def _then(self, first: ParsedDelta, final: bool) -> ParsedDelta:
+        if not first.content and not final:  # reasoning (or held text) only
+            return first
         out = self.tools.feed(first.content)
         if final:
             out.extend(self.tools.finish())

@@ -60,7 +60,14 @@ class Buffered:
         """(text before the first whole marker, the marker), consumed from the buffer; else
         (the text no marker can start in, None), keeping a possible marker's prefix unless
         `final`."""
-        hit = first_marker(self.buf, markers)
+        buf = self.buf
+        for m in markers:
+            if m[0] in buf:
+                break
+        else:  # the common case, a token of plain text: no marker can begin in it
+            self.buf = ""
+            return buf, None
+        hit = first_marker(buf, markers)
         if hit is not None:
             i, m = hit
             before, self.buf = self.buf[:i], self.buf[i + len(m) :]
