@@ -14,7 +14,7 @@ from typing import Any
 from gateway.backends import BackendSpec, replica_count
 from gateway.backends.default_model import starter_backends
 from gateway.backends.spec import LoraModule, parse_lora_modules
-from gateway.config_check import ConfigError, check_types, table, text
+from gateway.config_check import ConfigError, check_parsers, check_types, table, text
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
 from gateway.observe.tracing import trace_export
 from gateway.tenancy.quota.prices import FREE, Price, parse_prices
@@ -110,6 +110,10 @@ class Settings:
     # how tenants share a backend: "vtc" (the Virtual Token Counter: the gpu engine's
     # scheduler, and the gateway's queue before other backends) or "fcfs"; None: vtc
     fairness: str | None = None
+    # the output parsers (gateway.parsers' names) of every entry that names none of its
+    # own; unset: detected from each model's chat template and config
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     # per served model name, from the config's [prices."model"] tables (USD per million
     # tokens); a model with none costs 0 and no money budget holds it
     prices: dict[str, Price] = field(default_factory=dict)
@@ -164,8 +168,10 @@ class Settings:
             )
         if self.prefill_threshold < 1 or self.prefill_timeout_s <= 0:
             raise ValueError("prefill_threshold must be >= 1 and prefill_timeout_s > 0")
+        check_parsers(self.reasoning_parser, self.tool_call_parser, "")
         for spec in self.backends:
             replica_count(spec)  # a bad `replicas` is a configuration error, found here
+            check_parsers(spec.reasoning_parser, spec.tool_call_parser, f"backend {spec.name!r}: ")
             check_no_kv_tier_secret(spec.options, f"backend {spec.name!r}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(
@@ -177,6 +183,18 @@ class Settings:
         return self.prices.get(model, FREE)
 
     def resolved_backends(self, starter: bool = False) -> list[BackendSpec]:
+        """The entries to serve, each with the output parsers it names or the settings'.
+        `starter` as for _entries."""
+        return [
+            replace(
+                spec,
+                reasoning_parser=spec.reasoning_parser or self.reasoning_parser,
+                tool_call_parser=spec.tool_call_parser or self.tool_call_parser,
+            )
+            for spec in self._entries(starter)
+        ]
+
+    def _entries(self, starter: bool) -> list[BackendSpec]:
         """The entries to serve. `starter` (kvgate serve's own): with nothing naming a
         backend, model or engine setting, the starter set of default_model, whose first
         model chats; else one entry: the model given, or Gemma 3 270M (a worker's case)."""
@@ -348,6 +366,8 @@ _ENV_FIELDS = {
     "max_cpu_loras": int,
     "lora_modules": lambda v: v.split(),
     "fairness": str,
+    "reasoning_parser": str,
+    "tool_call_parser": str,
     "files_dir": str,
     "max_file_bytes": int,
     "max_file_lines": int,
@@ -447,7 +467,12 @@ def _backend_entry(path: Path, i: int, entry: Any) -> BackendSpec:
     served = text(entry.pop("served_model_name", ""), f"{key}.served_model_name")
     options = table(entry.pop("options", {}), f"{key}.options") | entry
     modules = parse_lora_modules(options.pop("lora_modules", []), f"{path}: backend {name!r}")
-    return with_lora(BackendSpec(name, kind, model, served, options), modules)
+    parsers = {
+        field: text(options.pop(field), f"{key}.{field}") or None
+        for field in ("reasoning_parser", "tool_call_parser")
+        if field in options
+    }
+    return with_lora(BackendSpec(name, kind, model, served, options, **parsers), modules)
 
 
 def pick_backend_type() -> str:

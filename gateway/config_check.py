@@ -4,7 +4,7 @@ before a reload can give any type to any key: each setting is checked against th
 anything uses them, so that a wrong value is a ConfigError naming its key (at start-up a
 clear error and exit 2; on a reload a 400 `invalid_config`, the running config kept),
 never a TypeError from deep inside. A float must be finite: `inf` and `nan` are TOML's
-too.
+too. An output parser's name must be one gateway.parsers has.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import math
 import types
 import typing
 from typing import Any
+
+from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 
 class ConfigError(ValueError):
@@ -87,3 +89,13 @@ def _described(hint: Any) -> str:
     if origin is list:
         return f"a list of {_described(args[0]).removeprefix('a ').removeprefix('an ')}s"
     return _NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_parsers(reasoning: str | None, tools: str | None, where: str) -> None:
+    """ValueError naming the valid parsers for a name gateway.parsers does not have."""
+    for kind, name, valid in (
+        ("reasoning_parser", reasoning, REASONING_PARSERS),
+        ("tool_call_parser", tools, TOOL_PARSERS),
+    ):
+        if name is not None and name not in valid:
+            raise ConfigError(kind, f"{where}{kind} {name!r} is not one of: {', '.join(valid)}")

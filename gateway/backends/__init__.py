@@ -31,6 +31,7 @@ from gateway.backends.base import (
     EmbeddingBackend,
     LoraBackend,
     OutputCountingBackend,
+    ParsedChunk,
     PrefixCachingBackend,
 )
 from gateway.backends.remote_text import is_text_bound
@@ -55,6 +56,7 @@ __all__ = [
     "LoraBackend",
     "ModelCard",
     "OutputCountingBackend",
+    "ParsedChunk",
     "PrefixCachingBackend",
     "Progress",
     "PromptTooLongError",

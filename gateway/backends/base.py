@@ -8,7 +8,8 @@ errors the protocol speaks are engine_api's, shared with the engines themselves.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from engine_api.records import (
     AdapterRef,
@@ -23,6 +24,26 @@ from engine_api.records import (
     PromptInput,
 )
 from engine_api.structured import StructuredOutput
+
+
+@dataclass
+class ParsedChunk(GenChunk):
+    """A chunk of an upstream that read its model's output itself (vLLM's and SGLang's
+    reasoning and tool-call parsers): its reasoning and its OpenAI-shaped tool-call deltas
+    apart from its text. They pass through (gateway.serving.parsed_output)."""
+
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def parsed_text(self) -> str:
+        """What the meter counts beside the text: the reasoning and the calls' JSON."""
+        calls = self.tool_calls or []
+        return self.reasoning + "".join(
+            str(c.get("function", {}).get("name") or "")
+            + str(c.get("function", {}).get("arguments") or "")
+            for c in calls
+        )
+
 
 # Requests a backend behind the gateway's fair queue takes beyond its `max_in_flight`
 # (gateway/routing/fair_queue.py): a seat for a tenant becoming active, as the gpu
@@ -129,6 +150,24 @@ class OutputCountingBackend(Backend, Protocol):
     async def count_output(self, model: str, text: str, local_only: bool) -> int | None:
         """Tokens in generated `text` by the model's tokenizer; None where none can count
         it (or, with `local_only`, where only the upstream itself could)."""
+        ...
+
+
+@runtime_checkable
+class ChatTemplateBackend(Backend, Protocol):
+    """A backend that renders chats with a template it holds (the in-process engines):
+    it says what the gateway's output parsers are detected from, and renders with the
+    request's template variables (vLLM's chat_template_kwargs, Qwen3's enable_thinking)."""
+
+    def chat_template_info(self) -> tuple[str | None, list[str], str | None]:
+        """(the chat template, the model's architectures, its model_type), as
+        gateway.parsers.detect takes them."""
+        ...
+
+    async def render_chat(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
+    ) -> list[int]:
+        """`render`, with `kwargs` as the template's variables."""
         ...
 
 

@@ -110,10 +110,14 @@ def render_chat(
     eos_token: str = "",
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """Render `messages` (and `tools`) with `chat_template`, or the built-in template of
     `architecture`; tools and tool turns go through the template where it has a tools
     section, else as plain turns (gateway.backends.tool_prompt).
+
+    `template_kwargs` are the template's extra variables (vLLM's chat_template_kwargs:
+    Qwen3's enable_thinking); they cannot replace the ones this passes.
 
     Raises ValueError for messages the template rejects, non-text content, or an
     architecture without a built-in template when the model has none.
@@ -135,12 +139,13 @@ def render_chat(
     elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = plain_tool_turns(messages, tools)
     try:
-        return _compile(source).render(
-            messages=messages,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt,
+        variables = {
+            "messages": messages,
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+            "add_generation_prompt": add_generation_prompt,
             **extra,
-        )
+        }
+        return _compile(source).render({**(template_kwargs or {}), **variables})
     except jinja2.exceptions.TemplateError as exc:
         raise ValueError(f"chat template error: {exc}") from exc

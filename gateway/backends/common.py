@@ -90,9 +90,11 @@ def render_prompt(
     bos_token: str,
     eos_token: str,
     tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """Text, token ids or chat messages -> token ids. `encode(text, add_bos)` tokenizes;
-    chat messages (with `tools`, if any) go through the model's template first."""
+    chat messages (with `tools`, if any, and the template's extra variables
+    `template_kwargs`) go through the model's template first."""
     if isinstance(prompt, str):
         return encode(prompt, True)
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -108,6 +110,7 @@ def render_prompt(
             eos_token=eos_token,
             add_generation_prompt=True,
             tools=tools,
+            template_kwargs=template_kwargs,
         )
     except ValueError as exc:
         raise BadRequestError(str(exc)) from exc

@@ -126,12 +126,15 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
 
     def _tokenization(self) -> Tokenization:
         tokenizer = self.engine.tokenizer
+        config = self.engine.engine.hf_config
         return Tokenization(
             lambda text, add_bos: tokenizer.encode(text, add_special_tokens=add_bos),
             tokenizer.chat_template,
-            _architecture(self.engine.engine.hf_config.model_type),
+            _architecture(config.model_type),
             tokenizer.bos_token or "",
             tokenizer.eos_token or "",
+            tuple(getattr(config, "architectures", None) or ()),
+            config.model_type,
         )
 
     def _decoder(self, skip_special_tokens: bool) -> tuple[Callable[[list[int]], str], range]:

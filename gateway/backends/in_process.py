@@ -51,6 +51,8 @@ class Tokenization:
     architecture: str
     bos_token: str
     eos_token: str
+    architectures: tuple[str, ...] = ()  # the model config's (HF's), for gateway.parsers.detect
+    model_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,12 @@ class InProcessBackend(ABC, Generic[E]):
     async def render(
         self, model: str, prompt: PromptInput, tools: list[dict] | None = None
     ) -> list[int]:
+        return await self.render_chat(model, prompt, tools, {})
+
+    async def render_chat(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
+    ) -> list[int]:
+        """ChatTemplateBackend: `render` with the template's extra variables."""
         check_model(model, self.model_id)
         t = self._tokenization()
         return await render_off_loop(
@@ -162,9 +170,15 @@ class InProcessBackend(ABC, Generic[E]):
                 bos_token=t.bos_token,
                 eos_token=t.eos_token,
                 tools=tools,
+                template_kwargs=kwargs,
             ),
             prompt,
         )
+
+    def chat_template_info(self) -> tuple[str | None, list[str], str | None]:
+        """ChatTemplateBackend: what the output parsers are detected from."""
+        t = self._tokenization()
+        return t.chat_template, list(t.architectures), t.model_type
 
     async def detokenize(
         self, model: str, token_ids: list[int], skip_special_tokens: bool = False

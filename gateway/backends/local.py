@@ -112,6 +112,8 @@ class LocalBackend(InProcessBackend[LocalEngine]):
             llama.architecture,
             llama.bos_text,
             llama.eos_text,
+            (llama.architecture,),  # a GGUF's general.architecture
+            llama.architecture,
         )
 
     def _decoder(self, skip_special_tokens: bool) -> tuple[Callable[[list[int]], str], range]:

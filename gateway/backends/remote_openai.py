@@ -25,12 +25,14 @@ import aiohttp
 
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenChunk, GenRequest, TokenLogprob, Usage
+from gateway.backends.base import ParsedChunk
 from gateway.backends.remote_http import (
     MAX_LINE_BYTES,
     UpstreamClient,
     parse_json_line,
     stream_error,
 )
+from gateway.backends.remote_parsed import upstream_parse
 from gateway.backends.remote_text import carried_prompt, chat_body
 
 log = logging.getLogger("kvgate.remote")
@@ -159,7 +161,10 @@ async def completion_chunks(
             usage = _usage(obj.get("usage")) or usage
             for choice in obj.get("choices") or []:  # n = 1: at most one
                 text, logprobs, reason = _choice(choice, client.label, top)
-                if text or logprobs:
+                reasoning, calls = upstream_parse(choice)
+                if reasoning or calls:
+                    yield ParsedChunk([], text, None, None, logprobs, None, None, reasoning, calls)
+                elif text or logprobs:
                     yield GenChunk([], text, None, None, logprobs)
                 finish = reason or finish
                 if isinstance(choice, dict) and isinstance(choice.get("stop_reason"), str):

@@ -29,7 +29,9 @@ class BackendSpec:
     model: a path (GGUF file, HF directory) or "" for the backend's default;
     served_model_name: the model id clients ask for ("" derives one from model);
     options: type-specific settings (engine arguments, fake timings...);
-    lora_modules: public LoRA adapters over its model (the gateway registers them).
+    lora_modules: public LoRA adapters over its model (the gateway registers them);
+    reasoning_parser, tool_call_parser: the output parsers of its replies (gateway.parsers'
+    names; None: detected from the model, gateway.serving.parser_choice).
     """
 
     name: str
@@ -38,6 +40,8 @@ class BackendSpec:
     served_model_name: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     lora_modules: list[LoraModule] = field(default_factory=list)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
 
 def replica_count(spec: BackendSpec) -> int:

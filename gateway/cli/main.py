@@ -103,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="public LoRA adapters over the model (vLLM's flag): NAME=PATH, or JSON "
         '\'{"name": ..., "path": ..., "base_model_name": ...}\'',
     )
+    serve.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="how replies' reasoning is read (vLLM's names: deepseek_r1, qwen3, openai); "
+        "default: detected from each model's chat template and config",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="how replies' tool calls are read (vLLM's names: hermes, llama3_json, mistral, "
+        "qwen3_coder, pythonic, deepseek_v3, openai); default: detected, else hermes",
+    )
 
     worker_cli.add_parser(sub)
     sub.add_parser("models", help="list the models kvgate can serve and where they live")
@@ -189,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             "otlp_traces_endpoint": args.otlp_traces_endpoint,
             "drain_timeout_s": args.drain_timeout,
             "lora_modules": args.lora_modules,
+            "reasoning_parser": args.reasoning_parser,
+            "tool_call_parser": args.tool_call_parser,
         } | worker_cli.engine_overrides(args)
     # a reload reads the same file again, under the same variables and flags
     source = ConfigSource(args.config or os.environ.get("KVGATE_CONFIG"), overrides)

@@ -17,6 +17,7 @@ from gateway.config import ConfigSource, Settings
 from gateway.http.drain import until_signalled
 from gateway.http.server import GatewayRunner
 from gateway.reload import reload_on_signal
+from gateway.serving.parser_choice import parsers_of
 from gateway.state import GW, GatewayState
 from gateway.tenancy.tenants import STARTER_TENANT
 from gateway.worker_pool.supervisor import WorkerStartError
@@ -119,6 +120,7 @@ def _announce(settings: Settings, gw: GatewayState) -> None:
             print(line, flush=True)
             continue
         print(f"kvgate: backend {backend.name} ({kind}) serving: {models}", flush=True)
+        print(f"kvgate: backend {backend.name}: {parsers_of(gw, backend).line()}", flush=True)
         if kind == "fake":
             print(
                 "kvgate: NOTE this is the fake backend: deterministic made-up words, no model. "

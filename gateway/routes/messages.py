@@ -30,6 +30,7 @@ from gateway.serving.outcome import (
     streamed,
     whole_answer,
 )
+from gateway.serving.parsed_output import Whole, choice_outputs
 from gateway.state import GW
 
 
@@ -61,19 +62,16 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 async def _whole(job: Job) -> web.Response:
-    texts: list[str] = []
+    [output], whole = choice_outputs(job), Whole()
     finish = stop_sequence = None
     async with whole_answer(job):
         async for _, chunk in job.events():
-            texts.append(chunk.text)
+            whole.add(output.feed(chunk))
             if chunk.finish_reason:
                 finish, stop_sequence = chunk.finish_reason, chunk.stop_sequence
-    text = "".join(texts)
-    content, called = await off_loop_if(
-        len(text) > LARGE_CALL_CHARS, ms.reply_content, job.tools, text
-    )
-    if called and finish == "stop":
-        finish = "tool_calls"
+    rest, finish = await off_loop_if(output.chars > LARGE_CALL_CHARS, output.finish, finish)
+    whole.add(rest)
+    content, _ = await off_loop_if(output.chars > LARGE_CALL_CHARS, ms.reply_content, whole)
     await finish_or_503(job, 200, finish)
     body = ms.message(job, content, ms.stop_of(job, finish, stop_sequence))
     return json_response(body, headers=job.headers())
@@ -81,7 +79,7 @@ async def _whole(job: Job) -> web.Response:
 
 async def _stream(request: web.Request, job: Job) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS | job.headers())
-    events = ms.MessageEvents(job.tools)
+    events = ms.MessageEvents(choice_outputs(job)[0])
     finish = stop_sequence = None
 
     async def produce() -> str | None:
@@ -95,13 +93,14 @@ async def _stream(request: web.Request, job: Job) -> web.StreamResponse:
                 await resp.write(ms.event("ping", {"type": "ping"}))
                 continue
             chunk = item[1]
-            out = events.feed(chunk.text)
-            large = events.tools.held_chars > LARGE_CALL_CHARS
+            out = events.feed(chunk)
+            large = events.output.chars > LARGE_CALL_CHARS
             if chunk.finish_reason:
                 stop_sequence = chunk.stop_sequence
                 more, finish = await off_loop_if(large, events.finish, chunk.finish_reason)
                 out += more
-            await resp.write(await off_loop_if(large, _events, out))
+            big = large and events.fed_chars > LARGE_CALL_CHARS
+            await resp.write(await off_loop_if(big, _events, out))
         return finish
 
     # without its usage row the reply is not complete: no message_stop after the error

@@ -53,7 +53,8 @@ from gateway.serving.outcome import (
     streamed,
     whole_answer,
 )
-from gateway.serving.tool_calls import ToolCallStream
+from gateway.serving.parsed_output import Whole, choice_outputs, reasoning_tokens
+from gateway.serving.parser_choice import parsers_of_card
 from gateway.state import GW, GatewayState
 
 log = logging.getLogger("kvgate")
@@ -72,15 +73,17 @@ async def list_models(request: web.Request) -> web.Response:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     created = int(gw.traffic.started_at)
+    # kvgate's own object: the output parsers that read the model's replies
     data = [
-        model_entry(card, created)
+        model_entry(card, created) | {"kvgate": parsers_of_card(gw, card).describe()}
         for card in gw.router.cards.values()
         if principal.may_use(card.id)
     ]
     for adapter in gw.adapters.usable(principal.tenant_id):  # a tenant's own and the public
         base = gw.router.cards.get(adapter.base_model)
         if base is not None and principal.may_use(adapter.name):
-            data.append(adapter_entry(adapter.name, base, created))
+            entry = adapter_entry(adapter.name, base, created)
+            data.append(entry | {"kvgate": parsers_of_card(gw, base).describe()})
     return json_response({"object": "list", "data": data})
 
 
@@ -142,44 +145,55 @@ async def _whole(job: Job) -> web.Response:
     if job.requests[0].sampling.logprobs is not None:
         logprobs = [[] for _ in range(k)]
     echoes = job.echoes is not None
+    outputs = choice_outputs(job) if job.chat else []
+    wholes = [Whole() for _ in outputs]
     async with whole_answer(job):
         async for i, chunk in job.events():
             if echoes and not texts[i] and (echo := job.echo_of(i)) is not None:
                 texts[i].append(echo.text)
                 if logprobs is not None:
                     logprobs[i].extend(echo.logprobs(chunk.prompt_logprobs))
-            texts[i].append(chunk.text)
+            if outputs:
+                wholes[i].add(outputs[i].feed(chunk))
+            else:
+                texts[i].append(chunk.text)
             if chunk.finish_reason:
                 finish[i] = chunk.finish_reason
             if logprobs is not None and chunk.logprobs:
                 logprobs[i].extend(chunk.logprobs)
+    for i, out in enumerate(outputs):
+        large = out.chars > LARGE_CALL_CHARS
+        rest, finish[i] = await off_loop_if(large, out.finish, finish[i])
+        wholes[i].add(rest)
     choices = [
-        _choice(job, i, "".join(texts[i]), finish[i], None if logprobs is None else logprobs[i])
-        for i in range(k)
+        _choice(job, i, texts, wholes[i] if wholes else None, finish[i], logprobs) for i in range(k)
     ]
     await finish_or_503(job, 200, choices[0]["finish_reason"])
-    body = response_body(job.chat, job.request_id, job.created, job.model, choices, _usage(job))
+    thought = reasoning_tokens(outputs, job.completion_tokens) if job.chat else None
+    body = response_body(
+        job.chat, job.request_id, job.created, job.model, choices, _usage(job), thought
+    )
     return json_response(body, headers=job.headers())
 
 
 async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS | job.headers())
     first = [True] * job.num_choices
-    tools = [ToolCallStream(job.tools) for _ in range(job.num_choices)]
+    outputs = choice_outputs(job) if job.chat else []
 
     async def produce() -> str | None:
         last_finish = None
         async for i, chunk in job.events():
             if first[i] and (echo := job.echo_of(i)) is not None:
                 await resp.write(sse(_echo_chunk(job, i, echo, chunk)))
-            text, calls, finish = chunk.text, [], chunk.finish_reason
-            if job.chat:
-                text, calls = tools[i].feed(chunk.text)
+            finish, piece, large = chunk.finish_reason, None, False
+            if outputs:
+                out = outputs[i]
+                piece = out.feed(chunk)
+                large = out.chars > LARGE_CALL_CHARS
                 if finish:
-                    rest, more, finish = await off_loop_if(
-                        tools[i].held_chars > LARGE_CALL_CHARS, tools[i].finish, finish
-                    )
-                    text, calls = text + rest, calls + more
+                    rest, finish = await off_loop_if(large, out.finish, finish)
+                    piece.extend(rest)
             last_finish = finish or last_finish
             body = chunk_body(
                 job.chat,
@@ -187,13 +201,14 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
                 job.created,
                 job.model,
                 i,
-                text,
+                chunk.text if piece is None else piece.content,
                 finish,
                 chunk.logprobs,
                 first[i],
-                calls,
+                None if piece is None else piece.calls,
+                "" if piece is None else piece.reasoning,
             )
-            large = bool(calls) and tools[i].held_chars > LARGE_CALL_CHARS
+            large = large and piece is not None and piece.chars() > LARGE_CALL_CHARS
             # the common chunk is encoded inline: no coroutine a chunk to decide that
             await resp.write(await off_loop_if(large, sse, body) if large else sse(body))
             first[i] = False
@@ -201,7 +216,10 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
 
     if await streamed(request, resp, job, produce, _error_event):
         if include_usage:
-            chunk = usage_chunk(job.chat, job.request_id, job.created, job.model, _usage(job))
+            thought = reasoning_tokens(outputs, job.completion_tokens) if job.chat else None
+            chunk = usage_chunk(
+                job.chat, job.request_id, job.created, job.model, _usage(job), thought
+            )
             await resp.write(sse(chunk))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -222,13 +240,22 @@ def _echo_chunk(job: Job, i: int, echo: Echo, chunk: GenChunk) -> dict:
     return chunk_body(False, job.request_id, job.created, job.model, i, echo.text, None, lps)
 
 
-def _choice(job: Job, i: int, text: str, finish: str | None, lps: list[TokenLogprob | str] | None):
-    if not job.chat:
-        return completion_choice(i, text, finish, lps)
-    content, calls = job.tools.parse(text)
-    if calls and finish == "stop":
-        finish = "tool_calls"
-    return chat_choice(i, content, finish, lps, calls)
+def _choice(
+    job: Job,
+    i: int,
+    texts: list[list[str]],
+    whole: Whole | None,
+    finish: str | None,
+    logprobs: list[list[TokenLogprob | str]] | None,
+) -> dict:
+    lps = None if logprobs is None else logprobs[i]
+    if whole is None:
+        return completion_choice(i, "".join(texts[i]), finish, lps)
+    calls = whole.tool_calls()
+    content: str | None = whole.text()
+    if calls:  # the space around a call is not an answer
+        content = content.strip() or None  # type: ignore[union-attr]
+    return chat_choice(i, content, finish, lps, calls, whole.thought())  # type: ignore[arg-type]
 
 
 def _usage(job: Job) -> Usage:

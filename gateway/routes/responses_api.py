@@ -26,6 +26,7 @@ from gateway.serving.outcome import (
     streamed,
     whole_answer,
 )
+from gateway.serving.parsed_output import Whole, choice_outputs, reasoning_tokens
 from gateway.serving.responses_events import (
     ResponseEvents,
     output_items,
@@ -33,7 +34,6 @@ from gateway.serving.responses_events import (
     status_of,
     usage_body,
 )
-from gateway.serving.tool_calls import ToolCallStream
 from gateway.state import GW
 
 
@@ -49,29 +49,30 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _whole(job: Job, body: ResponseCreateRequest) -> web.Response:
-    parts: list[str] = []
+    [output], whole = choice_outputs(job), Whole()
     finish: str | None = None
     async with whole_answer(job):
         async for _, chunk in job.events():
-            parts.append(chunk.text)
+            whole.add(output.feed(chunk))
             finish = chunk.finish_reason or finish
-    text = "".join(parts)
-    content, calls = await off_loop_if(len(text) > LARGE_CALL_CHARS, job.tools.parse, text)
-    if calls and finish == "stop":
-        finish = "tool_calls"
+    large = output.chars > LARGE_CALL_CHARS
+    rest, finish = await off_loop_if(large, output.finish, finish)
+    whole.add(rest)
     await finish_or_503(job, 200, finish)
-    output = output_items(content, calls, finish)
+    calls = whole.tool_calls()
+    content: str | None = whole.text()
+    if calls:  # the space around a call is not an answer
+        content = content.strip() or None  # type: ignore[union-attr]
     answer = response_object(
         job.request_id,
         job.created,
         job.model,
         body.echoed(),
         status_of(finish),
-        output,
-        usage_body(job),
+        output_items(whole.thought(), content, calls, finish),
+        usage_body(job, reasoning_tokens([output], job.completion_tokens)),
         finish,
     )
-    large = len(text) > LARGE_CALL_CHARS
     return await off_loop_if(large, json_response, answer, 200, job.headers())
 
 
@@ -80,23 +81,22 @@ async def _stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS | job.headers())
     events = ResponseEvents(job.request_id, job.created, job.model, body.echoed())
-    tools = ToolCallStream(job.tools)
+    [output] = choice_outputs(job)
     last_finish: str | None = None
 
     async def produce() -> str | None:
         nonlocal last_finish
         await resp.write(events.start())
         async for _, chunk in job.events():
-            text, calls = tools.feed(chunk.text)
+            piece = output.feed(chunk)
             finish = chunk.finish_reason
+            large = output.chars > LARGE_CALL_CHARS
             if finish:
-                rest, more, finish = await off_loop_if(
-                    tools.held_chars > LARGE_CALL_CHARS, tools.finish, finish
-                )
-                text, calls = text + rest, calls + more
+                rest, finish = await off_loop_if(large, output.finish, finish)
+                piece.extend(rest)
             last_finish = finish or last_finish
-            large = bool(calls) and tools.held_chars > LARGE_CALL_CHARS
-            await resp.write(await off_loop_if(large, events.delta, text, calls))
+            big = large and piece.chars() > LARGE_CALL_CHARS
+            await resp.write(await off_loop_if(big, events.delta, piece))
         return last_finish
 
     def failed(error: ApiError, usage_lost: bool) -> bytes:
@@ -106,7 +106,8 @@ async def _stream(
 
     if await streamed(request, resp, job, produce, failed):
         large = events.chars > LARGE_CALL_CHARS
-        last = await off_loop_if(large, events.finish, last_finish, usage_body(job))
+        usage = usage_body(job, reasoning_tokens([output], job.completion_tokens))
+        last = await off_loop_if(large, events.finish, last_finish, usage)
         await resp.write(last)
         await resp.write_eof()
     return resp

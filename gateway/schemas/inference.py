@@ -217,6 +217,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -253,6 +255,11 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
         return self.tool_choice or "auto"
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply may reason: `enable_thinking: false` turns it off."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking") is not False
 
     @property
     def forced_tools(self) -> bool:

@@ -37,6 +37,15 @@ class ReplyText(Body):
     text: str
 
 
+class ReplyThinking(Body):
+    """The model's reasoning, as its output parser read it; `signature` is a digest of
+    the text (kvgate checks none it is sent back)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
 class ReplyToolUse(Body):
     type: Literal["tool_use"]
     id: str
@@ -49,7 +58,7 @@ class MessageReply(Body):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[ReplyText | ReplyToolUse]
+    content: list[ReplyThinking | ReplyText | ReplyToolUse]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
     usage: MessageUsage
@@ -71,7 +80,7 @@ class Ping(Body):
 class ContentBlockStart(Body):
     type: Literal["content_block_start"]
     index: int
-    content_block: ReplyText | ReplyToolUse
+    content_block: ReplyThinking | ReplyText | ReplyToolUse
 
 
 class TextDelta(Body):
@@ -84,10 +93,20 @@ class InputJsonDelta(Body):
     partial_json: str
 
 
+class ThinkingDelta(Body):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class SignatureDelta(Body):
+    type: Literal["signature_delta"]
+    signature: str
+
+
 class ContentBlockDelta(Body):
     type: Literal["content_block_delta"]
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: ThinkingDelta | SignatureDelta | TextDelta | InputJsonDelta
 
 
 class ContentBlockStop(Body):

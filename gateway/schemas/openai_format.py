@@ -30,13 +30,17 @@ def adapter_entry(name: str, base: ModelCard, created: int) -> dict[str, Any]:
     return model_entry(base, created) | {"id": name, "parent": base.id}
 
 
-def usage_body(u: Usage) -> dict[str, Any]:
-    return {
+def usage_body(u: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """`reasoning_tokens`: a chat's (completion_tokens_details), None for completions."""
+    body = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
@@ -76,8 +80,11 @@ def chat_choice(
     finish: str | None,
     lps: list[TokenLogprob] | None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str = "",
 ):
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:  # vLLM's current name, and the one older clients read
+        message["reasoning"] = message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {
@@ -100,7 +107,13 @@ def completion_choice(
 
 
 def response_body(
-    chat: bool, request_id: str, created: int, model: str, choices: list, usage: Usage
+    chat: bool,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list,
+    usage: Usage,
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -108,7 +121,7 @@ def response_body(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage_body(usage),
+        "usage": usage_body(usage, reasoning_tokens),
         "system_fingerprint": None,
     }
 
@@ -124,9 +137,12 @@ def chunk_body(
     lps: list[TokenLogprob | str] | None,
     first: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str = "",
 ) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:
@@ -153,12 +169,19 @@ def chunk_body(
     }
 
 
-def usage_chunk(chat: bool, request_id: str, created: int, model: str, usage: Usage):
+def usage_chunk(
+    chat: bool,
+    request_id: str,
+    created: int,
+    model: str,
+    usage: Usage,
+    reasoning_tokens: int | None = None,
+):
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage_body(usage),
+        "usage": usage_body(usage, reasoning_tokens),
     }

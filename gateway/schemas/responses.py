@@ -38,11 +38,20 @@ class PromptTokensDetails(Body):
     cached_tokens: int
 
 
+class CompletionTokensDetails(Body):
+    reasoning_tokens: int = Field(
+        description="tokens generated while the output parser read reasoning"
+    )
+
+
 class CompletionUsage(Body):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="chat's only"
+    )
 
 
 class TopLogprob(Body):
@@ -81,6 +90,8 @@ class ReplyToolCall(Body):
 class AssistantMessage(Body):
     role: Literal["assistant"]
     content: str | None = Field(description="null when the reply is only tool calls")
+    reasoning: str | None = Field(None, description="the reasoning, as its parser read it")
+    reasoning_content: str | None = Field(None, description="the same text (older clients)")
     tool_calls: list[ReplyToolCall] | None = None
 
 
@@ -124,8 +135,8 @@ class CalledFunctionDelta(Body):
 
 
 class ToolCallDelta(Body):
-    """A named call's first delta has its id, type and name, later ones more of its
-    arguments; required and auto calls come whole."""
+    """A call's first delta has its id, type and name, later ones more of its
+    arguments."""
 
     index: int
     id: str | None = None
@@ -137,6 +148,8 @@ class ChatDelta(Body):
     # the first chunk of a choice names the role; later ones carry text, the last none
     role: Literal["assistant"] = Field(default="assistant")
     content: str = Field(default="")
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -177,6 +190,14 @@ class TextUsageChunk(TextCompletionChunk):
     usage: CompletionUsage
 
 
+class ModelParsers(Body):
+    """kvgate's: the output parsers that read the model's replies (docs/apis.md)."""
+
+    reasoning_parser: str | None
+    tool_call_parser: str | None
+    parsers_from: Literal["configured", "detected", "none"]
+
+
 class ModelCard(Body):
     id: str
     object: Literal["model"]
@@ -190,6 +211,7 @@ class ModelCard(Body):
     embedding_size: int | None = None
     truncatable: bool | None = None
     parent: str | None = Field(None, description="a LoRA adapter's base model (vLLM's)")
+    kvgate: ModelParsers | None = None
 
 
 class ModelList(Body):

@@ -39,7 +39,23 @@ class ResponseFunctionCall(Body):
     status: ItemStatus
 
 
-OutputItem = ResponseOutputMessage | ResponseFunctionCall
+class ResponseReasoningText(Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponseReasoning(Body):
+    """The model's reasoning, as its output parser read it (docs/apis.md)."""
+
+    id: str
+    type: Literal["reasoning"]
+    summary: list[Any]
+    content: list[ResponseReasoningText]
+    encrypted_content: None
+    status: ItemStatus
+
+
+OutputItem = ResponseReasoning | ResponseOutputMessage | ResponseFunctionCall
 
 
 class ResponseInputTokensDetails(Body):
@@ -162,6 +178,24 @@ class ResponseArgumentsDoneEvent(Body):
     arguments: str
 
 
+class ResponseReasoningDeltaEvent(Body):
+    type: Literal["response.reasoning_text.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ResponseReasoningDoneEvent(Body):
+    type: Literal["response.reasoning_text.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
 STREAM_EVENTS = (
     ResponseLifecycleEvent,
     ResponseOutputItemEvent,
@@ -170,4 +204,6 @@ STREAM_EVENTS = (
     ResponseTextDoneEvent,
     ResponseArgumentsDeltaEvent,
     ResponseArgumentsDoneEvent,
+    ResponseReasoningDeltaEvent,
+    ResponseReasoningDoneEvent,
 )

@@ -38,6 +38,7 @@ from gateway.backends import (
     PrefixCachingBackend,
     is_text_bound,
 )
+from gateway.backends.base import ChatTemplateBackend
 from gateway.backends.capabilities import supports
 from gateway.http.errors import ApiError
 from gateway.observe.tracing import REPLICA, current_span, step
@@ -197,14 +198,15 @@ async def _render(
     that can render them: every replica of a model has its tokenizer, and for a remote
     replica rendering is a network call: one that just died must not fail the request
     while another is healthy."""
-    tools = None
+    tools = kwargs = None
     if isinstance(body, ChatCompletionRequest):
         inputs: list = [[m.as_dict() for m in body.messages]]
         if body.tool_mode != "none":  # tool_choice "none": the tools are not shown
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        kwargs = body.chat_template_kwargs
     else:
         inputs = body.prompts()
-    return await render_on_a_replica(gw, principal, body.model, inputs, tools)
+    return await render_on_a_replica(gw, principal, body.model, inputs, tools, kwargs)
 
 
 async def render_on_a_replica(
@@ -213,19 +215,22 @@ async def render_on_a_replica(
     model: str,
     inputs: list[PromptInput],
     tools: list[dict] | None = None,
+    kwargs: dict | None = None,
 ) -> tuple[list[Candidate], Backend, list[list[int]]]:
     """The healthy replicas of `model`, and the token ids of every input from the first
-    of them that can render them all; a 400 or 503 for the client as _backend_errors
-    says."""
+    of them that can render them all (with the chat template's variables `kwargs`, where
+    its template is the gateway's to render); a 400 or 503 for the client as
+    _backend_errors says."""
     model = served_model(gw, principal, model)
     with _backend_errors(gw, principal, model):
         candidates = gw.router.candidates(model)  # each replica's stats, read once
         for candidate in candidates[:-1]:
             with contextlib.suppress(BackendError):
                 backend = candidate.backend
-                return candidates, backend, await _render_all(backend, model, inputs, tools)
+                rendered = await _render_all(backend, model, inputs, tools, kwargs)
+                return candidates, backend, rendered
         last = candidates[-1].backend  # its error, if it fails too, is the client's answer
-        return candidates, last, await _render_all(last, model, inputs, tools)
+        return candidates, last, await _render_all(last, model, inputs, tools, kwargs)
 
 
 async def rendered_tokens(
@@ -245,11 +250,17 @@ async def rendered_tokens(
 
 
 async def _render_all(
-    backend: Backend, model: str, inputs: list[PromptInput], tools: list[dict] | None
+    backend: Backend,
+    model: str,
+    inputs: list[PromptInput],
+    tools: list[dict] | None,
+    kwargs: dict | None = None,
 ) -> list[list[int]]:
     """Every input's ids, RENDERS_AT_ONCE at a time: for a remote replica each is a
     /tokenize call (an embedding request may hold 2048 inputs), and one by one their
     round trips would add up. The first failure cancels the rest."""
+    if kwargs and supports(backend, ChatTemplateBackend):
+        return [await backend.render_chat(model, p, tools, kwargs) for p in inputs]  # one chat
     if len(inputs) == 1:
         return [await backend.render(model, inputs[0], tools)]
     limit = asyncio.Semaphore(RENDERS_AT_ONCE)

@@ -2,21 +2,25 @@
 streamed one (content blocks opened, filled by text or JSON deltas, closed), with the
 pings that keep a client waiting on a long prefill.
 
-The chat-completions machinery does the work (gateway.serving.tool_calls reads the tool
-calls out of the reply); this only reshapes it: OpenAI's tool calls are tool_use
-blocks, its finish reasons Anthropic's stop reasons, and its usage Anthropic's, where
-input_tokens leaves out the tokens read from the prefix cache.
+The chat-completions machinery does the work (gateway.serving.parsed_output reads the
+reasoning and tool calls out of the reply); this only reshapes it: reasoning is a
+thinking block, OpenAI's tool calls are tool_use blocks, its finish reasons Anthropic's
+stop reasons, and its usage Anthropic's, where input_tokens leaves out the tokens read
+from the prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+from gateway.backends import GenChunk
 from gateway.serving.job import Job
-from gateway.serving.tool_calls import ToolCallStream, ToolPlan
+from gateway.serving.parsed_output import ChoiceOutput, Piece, Whole
 
 PING_EVERY_S = 10.0  # a ping while no output comes, as Anthropic's API sends them
 T = TypeVar("T")
@@ -62,15 +66,29 @@ def stop_of(job: Job, finish: str | None, stop_sequence: str | None) -> tuple[st
     return "end_turn", None
 
 
-def reply_content(plan: ToolPlan, text: str) -> tuple[list[dict[str, Any]], bool]:
-    """The whole reply's content blocks, and whether it made tool calls. A forced call
-    cut short (max_tokens) is not JSON: its text is a text block."""
-    content, calls = plan.parse(text)
-    blocks = [tool_use(c) for c in calls[: None if plan.parallel else 1]]
+def reply_content(whole: Whole) -> tuple[list[dict[str, Any]], bool]:
+    """The whole reply's content blocks (its thinking first), and whether it made tool
+    calls. A call whose arguments are no JSON object (a forced one cut short by
+    max_tokens) is text: its arguments, after any content."""
+    thought, text, calls = whole.thought(), whole.text(), whole.tool_calls()
+    blocks = [tool_use(c) for c in calls]
     if any(b is None for b in blocks):
-        content, blocks = text, []
-    text_blocks = [{"type": "text", "text": content}] if content else []
-    return text_blocks + [b for b in blocks if b is not None], bool(blocks)
+        text, blocks = text + "".join(c["function"]["arguments"] for c in calls), []
+    elif blocks:  # the space around a call is not an answer
+        text = text.strip()
+    head = [thinking_block(thought)] if thought else []
+    text_blocks = [{"type": "text", "text": text}] if text else []
+    return head + text_blocks + [b for b in blocks if b is not None], bool(blocks)
+
+
+def thinking_block(thought: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thought, "signature": _signature(thought)}
+
+
+def _signature(thought: str) -> str:
+    """A thinking block's `signature`: Anthropic's verifies the block came from its model;
+    kvgate's is the digest of the text (it checks none it is sent back)."""
+    return base64.b64encode(hashlib.sha256(thought.encode()).digest()).decode()
 
 
 def tool_use(call: dict[str, Any]) -> dict[str, Any] | None:
@@ -90,52 +108,52 @@ def _tool_use_id(call: dict[str, Any]) -> str:
 
 
 class MessageEvents:
-    """One streamed reply as Anthropic's content block events: text streams as it comes
-    into a text block; a named (forced) tool call's JSON streams into its tool_use block;
-    other calls come whole at the end, as ToolCallStream gives them. Without parallel
-    calls (disable_parallel_tool_use), a free reply's calls after its first are dropped
-    (a forced one's schema allows one only)."""
+    """One streamed reply as Anthropic's content block events: reasoning streams into a
+    thinking block (its signature_delta before it closes), text into a text block, each
+    tool call's JSON into its tool_use block, as the choice's ChoiceOutput reads them
+    (gateway.serving.parsed_output)."""
 
-    def __init__(self, plan: ToolPlan) -> None:
-        self.tools = ToolCallStream(plan)
-        self.calls_left = None if plan.parallel else 1  # None: any number
+    def __init__(self, output: ChoiceOutput) -> None:
+        self.output = output
         self.index = -1
         self.open: str | None = None  # the kind of the block being filled
+        self.thought = hashlib.sha256()  # the open thinking block's text so far
+        self.fed_chars = 0  # what the last events carry: a large lot is encoded off the loop
 
-    def feed(self, text: str) -> list[Event]:
-        content, calls = self.tools.feed(text)
-        return self._events(content, calls)
+    def feed(self, chunk: GenChunk) -> list[Event]:
+        return self._events(self.output.feed(chunk))
 
     def finish(self, reason: str | None) -> tuple[list[Event], str | None]:
         """The last events, and the finish reason ("tool_calls" where calls were made)."""
-        content, calls, finish = self.tools.finish(reason)
-        events = self._events(content, calls) + self._close()
-        return events, finish
+        piece, finish = self.output.finish(reason)
+        return self._events(piece) + self._close(), finish
 
-    def _events(self, text: str, calls: list[dict[str, Any]]) -> list[Event]:
+    def _events(self, piece: Piece) -> list[Event]:
+        self.fed_chars = piece.chars()
         events = []
-        if text:
+        if piece.reasoning:
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                self.thought = hashlib.sha256()
+            self.thought.update(piece.reasoning.encode())
+            events.append(self._delta({"type": "thinking_delta", "thinking": piece.reasoning}))
+        if piece.content:
             if self.open != "text":
-                events += self._start({"type": "text", "text": ""}, "text")
-            events.append(self._delta({"type": "text_delta", "text": text}))
-        for call in calls:
+                events += self._start({"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": piece.content}))
+        for call in piece.calls:
             arguments = call["function"].get("arguments", "")
             if "id" in call:  # a new call
-                if self.calls_left == 0:
-                    continue
-                if self.calls_left is not None:
-                    self.calls_left -= 1
                 block = {"type": "tool_use", "id": _tool_use_id(call)}
-                block |= {"name": call["function"]["name"], "input": {}}
-                events += self._start(block, "tool_use")
+                events += self._start(block | {"name": call["function"]["name"], "input": {}})
             if arguments:
                 events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
         return events
 
-    def _start(self, block: dict[str, Any], kind: str) -> list[Event]:
+    def _start(self, block: dict[str, Any]) -> list[Event]:
         events = self._close()
         self.index += 1
-        self.open = kind
+        self.open = block["type"]
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
         return [*events, ("content_block_start", start)]
 
@@ -149,8 +167,13 @@ class MessageEvents:
     def _close(self) -> list[Event]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":
+            signature = base64.b64encode(self.thought.digest()).decode()
+            events.append(self._delta({"type": "signature_delta", "signature": signature}))
         self.open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        stop = {"type": "content_block_stop", "index": self.index}
+        return [*events, ("content_block_stop", stop)]
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:

@@ -32,6 +32,7 @@ from gateway.backends import (
     Backend,
     GenChunk,
     GenRequest,
+    ParsedChunk,
     Progress,
     TokenLogprob,
     Usage,
@@ -118,8 +119,12 @@ class ChoiceMeter:
             return None
         ids = len(chunk.token_ids)
         logprobs = None if chunk.logprobs is None else self._logprobs(chunk.logprobs, ids)
-        tokens = ids or max(len(logprobs or ()), 1 if chunk.text else 0)
-        chars = len(chunk.text)
+        text = chunk.text
+        parsed = type(chunk) is ParsedChunk  # an upstream's reasoning and calls count too
+        if parsed:
+            text += chunk.parsed_text()  # type: ignore[attr-defined]
+        tokens = ids or max(len(logprobs or ()), 1 if text else 0)
+        chars = len(text)
         if logprobs:  # once a chunk: no generator for the common chunk without them
             chars += sum(_chars(lp) for lp in logprobs)
         if (
@@ -134,7 +139,7 @@ class ChoiceMeter:
             self.ids += tokens
         elif tokens:
             self.pieces += tokens
-            self.text.append(chunk.text)
+            self.text.append(text)
         prompt_logprobs = chunk.prompt_logprobs
         if prompt_logprobs is not None:
             prompt_logprobs = [
@@ -147,7 +152,7 @@ class ChoiceMeter:
             if chunk.usage is not None:
                 self._claim(chunk.usage)
             usage = self.claim
-        return GenChunk(
+        fields = (
             [*chunk.token_ids],
             chunk.text,
             chunk.finish_reason,
@@ -156,6 +161,9 @@ class ChoiceMeter:
             prompt_logprobs,
             chunk.stop_sequence,
         )
+        if parsed:
+            return ParsedChunk(*fields, chunk.reasoning, chunk.tool_calls)  # type: ignore[attr-defined]
+        return GenChunk(*fields)
 
     def _logprobs(self, items: list[TokenLogprob], ids: int) -> list[TokenLogprob] | None:
         """What was asked for: none without `logprobs`, each entry's top cut to it, and

@@ -4,8 +4,8 @@ semantic events (`response.created` ... `response.completed`), numbered in order
 Apart from the route (gateway.routes.responses_api) because a stream is a small state
 machine: which output item is open, which content part, what each has said so far, so
 that every `*.done` event and the final Response repeat exactly what the deltas sent.
-The chat path's tool-call deltas (gateway.serving.tool_calls) are its input: a named call
-streams its arguments, other calls arrive whole at the end.
+The chat path's Pieces (gateway.serving.parsed_output) are its input: reasoning opens a
+reasoning item, text a message, a tool-call delta with an id a function_call item.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from gateway.serving.job import Job
+from gateway.serving.parsed_output import Piece
 
 INCOMPLETE = {"length": "max_output_tokens"}  # finish_reason -> incomplete_details.reason
 
@@ -24,13 +25,13 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(12).hex()}"
 
 
-def usage_body(job: Job) -> dict[str, Any]:
+def usage_body(job: Job, reasoning_tokens: int = 0) -> dict[str, Any]:
     """A finished Job's usage as the Response's: what its usage row says."""
     return {
         "input_tokens": job.prompt_tokens,
         "input_tokens_details": {"cached_tokens": job.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": job.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": job.prompt_tokens + job.completion_tokens,
     }
 
@@ -77,6 +78,19 @@ def message_item(mid: str, text: str, status: str) -> dict[str, Any]:
     return {"id": mid, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def reasoning_item(rid: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning item: the model's reasoning as its content (OpenAI's own models give
+    only a summary; open models' reasoning is their text, as vLLM gives it)."""
+    return {
+        "id": rid,
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "encrypted_content": None,
+        "status": status,
+    }
+
+
 def call_item(fid: str, call: dict[str, Any], arguments: str, status: str) -> dict[str, Any]:
     """A function_call item from a chat tool call (its id is the item's call_id)."""
     return {
@@ -90,12 +104,12 @@ def call_item(fid: str, call: dict[str, Any], arguments: str, status: str) -> di
 
 
 def output_items(
-    content: str | None, calls: list[dict[str, Any]], finish: str | None
+    reasoning: str, content: str | None, calls: list[dict[str, Any]], finish: str | None
 ) -> list[dict[str, Any]]:
-    """A whole answer's output: its text as a message (unless it is only calls), then
-    one function_call item per call."""
+    """A whole answer's output: its reasoning, its text as a message (unless it is only
+    calls), then one function_call item per call."""
     status = status_of(finish)
-    items = []
+    items = [reasoning_item(item_id("rs"), reasoning, status)] if reasoning else []
     if content or (content is not None and not calls):
         items.append(message_item(item_id("msg"), content, status))
     for call in calls:
@@ -117,6 +131,7 @@ class ResponseEvents:
         self.seq = 0
         self.done: list[dict[str, Any]] = []  # the output items closed so far
         self.text: list[str] | None = None  # the open message's text so far
+        self.thought: list[str] | None = None  # the open reasoning item's text so far
         self.call: dict[str, Any] | None = None  # the open function_call item
         self.call_args: list[str] = []
         self.open_id = ""
@@ -137,9 +152,10 @@ class ResponseEvents:
             "response.in_progress", response=self.response("in_progress")
         )
 
-    def delta(self, text: str, calls: list[dict[str, Any]]) -> bytes:
-        """Text, then chat tool-call deltas: a delta with an id opens a call."""
-        out = []
+    def delta(self, piece: Piece) -> bytes:
+        """Reasoning, text, then chat tool-call deltas: a delta with an id opens a call."""
+        out = [self._reasoning(piece.reasoning)] if piece.reasoning else []
+        text, calls = piece.content, piece.calls
         if text:
             if self.text is None:
                 out.append(self._open_message())
@@ -173,6 +189,18 @@ class ResponseEvents:
                 )
         return b"".join(out)
 
+    def _reasoning(self, text: str) -> bytes:
+        opened = b""
+        if self.thought is None:
+            opened = self.close("completed")
+            self.open_id, self.thought = item_id("rs"), []
+            item = reasoning_item(self.open_id, "", "in_progress") | {"content": []}
+            index = len(self.done)
+            opened += self._event("response.output_item.added", output_index=index, item=item)
+        self.thought.append(text)
+        self.chars += len(text)
+        return opened + self._event("response.reasoning_text.delta", **self._at(), delta=text)
+
     def _at(self) -> dict[str, Any]:
         return {"item_id": self.open_id, "output_index": len(self.done), "content_index": 0}
 
@@ -190,6 +218,13 @@ class ResponseEvents:
     def close(self, status: str) -> bytes:
         """The open item's `*.done` events, if one is open."""
         at = self._at()
+        if self.thought is not None:
+            text, self.thought = "".join(self.thought), None
+            item = reasoning_item(self.open_id, text, status)
+            self.done.append(item)
+            return self._event("response.reasoning_text.done", **at, text=text) + self._event(
+                "response.output_item.done", output_index=at["output_index"], item=item
+            )
         if self.text is not None:
             text, self.text = "".join(self.text), None
             item = message_item(self.open_id, text, status)

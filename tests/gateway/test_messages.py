@@ -15,11 +15,13 @@ import jsonschema_rs
 import pytest
 from sqlalchemy import select
 
-from gateway.backends import BackendSpec
+from gateway.backends import BackendSpec, GenChunk
 from gateway.db import UsageRecord
 from gateway.routes.openapi import build_document
 from gateway.serving import messages_stream
 from gateway.serving.messages_stream import MessageEvents, reply_content
+from gateway.serving.parsed_output import ChoiceOutput, Whole
+from gateway.serving.parser_choice import NONE as NO_PARSERS
 from gateway.serving.tool_calls import ToolPlan
 from tests.conftest import away_from_minute_boundary
 from tests.gateway.test_spend import PRICES, expected_nanos
@@ -348,12 +350,17 @@ def test_free_calls_become_tool_use_blocks_and_at_most_one_without_parallel_call
     )
     for parallel, expected in ((True, calls), (False, calls[:1])):
         plan = ToolPlan("auto", {"get_weather": TOOL["input_schema"]}, None, parallel)
-        blocks, called = reply_content(plan, text)
+        output, whole = ChoiceOutput(plan, NO_PARSERS), Whole()
+        whole.add(output.feed(GenChunk([], text)))
+        whole.add(output.finish("stop")[0])
+        blocks, called = reply_content(whole)
         assert called and blocks[0] == {"type": "text", "text": "Sure."}
         assert [b["input"] for b in blocks[1:]] == [{"city": c} for c in expected]
         assert all(b["id"].startswith("toolu_") for b in blocks[1:])
-        events = MessageEvents(plan)
-        out = [e for i in range(0, len(text), 5) for e in events.feed(text[i : i + 5])]
+        events = MessageEvents(ChoiceOutput(plan, NO_PARSERS))
+        out = [
+            e for i in range(0, len(text), 5) for e in events.feed(GenChunk([], text[i : i + 5]))
+        ]
         rest, finish = events.finish("stop")
         out += rest
         assert finish == "tool_calls"
@@ -362,7 +369,11 @@ def test_free_calls_become_tool_use_blocks_and_at_most_one_without_parallel_call
         assert [d["index"] for name, d in out if name == "content_block_stop"] == list(
             range(len(starts))
         )
-        deltas = [d["delta"] for name, d in out if name == "content_block_delta"]
-        assert "".join(d["text"] for d in deltas if d["type"] == "text_delta") == "Sure."
-        inputs = [json.loads(d["partial_json"]) for d in deltas if d["type"] != "text_delta"]
+        deltas = [d for name, d in out if name == "content_block_delta"]
+        assert "".join(d["delta"]["text"] for d in deltas if "text" in d["delta"]) == "Sure."
+        fragments: dict[int, str] = {}  # each block's JSON, streamed as the parser reads it
+        for d in deltas:
+            if d["delta"]["type"] == "input_json_delta":
+                fragments[d["index"]] = fragments.get(d["index"], "") + d["delta"]["partial_json"]
+        inputs = [json.loads(f) for f in fragments.values()]
         assert inputs == [{"city": c} for c in expected]

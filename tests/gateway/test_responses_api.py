@@ -19,11 +19,13 @@ import pytest
 from openai import AsyncOpenAI
 from sqlalchemy import select
 
-from gateway.backends import BackendSpec
+from gateway.backends import BackendSpec, GenChunk
 from gateway.db import UsageRecord
 from gateway.schemas.responses_api import ResponseCreateRequest
+from gateway.serving.parsed_output import ChoiceOutput
+from gateway.serving.parser_choice import NONE as NO_PARSERS
 from gateway.serving.responses_events import ResponseEvents
-from gateway.serving.tool_calls import ToolCallStream, ToolPlan
+from gateway.serving.tool_calls import ToolPlan
 from tests.conftest import away_from_minute_boundary
 from tests.gateway.test_spend import PRICES, expected_nanos
 
@@ -204,19 +206,20 @@ async def test_input_items_become_the_chat_they_mean(gateway):
 
 
 def test_a_streamed_auto_tool_call_becomes_a_function_call_item():
-    """The fake never writes a call: the events of one, from the chat path's tool-call
-    stream, as a model's reply would give them."""
+    """The fake never writes a call: the events of one, from the chat path's Pieces, as a
+    model's reply would give them."""
     plan = ToolPlan("auto", {"get_weather": WEATHER["parameters"]})
-    tools, events = ToolCallStream(plan), ResponseEvents("resp_1", 0, "m", {})
+    output, events = ChoiceOutput(plan, NO_PARSERS), ResponseEvents("resp_1", 0, "m", {})
     sent = [events.start()]
     for piece in [
         "Checking. <tool",
         '_call>{"name": "get_weather", ',
-        '"arguments": {"city": "Oslo"}}',
+        '"arguments": {"city": "Oslo"}}</tool_',
+        "call>",
     ]:
-        sent.append(events.delta(*tools.feed(piece)))
-    rest, calls, finish = tools.finish("stop")
-    sent += [events.delta(rest, calls), events.finish(finish, {"output_tokens": 9})]
+        sent.append(events.delta(output.feed(GenChunk([], piece))))
+    rest, finish = output.finish("stop")
+    sent += [events.delta(rest), events.finish(finish, {"output_tokens": 9})]
     parsed = parse_sse(b"".join(sent).decode())
     assert [n for n, _ in parsed] == [
         "response.created",

@@ -1,6 +1,6 @@
 """Tools at the boundary, in the prompt and back out of the reply: the request fields'
 checks, the fallback rendering for templates without a tools section, and the calls
-parsed from a reply (whole and streamed)."""
+and reasoning read from a reply, whole and streamed (gateway.serving.parsed_output)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from gateway.backends import GenChunk
 from gateway.backends.chat_template import render_chat
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
-from gateway.serving.tool_calls import ToolCallStream, ToolPlan
+from gateway.serving.parsed_output import ChoiceOutput, Whole
+from gateway.serving.parser_choice import NONE as NO_PARSERS
+from gateway.serving.parser_choice import Parsers
+from gateway.serving.tool_calls import ToolPlan
 
 WEATHER = {
     "type": "function",
@@ -121,34 +125,58 @@ def test_a_template_with_a_tools_section_renders_them_itself():
     assert "CALL Oslo" in text and "tool: -3 C" in text  # arguments given as an object
 
 
+def replies(plan: ToolPlan, pieces: list[str], parsers: Parsers = NO_PARSERS):
+    """The streamed Pieces of `pieces` as one choice reads them, the whole answer, and the
+    finish reason."""
+    out, whole = ChoiceOutput(plan, parsers), Whole()
+    streamed = [out.feed(GenChunk([], p)) for p in pieces]
+    rest, finish = out.finish("stop")
+    for piece in [*streamed, rest]:
+        whole.add(piece)
+    return [*streamed, rest], whole, finish
+
+
 def test_named_and_required_constraints_and_parsing():
     choice = {"type": "function", "function": {"name": "get_weather"}}
     named = ToolPlan.of(chat(tools=[WEATHER], tool_choice=choice))
     assert json.loads(named.constraint().json) == WEATHER["function"]["parameters"]
-    content, calls = named.parse('{"city": "Lima"}')
-    assert content is None and calls[0]["function"]["arguments"] == '{"city": "Lima"}'
+    pieces, whole, finish = replies(named, ['{"city":', ' "Lima"}'])
+    assert pieces[0].calls[0]["function"]["name"] == "get_weather"  # opens with the first
+    assert pieces[1].calls == [{"index": 0, "function": {"arguments": ' "Lima"}'}}]
+    assert whole.text() == "" and finish == "tool_calls"
+    assert whole.tool_calls()[0]["function"]["arguments"] == '{"city": "Lima"}'
     required = ToolPlan.of(chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
     schema = json.loads(required.constraint().json)
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
-    _, calls = required.parse('[{"name": "get_weather", "parameters": {"city": "Rome"}}]')
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    text = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'
+    _, whole, finish = replies(required, [text[:9], text[9:]])
+    assert json.loads(whole.tool_calls()[0]["function"]["arguments"]) == {"city": "Rome"}
     assert ToolPlan.of(chat(tools=[WEATHER], tool_choice="none")).constraint() is None
+    # constrained from the first token: no reasoning parser reads it
+    assert ChoiceOutput(named, Parsers("deepseek_r1")).parser is None
 
 
-def test_auto_finds_call_blocks_and_streams_the_content_before_them():
+def test_auto_reads_hermes_calls_where_no_parser_is_chosen():
     plan = ToolPlan.of(chat(tools=[WEATHER]))
     reply = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    content, calls = plan.parse(reply)
-    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
-    assert plan.parse("Just text <tool") == ("Just text <tool", [])
-    assert plan.parse("<tool_call>{not json}</tool_call>")[1] == []
-    stream = ToolCallStream(plan)
-    sent = [stream.feed(piece)[0] for piece in ["Let me check.\n<to", "ol_ca", "ll>\n{", '"name"']]
-    assert "".join(sent) == "Let me check.\n"  # held back from where a call may start
-    rest, deltas, finish = stream.finish("stop")
-    assert deltas == [] and finish == "stop" and rest == '<tool_call>\n{"name"'
-    stream = ToolCallStream(plan)
-    assert stream.feed(reply)[0] == ""
-    rest, deltas, finish = stream.finish("stop")
-    assert rest == "Let me check." and finish == "tool_calls"
-    assert deltas[0]["index"] == 0 and deltas[0]["function"]["name"] == "get_weather"
+    pieces, whole, finish = replies(plan, [reply[i : i + 4] for i in range(0, len(reply), 4)])
+    assert whole.text().strip() == "Let me check." and finish == "tool_calls"
+    [call] = whole.tool_calls()
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert "<" not in "".join(p.content for p in pieces)  # the call's text is not content
+    # a name not among the tools is not a call
+    _, whole, finish = replies(plan, [reply.replace("get_weather", "rm_rf")])
+    assert whole.tool_calls() == [] and finish == "stop"
+
+
+def test_reasoning_then_a_call_and_thinking_turned_off():
+    plan = ToolPlan.of(chat(tools=[WEATHER]))
+    qwen3 = Parsers("qwen3", "hermes", "configured")
+    reply = '<think>Oslo is cold.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    _, whole, finish = replies(plan, list(reply), qwen3)  # a character a chunk
+    assert whole.thought() == "Oslo is cold." and finish == "tool_calls"
+    assert whole.tool_calls()[0]["function"]["name"] == "get_weather"
+    off = ToolPlan.of(chat(chat_template_kwargs={"enable_thinking": False}))
+    _, whole, _ = replies(off, ["Just the answer."], qwen3)
+    assert whole.thought() == "" and whole.text() == "Just the answer."

@@ -1,0 +1,201 @@
+"""One chat choice's generated text as every API shows it: reasoning, content and tool
+calls, streamed or whole, and the reasoning tokens its usage reports.
+
+Chat completions, Anthropic's Messages and OpenAI's Responses all read a choice through a
+ChoiceOutput, so that they agree on what was reasoning, what was a call and when the reply
+ends with "tool_calls"; each only reshapes its Pieces. The text is read by the backend's
+family parser (gateway.parsers, chosen by gateway.serving.parser_choice) unless the tool
+plan fixes its meaning: a named call's text is its arguments (streamed as they come), a
+required call's a JSON array of calls (read whole at the end), both constrained by a
+grammar from the first token, so neither is parsed for reasoning. A remote upstream that
+parsed the output itself (vLLM, SGLang) sends its reasoning and calls apart from the text
+(gateway.backends.remote_openai's ParsedChunk): they pass through as they are.
+
+Reasoning tokens are the tokens of the chunks fed while the parser was in reasoning (before
+or after the chunk): a chunk that holds the end of reasoning and the start of the answer
+counts as reasoning whole.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.backends import GenChunk
+from gateway.parsers import OutputParser, ToolCallDelta, output_parser
+from gateway.serving.job import Job
+from gateway.serving.parser_choice import Parsers, parsers_of
+from gateway.serving.tool_calls import ToolPlan, tool_call
+
+# the tool-call format gateway.backends.tool_prompt asks for, where no parser is chosen
+DEFAULT_TOOL_PARSER = "hermes"
+
+
+@dataclass
+class Piece:
+    """What a stretch of one choice's output is: reasoning, content, and tool-call deltas
+    in OpenAI's `delta.tool_calls` shape (a delta with an `id` opens a call)."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def chars(self) -> int:
+        """What encoding it costs: past outcome.LARGE_CALL_CHARS it is encoded off the loop
+        (a required call's whole array comes as one Piece)."""
+        calls = sum(len(c["function"].get("arguments", "")) for c in self.calls)
+        return len(self.reasoning) + len(self.content) + calls
+
+    def extend(self, other: Piece) -> Piece:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.calls += other.calls
+        return self
+
+
+class ChoiceOutput:
+    """One choice: chunks in, Pieces out; `finish` flushes what the parser held."""
+
+    def __init__(self, plan: ToolPlan, parsers: Parsers) -> None:
+        self.plan = plan
+        self.parser: OutputParser | None = None
+        if plan.mode in ("none", "auto"):
+            reasoning = None if plan.constrained else parsers.reasoning
+            tools = (parsers.tools or DEFAULT_TOOL_PARSER) if plan.mode == "auto" else None
+            if reasoning or tools:
+                names = frozenset(plan.schemas)
+                self.parser = output_parser(
+                    reasoning, tools, thinking=plan.thinking, tool_names=names
+                )
+        self.held: list[str] = []  # required: the JSON array, read at the end
+        self.chars = 0  # the text fed: a large one is finished off the event loop
+        self.reasoning_tokens = 0
+        self.ids: dict[int, str] = {}  # each call's index -> the id it was sent with
+        self.dropped: set[int] = set()  # calls past the first without parallel_tool_calls
+
+    def feed(self, chunk: GenChunk) -> Piece:
+        piece = self._text(chunk)
+        passed = getattr(chunk, "reasoning", "") or getattr(chunk, "tool_calls", None)
+        if passed:  # an upstream's own parse (gateway.backends.remote_openai's ParsedChunk)
+            return self._passed(chunk).extend(piece)
+        return piece
+
+    def _text(self, chunk: GenChunk) -> Piece:
+        text = chunk.text
+        self.chars += len(text)
+        parser = self.parser
+        if parser is not None:
+            was = parser.in_reasoning
+            parsed = parser.feed(text)
+            if was or parser.in_reasoning:
+                self.reasoning_tokens += len(chunk.token_ids) or (1 if text else 0)
+            return self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
+        if self.plan.mode == "named":
+            return self._named(text)
+        if self.plan.mode == "required":
+            self.held.append(text)
+            return Piece()
+        return Piece(content=text)
+
+    def finish(self, reason: str | None) -> tuple[Piece, str | None]:
+        """The rest of the choice, and its finish reason ("tool_calls" for a reply that
+        made calls and stopped on its own)."""
+        piece = Piece()
+        if self.parser is not None:
+            parsed = self.parser.finish()
+            piece = self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
+        elif self.plan.mode == "named":
+            piece = self._named("")
+        elif self.plan.mode == "required":
+            content, calls = self.plan.forced("".join(self.held))
+            for i, call in enumerate(calls[: None if self.plan.parallel else 1]):
+                self.ids[i] = call["id"]
+                piece.calls.append({"index": i, **call})
+            piece.content = content or ""
+        return piece, "tool_calls" if self.ids and reason == "stop" else reason
+
+    def _named(self, text: str) -> Piece:
+        """A named call's arguments as they come; the call opens with the first."""
+        if 0 not in self.ids:
+            assert self.plan.named is not None
+            call = tool_call(self.plan.named, text)
+            self.ids[0] = call["id"]
+            return Piece(calls=[{"index": 0, **call}])
+        return Piece(calls=[{"index": 0, "function": {"arguments": text}}] if text else [])
+
+    def _piece(self, reasoning: str, content: str, deltas: list[ToolCallDelta]) -> Piece:
+        calls = []
+        for d in deltas:
+            if d.index in self.dropped or (d.index not in self.ids and not self._may_call()):
+                self.dropped.add(d.index)
+                continue
+            if d.index not in self.ids:
+                self.ids[d.index] = call_id = d.id or "call_" + os.urandom(12).hex()
+                calls.append({"index": d.index, **tool_call(d.name or "", d.arguments, call_id)})
+            elif d.arguments:
+                calls.append({"index": d.index, "function": {"arguments": d.arguments}})
+        return Piece(reasoning, content, calls)
+
+    def _may_call(self) -> bool:
+        return self.plan.parallel or not self.ids
+
+    def _passed(self, chunk: Any) -> Piece:
+        """An upstream's parsed chunk (its call deltas checked for shape by
+        gateway.backends.remote_parsed)."""
+        reasoning = chunk.reasoning or ""
+        if reasoning:
+            self.reasoning_tokens += len(chunk.token_ids) or 1
+        deltas = []
+        for call in chunk.tool_calls or []:
+            fn, index = call["function"], call["index"]
+            first = index not in self.ids
+            name = fn.get("name") if first else None
+            deltas.append(ToolCallDelta(index, call.get("id"), name, fn["arguments"]))
+        return self._piece(reasoning, "", deltas)
+
+
+@dataclass
+class Whole:
+    """A whole answer's Pieces gathered: its reasoning, content and whole calls."""
+
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    arguments: dict[int, list[str]] = field(default_factory=dict)
+
+    def add(self, piece: Piece) -> None:
+        if piece.reasoning:
+            self.reasoning.append(piece.reasoning)
+        if piece.content:
+            self.content.append(piece.content)
+        for delta in piece.calls:
+            index = delta["index"]
+            if "id" in delta:
+                fn = delta["function"]
+                self.calls[index] = {"id": delta["id"], "type": "function", "name": fn["name"]}
+            self.arguments.setdefault(index, []).append(delta["function"].get("arguments", ""))
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The calls, OpenAI-shaped, in the order they were made."""
+        return [
+            tool_call(c["name"], "".join(self.arguments.get(i, [])), c["id"])
+            for i, c in sorted(self.calls.items())
+        ]
+
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def thought(self) -> str:
+        return "".join(self.reasoning)
+
+
+def choice_outputs(job: Job) -> list[ChoiceOutput]:
+    """One ChoiceOutput per choice of a chat Job, with its backend's parsers."""
+    parsers = parsers_of(job.gw, job.backend)
+    return [ChoiceOutput(job.tools, parsers) for _ in range(job.num_choices)]
+
+
+def reasoning_tokens(outputs: list[ChoiceOutput], completion_tokens: int) -> int:
+    """The answer's reasoning tokens, within its billed completion tokens."""
+    return min(sum(o.reasoning_tokens for o in outputs), completion_tokens)
