@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ToolCallDelta:
     """A piece of one tool call: its id and name come once, its arguments in fragments."""
 
@@ -21,7 +21,7 @@ class ToolCallDelta:
     arguments: str  # a fragment of the call's JSON arguments text (may be "")
 
 
-@dataclass
+@dataclass(slots=True)
 class ParsedDelta:
     """What a piece of generated text turned out to be."""
 

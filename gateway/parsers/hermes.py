@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+from gateway.parsers.base import ParsedDelta, ToolCallDelta
 from gateway.parsers.calls import ToolParser, json_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -20,7 +21,6 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 )
-TAIL = re.compile(r"\}?\s*\Z")  # the outer object's close and the space around it
 
 
 class HermesParser(ToolParser):
@@ -31,6 +31,15 @@ class HermesParser(ToolParser):
         self.state = "content"  # content | head | args | block
         self.block = ""  # a block not yet known to be a call
         self.tail = ""  # the arguments' text that may be the outer object's close
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self.state == "args" and not self.buf and "<" not in text:
+            # the common case inside a call: more of its arguments
+            fragment = self._arguments(text)
+            if not fragment:
+                return ParsedDelta()
+            return ParsedDelta(tool_calls=[ToolCallDelta(self.calls - 1, None, None, fragment)])
+        return super().feed(text)
 
     def run(self, final: bool) -> None:
         while getattr(self, "_" + self.state)(final):
@@ -70,14 +79,20 @@ class HermesParser(ToolParser):
 
     def _args(self, final: bool) -> bool:
         text, marker = self.take((CLOSE,), final)
-        text = self.tail + text
-        cut = TAIL.search(text).start()
-        self.args(text[:cut])
-        self.tail = text[cut:]
+        self.args(self._arguments(text))
         if marker is None and not final:
             return False
         self.state = "content"
         return marker is not None
+
+    def _arguments(self, text: str) -> str:
+        """What of the arguments can go out: the outer object's close and the space
+        around it wait, until more arguments or the block's close say what they were."""
+        text = self.tail + text
+        kept = text.rstrip()
+        cut = len(kept) - 1 if kept.endswith("}") else len(kept)
+        self.tail = text[cut:]
+        return text[:cut]
 
     def _close(self, marker: str | None) -> bool:
         """A block read whole: a call, or content as it was written."""

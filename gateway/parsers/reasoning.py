@@ -28,8 +28,15 @@ class ThinkParser(Buffered, OutputParser):
         self.trim = Trim()
         self.lead = True  # content's leading whitespace after `</think>` is dropped
 
+    @property
+    def done(self) -> bool:
+        """Past the reasoning: the rest is content as it comes."""
+        return self.state == "content" and not self.lead
+
     def feed(self, text: str) -> ParsedDelta:
-        if self.state == "content" and not self.lead:  # past the reasoning: all content
+        if self.state == "reasoning" and not self.buf and "<" not in text:
+            return ParsedDelta(self.trim.add(text))  # the common case: reasoning goes on
+        if self.done:
             return ParsedDelta(content=text)
         self.buf += text
         return self._run(final=False)

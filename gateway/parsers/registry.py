@@ -53,15 +53,20 @@ class Passthrough(OutputParser):
 class Chain(OutputParser):
     """A reasoning parser in front of a tool-call parser."""
 
-    def __init__(self, reasoning: OutputParser, tools: OutputParser) -> None:
+    def __init__(self, reasoning: ThinkParser, tools: OutputParser) -> None:
         self.reasoning, self.tools = reasoning, tools
+        self.thought = False  # the reasoning is over: text goes straight to the tools
 
     @property
     def in_reasoning(self) -> bool:  # type: ignore[override]
         return self.reasoning.in_reasoning
 
     def feed(self, text: str) -> ParsedDelta:
-        return self._then(self.reasoning.feed(text), final=False)
+        if self.thought:
+            return self.tools.feed(text)
+        first = self.reasoning.feed(text)
+        self.thought = self.reasoning.done
+        return self._then(first, final=False)
 
     def finish(self) -> ParsedDelta:
         return self._then(self.reasoning.finish(), final=True)
