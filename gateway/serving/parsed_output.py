@@ -64,9 +64,12 @@ class ChoiceOutput:
             reasoning = None if plan.constrained else parsers.reasoning
             tools = (parsers.tools or DEFAULT_TOOL_PARSER) if plan.mode == "auto" else None
             if reasoning or tools:
-                names = frozenset(plan.schemas)
                 self.parser = output_parser(
-                    reasoning, tools, thinking=plan.thinking, tool_names=names
+                    reasoning,
+                    tools,
+                    thinking=plan.thinking,
+                    tool_names=frozenset(plan.schemas),
+                    tool_params=plan.schemas,  # qwen3_coder types its values by them
                 )
         self.held: list[str] = []  # required: the JSON array, read at the end
         self.chars = 0  # the text fed: a large one is finished off the event loop

@@ -5,16 +5,18 @@ and reasoning read from a reply, whole and streamed (gateway.serving.parsed_outp
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from gateway.backends import GenChunk
+from gateway.backends import BackendSpec, GenChunk
 from gateway.backends.chat_template import render_chat
+from gateway.backends.fake import FakeBackend
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
 from gateway.serving.parsed_output import ChoiceOutput, Whole
 from gateway.serving.parser_choice import NONE as NO_PARSERS
-from gateway.serving.parser_choice import Parsers
+from gateway.serving.parser_choice import Parsers, _choose
 from gateway.serving.tool_calls import ToolPlan
 
 WEATHER = {
@@ -180,3 +182,42 @@ def test_reasoning_then_a_call_and_thinking_turned_off():
     off = ToolPlan.of(chat(chat_template_kwargs={"enable_thinking": False}))
     _, whole, _ = replies(off, ["Just the answer."], qwen3)
     assert whole.thought() == "" and whole.text() == "Just the answer."
+
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+
+class TemplatedBackend(FakeBackend):
+    """A backend with what parser_choice asks of an in-process engine (ChatTemplateBackend)."""
+
+    def __init__(self, template: str) -> None:
+        super().__init__(BackendSpec("qwen", "fake"))
+        self.template = template
+
+    def chat_template_info(self) -> tuple[str | None, list[str], str | None]:
+        return self.template, ["Qwen3ForCausalLM"], "qwen3"
+
+    async def render_chat(self, model, prompt, tools, kwargs) -> list[int]:
+        return []
+
+
+def test_parsers_are_detected_from_the_template_unless_the_entry_names_them():
+    qwen3 = TemplatedBackend((TEMPLATES / "qwen3.jinja").read_text())
+    assert _choose(None, qwen3) == Parsers("qwen3", "hermes", "detected")
+    named = BackendSpec("qwen", "gpu", reasoning_parser="deepseek_r1")
+    assert _choose(named, qwen3) == Parsers("deepseek_r1", "hermes", "detected")
+    both = BackendSpec("qwen", "gpu", reasoning_parser="qwen3", tool_call_parser="qwen3_coder")
+    assert _choose(both, qwen3) == Parsers("qwen3", "qwen3_coder", "configured")
+    assert _choose(None, TemplatedBackend("{{ messages }}")) == NO_PARSERS
+
+
+def test_enable_thinking_reaches_qwen3s_own_template():
+    template = (TEMPLATES / "qwen3.jinja").read_text()
+    on = render_chat([{"role": "user", "content": "hi"}], template, "qwen3")
+    off = render_chat(
+        [{"role": "user", "content": "hi"}],
+        template,
+        "qwen3",
+        template_kwargs={"enable_thinking": False, "messages": "not these"},
+    )
+    assert off == on + "<think>\n\n</think>\n\n"  # the template closes an empty think
