@@ -119,8 +119,9 @@ def _announce(settings: Settings, gw: GatewayState) -> None:
             line = f"kvgate: backend {backend.name} ({kind}) not answering yet, for: {models}"
             print(line, flush=True)
             continue
-        print(f"kvgate: backend {backend.name} ({kind}) serving: {models}", flush=True)
-        print(f"kvgate: backend {backend.name}: {parsers_of(gw, backend).line()}", flush=True)
+        parsers = parsers_of(gw, backend)  # said where any reads its replies
+        said = f" ({parsers.line()})" if parsers.source != "none" else ""
+        print(f"kvgate: backend {backend.name} ({kind}) serving: {models}{said}", flush=True)
         if kind == "fake":
             print(
                 "kvgate: NOTE this is the fake backend: deterministic made-up words, no model. "

@@ -42,8 +42,8 @@ class Parsers:
     def line(self) -> str:
         """As the start-up line says it."""
         return (
-            f"reasoning parser {self.reasoning or 'none'}, "
-            f"tool-call parser {self.tools or 'none'} ({self.source})"
+            f"{self.source}: reasoning parser {self.reasoning or 'none'}, "
+            f"tool-call parser {self.tools or 'none'}"
         )
 
 

@@ -70,8 +70,9 @@ def test_each_backends_parsers_are_said_at_start_and_in_models(gateway):
         assert said[name]["tool_call_parser"] == parsers.get("tool_call_parser")
         assert said[name]["parsers_from"] == ("configured" if parsers else "none")
     log = gw.log.read_text()
-    assert "backend qwen: reasoning parser qwen3, tool-call parser hermes (configured)" in log
-    assert "backend plain: reasoning parser none, tool-call parser none (none)" in log
+    said = "(configured: reasoning parser qwen3, tool-call parser hermes)"
+    assert f"backend qwen (fake) serving: qwen {said}" in log
+    assert "backend plain (fake) serving: plain\n" in log  # no parsers: nothing more said
 
 
 def test_chat_reasoning_and_calls_whole_and_streamed(gateway):
