@@ -259,8 +259,9 @@ class _Call:
         gw, p = self.gw, self.principal
         end = time.perf_counter()
         spend = self.price.spend(tokens, 0, 0)
+        counted = status != 503 and self.batch is None  # a batch line is no request of rpm's
         settlement = gw.quota.settlement(
-            self.reservation, tokens, count_request=status != 503, used_spend=spend
+            self.reservation, tokens, count_request=counted, used_spend=spend
         )
         row = UsageRow(
             request_id=self.request_id,

@@ -383,7 +383,8 @@ class Job:
         settlement = gw.quota.settlement(
             self.reservation,
             prompt_tokens + self.completion_tokens,
-            count_request=status not in (503,),
+            # a batch line is no request of the tenant's rate (rpm): given back
+            count_request=status not in (503,) and self.batch is None,
             used_spend=spend,
         )
         return UsageRow(
