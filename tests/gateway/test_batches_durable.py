@@ -20,7 +20,7 @@ from sqlalchemy import select
 from gateway.db import DailyUsage, Database, UsageRecord, migrate
 from gateway.tenancy.usage import UsageRecorder, UsageRow
 from tests.conftest import PG_URL, LiveGateway, start_gateway
-from tests.gateway.test_files_batches import _client, _jsonl, _line, _wait
+from tests.gateway.test_files_batches import _cli, _client, _jsonl, _line, _wait
 
 SLOW = """
 [server]
@@ -181,3 +181,33 @@ async def test_a_batch_line_billed_again_is_one_row(db):
         daily = (await s.scalars(select(DailyUsage))).all()
     assert sorted((r.request_id, r.custom_id) for r in rows) == [("c-3", "b"), ("chatcmpl-1", "a")]
     assert [d.requests for d in daily] == [2]
+
+
+def test_a_batch_on_postgresql_killed_and_resumed(tmp_path, pg_schema):
+    env = {"KVGATE_DATABASE_SCHEMA": pg_schema, "KVGATE_FILES_DIR": str(tmp_path / "files")}
+    config = SLOW.format(ttft_ms=300, in_flight=2)
+    gw = start_gateway(tmp_path, database_url=PG_URL, extra_env=env, config=config)
+    try:
+        _, key = gw.tenant_key("acme")
+        client = _client(gw, key)
+        batch_id = _submit(client, 6)
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(batch_id).request_counts.completed < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gw.stop(signal.SIGKILL)
+    finally:
+        gw.stop()
+    again = start_gateway(tmp_path, database_url=PG_URL, extra_env=env, config=config)
+    try:
+        client = _client(again, key)
+        done = _wait(client, batch_id)
+        assert done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (6, 0)
+        out = _lines(client, done.output_file_id)
+        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(6))
+        assert [b.id for b in client.batches.list(limit=1)] == [batch_id]
+        usage = json.loads(_cli(again, "--json", "usage"))  # each line billed once
+        assert [(b["batch_id"], b["lines"]) for b in usage["batches"]] == [(batch_id, 6)]
+    finally:
+        again.stop()
