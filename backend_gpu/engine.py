@@ -58,9 +58,13 @@ class LLMEngine:
         self.hf_config = hf_config
         # before the target's runner: on CUDA a draft model sizes its KV cache first
         self.speculator = (
-            Speculator(config, hf_config.vocab_size) if config.speculative_config else None
+            Speculator(config, hf_config, weights, self.tokenizer)
+            if config.speculative_config
+            else None
         )
         self.runner = start_runner(config, hf_config, weights, self.tokenizer)
+        if self.speculator is not None:
+            self.speculator.attach(self.runner)
         self.max_model_len = config.context_len(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer)
@@ -284,6 +288,8 @@ class LLMEngine:
                 self.lora.wait(0.05)
             return outputs
         step = self.runner.run(batch)
+        if self.speculator is not None:
+            self.speculator.observe(batch)
         logits, sampled = step.logits, step.sampled
         if step.prompt_logprobs is not None:
             record_prompt_logprobs(batch.seqs, step.prompt_logprobs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from backend_gpu.config import EngineConfig
 from backend_gpu.cuda_graphs import DecodeGraphs, capture_sizes
@@ -45,6 +46,8 @@ from backend_gpu.quantization.kv_calibration import calibrate_kv_scales, calibra
 from backend_gpu.quantization.model import quantize_model
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.span_metadata import span_metadata
+from backend_gpu.spec_decode.aux_states import AuxStates
+from backend_gpu.spec_decode.eagle3_config import aux_layers_of
 from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
 from backend_gpu.tp_shards import CheckpointShards
 from engine_api.errors import EngineDeadError
@@ -97,6 +100,7 @@ class ModelRunner:
         ranks: OtherRanks | None = None,  # rank 0's handle on the others, under TP
         stage: Stage = WHOLE_MODEL,  # its pipeline stage (pp_stages.py)
         world: ParallelGroup | None = None,  # every rank of every stage; None: tp's
+        model_cls: type[nn.Module] | None = None,  # when not the config's architecture
     ) -> None:
         self.tp = tp
         self.ranks = ranks
@@ -117,6 +121,7 @@ class ModelRunner:
             config.seed,
             tp,
             stage=stage,
+            cls=model_cls,
             expert_parallel=config.enable_expert_parallel,
             context_len=config.context_len(hf_config),
         )
@@ -125,6 +130,13 @@ class ModelRunner:
         self.model.eval()
         self.weight_bytes = parameter_bytes(self.model)
         self.hf_config = hf_config
+        # an EAGLE-3 head reads a few layers' inputs: kept on rank 0 from every step
+        # (graphs included, so before the memory profile and the graphs)
+        self.aux_states = (
+            AuxStates.install(self.model, aux_layers_of(config, hf_config), hf_config.hidden_size)
+            if tp.rank == 0 and stage.count == 1
+            else None
+        )
         # only its stage's layers: the KV cache of a layer lives on its stage
         layers = self.model.model.layers[stage.start : stage.stop]
         self.attention_layers = [layer.self_attn for layer in layers]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "eagle3")
+MAX_SPECULATIVE_TOKENS = 16  # a verifying step of 17 rows a sequence is already wide
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None  # ngram: shortest suffix looked up
     prompt_lookup_max: int | None = None  # ngram: longest suffix looked up
-    model: str | os.PathLike | None = None  # draft: a model sharing the target's tokenizer
+    # draft: a model sharing the target's tokenizer; eagle3: an EAGLE-3 head's directory
+    model: str | os.PathLike | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
@@ -36,6 +38,11 @@ class SpeculativeConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"speculative_config {key} must be an int >= 1, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be 1 to "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("speculative method 'ngram' takes no 'model'")
@@ -50,7 +57,10 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_max", high)
         else:
             if not isinstance(self.model, str | os.PathLike) or not os.fspath(self.model):
-                raise ValueError("speculative method 'draft' needs 'model': a draft model path")
+                raise ValueError(
+                    f"speculative method {self.method!r} needs 'model': a "
+                    + ("draft model path" if self.method == "draft" else "EAGLE-3 head directory")
+                )
             object.__setattr__(self, "model", os.fspath(self.model))
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
                 raise ValueError("prompt_lookup_min/max are for the 'ngram' method")

@@ -112,7 +112,7 @@ class DraftProposer:
             assert len(sampled) == len(shadows)
             for shadow, n in zip(shadows, batch.num_new_tokens, strict=True):
                 shadow.num_computed_tokens += n
-            tokens, q = self._sample(logits, [seqs[i] for i in active], sampler)
+            tokens, q = sample_draft(logits, [seqs[i] for i in active], sampler)
             for row, (i, shadow) in enumerate(zip(active, shadows, strict=True)):
                 shadow.token_ids.append(tokens[row])
                 drafts[i].append(tokens[row])
@@ -125,18 +125,19 @@ class DraftProposer:
         ]
         return drafts, q_out
 
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """Greedy requests get the draft's argmax; sampled ones a draw from the draft's
-        own distribution q under the request's settings (and its seeded generator)."""
-        tokens = logits.argmax(dim=-1)
-        if all(seq.params.greedy for seq in seqs):
-            return tokens.tolist(), None
-        q = sampler.probs(logits, seqs)
-        q = q / q.sum(dim=-1, keepdim=True)
-        for row, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                gen = sampler.generator_of(seq)
-                tokens[row] = torch.multinomial(q[row], 1, generator=gen)[0]
-        return tokens.tolist(), q
+
+def sample_draft(
+    logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler
+) -> tuple[list[int], torch.Tensor | None]:
+    """Greedy requests get the draft's argmax; sampled ones a draw from the draft's
+    own distribution q under the request's settings (and its seeded generator)."""
+    tokens = logits.argmax(dim=-1)
+    if all(seq.params.greedy for seq in seqs):
+        return tokens.tolist(), None
+    q = sampler.probs(logits, seqs)
+    q = q / q.sum(dim=-1, keepdim=True)
+    for row, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            gen = sampler.generator_of(seq)
+            tokens[row] = torch.multinomial(q[row], 1, generator=gen)[0]
+    return tokens.tolist(), q

@@ -8,9 +8,12 @@ import itertools
 import torch
 
 from backend_gpu.config import EngineConfig
+from backend_gpu.loader import Checkpoint
 from backend_gpu.sampler import Sampler
+from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.sequence import Sequence
 from backend_gpu.spec_decode.draft import DraftProposer
+from backend_gpu.spec_decode.eagle3 import Eagle3Proposer
 from backend_gpu.spec_decode.ngram import NgramProposer
 from backend_gpu.spec_decode.rejection_sampler import rejection_sample
 
@@ -29,25 +32,50 @@ def can_speculate(seq: Sequence) -> bool:
     )
 
 
+def may_speculate(seq: Sequence) -> bool:
+    """can_speculate, now or once min_tokens are out: whether an EAGLE-3 head should
+    keep the request's hidden states."""
+    p = seq.params
+    return not p.has_penalties and not p.logit_bias and p.logprobs is None and seq.grammar is None
+
+
 class Speculator:
-    def __init__(self, config: EngineConfig, vocab_size: int) -> None:
+    def __init__(self, config: EngineConfig, target_config, target: Checkpoint, tokenizer) -> None:
         spec = config.speculative_config
         assert spec is not None
         self.k = spec.num_speculative_tokens
-        # a draft model has no adapters: its guesses for an adapter's request would be
-        # the base model's, so those requests decode one token a step
+        # a draft model or a head has no adapters: its guesses for an adapter's request
+        # would be the base model's, so those requests decode one token a step
         self.drafts_adapters = spec.method == "ngram"
+        self.proposer: NgramProposer | DraftProposer | Eagle3Proposer
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec.method == "draft":
+            self.proposer = DraftProposer(config, target_config.vocab_size)
         else:
-            self.proposer = DraftProposer(config, vocab_size)
+            self.proposer = Eagle3Proposer(config, target_config, target, tokenizer)
         self.draft_probs: dict[str, torch.Tensor] = {}  # this step's q, draft model only
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
+    def attach(self, runner) -> None:
+        """The target's runner exists: an EAGLE-3 head reads the hidden states it keeps."""
+        if isinstance(self.proposer, Eagle3Proposer):
+            self.proposer.attach(runner.aux_states)
+
+    def observe(self, batch: ScheduledBatch) -> None:
+        """After the target's step, before its tokens count as computed."""
+        if isinstance(self.proposer, Eagle3Proposer):
+            self.proposer.observe(batch, self._drafts_for)
+
+    def _drafts_for(self, seq: Sequence) -> bool:
+        return (seq.adapter is None or self.drafts_adapters) and may_speculate(seq)
+
     def propose(self, running: list[Sequence], sampler: Sampler, max_model_len: int) -> None:
         """Set spec_token_ids of the running decodes that may speculate."""
+        if isinstance(self.proposer, Eagle3Proposer):
+            self.proposer.retain(running)
         seqs: list[Sequence] = []
         ks: list[int] = []
         for seq in running:
@@ -58,9 +86,7 @@ class Speculator:
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 max_model_len - len(seq) - 1,
             )
-            if seq.adapter is not None and not self.drafts_adapters:
-                continue
-            if k > 0 and len(seq) - seq.num_computed_tokens == 1 and can_speculate(seq):
+            if k > 0 and len(seq) - seq.num_computed_tokens == 1 and self._may_propose(seq):
                 seqs.append(seq)
                 ks.append(k)
         self.draft_probs.clear()
@@ -71,6 +97,9 @@ class Speculator:
             seq.spec_token_ids = draft
             if q is not None:
                 self.draft_probs[seq.request_id] = q
+
+    def _may_propose(self, seq: Sequence) -> bool:
+        return (seq.adapter is None or self.drafts_adapters) and can_speculate(seq)
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler

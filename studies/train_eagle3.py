@@ -1,0 +1,331 @@
+"""Train an EAGLE-3 head for a model on this CPU, from text the project ships, and
+write it in the published layout (no head can be downloaded here).
+
+    python -m studies.train_eagle3 --model smollm2-135m-instruct --out heads/smollm2
+    python -m studies.train_eagle3 --model gemma-3-270m --out heads/gemma3
+
+1. Prompts from the project's own docs (docs/*.md paragraphs) and code (studies/*.py
+   functions): for an instruct model, chat questions and code edits in its chat
+   template; for a base model, the paragraph's start to continue.
+2. The target answers them (greedy, the engine): the head learns what the target says.
+3. The target (transformers, on the same files the engine reads) gives its hidden
+   states at the three layers the head reads and its choice at every position.
+4. The head (studies/eagle3_ttt.py) trains with the training-time test for a bounded
+   time; lm_head and norm start from the target's own, over the draft vocabulary (the
+   target's most frequent choices). Progress is printed; loss and the step-by-step
+   accuracy (the acceptance length it implies at k = 3) go to --save-result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import json
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backend_gpu.spec_decode.eagle3_config import default_aux_layers
+from bench.options import DefaultsHelpFormatter
+from studies.eagle3_ttt import Eagle3TTT, head_config, save_head
+
+CHAT_TASKS = [
+    "Explain this to a new user in a few sentences:\n\n{text}",
+    "Summarize the following in three bullet points:\n\n{text}",
+]
+CODE_TASKS = [
+    "Add a docstring to this function and return the whole function:\n\n```python\n{text}\n```",
+    "Rename the variables of this function to clearer names:\n\n```python\n{text}\n```",
+]
+
+
+def paragraphs(limit: int) -> list[str]:
+    """Prose paragraphs of docs/*.md (no tables, code or headings), 200-700 characters."""
+    found = []
+    for path in sorted(glob.glob("docs/*.md")):
+        with open(path) as f:
+            for block in f.read().split("\n\n"):
+                block = block.strip()
+                if 200 <= len(block) <= 700 and block[0].isalpha():
+                    found.append(block)
+    random.Random(0).shuffle(found)
+    return found[:limit]
+
+
+def functions(limit: int) -> list[str]:
+    """Short functions of studies/*.py, as written."""
+    found = []
+    for path in sorted(glob.glob("studies/*.py")):
+        with open(path) as f:
+            source = f.read()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef):
+                text = ast.get_source_segment(source, node) or ""
+                if 150 <= len(text) <= 600:
+                    found.append(text)
+    random.Random(1).shuffle(found)
+    return found[:limit]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """A user turn in the model's chat template, ready for the answer."""
+    turn = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    """Token ids of `count` prompts: chat and code tasks in the chat template when the
+    tokenizer has one, else the paragraphs' first half to continue."""
+    if getattr(tokenizer, "chat_template", None):
+        texts = [t.format(text=p) for p in paragraphs(count) for t in CHAT_TASKS[:1]]
+        texts += [t.format(text=c) for c in functions(count) for t in CODE_TASKS[:1]]
+        random.Random(2).shuffle(texts)
+        return [chat_ids(tokenizer, text) for text in texts[:count]]
+    return [tokenizer.encode(p[: len(p) // 3]) for p in paragraphs(count)]
+
+
+def generate(path: str, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from backend_gpu import LLM, SamplingParams
+
+    llm = LLM(path, max_num_seqs=16, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs = llm.generate(prompt_ids, params)
+    return [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
+
+
+@torch.inference_mode()
+def features(hf_dir: str, seqs: list[list[int]], layers: list[int]):
+    """Per sequence: the target's hidden states at `layers` (their inputs) [T, 3H]
+    and its choice at every position [T]; and the model's input embedding, lm_head
+    and final norm (the head starts from them)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    aux, choice = [], []
+    start = time.perf_counter()
+    for i, ids in enumerate(seqs):
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        aux.append(torch.cat([out.hidden_states[j][0] for j in layers], dim=-1))
+        choice.append(out.logits[0].argmax(-1))
+        if (i + 1) % 16 == 0 or i + 1 == len(seqs):
+            print(f"  target features {i + 1}/{len(seqs)} ({time.perf_counter() - start:.0f} s)")
+    norm = model.model.norm.weight.detach().float().clone()
+    if model.config.model_type.startswith("gemma"):  # Gemma stores w - 1
+        norm += 1
+    embed = model.get_input_embeddings().weight.detach().float().clone()
+    lm_head = model.get_output_embeddings().weight.detach().float().clone()
+    return aux, choice, embed, lm_head, norm, model.config
+
+
+def batches(n: int, size: int, seed: int):
+    rng = random.Random(seed)
+    while True:
+        order = list(range(n))
+        rng.shuffle(order)
+        for i in range(0, n - size + 1, size):
+            yield order[i : i + size]
+
+
+def pad(rows: list[torch.Tensor], value) -> torch.Tensor:
+    t = max(r.shape[0] for r in rows)
+    return torch.stack(
+        [F.pad(r, (0, 0) * (r.dim() - 1) + (0, t - r.shape[0]), value=value) for r in rows]
+    )
+
+
+def labels_of(choice: list[torch.Tensor], to_draft: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Per sequence [T, steps]: the draft id of the target's choice at t + j + 1, -100
+    where there is none or the draft vocabulary lacks it."""
+    out = []
+    for c in choice:
+        d = to_draft[c]
+        lab = torch.full((c.shape[0], steps), -100, dtype=torch.long)
+        for j in range(steps):
+            lab[: max(0, c.shape[0] - j - 1), j] = d[j + 1 :]
+        out.append(lab)
+    return out
+
+
+def train(head: Eagle3TTT, seqs, aux, labels, args) -> list[dict]:
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    curve: list[dict] = []
+    start = time.perf_counter()
+    held = list(range(min(args.held_out, len(seqs) // 4)))  # scored, never trained on
+    train_ids = [i for i in range(len(seqs)) if i not in held]
+    for step, pick in enumerate(batches(len(train_ids), min(args.batch, len(train_ids)), 0), 1):
+        idx = [train_ids[i] for i in pick]
+        ids = pad([torch.tensor(seqs[i]) for i in idx], 0)
+        logits = head(ids, pad([aux[i] for i in idx], 0.0), args.ttt_steps)
+        lab = pad([labels[i] for i in idx], -100)
+        loss = sum(
+            0.8**j * F.cross_entropy(lg.flatten(0, 1), lab[..., j].flatten(), ignore_index=-100)
+            for j, lg in enumerate(logits)
+        )
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        elapsed = time.perf_counter() - start
+        done = elapsed >= args.budget_s or (args.max_steps and step >= args.max_steps)
+        if step % args.eval_every == 0 or done:
+            point = {"step": step, "seconds": round(elapsed, 1), "loss": float(loss.detach())}
+            point.update(evaluate(head, seqs, aux, labels, held, args.ttt_steps))
+            curve.append(point)
+            print(
+                f"  step {step} {elapsed:.0f}/{args.budget_s} s loss {point['loss']:.3f} "
+                f"held-out accuracy by step {point['accuracy']} "
+                f"acceptance length at k=3 {point['acceptance_length']:.2f}"
+            )
+        if done:
+            return curve
+    return curve
+
+
+@torch.no_grad()
+def evaluate(head, seqs, aux, labels, held: list[int], steps: int) -> dict:
+    """On the held-out sequences: each step's top-1 accuracy and the acceptance length
+    a chain of 3 would have (1 + P(first right) + P(first two right) + ...)."""
+    right, chains, total = [0] * steps, [0] * steps, 0
+    for i in held:
+        logits = head(torch.tensor([seqs[i]]), aux[i][None], steps)
+        lab = labels[i]
+        valid = (lab >= 0).all(-1)
+        ok = torch.stack([lg[0].argmax(-1) == lab[:, j] for j, lg in enumerate(logits)], -1)
+        ok = ok[valid]
+        total += ok.shape[0]
+        chain = ok.cumprod(-1)
+        for j in range(steps):
+            right[j] += int(ok[:, j].sum())
+            chains[j] += int(chain[:, j].sum())
+    total = max(total, 1)
+    return {
+        "accuracy": [round(r / total, 3) for r in right],
+        "acceptance_length": 1 + sum(c / total for c in chains[:3]),
+    }
+
+
+def resolve(name: str) -> tuple[str, str]:
+    """(the engine's path, the HF directory transformers reads) of a model name or path."""
+    from backend_gpu.gguf_loader import convert_gguf
+    from gateway.backends.default_model import DEFAULT_MODEL_ID, default_model_path, model_path
+
+    path = str(default_model_path()) if name == DEFAULT_MODEL_ID else model_path(name)
+    return path, convert_gguf(path) if path.endswith(".gguf") else path
+
+
+def draft_vocabulary(choice: list[torch.Tensor], vocab: int, size: int) -> torch.Tensor:
+    """The target's `size` most frequent choices, ascending (SpecForge's rule)."""
+    counts = torch.bincount(torch.cat(choice), minlength=vocab)
+    size = min(size, vocab)
+    return counts.topk(size).indices.sort().values
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in results:
+        seconds = [p["seconds"] for p in r["curve"]]
+        ax1.plot(seconds, [p["loss"] for p in r["curve"]], marker="o", label=r["model"])
+        lengths = [p["acceptance_length"] for p in r["curve"]]
+        ax2.plot(seconds, lengths, marker="o", label=r["model"])
+    ax1.set(xlabel="training seconds (CPU)", ylabel="TTT loss (3 steps)", title="loss")
+    ax2.set(xlabel="training seconds (CPU)", ylabel="tokens per step at k=3")
+    ax2.set_title("held-out acceptance length")
+    ax2.axhline(1.8, color="grey", linestyle=":", label="goal 1.8")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a packaged name or a path")
+    p.add_argument("--out", required=True, help="directory the head is written to")
+    p.add_argument("--prompts", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens of each generated answer")
+    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--budget-s", type=float, default=300, help="training seconds")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many (0: budget)")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--held-out", type=int, default=8, help="sequences scored, not trained on")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--save-result", help="append this run's figures to this JSON file")
+    p.add_argument("--plot", help="write the loss and acceptance curves of --save-result here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    began = time.perf_counter()
+    path, hf_dir = resolve(args.model)
+    from transformers import AutoConfig, AutoTokenizer
+
+    target_config = AutoConfig.from_pretrained(hf_dir)
+    target_config = getattr(target_config, "text_config", None) or target_config
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    # vLLM's default layers, kept inside a model of fewer than 6 layers
+    num_layers = target_config.num_hidden_layers
+    layers = [min(max(i, 0), num_layers - 1) for i in default_aux_layers(num_layers)]
+    # prompts that leave room for the answer (at most 512 tokens a sequence)
+    limit = min(target_config.max_position_embeddings, 512) - args.max_tokens
+    prompt_ids = [ids for ids in prompts(tokenizer, 2 * args.prompts) if len(ids) <= limit]
+    prompt_ids = prompt_ids[: args.prompts]
+    print(f"[{time.perf_counter() - began:.0f} s] {len(prompt_ids)} prompts; the target answers")
+    seqs = generate(path, prompt_ids, args.max_tokens)
+    print(f"[{time.perf_counter() - began:.0f} s] {sum(map(len, seqs))} tokens; target features")
+    aux, choice, embed, lm_head, norm, _ = features(hf_dir, seqs, layers)
+    draft_ids = draft_vocabulary(choice, target_config.vocab_size, args.draft_vocab)
+    to_draft = torch.full((target_config.vocab_size,), -100, dtype=torch.long)
+    to_draft[draft_ids] = torch.arange(len(draft_ids))
+    labels = labels_of(choice, to_draft, args.ttt_steps)
+    cfg = head_config(target_config, len(draft_ids), layers, nested=True)
+    head = Eagle3TTT(cfg, embed)
+    with torch.no_grad():  # start from the target's own output layer
+        head.lm_head.weight.copy_(lm_head[draft_ids])
+        head.norm.weight.copy_(norm)
+    print(f"[{time.perf_counter() - began:.0f} s] training for {args.budget_s:.0f} s")
+    curve = train(head, seqs, aux, labels, args)
+    save_head(args.out, head, draft_ids, target_config.vocab_size)
+    result = {
+        "model": args.model,
+        "head": args.out,
+        "tokens": sum(map(len, seqs)),
+        "sequences": len(seqs),
+        "draft_vocab_size": len(draft_ids),
+        "aux_layers": layers,
+        "ttt_steps": args.ttt_steps,
+        "curve": curve,
+        "wall_s": round(time.perf_counter() - began, 1),
+    }
+    print(f"[{result['wall_s']:.0f} s] head written to {args.out}")
+    if args.save_result:
+        try:
+            with open(args.save_result) as f:
+                runs = [r for r in json.load(f) if r["model"] != args.model]
+        except FileNotFoundError:
+            runs = []
+        runs.append(result)
+        with open(args.save_result, "w") as f:
+            json.dump(runs, f, indent=2)
+        if args.plot:
+            plot(runs, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()
