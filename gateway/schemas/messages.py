@@ -6,9 +6,10 @@ The Messages API is served on the chat-completions machinery, so that every back
 (the engines and remote upstreams alike) serves it with no code of its own: `chat_body`
 turns a body into the ChatCompletionRequest it means (tool_result blocks become tool
 messages, tool_use blocks an assistant's tool calls, `tool_choice` any/tool/none the
-required/named/none modes). Strict like every body: an unknown field, and a content
-block kvgate does not implement (image, document, thinking, ...), is a 400 that names
-it. `cache_control` is accepted and ignored: kvgate's prefix cache is automatic.
+required/named/none modes, `thinking: {"type": "disabled"}` enable_thinking false, and
+an assistant's thinking blocks are left out). Strict like every body: an unknown field,
+and a content block kvgate does not implement (image, document, ...), is a 400 that
+names it. `cache_control` is accepted and ignored: kvgate's prefix cache is automatic.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from gateway.schemas.structured import (
     checked,
 )
 
-BLOCKS = ("text", "tool_use", "tool_result")
+BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 StopSequence = Annotated[str, Field(min_length=1, max_length=1000)]
 
 
@@ -70,7 +71,27 @@ class ToolResultBlock(_Body):
         return "Error: " + text if self.is_error else text
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Body):
+    """An assistant's reasoning sent back as it was received: taken and left out of the
+    prompt, as chat templates leave earlier turns' reasoning out (its signature is not
+    checked: kvgate signs nothing)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(_Body):
+    type: Literal["redacted_thinking"]
+    data: str
+    cache_control: CacheControl | None = None
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class Message(_Body):
@@ -95,8 +116,8 @@ class Message(_Body):
     @model_validator(mode="after")
     def _check_roles(self) -> Message:
         kinds = {b.type for b in self.content} if isinstance(self.content, list) else set()
-        if self.role == "user" and "tool_use" in kinds:
-            raise ValueError("tool_use blocks belong in assistant messages")
+        if self.role == "user" and kinds & {"tool_use", "thinking", "redacted_thinking"}:
+            raise ValueError("tool_use and thinking blocks belong in assistant messages")
         if self.role == "assistant" and "tool_result" in kinds:
             raise ValueError("tool_result blocks belong in user messages")
         return self
@@ -159,6 +180,20 @@ class ToolChoice(_Body):
         if self.type == "tool":
             return {"type": "function", "function": {"name": self.name}}
         return {"auto": "auto", "any": "required", "none": "none"}[self.type]
+
+
+class ThinkingConfig(_Body):
+    """Anthropic's extended thinking: "disabled" turns a reasoning model's thinking off
+    (as chat_template_kwargs' enable_thinking false); the budget is not enforced."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, IntIn(1024, INT32)] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ThinkingConfig:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError("thinking of type 'enabled' needs budget_tokens, and only it has one")
+        return self
 
 
 class Metadata(_Body):
@@ -242,6 +277,7 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     stream: bool = False
     mock_response: Annotated[str, Field(max_length=MAX_MOCK_RESPONSE)] | None = None  # LiteLLM's
+    thinking: ThinkingConfig | None = None
 
     def sampling_fields(self) -> dict[str, Any]:
         """The chat completion fields of the sampling options."""
@@ -254,6 +290,8 @@ class MessagesRequest(CountTokensRequest):
             "mock_response": self.mock_response,
         }
         fields["stream"] = self.stream
+        if self.thinking is not None and self.thinking.type == "disabled":
+            fields["chat_template_kwargs"] = {"enable_thinking": False}
         return fields | {k: v for k, v in optional.items() if v is not None}
 
 

@@ -119,6 +119,18 @@ class ResponseFunctionCallOutput(_Body):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class ResponseReasoningInput(_Body):
+    """A reasoning item a Response gave, sent back with the turn it led to: taken and left
+    out of the prompt (chat templates leave earlier turns' reasoning out too)."""
+
+    type: Literal["reasoning"]
+    id: ItemId | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list, max_length=1000)
+    content: list[dict[str, Any]] | None = Field(None, max_length=1000)
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 def _item_type(item: Any) -> Any:
     """An item's type; a message may leave it out. Whatever was sent, so that one of no
     known type is named as it is."""
@@ -129,7 +141,8 @@ def _item_type(item: Any) -> Any:
 InputItem = Annotated[
     Annotated[ResponseInputMessage, Tag("message")]
     | Annotated[ResponseFunctionCallInput, Tag("function_call")]
-    | Annotated[ResponseFunctionCallOutput, Tag("function_call_output")],
+    | Annotated[ResponseFunctionCallOutput, Tag("function_call_output")]
+    | Annotated[ResponseReasoningInput, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -261,10 +274,10 @@ class ResponseCreateRequest(_Body):
                     i,
                     "type",
                 )
-            if kind not in ("message", "function_call", "function_call_output"):
+            if kind not in ("message", "function_call", "function_call_output", "reasoning"):
                 raise Refused(
                     f"input items of type {kind!r} are not supported: send messages, "
-                    "function_call and function_call_output items",
+                    "function_call, function_call_output and reasoning items",
                     i,
                     "type",
                 )
@@ -333,7 +346,7 @@ class ResponseCreateRequest(_Body):
                     last = {"role": "assistant", "content": None, "tool_calls": []}
                     messages.append(last)
                 last.setdefault("tool_calls", []).append(call)
-            else:
+            elif isinstance(item, ResponseFunctionCallOutput):
                 tool = {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
                 if item.call_id in names:
                     tool["name"] = names[item.call_id]

@@ -166,7 +166,7 @@ async def test_errors_are_anthropic_shaped_and_typed(make_gateway):
     with pytest.raises(anthropic.NotFoundError, match="Available: fake-model"):
         await c.messages.create(**ok | {"model": "nope"})
     cases = [
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "'thinking'"),
+        ({"thinking": {"type": "enabled"}}, "needs budget_tokens"),
         ({"messages": say([{"type": "image", "source": {}}])}, "'image' are not supported"),
         ({"messages": say("hi") + [{"role": "assistant", "content": "Sure"}]}, "prefilled"),
         ({"tool_choice": {"type": "any"}}, "needs tools"),

@@ -179,6 +179,42 @@ def test_messages_thinking_text_and_tool_use_whole_and_streamed(gateway):
     assert whole.content[0].signature == final.content[0].signature
 
 
+def test_reasoning_sent_back_is_taken_and_thinking_turned_off_on_messages(gateway):
+    """A client's next turn carries the reply's thinking block, and its reasoning item on
+    the Responses API: both are taken (and left out of the prompt); Anthropic's thinking
+    "disabled" turns the parser's reasoning off."""
+    gw, key = gateway
+    claude = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+    first = claude.messages.create(
+        model="qwen", max_tokens=64, messages=ASK, extra_body={"mock_response": QWEN3}
+    )
+    turns = [*ASK, {"role": "assistant", "content": first.content}]
+    turns.append({"role": "user", "content": "And tomorrow?"})
+    text = "<think>hm</think>Cold."
+    on = claude.messages.create(
+        model="qwen", max_tokens=64, messages=turns, extra_body={"mock_response": text}
+    )
+    assert [b.type for b in on.content] == ["thinking", "text"]
+    off = claude.messages.create(
+        model="qwen",
+        max_tokens=64,
+        messages=turns,
+        thinking={"type": "disabled"},
+        extra_body={"mock_response": text},
+    )
+    assert [(b.type, b.text) for b in off.content] == [("text", text)]
+    c = client(gw, key)
+    response = c.responses.create(
+        model="qwen", input="Weather in Oslo?", extra_body={"mock_response": QWEN3}
+    )
+    again = c.responses.create(
+        model="qwen",
+        input=[*response.output, {"role": "user", "content": "And tomorrow?"}],
+        extra_body={"mock_response": text},
+    )
+    assert [i.type for i in again.output] == ["reasoning", "message"]
+
+
 def test_responses_reasoning_and_function_call_items_whole_and_streamed(gateway):
     gw, key = gateway
     c = client(gw, key)

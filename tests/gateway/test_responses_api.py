@@ -264,7 +264,7 @@ REFUSED = [
     ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools of type 'mcp'"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice of type 'web_search_preview'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "'item_reference' are not supported"),
-    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "type 'reasoning'"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "'computer_call_output'"),
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "content parts of type 'input_image' are not supported",
