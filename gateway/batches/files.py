@@ -10,9 +10,10 @@ import secrets
 import time
 from pathlib import Path
 
-from sqlalchemy import delete, select, tuple_
+from sqlalchemy import delete, insert, select, tuple_
 from sqlalchemy.engine import make_url
 
+from gateway.batches.writes import write
 from gateway.config import Settings
 from gateway.db import Database
 from gateway.db.batch_tables import StoredFile
@@ -47,20 +48,20 @@ class FileStore:
     async def create(self, tenant_id: str, purpose: str, filename: str, data: bytes) -> StoredFile:
         file_id = "file-" + secrets.token_hex(12)
         await asyncio.to_thread(_write, self.path(file_id), data)
-        row = StoredFile(
-            id=file_id,
-            tenant_id=tenant_id,
-            purpose=purpose,
-            filename=filename,
-            bytes=len(data),
-            created_at=time.time(),
-        )
+        values = {
+            "id": file_id,
+            "tenant_id": tenant_id,
+            "purpose": purpose,
+            "filename": filename,
+            "bytes": len(data),
+            "created_at": time.time(),
+        }
         try:
-            async with self.db.session() as s, s.begin():
-                s.add(row)
+            await write(self.db, lambda conn: conn.execute(insert(StoredFile), [values]))
         except BaseException:
             self.path(file_id).unlink(missing_ok=True)
             raise
+        row = StoredFile(**values)
         return row
 
     async def get(self, tenant_id: str, file_id: str) -> StoredFile | None:
@@ -89,13 +90,9 @@ class FileStore:
         return rows[:limit], len(rows) > limit
 
     async def delete(self, tenant_id: str, file_id: str) -> bool:
-        async with self.db.session() as s, s.begin():
-            gone = await s.execute(
-                delete(StoredFile).where(
-                    StoredFile.id == file_id, StoredFile.tenant_id == tenant_id
-                )
-            )
-        if not gone.rowcount:
+        stmt = delete(StoredFile).where(StoredFile.id == file_id, StoredFile.tenant_id == tenant_id)
+        gone = await write(self.db, lambda conn: conn.execute(stmt).rowcount)
+        if not gone:
             return False
         self.path(file_id).unlink(missing_ok=True)
         return True

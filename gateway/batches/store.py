@@ -10,9 +10,10 @@ import secrets
 import time
 from typing import Any
 
-from sqlalchemy import func, select, tuple_, update
+from sqlalchemy import Connection, func, insert, select, tuple_, update
 
 from gateway.batches.jsonl import InputLine
+from gateway.batches.writes import write
 from gateway.db import Database
 from gateway.db.batch_tables import Batch, BatchLine
 
@@ -34,32 +35,34 @@ async def create(
     lines: list[InputLine],
 ) -> Batch:
     now = time.time()
-    batch = Batch(
-        id="batch_" + secrets.token_hex(12),
-        tenant_id=tenant_id,
-        key_id=key_id,
-        endpoint=endpoint,
-        input_file_id=input_file_id,
-        completion_window=window,
-        status="validating",
-        batch_metadata=metadata or None,
-        created_at=now,
-        expires_at=now + WINDOW_S[window],
-        total=len(lines),
-        completed=0,
-        failed=0,
-    )
+    values = {
+        "id": "batch_" + secrets.token_hex(12),
+        "tenant_id": tenant_id,
+        "key_id": key_id,
+        "endpoint": endpoint,
+        "input_file_id": input_file_id,
+        "completion_window": window,
+        "status": "validating",
+        "batch_metadata": metadata or None,
+        "created_at": now,
+        "expires_at": now + WINDOW_S[window],
+        "total": len(lines),
+        "completed": 0,
+        "failed": 0,
+    }
     rows = [
-        {"batch_id": batch.id, "line": i, "custom_id": ln.custom_id, "body": json.dumps(ln.body)}
+        {"batch_id": values["id"], "line": i, "custom_id": ln.custom_id,
+         "body": json.dumps(ln.body), "state": PENDING}
         for i, ln in enumerate(lines)
-    ]
-    async with db.session() as s, s.begin():
-        s.add(batch)
-        await s.flush()
+    ]  # fmt: skip
+
+    def insert_all(conn: Connection) -> None:
+        conn.execute(insert(Batch), [values])
         for start in range(0, len(rows), INSERT_ROWS):
-            chunk = [r | {"state": PENDING} for r in rows[start : start + INSERT_ROWS]]
-            await s.execute(BatchLine.__table__.insert(), chunk)
-    return batch
+            conn.execute(insert(BatchLine), rows[start : start + INSERT_ROWS])
+
+    await write(db, insert_all)
+    return Batch(**values)
 
 
 async def get(db: Database, batch_id: str, tenant_id: str | None = None) -> Batch | None:
@@ -89,13 +92,12 @@ async def page(
 
 async def cancel(db: Database, batch_id: str) -> bool:
     """Cancelling from validating or in progress; False: its status is past that."""
-    async with db.session() as s, s.begin():
-        done = await s.execute(
-            update(Batch)
-            .where(Batch.id == batch_id, Batch.status.in_(CANCELLABLE))
-            .values(status="cancelling", cancelling_at=time.time())
-        )
-    return bool(done.rowcount)
+    stmt = (
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_(CANCELLABLE))
+        .values(status="cancelling", cancelling_at=time.time())
+    )
+    return bool(await write(db, lambda conn: conn.execute(stmt).rowcount))
 
 
 async def active(db: Database) -> list[Batch]:
@@ -105,8 +107,8 @@ async def active(db: Database) -> list[Batch]:
 
 
 async def set_status(db: Database, batch_id: str, status: str, **values: Any) -> None:
-    async with db.session() as s, s.begin():
-        await s.execute(update(Batch).where(Batch.id == batch_id).values(status=status, **values))
+    stmt = update(Batch).where(Batch.id == batch_id).values(status=status, **values)
+    await write(db, lambda conn: conn.execute(stmt))
 
 
 async def pending(db: Database, batch_id: str, skip: set[int], limit: int) -> list[BatchLine]:
@@ -120,36 +122,36 @@ async def pending(db: Database, batch_id: str, skip: set[int], limit: int) -> li
 
 async def answer(db: Database, batch_id: str, line: int, state: str, result: dict) -> None:
     """A line's answer and the batch's count, together, once."""
-    async with db.session() as s, s.begin():
-        changed = await s.execute(
-            update(BatchLine)
-            .where(
-                BatchLine.batch_id == batch_id,
-                BatchLine.line == line,
-                BatchLine.state == PENDING,
-            )
-            .values(state=state, result=json.dumps(result))
-        )
-        if changed.rowcount:
-            count = Batch.completed if state == DONE else Batch.failed
-            await s.execute(
-                update(Batch).where(Batch.id == batch_id).values({count.key: count + 1})
-            )
+    mark = (
+        update(BatchLine)
+        .where(BatchLine.batch_id == batch_id, BatchLine.line == line, BatchLine.state == PENDING)
+        .values(state=state, result=json.dumps(result))
+    )
+    count = Batch.completed if state == DONE else Batch.failed
+    add = update(Batch).where(Batch.id == batch_id).values({count.key: count + 1})
+
+    def both(conn: Connection) -> None:
+        if conn.execute(mark).rowcount:
+            conn.execute(add)
+
+    await write(db, both)
 
 
-async def close_rest(db: Database, batch_id: str, state: str, skip: set[int]) -> list[BatchLine]:
+async def close_rest(db: Database, batch_id: str, state: str, skip: set[int]) -> int:
     """Every pending line but those running (`skip`) given `state` (expired, cancelled,
-    failed); the lines it closed. Failed ones count as failed."""
-    async with db.session() as s, s.begin():
-        q = select(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.state == PENDING)
-        rows = [r for r in (await s.scalars(q)).all() if r.line not in skip]
-        for r in rows:
-            r.state = state
-        if rows and state == FAILED:
-            await s.execute(
-                update(Batch).where(Batch.id == batch_id).values(failed=Batch.failed + len(rows))
-            )
-    return rows
+    failed); how many. Failed ones count as failed."""
+    close = update(BatchLine).where(
+        BatchLine.batch_id == batch_id, BatchLine.state == PENDING, BatchLine.line.not_in(skip)
+    )
+
+    def closed(conn: Connection) -> int:
+        n = conn.execute(close.values(state=state)).rowcount
+        if n and state == FAILED:
+            failed = Batch.failed + n
+            conn.execute(update(Batch).where(Batch.id == batch_id).values(failed=failed))
+        return n
+
+    return await write(db, closed)
 
 
 async def pending_count(db: Database, batch_id: str) -> int:
