@@ -198,6 +198,10 @@ class ModelCard:
     # (a Matryoshka-trained model's, as its configuration says)
     embedding_size: int | None = None
     truncatable: bool = False
+    # what a request that leaves a sampling option out is sampled with (temperature,
+    # top_p, top_k, min_p, repetition_penalty): the model's own advice
+    # (gateway.backends.generation_config); an option not here takes the API's default
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.backends import BackendSpec, replica_count
 from gateway.backends.default_model import starter_backends
+from gateway.backends.generation_config import checked
 from gateway.backends.spec import LoraModule, parse_lora_modules
 from gateway.config_check import ConfigError, check_parsers, check_types, table, text
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
@@ -472,7 +473,13 @@ def _backend_entry(path: Path, i: int, entry: Any) -> BackendSpec:
         for field in ("reasoning_parser", "tool_call_parser")
         if field in options
     }
-    return with_lora(BackendSpec(name, kind, model, served, options, **parsers), modules)
+    generation = table(options.pop("generation_config", {}), f"{key}.generation_config")
+    try:
+        overrides = checked(generation, f"{key}.generation_config")
+    except ValueError as e:
+        raise ConfigError(f"{key}.generation_config", str(e)) from None
+    spec = BackendSpec(name, kind, model, served, options, **parsers, generation_config=overrides)
+    return with_lora(spec, modules)
 
 
 def pick_backend_type() -> str:

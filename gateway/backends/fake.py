@@ -126,6 +126,7 @@ class FakeBackend:
         self.fail_rate = float(opts.get("fail_rate", 0))
         self.down = bool(opts.get("down", False))
         self.context_length = int(opts.get("context_length", 4096))
+        self.sampling_defaults = spec.generation_config  # the entry's, as a model's own
         self.max_running = int(opts.get("max_running", 256))
         in_flight = opts.get("max_in_flight")
         self.max_in_flight = None if in_flight is None else int(in_flight)
@@ -164,7 +165,9 @@ class FakeBackend:
                     truncatable=self.truncatable,
                 )
             ]
-        return [ModelCard(self.model_id, self.name, self.context_length)]
+        card = ModelCard(self.model_id, self.name, self.context_length)
+        card.sampling_defaults = self.sampling_defaults
+        return [card]
 
     async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         if self.down or not self.started:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
 from collections.abc import AsyncIterator, Callable
 
 from backend_gpu import AsyncLLM, EngineStats, RequestOutput
@@ -35,6 +36,7 @@ from engine_api.records import (
     Usage,
 )
 from gateway.backends.common import check_model, render_off_loop
+from gateway.backends.generation_config import from_hf_dir
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
@@ -98,6 +100,11 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
 
     def _context_length(self) -> int:
         return self.engine.max_model_len
+
+    def _model_sampling(self, path: str) -> dict[str, float]:
+        # a Hugging Face directory's generation_config.json (a GGUF file on this engine
+        # is read by the gguf package, whose reader is not kept: none there)
+        return from_hf_dir(path) if os.path.isdir(path) else {}
 
     def _card_fields(self) -> dict:
         engine = self.engine

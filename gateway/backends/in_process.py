@@ -36,7 +36,7 @@ from gateway.backends.common import (
     render_prompt,
     served_model_id,
 )
-from gateway.backends.default_model import default_model_path, model_path
+from gateway.backends.default_model import default_model_path, model_path, packaged_sampling
 from gateway.backends.spec import BackendSpec
 
 E = TypeVar("E")  # the engine
@@ -79,6 +79,7 @@ class InProcessBackend(ABC, Generic[E]):
         self.spec = spec
         self.model_id = served_model_id(spec)
         self._engine: E | None = None
+        self._sampling: dict[str, float] = {}  # the card's sampling_defaults
 
     async def start(self) -> None:
         if self._engine is not None:
@@ -88,6 +89,8 @@ class InProcessBackend(ABC, Generic[E]):
         else:
             path = str(await asyncio.to_thread(default_model_path))
         self._engine = await self._start_engine(path)
+        own = self._model_sampling(path) | packaged_sampling(self.spec.model)
+        self._sampling = own | self.spec.generation_config
 
     @abstractmethod
     async def _start_engine(self, path: str) -> E:
@@ -103,11 +106,18 @@ class InProcessBackend(ABC, Generic[E]):
     def models(self) -> list[ModelCard]:
         length = self._context_length() if self._engine is not None else 0
         fields = self._card_fields() if self._engine is not None else {}
-        return [ModelCard(id=self.model_id, backend=self.name, context_length=length, **fields)]
+        card = ModelCard(self.model_id, self.name, length, **fields)
+        card.sampling_defaults = self._sampling
+        return [card]
 
     def _card_fields(self) -> dict[str, Any]:
         """The model card's fields beyond its id and context length (what an embedding
         model's card says)."""
+        return {}
+
+    def _model_sampling(self, path: str) -> dict[str, float]:
+        """The sampling defaults the model at `path` carries (gateway.backends.
+        generation_config), read once at start."""
         return {}
 
     @abstractmethod

@@ -36,6 +36,7 @@ from engine_api.records import (
 )
 from gateway.backends.base import SPARE_SEATS
 from gateway.backends.common import check_model, render_off_loop
+from gateway.backends.generation_config import from_gguf
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 from gateway.backends.spec import BackendSpec
 
@@ -78,6 +79,9 @@ class LocalBackend(InProcessBackend[LocalEngine]):
 
     def _context_length(self) -> int:
         return self.engine.context_length
+
+    def _model_sampling(self, path: str) -> dict[str, float]:
+        return from_gguf(self.engine.model.meta)
 
     def _card_fields(self) -> dict:
         engine = self.engine

@@ -31,7 +31,9 @@ class BackendSpec:
     options: type-specific settings (engine arguments, fake timings...);
     lora_modules: public LoRA adapters over its model (the gateway registers them);
     reasoning_parser, tool_call_parser: the output parsers of its replies (gateway.parsers'
-    names; None: detected from the model, gateway.serving.parser_choice).
+    names; None: detected from the model, gateway.serving.parser_choice);
+    generation_config: sampling defaults over the model's own (vLLM's
+    --override-generation-config; gateway.backends.generation_config).
     """
 
     name: str
@@ -42,6 +44,7 @@ class BackendSpec:
     lora_modules: list[LoraModule] = field(default_factory=list)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    generation_config: dict[str, float] = field(default_factory=dict)
 
 
 def replica_count(spec: BackendSpec) -> int:

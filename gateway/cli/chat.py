@@ -239,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="the model id to ask for (default: the first served)")
     parser.add_argument("--max-tokens", type=int, default=256, help="per reply (default 256)")
     parser.add_argument("--system", metavar="TEXT", help="a system prompt")
-    parser.add_argument("--temperature", type=float, help="default: the server's (1.0)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="default: the model's (its generation config), else 1.0",
+    )
     return parser
 
 

@@ -281,7 +281,9 @@ class MessagesRequest(CountTokensRequest):
 
     def sampling_fields(self) -> dict[str, Any]:
         """The chat completion fields of the sampling options."""
-        fields: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        fields: dict[str, Any] = {"max_tokens": self.max_tokens}
+        if "temperature" in self.model_fields_set:  # else the model's default, then 1.0
+            fields["temperature"] = self.temperature
         optional = {
             "stop": self.stop_sequences,
             "top_p": self.top_p,

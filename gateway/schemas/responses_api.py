@@ -304,6 +304,8 @@ class ResponseCreateRequest(_Body):
             or None,
             "tool_choice": self._chat_tool_choice(),
         }
+        for unset in {"temperature", "top_p"} - self.model_fields_set:
+            del body[unset]  # the model's default, then the API's
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.response_format()
         try:

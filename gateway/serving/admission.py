@@ -96,7 +96,9 @@ async def prepare(
         gw, served, candidates, renderer, prompts, salt, reservation, adapter
     )
     request_id = (id_prefix or ("chatcmpl-" if chat else "cmpl-")) + os.urandom(12).hex()
-    requests = _requests(request_id, body, principal, plan, prompts, salt, shared_lens, structured)
+    requests = _requests(
+        request_id, body, principal, plan, prompts, salt, shared_lens, structured, card
+    )
     if adapter is not None:
         requests = [dataclasses.replace(r, model=served, adapter=adapter) for r in requests]
         gw.adapters.acquire(adapter.name)  # released when the Job finishes
@@ -299,9 +301,12 @@ def _requests(
     salt: str,
     shared_lens: list[int],
     structured: StructuredOutput | None,
+    card: ModelCard,
 ) -> list[GenRequest]:
-    """One GenRequest per choice, prompt-major; seeds differ by choice. A body's
-    priority only yields: never ahead of the principal's."""
+    """One GenRequest per choice, prompt-major; seeds differ by choice; what the body
+    leaves out of sampling takes the card's defaults. A body's priority only yields:
+    never ahead of the principal's."""
+    defaults = card.sampling_defaults
     priority = principal.priority
     if body.priority is not None:
         priority = max(priority, body.priority)
@@ -310,7 +315,7 @@ def _requests(
             request_id if plan.choices == 1 else f"{request_id}-{i}",
             body.model,
             prompts[i // body.n],
-            sampling(body, plan.max_tokens[i // body.n], i % body.n, structured),
+            sampling(body, plan.max_tokens[i // body.n], i % body.n, structured, defaults),
             principal.tenant_id or "",
             salt,
             priority,

@@ -1,9 +1,14 @@
 """A request body's sampling options as the engines' SamplingParams: one choice at a
 time (its seed offset by its index), with the structured output a forced tool call or
 the body asks for. Shared by admission and a worker's own /v1/completions.
+
+An option the body leaves out takes the model's default where its card has one
+(ModelCard.sampling_defaults: its generation_config, as vLLM does), else the API's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
@@ -24,14 +29,26 @@ def sampling(
     max_tokens: int,
     choice: int,
     structured: StructuredOutput | None,
+    defaults: Mapping[str, float] | None = None,
 ) -> SamplingParams:
     """The body's sampling options for one choice (its seed offset by the choice's index);
-    `structured` is structured_output(body), made once for all the choices."""
+    `structured` is structured_output(body), made once for all the choices; `defaults`
+    the model's, for the options the body leaves out."""
+    given = body.model_fields_set
+    if defaults:
+        model = {k: v for k, v in defaults.items() if k not in given}
+        temperature = model.get("temperature", body.temperature)
+        top_p, top_k = model.get("top_p", body.top_p), int(model.get("top_k", body.top_k))
+        min_p = model.get("min_p", body.min_p)
+        repetition = model.get("repetition_penalty", body.repetition_penalty)
+    else:
+        temperature, top_p, top_k = body.temperature, body.top_p, body.top_k
+        min_p, repetition = body.min_p, body.repetition_penalty
     return SamplingParams(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         stop=body.stop or [],
@@ -39,7 +56,7 @@ def sampling(
         seed=None if body.seed is None else body.seed + choice,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=repetition,
         logprobs=body.num_logprobs,
         prompt_logprobs=body.num_prompt_logprobs,
         logit_bias=body.token_bias(),
