@@ -14,7 +14,8 @@ an aiohttp client; latency from an open-loop aiohttp client at a fixed request r
 With --before, it compares the gateway at REV with this tree's instead
 (studies.gateway_before: chat and text completions, whole and streamed, at each
 --conns, runs in the order before, after, after, before) and writes
-gateway_before.json and gateway_before.png.
+gateway_before.json and gateway_before.png. With --parsers REASONING,TOOLS, the gateway
+with those output parsers on against none (studies.gateway_parsers), gateway_parsers.json.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.options import DefaultsHelpFormatter
-from studies import gateway_before
+from studies import gateway_before, gateway_parsers
 from studies.gateway_load import (
     start_kvgate,
     start_server,
@@ -190,12 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--apis", type=_names, default=list(gateway_before.APIS))
     p.add_argument("--modes", type=_names, default=list(gateway_before.MODES))
     p.add_argument("--conns", type=_names, default=[1, 32], help="wrk connections per case")
+    p.add_argument("--parsers", help="REASONING,TOOLS: the gateway with these parsers on, not")
     args = p.parse_args(argv)
     if args.direct_server:
         run_direct_server(args.direct_server)
         return 0
     if args.before:
         return _compare(args)
+    if args.parsers:
+        result = gateway_parsers.compare(args)
+        print(json.dumps(result["summary"], indent=2))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gateway_parsers.json").write_text(json.dumps(result, indent=2))
+        return 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         direct = start_direct(free_port())
