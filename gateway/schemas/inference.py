@@ -56,11 +56,17 @@ class ChatMessage(_Body):
     name: Name | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: ToolCallId | None = None
+    # a reply's reasoning sent back with it (the SDKs send a reply's message as it came):
+    # to the template as reasoning_content, which Qwen3's renders in a tool loop's turns
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _check_tool_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls are only allowed on assistant messages")
+        if (self.reasoning or self.reasoning_content) is not None and self.role != "assistant":
+            raise ValueError("reasoning is only allowed on assistant messages")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         return self
@@ -75,6 +81,8 @@ class ChatMessage(_Body):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
             out["name"] = self.name
+        if thought := self.reasoning_content or self.reasoning:
+            out["reasoning_content"] = thought
         return out
 
     def text(self) -> str:

@@ -89,6 +89,12 @@ def test_chat_reasoning_and_calls_whole_and_streamed(gateway):
     assert reply.choices[0].finish_reason == "tool_calls"
     details = reply.usage.completion_tokens_details
     assert 0 < details.reasoning_tokens < reply.usage.completion_tokens
+    # the reply's message sent back as the SDK sends it (its reasoning too), and the result
+    result = {"role": "tool", "tool_call_id": call.id, "content": "-3 C"}
+    after = c.chat.completions.create(
+        model="qwen", messages=[*ASK, message, result], extra_body={"mock_response": "Cold."}
+    )
+    assert after.choices[0].message.content == "Cold."
 
     stream = c.chat.completions.create(
         **asked,
