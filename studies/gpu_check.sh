@@ -114,5 +114,8 @@ step gpt_oss_mxfp4 "${MXFP4_S:-60}" "$python" -m studies.gpt_oss_throughput --de
 # 16 and 128 heads, batches 1-64 of 4k-32k tokens): the MLA kernel against the dense
 # kernel over every head's keys and values, and the latent bytes it reads a second
 step deepseek_mla "${MLA_S:-60}" "$python" -m studies.deepseek_mla --device cuda --out "$out"
+# issue 49: EAGLE-3's verifying step (a random head's 3 chained passes and the target over
+# 4 positions a sequence) against a plain decode step, a random 1.1B Llama, batch 1-64
+step eagle3_verify "${EAGLE3_S:-120}" "$python" -m studies.eagle3_gpu --out "$out"
 # new steps above this line
 exit "$tests"

@@ -268,3 +268,15 @@ def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir,
     assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == [o.token_ids for o in want]
     assert spec.stats().num_draft_tokens > 0
     assert_head_blocks_back(spec)
+
+
+def test_the_gpu_steps_study_runs_on_a_tiny_shape(tmp_path):
+    """studies/eagle3_gpu (a gpu_check.sh step) on the CPU: a random head of the
+    target's shape written and loaded, both engines' step times per batch."""
+    from studies import eagle3_gpu
+
+    args = ["--out", str(tmp_path), "--shape", "tiny", "--device", "cpu", "--dtype", "float32"]
+    result = eagle3_gpu.main([*args, "--batches", "1", "2", "--steps", "2", "--prompt", "8"])
+    assert [row["batch"] for row in result["rows"]] == [1, 2]
+    assert all(row["eagle3_step_ms"] > 0 and row["plain_step_ms"] > 0 for row in result["rows"])
+    assert (tmp_path / "eagle3_gpu.json").exists()
