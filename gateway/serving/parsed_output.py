@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.backends import GenChunk
+from gateway.backends import GenChunk, ParsedChunk
 from gateway.parsers import OutputParser, ToolCallDelta, output_parser
 from gateway.serving.job import Job
 from gateway.serving.parser_choice import Parsers, parsers_of
@@ -79,8 +79,7 @@ class ChoiceOutput:
 
     def feed(self, chunk: GenChunk) -> Piece:
         piece = self._text(chunk)
-        passed = getattr(chunk, "reasoning", "") or getattr(chunk, "tool_calls", None)
-        if passed:  # an upstream's own parse (gateway.backends.remote_openai's ParsedChunk)
+        if type(chunk) is ParsedChunk:  # an upstream's own parse (backends.remote_parsed)
             return self._passed(chunk).extend(piece)
         return piece
 
@@ -143,7 +142,7 @@ class ChoiceOutput:
     def _may_call(self) -> bool:
         return self.plan.parallel or not self.ids
 
-    def _passed(self, chunk: Any) -> Piece:
+    def _passed(self, chunk: ParsedChunk) -> Piece:
         """An upstream's parsed chunk (its call deltas checked for shape by
         gateway.backends.remote_parsed)."""
         reasoning = chunk.reasoning or ""
