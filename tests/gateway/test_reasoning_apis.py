@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.config import load_settings
+from gateway.config_check import ConfigError
 from tests.conftest import ADMIN_KEY, LiveGateway, free_port, start_gateway
 
 THOUGHT = "The user wants the weather in Oslo."
@@ -283,3 +285,20 @@ def test_an_unknown_parser_is_refused_at_start_with_the_valid_ones(tmp_path, fla
         timeout=60,
     )
     assert done.returncode == 2 and named in done.stderr, done.stderr
+
+
+def test_an_entrys_parsers_and_the_servers_are_checked_and_resolved(tmp_path):
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text(
+        config() + '\n[[backends]]\nname = "bad"\ntype = "fake"\ntool_call_parser = "xml"\n'
+    )
+    with pytest.raises(ConfigError, match="backend 'bad': tool_call_parser 'xml' is not one of"):
+        load_settings(cfg, environ={})
+    cfg.write_text(config())
+    settings = load_settings(cfg, environ={"KVGATE_TOOL_CALL_PARSER": "pythonic"})
+    parsers = {
+        s.name: (s.reasoning_parser, s.tool_call_parser) for s in settings.resolved_backends()
+    }
+    assert parsers["qwen"] == ("qwen3", "hermes")  # its own
+    assert parsers["r1"] == ("deepseek_r1", "pythonic")  # the server's where it names none
+    assert parsers["plain"] == (None, "pythonic")
