@@ -1,0 +1,161 @@
+"""Issue 50's measurement, the part the fake backend can make: batch work beside
+interactive requests on a backend of two slots (the fake backend behind the gateway's
+fair queue, `max_in_flight = 2`), all phases in one run against one gateway.
+
+- interactive median latency alone, beside a running batch, and beside the same lines
+  sent as ordinary requests at full concurrency by another tenant (today's way);
+- the batch's completion tokens/s with the server otherwise idle, against the same lines
+  sent as ordinary requests at full concurrency.
+
+The fake backend has no engine scheduler: a line that holds a slot is not preempted, so
+an interactive request waits at most for a slot to free (the runner starts no line
+while one waits). The gpu engine's preemption and its figures are a later step.
+
+    .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from studies.harness import start_gateway, tenant_key, toml_backend
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+def config(args: argparse.Namespace) -> str:
+    server = f"[server]\nbatch_in_flight = {args.batch_in_flight}\n\n"
+    fake = toml_backend(
+        "fake", "fake", "fake", max_in_flight=2, ttft_ms=args.ttft_ms,
+        tokens_per_second=args.tokens_per_second,
+    )  # fmt: skip
+    return server + fake
+
+
+async def one(http: httpx.AsyncClient, key: str, max_tokens: int) -> tuple[float, int]:
+    """A chat request's latency (s) and completion tokens."""
+    start = time.perf_counter()
+    r = await http.post(
+        "/v1/chat/completions",
+        json=CHAT | {"max_tokens": max_tokens},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    r.raise_for_status()
+    return time.perf_counter() - start, r.json()["usage"]["completion_tokens"]
+
+
+async def interactive(http: httpx.AsyncClient, key: str, args: argparse.Namespace) -> float:
+    """The median latency of `--interactive` requests sent one after another."""
+    times = [(await one(http, key, args.max_tokens))[0] for _ in range(args.interactive)]
+    return statistics.median(times)
+
+
+async def submit_batch(http: httpx.AsyncClient, key: str, args: argparse.Namespace) -> str:
+    auth = {"Authorization": f"Bearer {key}"}
+    lines = [
+        {"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": CHAT | {"max_tokens": args.max_tokens}}
+        for i in range(args.lines)
+    ]  # fmt: skip
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = await http.post(
+        "/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}, headers=auth
+    )
+    f.raise_for_status()
+    body = {"input_file_id": f.json()["id"], "endpoint": "/v1/chat/completions"}
+    b = await http.post("/v1/batches", json=body | {"completion_window": "24h"}, headers=auth)
+    b.raise_for_status()
+    return b.json()["id"]
+
+
+async def batch_done(http: httpx.AsyncClient, key: str, batch_id: str) -> dict:
+    while True:
+        r = await http.get(f"/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {key}"})
+        batch = r.json()
+        if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        await asyncio.sleep(0.05)
+
+
+async def ordinary(http: httpx.AsyncClient, key: str, args: argparse.Namespace) -> list:
+    return await asyncio.gather(*(one(http, key, args.max_tokens) for _ in range(args.lines)))
+
+
+async def phases(url: str, args: argparse.Namespace) -> dict:
+    fg = tenant_key(url, "interactive")
+    limits = httpx.Limits(max_connections=args.lines + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        await interactive(http, fg, args)  # warm-up
+        alone = await interactive(http, fg, args)
+        # the batch's throughput, the server otherwise idle
+        bg = tenant_key(url, "batch-idle")
+        start = time.perf_counter()
+        done = await batch_done(http, bg, await submit_batch(http, bg, args))
+        batch_s = time.perf_counter() - start
+        assert done["request_counts"]["completed"] == args.lines, done
+        # the same lines as ordinary requests at full concurrency
+        start = time.perf_counter()
+        answers = await ordinary(http, tenant_key(url, "ordinary-idle"), args)
+        ordinary_s = time.perf_counter() - start
+        tokens = sum(n for _, n in answers)
+        # interactive beside a running batch
+        bg = tenant_key(url, "batch-beside")
+        batch_id = await submit_batch(http, bg, args)
+        beside_batch = await interactive(http, fg, args)
+        # whether the batch still ran when the last interactive request ended
+        auth = {"Authorization": f"Bearer {bg}"}
+        batch_throughout = (await http.get(f"/v1/batches/{batch_id}", headers=auth)).json()
+        await batch_done(http, bg, batch_id)
+        # interactive beside the same lines as ordinary requests
+        flood = asyncio.ensure_future(ordinary(http, tenant_key(url, "ordinary-beside"), args))
+        await asyncio.sleep(0.05)
+        beside_ordinary = await interactive(http, fg, args)
+        flood_throughout = not flood.done()
+        await flood
+    return {
+        "interactive_median_s": {
+            "alone": alone, "beside_batch": beside_batch, "beside_ordinary": beside_ordinary,
+        },
+        "competition_throughout": {
+            "batch": batch_throughout["status"] == "in_progress",
+            "ordinary": flood_throughout,
+        },
+        "beside_batch_vs_alone": beside_batch / alone,
+        "beside_ordinary_vs_alone": beside_ordinary / alone,
+        "batch_tokens_per_s": tokens / batch_s,
+        "ordinary_tokens_per_s": tokens / ordinary_s,
+        "batch_vs_ordinary_tokens_per_s": ordinary_s / batch_s,
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lines", type=int, default=160, help="lines in the batch")
+    p.add_argument("--interactive", type=int, default=30, help="interactive requests a phase")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--ttft-ms", type=int, default=20)
+    p.add_argument("--tokens-per-second", type=float, default=400)
+    p.add_argument("--batch-in-flight", type=int, default=4)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        start_gateway(Path(tmp), "batch-yield", config(args)) as gw,
+    ):
+        report = {"args": vars(args) | {"out": None}} | asyncio.run(phases(gw.url, args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
