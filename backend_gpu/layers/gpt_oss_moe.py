@@ -11,8 +11,9 @@ loader, quantize_model and kvgate plan treat it as the other models' experts), a
 Mxfp4Experts, the published checkpoints' MXFP4 kept packed (quantization/mxfp4.py).
 
 Both run a step's (token, expert) pairs sorted by expert, as layers/moe.py does. The
-CPU: a matmul per expert over its run, an MXFP4 expert widened first, one at a time (its
-16-bit copy lives for its two matmuls). CUDA: two grouped GEMM launches for all experts
+CPU: a matmul per expert over its run into one buffer of all runs, the biases and the
+activation once over it; an MXFP4 expert's matrix widened for its one matmul (its
+16-bit copy lives for that matmul alone). CUDA: two grouped GEMM launches for all experts
 (triton_moe.py's, or triton_mxfp4.py's decoding MXFP4 in registers), the biases and the
 activation in torch between them, no host sync, so decodes stay in CUDA graphs.
 """
@@ -80,11 +81,11 @@ class BiasedExperts(FusedExperts):
         """Stacked: one tensor per projection (and bias) for all of this rank's experts."""
         return [f"{prefix}.{name}" for name, _ in self.named_parameters()]
 
-    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (gate_up, down) in `dtype`, 8-bit ones widened by their row scales."""
-        return (
-            _widened(self.gate_up_proj[e], self.gate_up_scale, e, dtype),
-            _widened(self.down_proj[e], self.down_scale, e, dtype),
+    def expert_weight(self, e: int, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's `which` ("gate_up" or "down") in `dtype`, 8-bit widened by its row
+        scales."""
+        return _widened(
+            getattr(self, f"{which}_proj")[e], getattr(self, f"{which}_scale"), e, dtype
         )
 
     def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
@@ -124,12 +125,13 @@ class Mxfp4Experts(nn.Module):
             nn.Parameter(torch.empty(shard.count, hidden_size)) if down_bias else None
         )
 
-    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (gate_up, down) widened to `dtype`."""
-        return (
-            mxfp4.dequantize(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], dtype),
-            mxfp4.dequantize(self.down_proj_blocks[e], self.down_proj_scales[e], dtype),
+    def expert_weight(self, e: int, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's `which` ("gate_up" or "down") widened to `dtype`."""
+        blocks, scales = (
+            getattr(self, f"{which}_proj_blocks"),
+            getattr(self, f"{which}_proj_scales"),
         )
+        return mxfp4.dequantize(blocks[e], scales[e], dtype)
 
     def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
         from backend_gpu.layers.triton_mxfp4 import mxfp4_grouped_gemm
@@ -170,29 +172,45 @@ def expert_mlps(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) -
     return per_expert(experts, x, weights, ids)
 
 
+@torch.no_grad()  # inference only: the products are written into one buffer (out=)
 def per_expert(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) -> torch.Tensor:
-    """The torch path: the pairs sorted by expert, a matmul per expert over its run."""
+    """The torch path: the pairs sorted by expert, a matmul per expert over its run (an
+    expert no token chose is never read, nor widened), each written into one buffer of
+    all the runs, so the biases and the activation are one op each over every pair
+    rather than one per expert (the bias added after the product, as transformers
+    does); an MXFP4 expert's two matrices are never widened at once."""
     tokens, k = ids.shape
     count = experts.shard.count
-    local = local_expert_ids(experts, ids)
+    local = local_expert_ids(experts, ids).flatten()
     order = local.argsort(stable=True)
     runs = torch.bincount(local, minlength=count + 1).tolist()[:count]
     held = sum(runs)
-    pairs = order[:held]  # the pairs on this rank's experts, by expert
     out = x.new_zeros(tokens * k, x.shape[-1])
     if held:
-        rows, outs, start = x[pairs // k], [], 0
-        down_bias = experts.down_proj_bias
-        for e, run in enumerate(runs):
-            if not run:
-                continue
-            gate_up, down = experts.expert_weights(e, x.dtype)
-            h = F.linear(rows[start : start + run], gate_up, experts.gate_up_proj_bias[e])
-            bias = None if down_bias is None else down_bias[e]
-            outs.append(F.linear(experts.activation(h), down, bias))
-            start += run
-        out[pairs] = torch.cat(outs)
+        pairs = order[:held]  # the pairs on this rank's experts, by expert
+        chosen = local[pairs]
+        h = _runs(experts, "gate_up", x[pairs // k], runs)
+        h += experts.gate_up_proj_bias[chosen]
+        y = _runs(experts, "down", experts.activation(h), runs)
+        if experts.down_proj_bias is not None:
+            y += experts.down_proj_bias[chosen]
+        out[pairs] = y
     return (out.view(tokens, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> torch.Tensor:
+    """Each run of `rows` times its expert's `which` weight, into one [rows, out] tensor;
+    an MXFP4 expert is widened for its one matmul."""
+    out, start = None, 0
+    for e, run in enumerate(runs):
+        if not run:
+            continue
+        weight = experts.expert_weight(e, which, rows.dtype)
+        if out is None:
+            out = rows.new_empty(rows.shape[0], weight.shape[0])
+        torch.mm(rows[start : start + run], weight.t(), out=out[start : start + run])
+        start += run
+    return out
 
 
 def grouped_kernels(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor):
