@@ -8,6 +8,7 @@ token for token, sampled output must keep the target's distribution, and every b
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.config import EngineConfig
+from engine_api.records import AdapterRef
 from tests.backend_gpu.eagle3_heads import edit_config, edit_tensors, write_random_head
 from tests.backend_gpu.test_spec_decode import (
     GREEDY,
@@ -280,3 +282,55 @@ def test_the_gpu_steps_study_runs_on_a_tiny_shape(tmp_path):
     assert [row["batch"] for row in result["rows"]] == [1, 2]
     assert all(row["eagle3_step_ms"] > 0 and row["plain_step_ms"] > 0 for row in result["rows"])
     assert (tmp_path / "eagle3_gpu.json").exists()
+
+
+def test_a_head_runs_whole_beside_rank_zero(llama_head):
+    """Two ranks: the target's hidden states are kept on rank 0 (whole there after each
+    layer's all-reduce) and the head runs whole beside it; greedy output is one rank's."""
+    from tests.backend_gpu.test_tensor_parallel import assert_same_greedy, prompts, reference
+
+    target, head = llama_head
+    one = LLM(target)
+    prompt_ids = prompts(one.tokenizer)
+    refs = reference(one, prompt_ids)
+    two = LLM(target, tensor_parallel_size=2, speculative_config=eagle3(head))
+    try:
+        assert_same_greedy(two, refs, prompt_ids)
+        assert two.stats().num_drafts > 0
+        proposer = two.engine.speculator.proposer
+        assert proposer.runner.ranks is None and proposer.runner.kv_shape == (2, 16)
+        assert two.engine.runner.aux_states is not None
+    finally:
+        two.engine.close()
+
+
+def test_adapter_requests_decode_plainly_beside_drafted_ones(tiny_model_dir, tmp_path):
+    """The head knows the base model only: an adapter's request decodes one token a
+    step (no rows kept for it), a base request in the same batch is drafted for."""
+    from tests.backend_gpu.lora_adapters import save_random_adapter
+    from tests.requests import req
+
+    target = tiny_model_dir("llama")
+    head = write_random_head(target, str(tmp_path / "h"))
+    adapter = AdapterRef("a", str(tmp_path / "a"))
+    save_random_adapter(target, adapter.path, r=8, targets=["q_proj", "v_proj"])
+    opts = {"enable_lora": True, "kv_cache_memory_bytes": 1 << 23}
+    prompt = copy_prompts(LLM(target).tokenizer)[0]
+
+    def run(llm):
+        engine = llm.engine
+        for rid, ref in (("lora", adapter), ("base", None)):
+            engine.add_request(dataclasses.replace(req(rid, prompt, GREEDY), adapter=ref))
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id] = out.token_ids
+                if out.request_id == "lora" and engine.speculator is not None:
+                    assert "lora" not in engine.speculator.proposer.states
+        return outs
+
+    want = run(LLM(target, **opts))
+    spec = LLM(target, **opts, speculative_config=eagle3(head))
+    assert run(spec) == want
+    assert want["lora"] != want["base"]
+    assert spec.stats().num_drafts > 0
