@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
 from gateway.batches import BATCHES
@@ -24,7 +25,10 @@ LARGE_FILE_BYTES = 256 * 1024  # checked in a worker thread past this
 async def create_file(request: web.Request) -> web.Response:
     gw = request.app[GW]
     tenant_id = tenant_of(await gw.authenticate(request))
-    purpose, filename, data = await _read_form(request, gw.settings.max_file_bytes)
+    try:
+        purpose, filename, data = await _read_form(request, gw.settings.max_file_bytes)
+    except (ValueError, HttpProcessingError, web.RequestPayloadError):
+        raise ApiError(400, "The multipart body is malformed.") from None
     if purpose not in PURPOSES:
         raise ApiError(400, f"purpose must be one of {list(PURPOSES)}.", param="purpose")
     max_lines = gw.settings.max_file_lines
@@ -48,7 +52,8 @@ async def _read_form(request: web.Request, limit: int) -> tuple[str | None, str,
         if part.name == "purpose":
             purpose = (await part.read(decode=True)).decode("utf-8", "replace")[:64]
         elif part.name == "file":
-            filename = (part.filename or "file.jsonl")[:MAX_FILENAME]
+            # kept as metadata only (never a path); printable, as PostgreSQL stores it
+            filename = "".join(c for c in part.filename or "" if c.isprintable())[:MAX_FILENAME]
             data = await _read_bounded(part, limit)
         else:
             await part.release()

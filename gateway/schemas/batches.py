@@ -7,11 +7,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from gateway.schemas.base import StrictBody
+from gateway.schemas.base import NO_CONTROL, StrictBody
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
-MetadataKey = Annotated[str, StringConstraints(max_length=64)]
-MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+NO_NUL = r"^[^\x00]*$"  # PostgreSQL stores no NUL
+MetadataKey = Annotated[str, StringConstraints(max_length=64, pattern=NO_NUL)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512, pattern=NO_NUL)]
+FileId = Annotated[str, StringConstraints(min_length=1, max_length=40, pattern=NO_CONTROL)]
 TIMES = (
     "in_progress_at",
     "finalizing_at",
@@ -24,7 +26,7 @@ TIMES = (
 
 
 class BatchCreate(StrictBody):
-    input_file_id: Annotated[str, StringConstraints(min_length=1, max_length=40)]
+    input_file_id: FileId
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"]
     completion_window: Literal["24h"]
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_KEYS)] = {}
@@ -33,7 +35,7 @@ class BatchCreate(StrictBody):
 class BatchListQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    after: Annotated[str, StringConstraints(max_length=40)] | None = None
+    after: Annotated[str, StringConstraints(max_length=40, pattern=NO_CONTROL)] | None = None
     limit: Annotated[int, Field(ge=1, le=100)] = 20
 
 

@@ -30,8 +30,8 @@ class BatchInputLine(BaseModel):
 class FileListQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    purpose: str | None = None
-    after: Annotated[str, StringConstraints(max_length=40)] | None = None
+    purpose: Annotated[str, StringConstraints(max_length=32, pattern=NO_CONTROL)] | None = None
+    after: Annotated[str, StringConstraints(max_length=40, pattern=NO_CONTROL)] | None = None
     limit: Annotated[int, Field(ge=1, le=MAX_PAGE)] = MAX_PAGE
     order: Literal["asc", "desc"] = "desc"
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import select
@@ -209,5 +210,24 @@ def test_a_batch_on_postgresql_killed_and_resumed(tmp_path, pg_schema):
         assert [b.id for b in client.batches.list(limit=1)] == [batch_id]
         usage = json.loads(_cli(again, "--json", "usage"))  # each line billed once
         assert [(b["batch_id"], b["lines"]) for b in usage["batches"]] == [(batch_id, 6)]
+        # what PostgreSQL cannot store is refused or left out, never a 500
+        with pytest.raises(openai.BadRequestError):
+            client.batches.create(
+                input_file_id="file-\x00", endpoint="/v1/completions", completion_window="24h"
+            )
+        part = b'Content-Disposition: form-data; name="file"; filename="a\x00b.jsonl"'
+        form = b"--b\r\n" + part + b"\r\n\r\n" + _jsonl([_line(0)]) + b"\r\n--b\r\n"
+        form += b'Content-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b--\r\n'
+        raw = httpx.post(
+            again.url + "/v1/files",
+            content=form,
+            headers={
+                "Authorization": f"Bearer {key}",
+                "Content-Type": "multipart/form-data; boundary=b",
+            },
+        )
+        assert raw.status_code in (200, 400), raw.text
+        if raw.status_code == 200:  # kept without what PostgreSQL cannot store
+            assert client.files.retrieve(raw.json()["id"]).filename == "ab.jsonl"
     finally:
         again.stop()
