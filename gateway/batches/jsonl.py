@@ -57,8 +57,10 @@ def _why_bad(line: str, seen: set[str], good: list[InputLine]) -> str | None:
     """Why one line is not a request (None: it is one, appended to `good`)."""
     try:
         data = json.loads(line)
+    except RecursionError:
+        return "nested too deep"
     except ValueError as e:
-        return f"not JSON ({e.msg})" if line.strip() else "empty"
+        return f"not JSON ({getattr(e, 'msg', e)})" if line.strip() else "empty"
     try:
         parsed = BatchInputLine.model_validate(data)
     except ValidationError as e:

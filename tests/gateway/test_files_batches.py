@@ -148,7 +148,7 @@ def test_bad_lines_are_named_and_limits_hold(tmp_path):
         tmp_path,
         "--backend",
         "fake",
-        extra_env={"KVGATE_MAX_FILE_LINES": "4", "KVGATE_MAX_FILE_BYTES": "2000"},
+        extra_env={"KVGATE_MAX_FILE_LINES": "5", "KVGATE_MAX_FILE_BYTES": "200000"},
     )
     try:
         _, key = gw.tenant_key("acme")
@@ -158,18 +158,19 @@ def test_bad_lines_are_named_and_limits_hold(tmp_path):
             {"custom_id": "x", "method": "GET", "url": "/v1/completions", "body": {}},
             _line(0),
         ]
-        raw = _jsonl(bad)[:-1] + b"\nnot json\n"
+        raw = _jsonl(bad)[:-1] + b"\nnot json\n" + b"[" * 100_000 + b"\n"
         with pytest.raises(openai.BadRequestError) as e:
             c.files.create(file=("in.jsonl", io.BytesIO(raw)), purpose="batch")
         message = e.value.body["message"]
         assert "line 2: method" in message and "line 3: custom_id 'req-0' is not unique" in message
         assert "line 4: not JSON" in message and "line 1" not in message
-        with pytest.raises(openai.BadRequestError, match="at most 4"):
+        assert "line 5: nested too deep" in message
+        with pytest.raises(openai.BadRequestError, match="at most 5"):
             c.files.create(
-                file=("in.jsonl", io.BytesIO(_jsonl([_line(i) for i in range(5)]))), purpose="batch"
+                file=("in.jsonl", io.BytesIO(_jsonl([_line(i) for i in range(6)]))), purpose="batch"
             )
         with pytest.raises(openai.APIStatusError) as big:
-            c.files.create(file=("in.jsonl", io.BytesIO(b"x" * 3000)), purpose="batch")
+            c.files.create(file=("in.jsonl", io.BytesIO(b"x" * 300_000)), purpose="batch")
         assert big.value.status_code == 413
         with pytest.raises(openai.BadRequestError, match="purpose"):
             c.files.create(file=("in.jsonl", io.BytesIO(_jsonl([_line(0)]))), purpose="fine-tune")
