@@ -19,6 +19,7 @@ from gateway.serving.admission import tenant_of
 from gateway.state import GW
 
 MAX_FILENAME = 255
+MAX_PURPOSE = 64  # bytes of the form's purpose field read at most
 LARGE_FILE_BYTES = 256 * 1024  # checked in a worker thread past this
 
 
@@ -50,7 +51,7 @@ async def _read_form(request: web.Request, limit: int) -> tuple[str | None, str,
         if not isinstance(part, BodyPartReader):
             raise ApiError(400, "Nested multipart bodies are not taken.")
         if part.name == "purpose":
-            purpose = (await part.read(decode=True)).decode("utf-8", "replace")[:64]
+            purpose = (await _read_bounded(part, MAX_PURPOSE)).decode("utf-8", "replace")
         elif part.name == "file":
             # kept as metadata only (never a path); printable, as PostgreSQL stores it
             filename = "".join(c for c in part.filename or "" if c.isprintable())[:MAX_FILENAME]
@@ -67,7 +68,7 @@ async def _read_bounded(part: BodyPartReader, limit: int) -> bytes:
     while chunk := await part.read_chunk(1 << 16):
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"The file is larger than {limit} bytes.", param="file")
+            raise ApiError(413, f"The {part.name} field is larger than {limit} bytes.")
         chunks.append(chunk)
     return b"".join(chunks)
 
