@@ -2,10 +2,10 @@
 a tiny random DeepSeek-V3 with every decoder linear layer's weight (attention, dense
 MLP, each routed and shared expert) quantized here in its tiles to float8_e4m3fn with a
 float32 `weight_scale_inv` a tile, embeddings, norms and the router left as they are.
-The engine's greedy output equals transformers' on the dequantized weights, on one rank
-and on two (a rank's rows cut after widening, off the tiles' edges), its weights exactly
-those values; `quantization="fp8"` holds it in FP8; a config field or a tensor the
-engine cannot honour is refused by name."""
+The engine's greedy output equals transformers' on the dequantized weights, on one rank,
+on two (a rank's part cut after widening, inside a tile) and by expert parallel, its
+weights exactly those values; `quantization="fp8"` holds it in FP8; a config field or a
+tensor the engine cannot honour is refused by name."""
 
 from __future__ import annotations
 
@@ -121,6 +121,17 @@ def test_heads_split_over_two_ranks_equal_transformers(checkpoints, reference):
     every expert its 16 of the 32 intermediate rows and down_proj's columns, a cut
     inside a tile of 24 columns."""
     llm = LLM(checkpoints[0], tensor_parallel_size=2, max_num_batched_tokens=24)
+    check(llm, reference)
+
+
+def test_expert_parallel_over_two_ranks_equals_transformers(checkpoints, reference):
+    """Each rank reads only its experts' weights and scales (the others' neither)."""
+    llm = LLM(
+        checkpoints[0],
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        max_num_batched_tokens=24,
+    )
     check(llm, reference)
 
 
