@@ -43,13 +43,13 @@ CODE_TASKS = [
 
 
 def paragraphs(limit: int) -> list[str]:
-    """Prose paragraphs of docs/*.md (no tables, code or headings), 200-700 characters."""
+    """Prose paragraphs of docs/*.md (no tables, code or headings), 150-500 characters."""
     found = []
     for path in sorted(glob.glob("docs/*.md")):
         with open(path) as f:
             for block in f.read().split("\n\n"):
                 block = block.strip()
-                if 200 <= len(block) <= 700 and block[0].isalpha():
+                if 150 <= len(block) <= 500 and block[0].isalpha():
                     found.append(block)
     random.Random(0).shuffle(found)
     return found[:limit]
@@ -64,7 +64,7 @@ def functions(limit: int) -> list[str]:
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.FunctionDef):
                 text = ast.get_source_segment(source, node) or ""
-                if 150 <= len(text) <= 600:
+                if 120 <= len(text) <= 450:
                     found.append(text)
     random.Random(1).shuffle(found)
     return found[:limit]
@@ -102,10 +102,18 @@ def features(hf_dir: str, seqs: list[list[int]], layers: list[int]):
     """Per sequence: the target's hidden states at `layers` (their inputs) [T, 3H]
     and its choice at every position [T]; and the model's input embedding, lm_head
     and final norm (the head starts from them)."""
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model.eval()
+    # the converted GGUF's files are named as the engine writes them: read them here
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir))
+    state = {}
+    for path in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
+        state.update(load_file(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    model.float().eval()
     aux, choice = [], []
     start = time.perf_counter()
     for i, ids in enumerate(seqs):
@@ -256,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", required=True, help="directory the head is written to")
     p.add_argument("--prompts", type=int, default=96)
     p.add_argument("--max-tokens", type=int, default=96, help="tokens of each generated answer")
+    p.add_argument("--max-prompt", type=int, default=160, help="longest prompt kept (tokens)")
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps")
     p.add_argument("--batch", type=int, default=8)
@@ -281,8 +290,9 @@ def main(argv: list[str] | None = None) -> dict:
     # vLLM's default layers, kept inside a model of fewer than 6 layers
     num_layers = target_config.num_hidden_layers
     layers = [min(max(i, 0), num_layers - 1) for i in default_aux_layers(num_layers)]
-    # prompts that leave room for the answer (at most 512 tokens a sequence)
-    limit = min(target_config.max_position_embeddings, 512) - args.max_tokens
+    # prompts that leave room for the answer; short ones: the target's passes over the
+    # prompts are most of the time before training on a CPU
+    limit = min(target_config.max_position_embeddings - args.max_tokens, args.max_prompt)
     prompt_ids = [ids for ids in prompts(tokenizer, 2 * args.prompts) if len(ids) <= limit]
     prompt_ids = prompt_ids[: args.prompts]
     print(f"[{time.perf_counter() - began:.0f} s] {len(prompt_ids)} prompts; the target answers")
