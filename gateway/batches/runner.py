@@ -36,6 +36,7 @@ log = logging.getLogger("kvgate.batches")
 LOWEST_PRIORITY = 2**31 - 1  # vLLM's priority: lower first; a batch line is last
 POLL_S = 0.5  # how often the runner looks again while nothing wakes it
 PRINCIPAL_TTL_S = 5.0  # a batch's key is read again this often (a revocation stops it)
+LEASE_S = 30.0  # a batch's runner holds it this long; renewed at half of it
 _END_TIME = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}
 _END_TIME |= {"failed": "failed_at"}
 
@@ -60,6 +61,7 @@ class BatchRunner:
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self._principals: dict[str, tuple[Principal | None, float]] = {}
+        self.leases: dict[str, float] = {}  # batch id -> until when this gateway runs it
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._loop(), name="batch-runner")
@@ -87,11 +89,23 @@ class BatchRunner:
             self.wakeup.clear()
             try:
                 for batch in await store.active(self.gw.db):
-                    await self._advance(batch)
+                    if await self._hold(batch):
+                        await self._advance(batch)
             except Exception:  # the database away: try again at the next turn
                 log.exception("the batch runner's turn failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wakeup.wait(), POLL_S)
+
+    async def _hold(self, b: Batch) -> bool:
+        """Whether this gateway runs the batch (gateways on one database share none)."""
+        now = time.time()
+        if self.leases.get(b.id, 0.0) - now > LEASE_S / 2:
+            return True
+        if await store.claim(self.gw.db, b.id, self.gw.settings.instance, now, LEASE_S):
+            self.leases[b.id] = now + LEASE_S
+            return True
+        self.leases.pop(b.id, None)
+        return False
 
     async def _advance(self, b: Batch) -> None:
         db, flying = self.gw.db, self.running.setdefault(b.id, set())
@@ -190,6 +204,7 @@ class BatchRunner:
         self.running.pop(b.id, None)
         self.stopped.pop(b.id, None)
         self._principals.pop(b.id, None)
+        self.leases.pop(b.id, None)
         log.info("batch %s %s", b.id, end)
 
 

@@ -10,7 +10,7 @@ import secrets
 import time
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, tuple_, update
+from sqlalchemy import Connection, func, insert, or_, select, tuple_, update
 
 from gateway.batches.jsonl import InputLine
 from gateway.batches.writes import write
@@ -96,6 +96,20 @@ async def cancel(db: Database, batch_id: str) -> bool:
         update(Batch)
         .where(Batch.id == batch_id, Batch.status.in_(CANCELLABLE))
         .values(status="cancelling", cancelling_at=time.time())
+    )
+    return bool(await write(db, lambda conn: conn.execute(stmt).rowcount))
+
+
+async def claim(db: Database, batch_id: str, runner: str, now: float, lease_s: float) -> bool:
+    """Whether `runner` holds the batch for `lease_s` from `now`: it held it, nobody
+    did, or the holder's lease lapsed."""
+    stmt = (
+        update(Batch)
+        .where(
+            Batch.id == batch_id,
+            or_(Batch.runner.is_(None), Batch.runner == runner, Batch.lease_until < now),
+        )
+        .values(runner=runner, lease_until=now + lease_s)
     )
     return bool(await write(db, lambda conn: conn.execute(stmt).rowcount))
 

@@ -51,6 +51,10 @@ class Batch(Base):
     failed: Mapped[int] = mapped_column(Integer, default=0)
     # why the whole batch failed (OpenAI's `errors.data`), or why its rest was stopped
     errors: Mapped[list | None] = mapped_column(JSON(none_as_null=True))
+    # the gateway whose runner serves it (its `instance`), until when: gateways on one
+    # database run each batch in one of them, and another takes over a lapsed lease
+    runner: Mapped[str | None] = mapped_column(String(200))
+    lease_until: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (Index("ix_batches_tenant_created", "tenant_id", "created_at"),)
 

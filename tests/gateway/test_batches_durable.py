@@ -18,7 +18,10 @@ import openai
 import pytest
 from sqlalchemy import select
 
+from gateway.batches import store
+from gateway.batches.jsonl import InputLine
 from gateway.db import DailyUsage, Database, UsageRecord, migrate
+from gateway.tenancy.tenants import TenantService
 from gateway.tenancy.usage import UsageRecorder, UsageRow
 from tests.conftest import PG_URL, LiveGateway, start_gateway
 from tests.gateway.test_files_batches import _cli, _client, _jsonl, _line, _wait
@@ -36,7 +39,10 @@ ttft_ms = {ttft_ms}
 
 
 def _slow(tmp_path: Path, ttft_ms: int, in_flight: int = 2) -> LiveGateway:
-    return start_gateway(tmp_path, config=SLOW.format(ttft_ms=ttft_ms, in_flight=in_flight))
+    # one instance name across restarts, as a deployment keeps it: a restarted gateway
+    # takes its own batches back at once (another waits for their lease to lapse)
+    config = SLOW.format(ttft_ms=ttft_ms, in_flight=in_flight)
+    return start_gateway(tmp_path, config=config, extra_env={"KVGATE_INSTANCE": "gw-a"})
 
 
 def _submit(client: openai.OpenAI, n: int) -> str:
@@ -186,6 +192,7 @@ async def test_a_batch_line_billed_again_is_one_row(db):
 
 def test_a_batch_on_postgresql_killed_and_resumed(tmp_path, pg_schema):
     env = {"KVGATE_DATABASE_SCHEMA": pg_schema, "KVGATE_FILES_DIR": str(tmp_path / "files")}
+    env["KVGATE_INSTANCE"] = "gw-a"
     config = SLOW.format(ttft_ms=300, in_flight=2)
     gw = start_gateway(tmp_path, database_url=PG_URL, extra_env=env, config=config)
     try:
@@ -231,3 +238,24 @@ def test_a_batch_on_postgresql_killed_and_resumed(tmp_path, pg_schema):
             assert client.files.retrieve(raw.json()["id"]).filename == "ab.jsonl"
     finally:
         again.stop()
+
+
+async def test_one_gateway_runs_a_batch_until_its_lease_lapses(db) -> None:
+    tenants = TenantService(db)
+    tenant = await tenants.create_tenant("acme", {}, "test")
+    batch = await store.create(
+        db,
+        tenant["id"],
+        "key_1",
+        "/v1/completions",
+        "file-1",
+        "24h",
+        {},
+        [InputLine("a", "/v1/completions", {})],
+    )
+    assert await store.claim(db, batch.id, "gw-a", 100.0, 30.0)
+    assert not await store.claim(db, batch.id, "gw-b", 110.0, 30.0)  # gw-a holds it
+    assert await store.claim(db, batch.id, "gw-a", 120.0, 30.0)  # renewed, or back after a restart
+    assert not await store.claim(db, batch.id, "gw-b", 149.0, 30.0)
+    assert await store.claim(db, batch.id, "gw-b", 151.0, 30.0)  # gw-a's lease lapsed
+    assert not await store.claim(db, batch.id, "gw-a", 152.0, 30.0)
