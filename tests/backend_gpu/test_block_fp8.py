@@ -61,9 +61,13 @@ def quantize_tiles(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model_dir, tmp_path_factory) -> tuple[str, str]:
-    """(the block-FP8 checkpoint, the same model's dequantized float32 one)."""
-    source = Path(tiny_model_dir("deepseek_v3"))
-    root = tmp_path_factory.mktemp("block-fp8")
+    """(the block-FP8 DeepSeek-V3, the same model's dequantized float32 one)."""
+    return write_block_fp8(tiny_model_dir("deepseek_v3"), tmp_path_factory.mktemp("block-fp8"))
+
+
+def write_block_fp8(model_dir: str, root: Path) -> tuple[str, str]:
+    """`model_dir` quantized in tiles as published, and dequantized: (fp8, float32)."""
+    source = Path(model_dir)
     fp8_dir, ref_dir = root / "fp8", root / "dequantized"
     shutil.copytree(source, fp8_dir)
     shutil.copytree(source, ref_dir)
@@ -114,6 +118,14 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(
     assert not torch.equal(dequantized[name], original[name])
     expert = "model.layers.1.mlp.experts.3.down_proj.weight"
     assert torch.equal(ours["model.layers.1.mlp.experts.down_proj"][3], dequantized[expert])
+
+
+def test_a_qwen3_checkpoint_in_tiles_equals_transformers(tiny_model_dir, tmp_path):
+    """Qwen3's FP8 releases use the same format: q/k/v and gate/up widened, then packed
+    into the engine's fused layers as any checkpoint's are."""
+    fp8_dir, ref_dir = write_block_fp8(tiny_model_dir("qwen3"), tmp_path)
+    llm = LLM(fp8_dir, max_num_batched_tokens=24)
+    check(llm, hf_greedy(ref_dir, prompts(), MAX_NEW))
 
 
 def test_heads_split_over_two_ranks_equal_transformers(checkpoints, reference):
