@@ -19,9 +19,16 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer under transformers'
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.skip_special_tokens = skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         for token in prompt_token_ids[-_CONTEXT_TOKENS:]:
             self.stream.step(self.backend, token)  # context only: its text is the prompt's
         self.output_text = ""
@@ -48,7 +55,7 @@ class IncrementalDetokenizer:
             # stream afresh from this token, as vLLM does
             if "Invalid prefix" not in str(e):
                 raise
-            self.stream = DecodeStream(skip_special_tokens=True)
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
             return self.stream.step(self.backend, token)
 
     def _find_stop(self, num_new_chars: int) -> str | None:

@@ -145,7 +145,7 @@ class LLMEngine:
         seq.progress = progress
         self.seqs[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, params.stop
+            self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
         )
         if (
             self.lora is not None
@@ -350,16 +350,16 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        ending = seq.num_output_tokens >= p.min_tokens
+        if ending and token in p.stop_token_ids:
+            seq.stop_reason = token  # a stop token is not text, special tokens kept or not
+            return "stop"
+        if ending and not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
         stop_string = self.detokenizers[seq.request_id].add([token])
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if stop_string is not None:
-                seq.stop_reason = stop_string
-                return "stop"
+        if ending and stop_string is not None:
+            seq.stop_reason = stop_string
+            return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None

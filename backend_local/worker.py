@@ -372,7 +372,7 @@ class Worker(ContextThread[Request]):
         if self.model.is_eog(token) or token in params.stop_token_ids:
             finish, text = "stop", slot.stream.flush()
         else:
-            text, stop = slot.stream.add(self.model.piece(token))
+            text, stop = slot.stream.add(self.model.piece(token, not params.skip_special_tokens))
             if stop is not None:
                 finish = "stop"
             elif len(slot.output_ids) >= params.max_tokens:

@@ -58,6 +58,10 @@ class SamplingParams(Record):
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
     # what the output must match (JSON schema, regex, choice, grammar); None: anything
     structured: StructuredOutput | None = None
+    # vLLM's: special tokens (a chat's markers, [TOOL_CALLS], <|python_tag|>, harmony's
+    # channels) left out of the text; False keeps them, for the output parsers to read.
+    # Stop and end-of-sequence tokens are never text.
+    skip_special_tokens: bool = True
 
     wire_error = BadRequestError
 

@@ -72,6 +72,7 @@ def completion_body(req: GenRequest, model: str, prompt: list[int] | str) -> dic
         "stop_token_ids": sp.stop_token_ids or None,
         "min_tokens": sp.min_tokens or None,
         "ignore_eos": sp.ignore_eos or None,
+        "skip_special_tokens": None if sp.skip_special_tokens else False,  # vLLM's
         "logprobs": sp.logprobs,
         "logit_bias": {str(t): b for t, b in sp.logit_bias} or None,
         # vLLM's: keeps the tenant's cached prefix apart from others' there too

@@ -130,6 +130,9 @@ class SamplingFields(_Body):
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
     min_tokens: Count32 = 0
     ignore_eos: bool = False
+    # vLLM's: False keeps special tokens in the text (the output parsers' markers keep
+    # them by themselves: gateway.serving.sampling.keep_markers)
+    skip_special_tokens: bool = True
     stop_token_ids: Annotated[list[Count32], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # OpenAI's: {"token id": bias}, the bias in [-100, 100] added to the token's logit
     logit_bias: (

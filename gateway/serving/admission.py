@@ -47,7 +47,8 @@ from gateway.routing.salts import tenant_cache_salt
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
 from gateway.serving.echo import echoes
 from gateway.serving.job import Job
-from gateway.serving.sampling import sampling, structured_output
+from gateway.serving.parser_choice import parsers_of
+from gateway.serving.sampling import keep_markers, sampling, structured_output
 from gateway.serving.token_plan import TokenPlan, check_spend, plan_tokens
 from gateway.serving.tool_calls import ToolPlan
 from gateway.serving.traces import request_attributes
@@ -99,6 +100,7 @@ async def prepare(
     requests = _requests(
         request_id, body, principal, plan, prompts, salt, shared_lens, structured, card
     )
+    requests = keep_markers(requests, parsers_of(gw, backend), body)
     if adapter is not None:
         requests = [dataclasses.replace(r, model=served, adapter=adapter) for r in requests]
         gw.adapters.acquire(adapter.name)  # released when the Job finishes

@@ -4,15 +4,24 @@ the body asks for. Shared by admission and a worker's own /v1/completions.
 
 An option the body leaves out takes the model's default where its card has one
 (ModelCard.sampling_defaults: its generation_config, as vLLM does), else the API's.
+
+Special tokens stay in the text where the backend's output parsers read markers that
+are special tokens in their families' vocabularies (Mistral's [TOOL_CALLS], Llama's
+<|python_tag|>, gpt-oss's channels, a template's <tool_call> where it is one): with a
+tool parser and tools offered, or harmony's reasoning parser (vLLM's parsers ask the
+same of the request, `adjust_request`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
+from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
+from gateway.serving.parser_choice import Parsers
 from gateway.serving.tool_calls import ToolPlan
 
 
@@ -61,5 +70,22 @@ def sampling(
         prompt_logprobs=body.num_prompt_logprobs,
         logit_bias=body.token_bias(),
         ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
         structured=structured,
     )
+
+
+def keep_markers(
+    requests: list[GenRequest],
+    parsers: Parsers,
+    body: ChatCompletionRequest | CompletionRequest,
+) -> list[GenRequest]:
+    """`requests` keeping special tokens in their text where `parsers` read markers
+    that may be special tokens; as they are otherwise."""
+    offered = isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto"
+    if not (parsers.reasoning == "openai" or (parsers.tools and offered)):
+        return requests
+    return [
+        dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, skip_special_tokens=False))
+        for r in requests
+    ]

@@ -211,3 +211,21 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tiny_model_dir):
     )
     assert first_tokens_equal >= 3
     assert all(len(o.token_ids) == 4 for o in bf16)
+
+
+def test_special_tokens_are_text_only_when_asked(llm):
+    """vLLM's skip_special_tokens: <s>, forced by logit_bias, is no text by default and
+    its own text when kept (the output parsers' markers); an end-of-sequence token is
+    text in neither case: it ends the output."""
+    forced = {"temperature": 0, "max_tokens": 3, "logit_bias": {1: 100.0}}
+    skipped = llm.generate([[9, 10, 11]], SamplingParams(**forced))[0]
+    kept = llm.generate([[9, 10, 11]], SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert skipped.token_ids == kept.token_ids == [1, 1, 1]
+    assert skipped.text == "" and kept.text == "<s><s><s>"
+    eos = llm.generate(
+        [[9, 10, 11]],
+        SamplingParams(
+            temperature=0, max_tokens=3, logit_bias={2: 100.0}, skip_special_tokens=False
+        ),
+    )[0]
+    assert eos.token_ids == [2] and eos.finish_reason == "stop" and eos.text == ""

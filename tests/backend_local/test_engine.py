@@ -269,3 +269,18 @@ async def test_prefix_copied_from_another_stream_gives_the_logprobs_of_a_fresh_c
         assert_same_first_token(copied, fresh)
     finally:
         engine.shutdown()
+
+
+async def test_special_tokens_are_text_only_when_asked(engine):
+    """vLLM's skip_special_tokens on llama.cpp: a turn marker forced by logit_bias is no
+    text by default and its own text when kept (the output parsers' markers)."""
+    (marker,) = engine.tokenize("<start_of_turn>", add_special=False)
+    assert not engine.model.is_eog(marker)
+    prompt = engine.tokenize("The capital of France is")
+    forced = {"max_tokens": 2, "logit_bias": {marker: 100.0}}
+    ids, skipped, _ = await collect(engine, "skip", prompt, greedy(**forced))
+    kept_ids, kept, _ = await collect(
+        engine, "keep", prompt, greedy(**forced, skip_special_tokens=False)
+    )
+    assert ids == kept_ids == [marker, marker]
+    assert skipped == "" and kept == "<start_of_turn><start_of_turn>"
