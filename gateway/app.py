@@ -23,6 +23,7 @@ from gateway.routes import admin as admin_api
 from gateway.routes import audit as audit_api
 from gateway.routes import batch_lines, batches, embeddings, files, guards, openapi, responses_api
 from gateway.routes import messages as messages_api
+from gateway.routes import ollama as ollama_api
 from gateway.routes import prefixes as prefix_api
 from gateway.routes import reload as reload_api
 from gateway.routes.openai import (
@@ -93,6 +94,7 @@ def create_app(settings: Settings, source: ConfigSource | None = None) -> web.Ap
     app.router.add_post("/v1/completions", completions)
     responses_api.add_routes(app)
     messages_api.add_routes(app)
+    ollama_api.add_routes(app)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -30,7 +30,7 @@ from gateway.tenancy.tenants import TenantService
 from gateway.tenancy.usage import UsageRecorder
 from gateway.worker_pool.supervisor import WorkerSupervisor
 
-INFERENCE_PATHS = ("/v1/",)  # POSTs under these are served work, what a drain waits for
+INFERENCE_PATHS = ("/v1/", "/api/")  # POSTs under these are served work (OpenAI, Ollama)
 
 
 @dataclass

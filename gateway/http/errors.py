@@ -1,7 +1,8 @@
 """Errors in the shape of the API a route belongs to: OpenAI's
 `{"error": {"message", "type", "param", "code"}}`, or Anthropic's
 `{"type": "error", "error": {"type", "message"}}` on the Messages routes (ANTHROPIC_PATHS),
-whose SDK raises its typed errors only from that shape and its status codes."""
+whose SDK raises its typed errors only from that shape and its status codes, or Ollama's
+`{"error": "..."}` on its native routes (OLLAMA_PATHS), whose client reads the message there."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class ApiError(Exception):
             headers = self.headers
             if status == 429 and not any(k.lower() == "retry-after" for k in headers):
                 headers = headers | {"retry-after": "1"}  # Anthropic's clients wait on it
+        elif is_ollama(path):
+            status, body, headers = self.status, {"error": self.message}, self.headers
         else:
             status, body, headers = self.status, self.body(), self.headers
         return web.Response(
@@ -77,6 +80,14 @@ _ANTHROPIC_TYPES = {
 }
 
 
+# path prefixes whose errors are Ollama-shaped (its native API's routes)
+OLLAMA_PATHS = ("/api",)
+
+
+def is_ollama(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OLLAMA_PATHS)
+
+
 def is_anthropic(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
@@ -94,4 +105,6 @@ def error_body_for(path: str, status: int, message: str) -> tuple[int, dict]:
     """The status and body of an error on the route at `path`, in its API's shape."""
     if is_anthropic(path):
         return anthropic_error(status, message)
+    if is_ollama(path):
+        return status, {"error": message}
     return status, error_body(status, message)

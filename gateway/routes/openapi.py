@@ -19,9 +19,11 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gateway.http.errors import is_anthropic
+from gateway.http.errors import is_anthropic, is_ollama
+from gateway.routes import ollama as ollama_api
 from gateway.schemas import embeddings as e
 from gateway.schemas import messages_responses as am
+from gateway.schemas import ollama as o
 from gateway.schemas import responses as m
 from gateway.schemas import responses_admin as a
 from gateway.schemas import responses_api as r
@@ -65,6 +67,11 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CountTokensRequest,
     AdapterCreate,
     BatchCreate,
+    o.OllamaChatRequest,
+    o.OllamaGenerateRequest,
+    o.OllamaEmbedRequest,
+    o.OllamaEmbeddingsRequest,
+    o.OllamaShowRequest,
 )
 _ERRORS = {
     400: "The request is malformed or breaks a rule (the body, a parameter, the URL).",
@@ -77,11 +84,21 @@ _ERRORS = {
     415: "The body is not JSON (Content-Type), or its Content-Encoding is not gzip or deflate.",
     429: "A quota (the tenant's or the key's) is exhausted; the message says whose, the "
     "x-ratelimit-* headers which.",
+    501: "Not implemented: the message says what to do instead.",
     503: "No backend could serve it, or its usage could not be recorded.",
 }
 # the Files and Batch APIs' answers: OpenAI's objects, as its client reads them
 _OBJECT = {"application/json": {"schema": {"type": "object"}}}
 _BYTES = {"application/octet-stream": {"schema": {"type": "string"}}}
+_OLLAMA_ERROR = {
+    "application/json": {
+        "schema": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {"type": "string"}},
+        }
+    }
+}
 # the statuses each kind of route answers with besides its success
 AUTHED = (400, 401, 403)
 LOOKUP = (*AUTHED, 404)
@@ -142,6 +159,19 @@ _SUMMARIES = {
     "get /v1/batches": "The tenant's batches, newest first, a page at a time.",
     "get /v1/batches/{batch_id}": "A batch: its status, counts and result files.",
     "post /v1/batches/{batch_id}/cancel": "Cancel a batch: its lines not yet run are not.",
+    "get /api/version": "The Ollama API version this one follows; no key needed.",
+    "get /api/tags": "The models this key may use (Ollama's).",
+    "get /api/ps": "The loaded models (Ollama's): every served one; none expires.",
+    "post /api/show": "A model's details, context length and capabilities (Ollama's).",
+    "post /api/chat": "Chat (Ollama's): NDJSON unless stream is false.",
+    "post /api/generate": "Generate from a prompt (Ollama's): NDJSON unless stream is false.",
+    "post /api/embed": "Embed texts (Ollama's).",
+    "post /api/embeddings": "Embed one prompt (Ollama's older route).",
+    "post /api/pull": "Not implemented: copy the model's file and serve it.",
+    "post /api/push": "Not implemented: copy the model's file and serve it.",
+    "post /api/create": "Not implemented yet (it needs a models directory).",
+    "post /api/copy": "Not implemented yet (it needs a models directory).",
+    "delete /api/delete": "Not implemented yet (it needs a models directory).",
 }
 # http.middleware.refuse_control_characters answers 400 to a URL that holds a control character
 _TEXT_PARAM = {"type": "string", "pattern": NO_CONTROL}
@@ -186,6 +216,14 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
             "completion_window": "24h",
         },
     ),
+    o.OllamaChatRequest: (
+        _ANTHROPIC | {"stream": False},
+        _ANTHROPIC | {"options": {"num_predict": 8}},
+    ),
+    o.OllamaGenerateRequest: ({"model": "", "prompt": "Once upon a time", "stream": False},),
+    o.OllamaEmbedRequest: ({"model": "", "input": ["first", "second"]},),
+    o.OllamaEmbeddingsRequest: ({"model": "", "prompt": "The food was delicious."},),
+    o.OllamaShowRequest: ({"model": ""},),
     e.EmbeddingRequest: (
         {"model": "", "input": "The food was delicious."},
         {"model": "", "input": ["first", "second"], "encoding_format": "base64"},
@@ -253,6 +291,23 @@ def _routes() -> list[Route]:
         Route("get /metrics", {"text/plain": {"schema": {"type": "string"}}}),
         Route("get /openapi.json", whole, errors=PUBLIC),
         *_admin_routes(),
+        *_ollama_routes(),
+    ]
+
+
+def _ollama_routes() -> list[Route]:
+    reply = _OBJECT | {"application/x-ndjson": {"schema": {"type": "string"}}}
+    unmade = (*AUTHED, 501)
+    return [
+        Route("get /api/version", _OBJECT, errors=PUBLIC),
+        Route("get /api/tags", _OBJECT),
+        Route("get /api/ps", _OBJECT),
+        Route("post /api/show", _OBJECT, o.OllamaShowRequest, errors=KEY),
+        Route("post /api/chat", reply, o.OllamaChatRequest, errors=COMPLETE),
+        Route("post /api/generate", reply, o.OllamaGenerateRequest, errors=COMPLETE),
+        Route("post /api/embed", _OBJECT, o.OllamaEmbedRequest, errors=COMPLETE),
+        Route("post /api/embeddings", _OBJECT, o.OllamaEmbeddingsRequest, errors=COMPLETE),
+        *(Route(route, _OBJECT, errors=unmade) for route in ollama_api.NOT_IMPLEMENTED),
     ]
 
 
@@ -343,6 +398,7 @@ def _operation(route: Route, model: str) -> tuple[str, str, dict[str, Any]]:
         responses["503"] = {"description": "Not ready.", "content": route.ok}
     for code in route.errors:  # Anthropic's routes: its shape, and 529 for a 503
         shape, code = ("A", 529 if code == 503 else code) if is_anthropic(path) else ("E", code)
+        shape = "O" if is_ollama(path) else shape
         responses[str(code)] = {"$ref": f"#/components/responses/{shape}{code}"}
     op: dict[str, Any] = {
         "operationId": method + re.sub(r"[^A-Za-z0-9]+", "_", path).rstrip("_"),
@@ -390,6 +446,8 @@ def _tag(path: str) -> str:
         return "admin"
     if is_anthropic(path):
         return "anthropic"
+    if is_ollama(path):
+        return "ollama"
     return "openai" if path.startswith("/v1/") or path.endswith("tokenize") else "health"
 
 
@@ -407,7 +465,7 @@ def build_document(model: str = "MODEL") -> dict[str, Any]:
             "title": "kvgate",
             "version": VERSION,
             "description": "A multi-tenant, OpenAI-compatible LLM gateway. Every error "
-            "is OpenAI's error object; on /v1/messages, Anthropic's.",
+            "is OpenAI's error object; on /v1/messages, Anthropic's; on /api, Ollama's.",
         },
         "paths": paths,
         "components": {
@@ -418,6 +476,10 @@ def build_document(model: str = "MODEL") -> dict[str, Any]:
             }
             | {
                 f"A{529 if code == 503 else code}": {"description": text, "content": anthropic}
+                for code, text in _ERRORS.items()
+            }
+            | {
+                f"O{code}": {"description": text, "content": _OLLAMA_ERROR}
                 for code, text in _ERRORS.items()
             },
             "securitySchemes": {

@@ -55,7 +55,7 @@ def parsers_of(gw: GatewayState, backend: Backend) -> Parsers:
     """The backend's parsers, chosen on the first ask."""
     chosen = _CHOSEN.get(backend)
     if chosen is None:
-        chosen = _CHOSEN[backend] = _choose(_spec_of(gw, backend), backend)
+        chosen = _CHOSEN[backend] = _choose(spec_of(gw, backend), backend)
     return chosen
 
 
@@ -82,7 +82,7 @@ def _choose(spec: BackendSpec | None, backend: Backend) -> Parsers:
     return Parsers(reasoning or found[0], tools or found[1], "detected")
 
 
-def _spec_of(gw: GatewayState, backend: Backend) -> BackendSpec | None:
+def spec_of(gw: GatewayState, backend: Backend) -> BackendSpec | None:
     """The entry that made `backend` (one of its replicas, or its workers')."""
     entry = next((name for name, bs in gw.entries.items() if backend in bs), None)
     if entry is None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 import gateway.app  # noqa: F401  (every model of the gateway's routes)
 import gateway.worker.app  # noqa: F401  (and of a worker's)
-from gateway.http.errors import is_anthropic
+from gateway.http.errors import is_anthropic, is_ollama
 from gateway.schemas.base import StrictBody
 from tests.conftest import ADMIN_KEY
 
@@ -219,6 +219,8 @@ async def test_every_field_of_every_body_is_refused_in_the_apis_words(gw):
     for route in ("/v1/messages/count_tokens", "/v1/responses", "/tokenize", "/detokenize"):
         assert route in routes
     assert "/admin/tenants" in routes and "/admin/keys/{key_id}" in routes
+    for route in ("/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show"):
+        assert route in routes
     assert tried > 500
 
 
@@ -278,9 +280,13 @@ def _problem(route: str, field: str, status: int, answer: dict) -> str | None:
             return f"not Anthropic's error shape: {answer}"
         if answer["error"]["type"] != "invalid_request_error":
             return f"error type {answer['error']['type']}"
+    elif is_ollama(route):
+        if set(answer) != {"error"} or not isinstance(answer["error"], str):
+            return f"not Ollama's error shape: {answer}"
     elif set(answer.get("error", {})) != {"message", "type", "param", "code"}:
         return f"not OpenAI's error shape: {answer}"
-    message = answer["error"]["message"]
+    error = answer["error"]
+    message = error if isinstance(error, str) else error["message"]
     if INTERNALS.search(message):
         return f"internals in {message!r}"
     if field and field not in message:
