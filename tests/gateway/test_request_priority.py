@@ -23,7 +23,9 @@ def test_a_request_priority_only_yields(asked, tenant, sent) -> None:
     )
     who = Principal("key_1", "t_1", "acme", ("inference",), QuotaLimits(), None, priority=tenant)
     plan = SimpleNamespace(choices=1, max_tokens=[8])
-    [req] = _requests("r-1", body, who, plan, [[1, 2]], "salt", [0], None)  # type: ignore[arg-type]
+    card = SimpleNamespace(sampling_defaults={})
+    args = ("r-1", body, who, plan, [[1, 2]], "salt", [0], None)
+    [req] = _requests(*args, card=card)  # type: ignore[arg-type]
     assert req.priority == sent
 
 
