@@ -55,8 +55,12 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
+# four workers even on two cores: most tests wait on processes and sockets; tests/parallel.py
+# keeps a module's shared fixture on one worker and hands the longest work out first
+TEST_WORKERS ?= 4
+
 test: install lint docs
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 format: install
 	$(BIN)/ruff format .

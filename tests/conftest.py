@@ -22,6 +22,9 @@ import pytest
 ADMIN_KEY = "kvg-test-admin-" + "x" * 32
 PG_URL = os.environ.get("KVGATE_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 
+# how the suite splits over pytest-xdist's workers (`make test`)
+pytest_plugins = ["tests.parallel"]
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection made (every test module and what it imports: about 900,000 objects
