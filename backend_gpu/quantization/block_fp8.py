@@ -4,9 +4,10 @@
 float8_e4m3fn [out, in] beside a float32 `weight_scale_inv` [ceil(out / 128),
 ceil(in / 128)], one scale a 128 x 128 tile (the last row and column of tiles partial).
 Despite its name the scale multiplies: w = fp8 * weight_scale_inv (DeepSeek's
-fp8_cast_bf16.py, transformers' FP8Linear). Embeddings, the LM head, norms and routers
-ship unquantized; which layers are quantized is read from the tensors themselves (a
-weight with a scale beside it), so `modules_to_not_convert` needs no matching.
+fp8_cast_bf16.py, transformers' FP8Linear). DeepSeek ships embeddings, the LM head,
+norms and routers unquantized; which layers are quantized is read from the tensors
+themselves (a weight with a scale beside it), so `modules_to_not_convert` (and
+transformers' `modules_to_convert`) need no matching.
 
 The engine widens each such weight as it streams in, tile by tile, to the model's dtype
 (what transformers computes with on the dequantized weights): on the CPU the model is
@@ -23,14 +24,20 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from backend_gpu.tp_shards import SKIP, ShardRead
 
 FP8 = torch.float8_e4m3fn
 SCALE = "weight_scale_inv"
-# what transformers' FineGrainedFP8Config and DeepSeek's config.json say, and their values
+# what DeepSeek's config.json and transformers' FineGrainedFP8Config say
 CONFIG_KEYS = ("quant_method", "fmt", "weight_block_size", "activation_scheme")
-IGNORED_KEYS = ("modules_to_not_convert",)  # the tensors say which layers are quantized
+# which layers are quantized the tensors say (a weight with its scale), and the engine
+# widens them whatever transformers is told (`dequantize`)
+IGNORED_KEYS = ("modules_to_not_convert", "ignored_layers", "modules_to_convert", "dequantize")
+# keys whose one value the engine reads: float32 scales (not DeepSeek-V4's E8M0 bytes),
+# FP8 experts (not V4's FP4)
+ONLY_VALUES = {"scale_fmt": "float", "expert_dtype": "fp8"}
 
 
 def block_size_of(directory: str) -> tuple[int, int] | None:
@@ -54,8 +61,13 @@ def check_config(quant: dict) -> tuple[int, int]:
     """The tile of a `quant_method: fp8` config, or ValueError naming the first field
     the engine cannot honour."""
     for key in quant:
-        if key not in CONFIG_KEYS + IGNORED_KEYS:
+        if key not in CONFIG_KEYS + IGNORED_KEYS + tuple(ONLY_VALUES):
             raise ValueError(f"quantization_config.{key} is not supported for fp8 checkpoints")
+    for key, value in ONLY_VALUES.items():
+        if quant.get(key, value) != value:
+            raise ValueError(
+                f"quantization_config.{key} {quant[key]!r} is not supported (only {value!r})"
+            )
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
@@ -149,8 +161,10 @@ class BlockFp8Checkpoint:
             except ValueError as e:
                 raise ValueError(f"{whole}: {e}") from None
             read = shards(whole) if shards is not None else None
-            if read is not None:  # never a padded token table: those ship unquantized
+            if read is not None:
                 widened = widened.narrow(read.dim, read.start, read.stop - read.start)
+                if read.rows is not None and widened.shape[0] < read.rows:  # a token table's
+                    widened = F.pad(widened, (0, 0, 0, read.rows - widened.shape[0]))
             yield whole, widened
         if held:  # a scale whose weight never came (another stage's are never read)
             name = next(iter(held))

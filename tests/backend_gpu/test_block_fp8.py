@@ -122,8 +122,14 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(
 
 def test_a_qwen3_checkpoint_in_tiles_equals_transformers(tiny_model_dir, tmp_path):
     """Qwen3's FP8 releases use the same format: q/k/v and gate/up widened, then packed
-    into the engine's fused layers as any checkpoint's are."""
+    into the engine's fused layers as any checkpoint's are. Its quantization_config as
+    transformers' FineGrainedFP8Config writes it (every key of its own, at defaults)."""
+    from transformers import FineGrainedFP8Config
+
     fp8_dir, ref_dir = write_block_fp8(tiny_model_dir("qwen3"), tmp_path)
+    written = json.loads(json.dumps(FineGrainedFP8Config(weight_block_size=BLOCK).to_dict()))
+    assert {"dequantize", "scale_fmt", "expert_dtype", "modules_to_convert"} <= set(written)
+    write_quantization(Path(fp8_dir), written)
     llm = LLM(fp8_dir, max_num_batched_tokens=24)
     check(llm, hf_greedy(ref_dir, prompts(), MAX_NEW))
 
@@ -162,7 +168,9 @@ def test_held_in_fp8_with_quantization_fp8(checkpoints):
         ("activation_scheme", "static"),
         ("weight_block_size", [128]),
         ("weight_block_size", None),
-        ("ignored_layers", ["lm_head"]),  # a key transformers' FP8 config does not have
+        ("scale_fmt", "ue8m0"),  # DeepSeek-V4's E8M0 scales
+        ("expert_dtype", "fp4"),  # and its FP4 experts
+        ("group_size", 128),  # a key neither DeepSeek's nor transformers' config has
     ],
 )
 def test_a_config_field_the_engine_cannot_honour_is_refused_by_name(
