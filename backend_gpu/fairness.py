@@ -163,6 +163,15 @@ class Ledger:
         }
 
 
+def _insert_first(queue: deque[Sequence], seq: Sequence) -> None:
+    """A preempted request goes first among its priority's, never ahead of a better one
+    (a request preempted for a better priority's must not take its seat straight back)."""
+    i = 0
+    while i < len(queue) and queue[i].priority < seq.priority:
+        i += 1
+    queue.insert(i, seq)
+
+
 def _insert(queue: deque[Sequence], seq: Sequence) -> None:
     """By priority, first come first served within one priority."""
     key = seq.sort_key()
@@ -173,7 +182,8 @@ def _insert(queue: deque[Sequence], seq: Sequence) -> None:
 
 
 class FcfsQueue:
-    """All waiting requests in one line: by priority, then arrival; preempted in front."""
+    """All waiting requests in one line: by priority, then arrival; preempted in front
+    of their priority's."""
 
     def __init__(self) -> None:
         self._queue: deque[Sequence] = deque()
@@ -188,7 +198,7 @@ class FcfsQueue:
         _insert(self._queue, seq)
 
     def push_front(self, seq: Sequence) -> None:
-        self._queue.appendleft(seq)
+        _insert_first(self._queue, seq)
 
     def peek(self) -> Sequence | None:
         return self._queue[0] if self._queue else None
@@ -218,7 +228,7 @@ class VtcQueue:
         self._len += 1
 
     def push_front(self, seq: Sequence) -> None:
-        self._queues.setdefault(seq.tenant_id, deque()).appendleft(seq)
+        _insert_first(self._queues.setdefault(seq.tenant_id, deque()), seq)
         self._len += 1
 
     def peek(self) -> Sequence | None:

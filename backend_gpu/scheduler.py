@@ -5,6 +5,10 @@ There is one token budget per step. A request only has `num_computed_tokens` cha
 fit the budget), a decode is one token to compute, so both share one batch. When the
 KV pool runs dry the lowest-priority running request is preempted: its blocks are freed
 and it is computed again later (its full blocks are likely still in the prefix cache).
+A waiting request of a better priority than a running one does not wait for it: when the
+sequence limit or the KV pool keeps it out, the worst running request of a worse
+priority is preempted for it (vLLM's priority scheduling cannot displace a running
+request when the sequence limit binds, its issue 40004); batch work yields this way.
 
 Within a priority, tenants share by the Virtual Token Counter (backend_gpu.fairness):
 which waiting request goes next, which running one gets the budget first and which is
@@ -87,6 +91,8 @@ class Scheduler:
             self.ledger.charge_outputs(seq)
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        if not self.static:
+            self._displace_for_priority(budget)
         budget = self._schedule_running(batch, budget)
         if self.static and not self.running:
             self._form_static_batch()
@@ -145,6 +151,34 @@ class Scheduler:
             break  # seq itself was preempted: everything after it is gone too
         return budget
 
+    def _displace_for_priority(self, budget: int) -> None:
+        """Preempt running requests of a worse priority than the next waiting one while
+        the sequence limit or the KV pool keeps that one out."""
+        head = self.waiting.peek()
+        while head is not None and self.running:
+            victim = max(self.running, key=self._running_key)
+            if victim.priority <= head.priority:
+                return
+            seated = len(self.running) < self.max_num_seqs + self._spare_seats(head)
+            if seated and self._fits(head, budget) is not None:
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+
+    def _fits(self, seq: Sequence, budget: int) -> tuple[list, list, int] | None:
+        """Its cached blocks, lower-tier hits and tokens to compute this step, if the KV
+        pool (and, without chunked prefill, the budget) takes it now; else None."""
+        bm = self.block_manager
+        cached = bm.find_cached_blocks(seq)
+        lower = bm.find_lower_tier_hits(seq, cached)
+        num_new = len(seq) - (len(cached) + len(lower)) * bm.block_size
+        if not self.chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if not bm.can_allocate(seq, cached, num_new, lower):
+            return None
+        return cached, lower, num_new
+
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0:
@@ -154,14 +188,10 @@ class Scheduler:
                 break
             if self.static and seq.request_id not in self.static_batch:
                 break
-            cached = bm.find_cached_blocks(seq)
-            lower = bm.find_lower_tier_hits(seq, cached)
-            num_new = len(seq) - (len(cached) + len(lower)) * bm.block_size
-            if not self.chunked_prefill and num_new > budget:
+            fits = self._fits(seq, budget)
+            if fits is None:
                 break
-            num_new = min(num_new, budget)
-            if not bm.can_allocate(seq, cached, num_new, lower):
-                break
+            cached, lower, num_new = fits
             if not self._take_adapter_slot(seq):
                 break
             self.waiting.remove(seq)
