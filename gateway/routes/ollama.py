@@ -140,6 +140,7 @@ async def embed_one(request: web.Request) -> web.Response:
 
 
 async def not_implemented(request: web.Request) -> web.Response:
+    await request.app[GW].authenticate(request)  # a route of the API: a key, as every one
     why = NOT_IMPLEMENTED[f"{request.method.lower()} {request.path}"]
     raise ApiError(501, f"{request.path} is not implemented: {why}.")
 

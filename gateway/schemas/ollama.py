@@ -172,8 +172,8 @@ class OllamaGenerateRequest(_Generating):
 
 
 class OllamaEmbedRequest(_Body):
-    """/api/embed: one input or many; `truncate` false is refused, as kvgate never cuts
-    an input (one longer than the context is a 400 either way)."""
+    """/api/embed: one input or many. `truncate` is accepted, but kvgate never cuts an
+    input: one longer than the context is a 400 whatever it says."""
 
     model: Name
     input: str | list[str]

@@ -39,6 +39,11 @@ CHECKS = ",".join(
         "use_after_free",  # what was deleted stays deleted
     ]
 )
+# Ollama's model-management routes answer 501 by design, which the fuzzer counts as a
+# server error: they are tested in tests/gateway/test_ollama_api.py
+TENANT_PATHS = (
+    "^/(v1/|api/(?!pull|push|create|copy|delete)|tokenize|detokenize|health|ready|openapi)"
+)
 SEED = os.environ.get("KVGATE_FUZZ_SEED", "20261130")
 # the stats stream never ends: one event is enough to check, then the fuzzer hangs up
 CONFIG = """
@@ -66,9 +71,7 @@ def _schemathesis(gw: LiveGateway, tmp_path: Path, name: str, key: str, paths: s
 def _fuzz(gw: LiveGateway, tmp_path: Path) -> None:
     try:
         _, key = gw.tenant_key("fuzz")
-        _schemathesis(
-            gw, tmp_path, "tenant", key, "^/(v1/|tokenize|detokenize|health|ready|openapi)"
-        )
+        _schemathesis(gw, tmp_path, "tenant", key, TENANT_PATHS)
         _schemathesis(gw, tmp_path, "admin", ADMIN_KEY, "^/(admin/|metrics)")
     finally:
         gw.stop()

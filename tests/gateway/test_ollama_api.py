@@ -174,6 +174,7 @@ def test_errors_are_ollamas(gateway, key):
     with pytest.raises(ollama.ResponseError) as e:
         c.delete("fake-model")
     assert e.value.status_code == 501
+    assert httpx.post(gateway.url + "/api/pull", json={"model": "x"}).status_code == 401
     bad = httpx.post(
         gateway.url + "/api/chat",
         json={"model": "fake-model", "messages": HI, "images": []},
