@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json, to_jsonable_python
 
 from gateway.config import Settings
-from gateway.http.errors import ApiError
+from gateway.http.errors import ApiError, is_ollama
 from gateway.http.validation import described
 
 M = TypeVar("M", bound=BaseModel)
@@ -81,6 +81,9 @@ def _check_content_type(request: web.Request) -> None:
     if hdrs.CONTENT_TYPE not in request.headers:
         return
     ctype = request.content_type
+    # Ollama reads every body as JSON: its documented `curl -d '{...}'` sends form data
+    if ctype == "application/x-www-form-urlencoded" and is_ollama(request.path):
+        return
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise ApiError(
             415,

@@ -188,6 +188,21 @@ def test_errors_are_ollamas(gateway, key):
     }
 
 
+def test_a_body_sent_as_curls_form_data_is_read_as_json(gateway, key):
+    """Ollama's documented `curl -d '{...}'`: a JSON body labelled form data."""
+    body = (
+        '{"model": "fake-model", "prompt": "Once", "stream": false, "options": {"num_predict": 2}}'
+    )
+    headers = {
+        "Authorization": f"Bearer {key}",
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
+    r = httpx.post(gateway.url + "/api/generate", content=body, headers=headers)
+    assert r.status_code == 200 and r.json()["eval_count"] == 2
+    r = httpx.post(gateway.url + "/v1/completions", content=body, headers=headers)
+    assert r.status_code == 415  # the OpenAI routes still take JSON alone
+
+
 def test_another_tenants_limits(gateway, key):
     _, narrow = gateway.tenant_key("ollama-narrow", rpm=2, models=["fake-embed"])
     c = client(gateway, narrow)
