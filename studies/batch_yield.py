@@ -1,17 +1,21 @@
-"""Issue 50's measurement, the part the fake backend can make: batch work beside
-interactive requests on a backend of two slots (the fake backend behind the gateway's
-fair queue, `max_in_flight = 2`), all phases in one run against one gateway.
+"""Issue 50's measurement: batch work beside interactive requests on a backend of two
+slots, all phases in one run against one gateway: `--backend fake` (behind the gateway's
+fair queue, `max_in_flight = 2`), `gpu` (kvgate's engine, `max_num_seqs = 2`, on a random
+Llama of bench.tiny_model: its scheduler preempts a batch line for an interactive request)
+or `local` (llama.cpp on the default GGUF, `n_parallel = 2`).
 
 - interactive median latency alone, beside a running batch, and beside the same lines
   sent as ordinary requests at full concurrency by another tenant (today's way);
 - the batch's completion tokens/s with the server otherwise idle, against the same lines
   sent as ordinary requests at full concurrency.
 
-The fake backend has no engine scheduler: a line that holds a slot is not preempted, so
-an interactive request waits at most for a slot to free (the runner starts no line
-while one waits). The gpu engine's preemption and its figures are a later step.
+The fake backend and llama.cpp have no priority scheduler: a line that holds a slot is
+not preempted, so an interactive request waits at most for a slot to free (the runner
+starts no line while one waits). On the gpu engine the line gives its slot up at once.
+The engines' answers are of fixed length (`ignore_eos`).
 
     .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json
+    .venv/bin/python -m studies.batch_yield --backend gpu --lines 48 --out docs/perf/batch_yield_gpu.json
 """
 
 from __future__ import annotations
@@ -31,8 +35,15 @@ from studies.harness import start_gateway, tenant_key, toml_backend
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
 
 
-def config(args: argparse.Namespace) -> str:
+def config(args: argparse.Namespace, tmp: Path) -> str:
     server = f"[server]\nbatch_in_flight = {args.batch_in_flight}\n\n"
+    if args.backend == "gpu":
+        from bench.tiny_model import build_tiny_llama
+
+        model = str(build_tiny_llama(tmp / "model"))
+        return server + toml_backend("fake", "gpu", "fake", model, max_num_seqs=2)
+    if args.backend == "local":
+        return server + toml_backend("fake", "local", "fake", n_parallel=2, n_ctx=2048)
     fake = toml_backend(
         "fake", "fake", "fake", max_in_flight=2, ttft_ms=args.ttft_ms,
         tokens_per_second=args.tokens_per_second,
@@ -144,11 +155,14 @@ def main() -> None:
     p.add_argument("--ttft-ms", type=int, default=20)
     p.add_argument("--tokens-per-second", type=float, default=400)
     p.add_argument("--batch-in-flight", type=int, default=4)
+    p.add_argument("--backend", choices=("fake", "gpu", "local"), default="fake")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.backend != "fake":
+        CHAT["ignore_eos"] = True  # every answer max_tokens long, lines and interactive
     with (
         tempfile.TemporaryDirectory() as tmp,
-        start_gateway(Path(tmp), "batch-yield", config(args)) as gw,
+        start_gateway(Path(tmp), "batch-yield", config(args, Path(tmp))) as gw,
     ):
         report = {"args": vars(args) | {"out": None}} | asyncio.run(phases(gw.url, args))
     text = json.dumps(report, indent=2)

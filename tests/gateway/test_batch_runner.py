@@ -32,6 +32,9 @@ async def test_no_line_starts_while_a_request_waits() -> None:
     assert not interactive_waiting(_gw([_Replica("a", 0)], {}))
     assert interactive_waiting(_gw([_Replica("a", 0), _Replica("b", 2)], {}))
     assert not interactive_waiting(_gw([_Replica("b", 2)], {}, broken=["b"]))
+    # the runner's own lines waiting for an engine's slots are not interactive work
+    assert not interactive_waiting(_gw([_Replica("a", 2)], {}), lines_in_flight=2)
+    assert interactive_waiting(_gw([_Replica("a", 3)], {}), lines_in_flight=2)
     queue = FairQueue(1)
     holding = asyncio.Event()
 
