@@ -36,7 +36,7 @@ class ThinkParser(Buffered, OutputParser):
     def feed(self, text: str) -> ParsedDelta:
         if self.state == "reasoning" and not self.buf and "<" not in text:
             return ParsedDelta(self.trim.add(text))  # the common case: reasoning goes on
-        if self.done:
+        if self.state == "content" and not self.lead:
             return ParsedDelta(content=text)
         self.buf += text
         return self._run(final=False)

@@ -55,21 +55,25 @@ class Chain(OutputParser):
 
     def __init__(self, reasoning: ThinkParser, tools: OutputParser) -> None:
         self.reasoning, self.tools = reasoning, tools
+        self.in_reasoning = reasoning.in_reasoning  # a plain field: read twice a chunk
         self.thought = False  # the reasoning is over: text goes straight to the tools
-
-    @property
-    def in_reasoning(self) -> bool:  # type: ignore[override]
-        return self.reasoning.in_reasoning
 
     def feed(self, text: str) -> ParsedDelta:
         if self.thought:
             return self.tools.feed(text)
-        first = self.reasoning.feed(text)
-        self.thought = self.reasoning.done
+        thinker = self.reasoning
+        first = thinker.feed(text)
+        if thinker.state == "reasoning":  # the common case: the reasoning goes on
+            self.in_reasoning = True
+            return first
+        self.in_reasoning = thinker.in_reasoning
+        self.thought = thinker.done
         return self._then(first, final=False)
 
     def finish(self) -> ParsedDelta:
-        return self._then(self.reasoning.finish(), final=True)
+        first = self.reasoning.finish()
+        self.in_reasoning = False
+        return self._then(first, final=True)
 
     def _then(self, first: ParsedDelta, final: bool) -> ParsedDelta:
         if not first.content and not final:  # reasoning (or held text) only
