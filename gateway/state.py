@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
+from weakref import WeakKeyDictionary
 
 from aiohttp import web
 
@@ -62,6 +64,9 @@ class GatewayState:
     tracing: Tracing | None = None
     # SIGTERM's drain (gateway/http/drain.py): the inference routes are its work
     drain: Drain = field(default_factory=lambda: Drain(INFERENCE_PATHS))
+    # each backend's output parsers (gateway.serving.parser_choice), chosen on first ask;
+    # weak: a reload's new backends are chosen for afresh, the old ones' choices go
+    parser_choices: WeakKeyDictionary[Backend, Any] = field(default_factory=WeakKeyDictionary)
     # config entry name -> its replicas, what a reload adds, replaces or removes whole
     entries: dict[str, list[Backend]] = field(default_factory=dict)
     # how the settings were read, to read them again on a reload (None: cannot reload)

@@ -2,8 +2,8 @@
 names (`reasoning_parser` / `tool_call_parser`, or `kvgate serve`'s flags of the same
 names), else the ones its model's chat template and config call for (`detect`), else none.
 
-Chosen once per backend, the first time it is asked (a reload's backends are new objects,
-chosen again). Detection needs the model's template: the in-process engines give it
+Chosen once per backend, the first time it is asked, and kept in the GatewayState (a
+reload's backends are new objects, chosen again). Detection needs the model's template: the in-process engines give it
 (gateway.backends.base.ChatTemplateBackend: the HF directory's tokenizer_config and
 config.json, a GGUF's tokenizer.chat_template and general.architecture); the fake
 backend has none, and a remote upstream parses its own replies (vLLM, SGLang) where it
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
 
 from gateway.backends import Backend, BackendSpec, ModelCard
 from gateway.backends.base import ChatTemplateBackend
@@ -48,14 +47,13 @@ class Parsers:
 
 
 NONE = Parsers()
-_CHOSEN: WeakKeyDictionary[Backend, Parsers] = WeakKeyDictionary()
 
 
 def parsers_of(gw: GatewayState, backend: Backend) -> Parsers:
     """The backend's parsers, chosen on the first ask."""
-    chosen = _CHOSEN.get(backend)
+    chosen = gw.parser_choices.get(backend)
     if chosen is None:
-        chosen = _CHOSEN[backend] = _choose(spec_of(gw, backend), backend)
+        chosen = gw.parser_choices[backend] = _choose(spec_of(gw, backend), backend)
     return chosen
 
 
