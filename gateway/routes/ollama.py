@@ -92,7 +92,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     body = await parse_body(request, OllamaChatRequest)
-    _check_context(_card(gw, principal, body.model), body.num_ctx)
+    card = _card(gw, principal, body.model)
+    if body.load_only:
+        return _loaded(body.model, {"message": {"role": "assistant", "content": ""}})
+    _check_context(card, body.num_ctx)
     job = await prepare(gw, principal, body.request, chat=True)
     reply = _Reply(job, body.model, started, "message")
     return await (_stream(request, reply) if body.stream else _whole(reply))
@@ -104,9 +107,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     principal = await gw.authenticate(request)
     body = await parse_body(request, OllamaGenerateRequest)
     card = _card(gw, principal, body.model)
-    if body.load_only:  # Ollama's way to load a model: it is loaded already
-        done = {"model": body.model, "created_at": _now(), "response": ""}
-        return json_response(done | {"done": True, "done_reason": "load"})
+    if body.load_only:
+        return _loaded(body.model, {"response": ""})
     _check_context(card, body.num_ctx)
     job = await prepare(gw, principal, body.request, chat=not body.raw)
     reply = _Reply(job, body.model, started, "response")
@@ -265,6 +267,13 @@ def _ollama_calls(calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], st
             {"function": {"index": len(shaped), "name": fn["name"], "arguments": arguments}}
         )
     return shaped, text
+
+
+def _loaded(model: str, said: dict[str, Any]) -> web.Response:
+    """The answer to Ollama's way of loading a model (no prompt, no messages): it is
+    loaded already, as every served model is; nothing is generated or billed."""
+    done = {"model": model, "created_at": _now(), **said, "done": True, "done_reason": "load"}
+    return json_response(done)
 
 
 def _card(gw: GatewayState, principal: Principal, model: str) -> ModelCard:

@@ -127,16 +127,22 @@ class _Generating(_Body):
 
 
 class OllamaChatRequest(_Generating):
-    messages: list[OllamaMessage] = Field(min_length=1)
+    messages: list[OllamaMessage] = Field(default_factory=list)  # none: "load the model"
     tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
 
     @model_validator(mode="after")
     def _translate(self) -> OllamaChatRequest:
+        if self.load_only:  # answered without generating, as /api/generate's empty prompt
+            return self
         fields = self.common_fields() | {"messages": _chat_messages(self.messages)}
         if self.tools:
             fields["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         self._request = validated(ChatCompletionRequest, fields)
         return self
+
+    @property
+    def load_only(self) -> bool:
+        return not self.messages
 
 
 class OllamaGenerateRequest(_Generating):

@@ -121,8 +121,12 @@ def test_generate_templated_raw_and_load(gateway, key):
     )
     assert raw[-1].done and raw[-1].done_reason == "length" and raw[-1].eval_count == 2
     assert "".join(p.response for p in raw).split()
+    before = requests(gateway, key)
     load = c.generate("fake-model", "")
     assert load.done and load.done_reason == "load"
+    loaded = c.chat("fake-model", [])
+    assert loaded.done_reason == "load" and loaded.message.content == ""
+    assert requests(gateway, key) == before  # nothing generated, nothing billed
 
 
 def test_embed_and_the_older_embeddings(gateway, key):
