@@ -60,6 +60,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     kc.add_argument("--name", default="")
     kc.add_argument("--scopes", default="inference", help="comma-separated: inference,admin")
     kc.add_argument("--expires-in", type=float, help="seconds until the key expires")
+    kc.add_argument("--priority", type=int, help=KEY_PRIORITY_HELP)
     _limit_args(kc, "key")
     kl = k_sub.add_parser("list", help="list keys")
     kl.add_argument("tenant_id", nargs="?", metavar="TENANT", help=TENANT_HELP)
@@ -67,6 +68,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ku = k_sub.add_parser("update", help="change a key's name or limits")
     ku.add_argument("key_id")
     ku.add_argument("--name")
+    ku.add_argument("--priority", type=_or_lift(int), metavar="N", help=KEY_PRIORITY_HELP)
     _limit_args(ku, "key")
     kr = k_sub.add_parser("revoke", help="revoke a key (every running gateway refuses it at once)")
     kr.add_argument("key_id")
@@ -101,6 +103,12 @@ def _limit_args(p: argparse.ArgumentParser, whose: str) -> None:
             p.add_argument(flag, help=f"comma-separated model ids the {whose} may use" + lift)
         else:
             p.add_argument(flag, type=_or_lift(int), metavar="N", help=lift[2:])
+
+
+KEY_PRIORITY_HELP = (
+    "the key's default priority, lower first (a background key: a larger number); it "
+    "only yields, never ahead of its tenant's; `none`: the tenant's"
+)
 
 
 def _or_lift(cast: type) -> Any:
@@ -203,7 +211,7 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
             raise ValueError(f"unknown scopes {sorted(bad)}; use inference and/or admin")
         limits = _quota_values(args, "key")
         record, key = await service.create_key(
-            tenant, args.name, scopes, expires, cli_actor(), limits=limits
+            tenant, args.name, scopes, expires, cli_actor(), limits=limits, priority=args.priority
         )
         if args.json:
             print_rows(record | {"key": key}, True)
@@ -218,6 +226,8 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
     elif cmd == "update":
         changes = _quota_values(args, "key")
         changes |= {"name": args.name} if args.name is not None else {}
+        if args.priority is not None:  # `none`: the tenant's again
+            changes["priority"] = None if args.priority is _LIFTED else args.priority
         print_rows(await service.update_key(args.key_id, changes, cli_actor()), args.json)
     elif cmd == "revoke":
         print_rows(await service.revoke_key(args.key_id, cli_actor()), args.json)

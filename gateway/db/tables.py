@@ -76,6 +76,9 @@ class ApiKey(Limits, Base):
     created_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float | None] = mapped_column(Float)
     revoked_at: Mapped[float | None] = mapped_column(Float)
+    # the key's default priority (vLLM's, lower first); NULL: its tenant's. It only
+    # yields: a key never runs ahead of its tenant's priority (gateway.tenancy.auth)
+    priority: Mapped[int | None] = mapped_column(Integer)
 
 
 class UsageRecord(Base):

@@ -102,7 +102,13 @@ async def create_key(request: web.Request) -> web.Response:
     tenant_id = request.match_info["tenant_id"]
     limits = body.model_dump(include=set(Limits.model_fields))
     record, key = await request.app[GW].tenants.create_key(
-        tenant_id, body.name, list(body.scopes), expires_at, actor.key_id, limits=limits
+        tenant_id,
+        body.name,
+        list(body.scopes),
+        expires_at,
+        actor.key_id,
+        limits=limits,
+        priority=body.priority,
     )
     return json_response(record | {"key": key}, status=201)
 

@@ -67,12 +67,15 @@ class KeyCreate(Limits):
     ]
     expires_at: Annotated[float, Field(ge=0, le=1e11)] | None = None
     expires_in_s: Annotated[float, Field(gt=0, le=1e10)] | None = None
+    # the key's default priority (lower first; null: its tenant's); it only yields
+    priority: Priority | None = None
 
 
 class KeyUpdate(Limits):
     """Fields sent replace the old ones; a limit sent as null is lifted."""
 
     name: KeyName | None = None
+    priority: Priority | None = None
 
 
 class PinCreate(_Body):

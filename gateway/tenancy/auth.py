@@ -198,9 +198,12 @@ class Authenticator:
 
 def principal_for(key: ApiKey, tenant: Tenant | None) -> Principal:
     """A key's tenant's quota, with the key's own limits on top: the stricter of each
-    limit, and only the models both allow."""
+    limit, only the models both allow, and the later of the two priorities."""
     quota = tenant.quota if tenant is not None else None
     tenant_models = quota.models if quota is not None else None
+    priority = quota.priority if quota is not None else 0
+    if key.priority is not None:  # a key's own only yields: never ahead of its tenant's
+        priority = max(priority, key.priority)
     return Principal(
         key_id=key.id,
         tenant_id=key.tenant_id,
@@ -208,7 +211,7 @@ def principal_for(key: ApiKey, tenant: Tenant | None) -> Principal:
         scopes=tuple(key.scopes),
         limits=QuotaLimits.with_key(QuotaLimits.from_row(quota), key.id, QuotaLimits.from_row(key)),
         models=_both_allow(tenant_models, key.models),
-        priority=quota.priority if quota is not None else 0,
+        priority=priority,
         weight=quota.weight if quota is not None else 1.0,
     )
 

@@ -58,6 +58,7 @@ def key_dict(k: ApiKey) -> dict[str, Any]:
         "name": k.name,
         "prefix": k.prefix,
         "scopes": list(k.scopes),
+        "priority": k.priority,
     }
     limits = {f: _stored_to_api(f, getattr(k, f)) for f in LIMIT_FIELDS}
     times = {"created_at": k.created_at, "expires_at": k.expires_at, "revoked_at": k.revoked_at}
@@ -166,6 +167,7 @@ class TenantService(UsageQueries):
         actor: str = "cli",
         key: str | None = None,
         limits: dict[str, Any] | None = None,
+        priority: int | None = None,
     ) -> tuple[dict, str]:
         """Returns the key's record and the key itself, which is never shown again.
         `limits`: the key's own (LIMIT_FIELDS), held beside its tenant's."""
@@ -182,6 +184,7 @@ class TenantService(UsageQueries):
             created_at=time.time(),
             expires_at=expires_at,
             revoked_at=None,
+            priority=priority,
             **_api_to_stored(limits),
         )
         async with self.db.session() as s, s.begin():
@@ -205,6 +208,8 @@ class TenantService(UsageQueries):
                 setattr(key, f, value)
             if "name" in changes:
                 key.name = changes["name"] or ""  # null: no name, as a key made without
+            if "priority" in changes:
+                key.priority = changes["priority"]  # null: its tenant's again
             after = key_dict(key)
             s.add(audit_row(actor, "key.update", key_id, key.tenant_id, before, after))
             await bump_epoch(s)
