@@ -109,8 +109,9 @@ async def test_key_bodies_are_checked_and_keys_stay_with_their_tenant(gw):
         status, error = await gw.admin("POST", path, body)
         assert status == 400 and param in error["error"]["message"], body
     key = await new_key(gw, other["id"], tpm=1000)
-    status, error = await gw.admin("PATCH", f"/admin/keys/{key['id']}", {"priority": 1})
-    assert status == 400 and "priority" in error["error"]["message"]
+    # a tenant's share (its weight) is not a key's to have
+    status, error = await gw.admin("PATCH", f"/admin/keys/{key['id']}", {"weight": 2})
+    assert status == 400 and "weight" in error["error"]["message"]
     status, unnamed = await gw.admin("PATCH", f"/admin/keys/{key['id']}", {"name": None})
     assert status == 200 and unnamed["name"] == "" and unnamed["tpm"] == 1000
     status, _ = await gw.admin("PATCH", "/admin/keys/key_nonexistent", {"rpm": 1})
