@@ -54,7 +54,8 @@ class Speculator:
             self.proposer = DraftProposer(config, target_config.vocab_size)
         else:
             self.proposer = Eagle3Proposer(config, target_config, target, tokenizer)
-        self.draft_probs: dict[str, torch.Tensor] = {}  # this step's q, draft model only
+        # this step's q, a draft model's or a head's
+        self.draft_probs: dict[str, torch.Tensor] = {}
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
