@@ -9,12 +9,23 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+SUBPROCESS_TIMEOUT_S = 600
+# a compile module's tests wait on its subprocess (LLVM and ptxas for every launch and
+# target), which `make test` starts beside its other workers' compiles: past pytest's 300 s
+COMPILE_TIMEOUT = pytest.mark.timeout(SUBPROCESS_TIMEOUT_S + 60)
+
 
 def compile_in_subprocess(module: str) -> list[dict]:
     """The rows `python -m module` prints: one per compiled launch and target."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-m", module], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", module],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     return [json.loads(line) for line in run.stdout.splitlines()]

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.backend_gpu.compile_checks import compile_in_subprocess, failures, over_shared_memory
+from tests.backend_gpu.compile_checks import (
+    COMPILE_TIMEOUT,
+    compile_in_subprocess,
+    failures,
+    over_shared_memory,
+)
 
 pytest.importorskip("triton")
+pytestmark = COMPILE_TIMEOUT
 
 
 @pytest.fixture(scope="module")
