@@ -69,6 +69,10 @@ ApiKey = create_model(
     name=(str, ...),
     prefix=(str, ...),
     scopes=(list[Literal["inference", "admin"]], ...),
+    priority=(
+        int | None,
+        Field(description="the key's default priority, lower first; null: its tenant's"),
+    ),
     **_limits("the key's own limits, beside its tenant's; null: none"),
     created_at=(float, ...),
     expires_at=(float | None, ...),

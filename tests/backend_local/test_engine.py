@@ -14,6 +14,7 @@ from backend_local import (
 from backend_local.slots import common_prefix_len
 from engine_api.errors import BadRequestError
 from tests.backend_local.helpers import (
+    NEAR_TIE_NATS,
     assert_same_up_to_near_tie,
     collect,
     collect_logprobs,
@@ -221,11 +222,13 @@ async def test_logit_bias_past_the_vocabulary_is_refused(engine):
     assert len(ids) == 2
 
 
-def assert_same_first_token(reused: RequestOutput, fresh: RequestOutput) -> None:
+def assert_same_first_token(
+    reused: RequestOutput, fresh: RequestOutput, tolerance: float = 1e-3
+) -> None:
     """Reused (or copied) cells give the first token's logprobs of a fresh computation."""
     a, b = reused.logprobs[0], fresh.logprobs[0]
     assert [t for t, _ in a.top] == [t for t, _ in b.top]
-    assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+    assert a.logprob == pytest.approx(b.logprob, abs=tolerance)
 
 
 async def test_reused_prefix_gives_the_logprobs_of_a_fresh_computation(model_path):
@@ -266,7 +269,10 @@ async def test_prefix_copied_from_another_stream_gives_the_logprobs_of_a_fresh_c
         _, _, fresh = await collect(engine, "fresh", prompt, params, "fresh")
         assert copied.cached_tokens == len(head)  # copied from a's stream
         assert fresh.cached_tokens == 0
-        assert_same_first_token(copied, fresh)
+        # the copy's question is computed in other batch splits than the fresh prompt's:
+        # without AVX-512, llama.cpp's CPU kernels move a logprob by ~0.1 nats with them
+        # (NEAR_TIE_NATS); the secret attended to would change the ranking too
+        assert_same_first_token(copied, fresh, NEAR_TIE_NATS)
     finally:
         engine.shutdown()
 

@@ -149,7 +149,7 @@ async def test_damaged_foreign_forged_and_unloadable_files_are_recomputed(
     }
     first = engine_on(model_path, tmp_path)
     try:
-        cold = {n: (await collect(first, n, p, GREEDY, "t"))[0] for n, p in prompts.items()}
+        cold = {n: await collect_logprobs(first, n, p, SCORED, "t") for n, p in prompts.items()}
     finally:
         first.shutdown()
     assert first.stats().kv_disk_blocks_written == len(prompts)
@@ -158,9 +158,11 @@ async def test_damaged_foreign_forged_and_unloadable_files_are_recomputed(
     damage(tmp_path, prompts)  # under the running engine: each found at its read
     try:
         for name, prompt in prompts.items():
-            ids, _, out = await collect(second, name, prompt, GREEDY, "t")
+            ids, lps, out = await collect_logprobs(second, name, prompt, SCORED, "t")
             assert out.cached_tokens == 0, name
-            assert ids == cold[name], name
+            # recomputed: what a cold engine gives, up to llama.cpp's batch variance
+            cold_ids, cold_lps, _ = cold[name]
+            assert_same_up_to_near_tie(cold_ids, cold_lps, ids, lps)
         stats = second.stats()
     finally:
         second.shutdown()
