@@ -13,15 +13,16 @@ from backend_local.sampling import TokenLogprob
 from backend_local.slots import Slot, place
 from gateway.backends import BackendSpec, GenRequest, build_backend
 from gateway.backends.default_model import DEFAULT_MODEL_ID
-from tests.backend_local.helpers import assert_same_up_to_near_tie, collect_logprobs
+from tests.backend_local.helpers import NEAR_TIE_NATS, assert_same_up_to_near_tie, collect_logprobs
 from tests.requests import req
 
 pytestmark = pytest.mark.slow
 
 N_BATCH = 24  # the test prompt spans several decode steps
 # llama.cpp is not batch-invariant: the same row computed in another batch (another chunk
-# split, beside other sequences) moves by up to about 0.2 nats (tests/backend_local/helpers.py)
-DRIFT_NATS = 0.25
+# split, beside other sequences) moves by up to about 0.2 nats on an AVX-512 build, and
+# by 0.34 seen on an AVX2 one (tests/backend_local/helpers.py's near-tie bound)
+DRIFT_NATS = NEAR_TIE_NATS
 TEXT = (
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk. He wound "
     "the clockwork, polished the great lens, and lit the lamp that warned ships away from "
