@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import uuid
@@ -159,7 +160,10 @@ class LocalChat:
         except (BackendError, BadRequestError) as e:
             raise ChatError(str(e)) from None
         finally:
-            self.runner.run(stream.aclose())
+            # a Ctrl-C mid-step may leave the stream unable to close cleanly: that must
+            # not mask the interrupt, which stops the reply
+            with contextlib.suppress(BackendError):
+                self.runner.run(stream.aclose())
 
     def close(self) -> None:
         if self.backend is not None:
