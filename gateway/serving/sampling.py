@@ -43,21 +43,13 @@ def sampling(
     """The body's sampling options for one choice (its seed offset by the choice's index);
     `structured` is structured_output(body), made once for all the choices; `defaults`
     the model's, for the options the body leaves out."""
-    given = body.model_fields_set
-    if defaults:
-        model = {k: v for k, v in defaults.items() if k not in given}
-        temperature = model.get("temperature", body.temperature)
-        top_p, top_k = model.get("top_p", body.top_p), int(model.get("top_k", body.top_k))
-        min_p = model.get("min_p", body.min_p)
-        repetition = model.get("repetition_penalty", body.repetition_penalty)
-    else:
-        temperature, top_p, top_k = body.temperature, body.top_p, body.top_k
-        min_p, repetition = body.min_p, body.repetition_penalty
+    # the model's defaults for what the body left out (generation_config keeps top_k an int)
+    model = {k: v for k, v in (defaults or {}).items() if k not in body.model_fields_set}
     return SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
+        temperature=model.get("temperature", body.temperature),
+        top_p=model.get("top_p", body.top_p),
+        top_k=model.get("top_k", body.top_k),
+        min_p=model.get("min_p", body.min_p),
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         stop=body.stop or [],
@@ -65,7 +57,7 @@ def sampling(
         seed=None if body.seed is None else body.seed + choice,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=repetition,
+        repetition_penalty=model.get("repetition_penalty", body.repetition_penalty),
         logprobs=body.num_logprobs,
         prompt_logprobs=body.num_prompt_logprobs,
         logit_bias=body.token_bias(),
