@@ -88,30 +88,32 @@ async def show(request: web.Request) -> web.Response:
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic_ns()
-    gw = request.app[GW]
-    principal = await gw.authenticate(request)
-    body = await parse_body(request, OllamaChatRequest)
-    card = _card(gw, principal, body.model)
-    if body.load_only:
-        return _loaded(body.model, {"message": {"role": "assistant", "content": ""}})
-    _check_context(card, body.num_ctx)
-    job = await prepare(gw, principal, body.request, chat=True)
-    reply = _Reply(job, body.model, started, "message")
-    return await (_stream(request, reply) if body.stream else _whole(reply))
+    return await _generation(request, OllamaChatRequest, "message")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, OllamaGenerateRequest, "response")
+
+
+async def _generation(
+    request: web.Request,
+    model: type[OllamaChatRequest] | type[OllamaGenerateRequest],
+    field: str,  # where the text goes: chat's "message", generate's "response"
+) -> web.StreamResponse:
+    """/api/chat and /api/generate: a load-only body answers at once; the rest is a
+    chat (or, for raw generate, a completion) through admission, streamed or whole."""
     started = time.monotonic_ns()
     gw = request.app[GW]
     principal = await gw.authenticate(request)
-    body = await parse_body(request, OllamaGenerateRequest)
+    body = await parse_body(request, model)
     card = _card(gw, principal, body.model)
     if body.load_only:
-        return _loaded(body.model, {"response": ""})
+        empty = {"role": "assistant", "content": ""} if field == "message" else ""
+        return _loaded(body.model, {field: empty})
     _check_context(card, body.num_ctx)
-    job = await prepare(gw, principal, body.request, chat=not body.raw)
-    reply = _Reply(job, body.model, started, "response")
+    chat = not getattr(body, "raw", False)
+    job = await prepare(gw, principal, body.request, chat=chat)
+    reply = _Reply(job, body.model, started, field)
     return await (_stream(request, reply) if body.stream else _whole(reply))
 
 
