@@ -8,6 +8,7 @@ every side can import it cheaply and agree on the same records.
 """
 
 from engine_api.errors import BackendError, BadRequestError, EngineDeadError, PromptTooLongError
+from engine_api.images import ImageInput, image_input
 from engine_api.records import (
     BackendStats,
     GenChunk,
@@ -31,6 +32,7 @@ __all__ = [
     "EngineDeadError",
     "GenChunk",
     "GenRequest",
+    "ImageInput",
     "KVEvent",
     "Messages",
     "ModelCard",
@@ -40,4 +42,5 @@ __all__ = [
     "StructuredOutput",
     "TokenLogprob",
     "Usage",
+    "image_input",
 ]

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_api.errors import BadRequestError
+from engine_api.images import ImageInput
 from engine_api.sampling import SamplingParams
 from engine_api.wire import Record
 
 # A chat is a list of {"role": ..., "content": str}; a completion prompt is a
-# string or a list of token ids.
+# string or a list of token ids. A message's content may instead be a list of parts,
+# {"type": "text", "text": str} and {"type": "image", "image": ImageInput}, in order: how
+# every API's images reach a backend's render (one that takes no images refuses them).
 Messages = list[dict[str, Any]]
 PromptInput = str | list[int] | Messages
 
@@ -58,6 +61,8 @@ class GenRequest(Record):
     # LiteLLM's mock_response: the text to "generate" instead of sampling; only the fake
     # backend takes it (tests of parsers, clients and APIs without a model)
     mock_response: str | None = None
+    # the prompt's images in the order their placeholders appear in prompt_token_ids
+    images: list[ImageInput] = field(default_factory=list)
 
     wire_error = BadRequestError
 
@@ -109,6 +114,8 @@ class Usage(Record):
     # "engine": the engine counted; "gateway": a remote upstream sent no usage, so the
     # gateway counted with the model's tokenizer (the usage row says which)
     counted_by: str = "engine"
+    # of prompt_tokens, how many are images' placeholder tokens (the engine counts them)
+    image_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -202,6 +209,9 @@ class ModelCard:
     # top_p, top_k, min_p, repetition_penalty): the model's own advice
     # (gateway.backends.generation_config); an option not here takes the API's default
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # the model takes images in chat messages (a vision-language model whose backend
+    # can encode them); every other model refuses them with a 400
+    vision: bool = False
 
 
 @dataclass

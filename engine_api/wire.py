@@ -4,10 +4,14 @@ A record crossing to another process must arrive as the same record or be refuse
 message naming the field: unknown and missing keys, wrong types (a bool is not an int,
 a float must be finite, as JSON has no NaN) are errors, never silently coerced. The
 decoder reads the dataclass's own type hints, so a new field needs no wire code.
+`bytes` (an image's pixels) travel as standard base64 strings, as JSON has no bytes;
+a string that is not strict base64 is refused like any other mistyped field.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import functools
 import math
@@ -26,12 +30,26 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts, lists, tuples and scalars: what `json.dumps` takes."""
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return _plain(dataclasses.asdict(self))  # type: ignore[call-overload]
 
     @classmethod
     def from_dict(cls, data: Any) -> Self:
         """The record `to_dict` (or its JSON round trip) gave, or `wire_error`."""
         return cls(**decode_fields(cls, data, cls.wire_error))
+
+
+def _plain(value: Any) -> Any:
+    """`asdict`'s output with every `bytes` as its base64 string (in place)."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            value[k] = _plain(v)
+    elif isinstance(value, list):
+        value[:] = [_plain(v) for v in value]
+    elif isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 @functools.cache
@@ -94,11 +112,24 @@ def decode(hint: Any, value: Any, name: str, error: type[ValueError]) -> Any:
             check_types(value, error)
             return value
         return hint.from_dict(value)
+    if hint is bytes:
+        return _bytes(value, name, error)
     if hint not in _NAMES:
         raise TypeError(f"{name}: no wire decoding for {hint!r}")  # a new field's type
     if not _is(hint, value):
         raise error(f"{name} must be {_NAMES[hint]}, got {show(value)}")
     return value
+
+
+def _bytes(value: Any, name: str, error: type[ValueError]) -> bytes:
+    if isinstance(value, bytes):  # a record in Python (check_types)
+        return value
+    if not isinstance(value, str):
+        raise error(f"{name} must be a base64 string, got {show(value)}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise error(f"{name} must be a base64 string, got {show(value)}") from None
 
 
 def _is(hint: type, value: Any) -> bool:

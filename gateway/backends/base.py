@@ -65,7 +65,11 @@ class Backend(Protocol):
         self, model: str, prompt: PromptInput, tools: list[dict] | None = None
     ) -> list[int]:
         """Chat messages (with `tools`, through the model's chat template) or a prompt
-        -> token ids."""
+        -> token ids. A message's content may be a list of parts, {"type": "text",
+        "text": str} and {"type": "image", "image": ImageInput}: a backend whose model
+        takes images (ModelCard.vision) writes each image's placeholder tokens where it
+        stands, in order (GenRequest.images carries the pixels in the same order); any
+        other raises BadRequestError("model X does not take images") (common.refuse_images)."""
         ...
 
     async def detokenize(

@@ -1,4 +1,5 @@
-"""What the engine adapters share: option checks, model ids, rendering and decoding."""
+"""What the engine adapters share: option checks, model ids, rendering and decoding, and
+the refusal of images by a model that does not take them."""
 
 from __future__ import annotations
 
@@ -23,8 +24,32 @@ def _prompt_chars(prompt: PromptInput) -> int:
     if isinstance(prompt, str):
         return len(prompt)
     if prompt and isinstance(prompt[0], dict):
-        return sum(len(str(m.get("content") or "")) for m in prompt)
+        return sum(len(message_text(m)) for m in prompt)  # type: ignore[arg-type]
     return 0  # token ids: nothing to tokenize
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A chat message's text: its content, or its text parts' joined (images left out)."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+    return str(content)
+
+
+def has_images(prompt: PromptInput) -> bool:
+    """Whether chat messages carry an image part ({"type": "image", "image": ImageInput})."""
+    return isinstance(prompt, list) and any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(p.get("type") == "image" for p in m["content"])
+        for m in prompt
+    )
+
+
+def refuse_images(model: str, prompt: PromptInput) -> None:
+    """BadRequestError for images sent to `model`, which does not take them."""
+    if has_images(prompt):
+        raise BadRequestError(f"model {model!r} does not take images")
 
 
 async def render_off_loop(

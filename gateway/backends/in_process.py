@@ -32,6 +32,7 @@ from gateway.backends.common import (
     check_options,
     decode_off_loop,
     named_logprob,
+    refuse_images,
     render_off_loop,
     render_prompt,
     served_model_id,
@@ -168,8 +169,12 @@ class InProcessBackend(ABC, Generic[E]):
     async def render_chat(
         self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
     ) -> list[int]:
-        """ChatTemplateBackend: `render` with the template's extra variables."""
+        """ChatTemplateBackend: `render` with the template's extra variables. Images
+        are refused unless the model's card says it takes them (`vision`), in which case
+        the adapter renders them itself."""
         check_model(model, self.model_id)
+        if not self.models()[0].vision:
+            refuse_images(model, prompt)
         t = self._tokenization()
         return await render_off_loop(
             lambda p: render_prompt(

@@ -71,6 +71,7 @@ from engine_api.structured import StructuredOutput
 from gateway.backends.common import (
     check_model,
     decode_off_loop,
+    refuse_images,
     render_off_loop,
 )
 from gateway.backends.kv_transfer import BOTH
@@ -253,6 +254,7 @@ class RemoteBackend:
         self, model: str, prompt: PromptInput, tools: list[dict] | None = None
     ) -> list[int]:
         check_model(model, self.model_id)
+        refuse_images(model, prompt)  # an upstream's vision is not carried yet
         if not prompt:
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         if self.text_bound:
