@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -150,17 +151,25 @@ class LocalChat:
             raise ChatError(str(e)) from None
         req = GenRequest(f"chat-{uuid.uuid4().hex}", self.model, ids, sampling)
         stream = self.backend.generate(req)
-
-        async def step() -> Any:
-            return await anext(stream, None)
-
+        loop = self.runner.get_loop()
         try:
-            while (chunk := self.runner.run(step())) is not None:
-                yield chunk.text
+            with _ctrl_c_cancels() as ctrl_c:
+                while True:
+                    ctrl_c.stop_if_pressed()
+                    ctrl_c.task = loop.create_task(anext(stream, None))
+                    try:
+                        chunk = loop.run_until_complete(ctrl_c.task)
+                    except asyncio.CancelledError:
+                        raise KeyboardInterrupt from None
+                    finally:
+                        ctrl_c.task = None
+                    if chunk is None:
+                        return
+                    yield chunk.text
         except (BackendError, BadRequestError) as e:
             raise ChatError(str(e)) from None
         finally:
-            # a Ctrl-C mid-step may leave the stream unable to close cleanly: that must
+            # a step cut short may leave the stream unable to close cleanly: that must
             # not mask the interrupt, which stops the reply
             with contextlib.suppress(BackendError):
                 self.runner.run(stream.aclose())
@@ -169,6 +178,40 @@ class LocalChat:
         if self.backend is not None:
             self.runner.run(self.backend.stop(drain=False))
         self.runner.close()
+
+
+class _CtrlC:
+    """A Ctrl-C seen while a reply streams: it cancels the step in flight, if any."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.pressed = False
+
+    def on_signal(self, _signum: int, _frame: Any) -> None:
+        self.pressed = True
+        if self.task is not None:
+            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+
+    def stop_if_pressed(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels() -> Iterator[_CtrlC]:
+    """Turn Ctrl-C into a cancelled step while a reply streams.
+
+    asyncio.Runner.run raises KeyboardInterrupt wherever the signal lands, even between
+    creating a step's task and running it, which leaves a task never awaited (and its
+    warnings on the terminal). Here the signal only marks the reply stopped and cancels
+    the step in flight, so the reply stops at a step's edge.
+    """
+    ctrl_c = _CtrlC()
+    previous = signal.signal(signal.SIGINT, ctrl_c.on_signal)
+    try:
+        yield ctrl_c
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def chat_loop(chat: RemoteChat | LocalChat, system: str | None) -> int:
