@@ -9,6 +9,7 @@ import logging
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.backends import Backend
 from gateway.batches import BATCHES
 from gateway.batches.start import start_batches
 from gateway.config import ConfigSource, Settings
@@ -33,7 +34,7 @@ from gateway.routes.openai import (
     list_models,
     tokenize,
 )
-from gateway.state import GW, INFERENCE_PATHS
+from gateway.state import GW, INFERENCE_PATHS, GatewayState
 from gateway.tenancy.auth import AuthError, bearer_token
 
 log = logging.getLogger("kvgate")
@@ -45,7 +46,13 @@ async def health(request: web.Request) -> web.Response:
     """Liveness: 200 while the process serves, with the backends that cannot serve now
     and why (one that failed to start, an upstream that does not answer)."""
     gw = request.app[GW]
-    return json_response({"status": "ok", "down": gw.router.down(gw.backends)})
+    return json_response({"status": "ok", "down": gw.router.down(_configured(gw))})
+
+
+def _configured(gw: GatewayState) -> list[Backend]:
+    """The backends that should be up: not a models directory's, loaded on demand."""
+    models = gw.models_dir
+    return [b for b in gw.backends if models is None or not models.owns(b)]
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -53,7 +60,9 @@ async def ready(request: web.Request) -> web.Response:
     (a load balancer stops sending here while the requests in flight finish)."""
     gw = request.app[GW]
     states = {b.name: b.stats().healthy and b.name not in gw.router.broken for b in gw.backends}
-    ok = bool(states) and any(states.values()) and not gw.drain.draining
+    # a models directory serves, its models loaded on their first request
+    serves = any(states.values()) or gw.models_dir is not None
+    ok = serves and not gw.drain.draining
     body = {"ready": ok, "draining": gw.drain.draining, "backends": states}
     return json_response(body, status=200 if ok else 503)
 

@@ -15,7 +15,14 @@ from gateway.backends import BackendSpec, replica_count
 from gateway.backends.default_model import starter_backends
 from gateway.backends.generation_config import checked
 from gateway.backends.spec import LoraModule, parse_lora_modules
-from gateway.config_check import ConfigError, check_parsers, check_types, table, text
+from gateway.config_check import (
+    ConfigError,
+    check_parsers,
+    check_types,
+    keep_alive_s,
+    table,
+    text,
+)
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
 from gateway.observe.tracing import trace_export
 from gateway.tenancy.quota.prices import FREE, Price, parse_prices
@@ -127,6 +134,14 @@ class Settings:
     max_file_lines: int = 50_000
     batch_in_flight: int = 4
     batch_prices: dict[str, Price] = field(default_factory=dict)
+    # a models directory (gateway/ondemand): every .gguf in it served by its file's stem,
+    # listed at once and loaded on first use; at most `models_max` resident (the least
+    # recently used unloaded first) within `models_memory_gb` (None: 80% of the memory);
+    # a model unused for `keep_alive` (Ollama's: "5m", seconds, negative: never) unloads
+    models_dir: str = ""
+    models_max: int = 3
+    models_memory_gb: float | None = None
+    keep_alive: str = "5m"
 
     def __post_init__(self) -> None:
         check_types(self, SETTING_TYPES, skip=frozenset({"prices", "batch_prices"}))
@@ -160,6 +175,14 @@ class Settings:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.models_max < 1:
+            raise ConfigError("models_max", f"models_max must be >= 1, got {self.models_max}")
+        if self.models_memory_gb is not None and not self.models_memory_gb > 0:
+            raise ConfigError("models_memory_gb", "models_memory_gb must be > 0")
+        try:
+            keep_alive_s(self.keep_alive)
+        except ValueError as e:
+            raise ConfigError("keep_alive", str(e)) from None
         if min(self.max_file_bytes, self.max_file_lines, self.batch_in_flight) < 1:
             raise ValueError("max_file_bytes, max_file_lines and batch_in_flight must be >= 1")
         if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
@@ -202,6 +225,8 @@ class Settings:
         engine_options = {
             name: value for name in ENGINE_SETTINGS if (value := getattr(self, name)) is not None
         }
+        if self.models_dir and not (self.backends or self.model) and self.backend in ("", "auto"):
+            return []  # the directory's models only (gateway/ondemand), with the engine settings
         if self.backends and not self.model and self.backend in ("", "auto"):
             if self.replicas != 1:  # it would be ignored: one count for which entry?
                 engine_options["replicas"] = self.replicas
@@ -240,6 +265,13 @@ class Settings:
             and self.replicas == 1
             and not (self.lora_modules or self.workers)
         )
+
+    def dir_options(self) -> dict[str, Any]:
+        """The engine settings given, as the options of a models directory's (llama.cpp)
+        entries; ValueError for one llama.cpp does not take."""
+        options = {n: v for n in ENGINE_SETTINGS if (v := getattr(self, n)) is not None}
+        _check_engine_settings(options, "local")
+        return options
 
 
 SETTING_TYPES = typing.get_type_hints(Settings)
@@ -373,6 +405,10 @@ _ENV_FIELDS = {
     "max_file_bytes": int,
     "max_file_lines": int,
     "batch_in_flight": int,
+    "models_dir": str,
+    "models_max": int,
+    "models_memory_gb": float,
+    "keep_alive": str,
 }
 
 
@@ -392,7 +428,7 @@ class ConfigSource:
 
 
 # what names the backends to serve; a config file with none of them serves nothing
-BACKEND_CHOICES = frozenset({"backends", "backend", "model", "served_model_name"})
+BACKEND_CHOICES = frozenset({"backends", "backend", "model", "served_model_name", "models_dir"})
 
 
 def load_settings(

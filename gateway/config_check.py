@@ -10,6 +10,7 @@ too. An output parser's name must be one gateway.parsers has.
 from __future__ import annotations
 
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -99,3 +100,38 @@ def check_parsers(reasoning: str | None, tools: str | None, where: str) -> None:
     ):
         if name is not None and name not in valid:
             raise ConfigError(kind, f"{where}{kind} {name!r} is not one of: {', '.join(valid)}")
+
+
+# Ollama's keep_alive: Go's duration ("10m", "1h30m", "-1s"), or a number of seconds
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_DURATION_CHARS = 32
+
+
+def keep_alive_s(value: Any) -> float | None:
+    """Seconds a model stays loaded after its last request, as Ollama reads `keep_alive`:
+    a number of seconds, or a duration string ("5m", "1h30m", "300ms", "0"); negative:
+    forever (None); 0: unload once the request is done. ValueError if it is neither."""
+    if isinstance(value, bool):
+        raise ValueError(f"keep_alive must be a duration or seconds, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and len(value) <= MAX_DURATION_CHARS:
+        seconds = _duration(value.strip())
+    else:
+        raise ValueError(f"keep_alive must be a duration (5m, 1h) or seconds, got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"keep_alive must be finite, got {value!r}")
+    return None if seconds < 0 else seconds
+
+
+def _duration(text: str) -> float:
+    try:
+        return float(text)  # "300": seconds, as Ollama's server takes it
+    except ValueError:
+        pass
+    sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
+    parts = _DURATION_PART.findall(body)
+    if not body or "".join(n + u for n, u in parts) != body:
+        raise ValueError(f"keep_alive must be a duration (5m, 1h30m) or seconds, got {text!r}")
+    return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)

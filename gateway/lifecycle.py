@@ -22,6 +22,7 @@ from gateway.db.tables import ServerSetting
 from gateway.http.drain import Drain
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
+from gateway.ondemand import ModelsDir
 from gateway.routing.adapters import AdapterRegistry
 from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.fair_queue import FairQueue
@@ -78,6 +79,9 @@ async def start_gateway(settings: Settings, drain: Drain | None = None) -> Gatew
     if drain is not None:  # the app's, which its middleware reads
         state.drain = drain
     await _start_backends(state)
+    if settings.models_dir:  # its models are listed now, loaded on their first request
+        state.models_dir = ModelsDir(state, settings)
+        await state.models_dir.start()
     await state.adapters.load()
     state.adapters.start()
     # the engines start empty: prefill the pinned prefixes, so the first request hits
@@ -229,6 +233,8 @@ async def stop_gateway(state: GatewayState) -> None:
     # backends a reload removed finish draining first (their requests ended with the drain)
     await asyncio.gather(*state.retiring, return_exceptions=True)
     await state.adapters.stop()
+    if state.models_dir is not None:
+        await state.models_dir.stop()
     for backend in state.backends:
         try:
             await backend.stop(drain=True)

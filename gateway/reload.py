@@ -30,6 +30,7 @@ from gateway.backends import Backend, BackendSpec
 from gateway.config import ENGINE_SETTINGS, Settings
 from gateway.config_check import ConfigError
 from gateway.lifecycle import Started, add_entry_adapters, route, start_entries
+from gateway.ondemand import ModelsDir
 from gateway.state import GatewayState
 from gateway.tenancy import audit
 
@@ -77,6 +78,9 @@ class Reload:
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
+    # a models directory's models that appear or go (its files, read again)
+    models_added: list[str] = field(default_factory=list)
+    models_removed: list[str] = field(default_factory=list)
 
 
 async def reload_config(gw: GatewayState, actor: str) -> Reload:
@@ -104,6 +108,8 @@ async def _reload(gw: GatewayState, actor: str) -> Reload:
     async with gw.reload_lock:
         if gw.source is None:
             raise ReloadError("this gateway was not started from a config it can read again")
+        if gw.source.config_file is None and gw.models_dir is not None:
+            return await _rescan(gw, Reload())  # the directory is all there is to read again
         if gw.source.config_file is None:  # flags and KVGATE_* are as they were at start
             raise ReloadError(NO_CONFIG_FILE)
         if gw.drain.draining:  # what it would start would only be stopped again
@@ -137,7 +143,18 @@ async def _reload(gw: GatewayState, actor: str) -> Reload:
             "config reloaded: settings changed %s; backends added %s, removed %s, replaced %s",
             *(done.changed, done.added, done.removed, done.replaced),
         )
-        return done
+        return await _rescan(gw, done) if gw.models_dir is not None else done
+
+
+async def _rescan(gw: GatewayState, done: Reload) -> Reload:
+    """The models directory read again (its files added or removed)."""
+    models: ModelsDir = gw.models_dir
+    try:
+        scanned = await models.rescan()
+    except OSError as e:
+        raise ReloadError(f"the models directory cannot be read: {e.strerror}") from None
+    done.models_added, done.models_removed = scanned.added, scanned.removed
+    return done
 
 
 def _audited(old: Settings, new: Settings, done: Reload) -> tuple[dict, dict]:

@@ -74,6 +74,9 @@ class GatewayState:
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reload at a time
     # replicas a reload removed, waiting for their requests to finish before they stop
     retiring: set[asyncio.Task] = field(default_factory=set)
+    # --models-dir: gateway.ondemand.ModelsDir, the directory's models loaded on demand
+    # (typed loosely: it lives in a room above this one)
+    models_dir: Any = None
 
     async def authenticate(self, request: web.Request, scope: str = "inference") -> Principal:
         with step(self.tracing, "kvgate.authenticate") as span:

@@ -90,6 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix (default: where the prompt's prefix is cached), round_robin, least_loaded",
     )
     serve.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        help="serve every .gguf file in DIR, named by its file's stem: listed at once, "
+        "loaded on first use, unloaded when unused for --keep-alive (files added or removed "
+        "appear or go within seconds, or on POST /admin/reload)",
+    )
+    serve.add_argument(
+        "--models-max",
+        type=int,
+        metavar="N",
+        help="with --models-dir: models resident at once; loading one more unloads the "
+        f"least recently used idle one (default {Settings.models_max})",
+    )
+    serve.add_argument(
+        "--models-memory-gb",
+        type=float,
+        metavar="GB",
+        help="with --models-dir: the resident models' files may add up to this much; a "
+        "load that would not fit is a 503 (default: 80%% of the machine's memory)",
+    )
+    serve.add_argument(
+        "--keep-alive",
+        metavar="DURATION",
+        help="with --models-dir: a model unused this long is unloaded (Ollama's: 5m, 1h, "
+        f"seconds; negative: never; default {Settings.keep_alive}); a request's keep_alive "
+        "overrides it",
+    )
+    serve.add_argument(
         "--verbose",
         action="store_true",
         help="also show other libraries' logs (database migrations, llama.cpp's load "
@@ -203,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             "lora_modules": args.lora_modules,
             "reasoning_parser": args.reasoning_parser,
             "tool_call_parser": args.tool_call_parser,
+            "models_dir": args.models_dir,
+            "models_max": args.models_max,
+            "models_memory_gb": args.models_memory_gb,
+            "keep_alive": args.keep_alive,
         } | worker_cli.engine_overrides(args)
     # a reload reads the same file again, under the same variables and flags
     source = ConfigSource(args.config or os.environ.get("KVGATE_CONFIG"), overrides)

@@ -7,6 +7,7 @@ import asyncio
 import errno
 import gc
 import logging
+import os
 import socket
 import sys
 
@@ -43,6 +44,11 @@ def _listen_error(settings: Settings, e: OSError) -> str:
     return f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}"
 
 
+def _check_models_dir(settings: Settings) -> None:
+    if settings.models_dir and not os.path.isdir(settings.models_dir):
+        raise CannotServe(f"the models directory {settings.models_dir} is not a directory")
+
+
 def _check_can_listen(settings: Settings) -> None:
     """The engines take seconds to minutes to load: find a taken port before that. The
     real bind afterwards still catches a port taken in between."""
@@ -61,6 +67,7 @@ def _check_can_listen(settings: Settings) -> None:
 
 async def serve(settings: Settings, source: ConfigSource | None = None) -> None:
     _check_can_listen(settings)
+    _check_models_dir(settings)
     app = create_app(settings, source)
     # the gateway's transport: limits on slow and idle clients (gateway/http/server.py)
     runner = GatewayRunner(app, settings, access_log=None, shutdown_timeout=CLOSE_GRACE_S)
@@ -109,7 +116,17 @@ def _nothing_to_serve(gw: GatewayState) -> str | None:
 
 
 def _announce(settings: Settings, gw: GatewayState) -> None:
+    directory = gw.models_dir
+    if directory is not None:
+        names = ", ".join(directory.entries) or "none yet"
+        print(
+            f"kvgate: models directory {directory.directory} (loaded on first use, at most "
+            f"{directory.models_max} at once): {names}",
+            flush=True,
+        )
     for backend in gw.backends:
+        if directory is not None and directory.owns(backend):
+            continue
         kind = gw.backend_types[backend.name]
         models = ", ".join(m for m, bs in gw.router.serving.items() if backend in bs) or "-"
         if backend.name in gw.router.broken:  # its WARNING below says why

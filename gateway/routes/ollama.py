@@ -8,8 +8,11 @@ by the same Job (gateway.serving.admission) as /v1, so tenants, keys, quotas, fa
 and usage rows apply unchanged, and ended by the same rules (gateway.serving.outcome).
 Replies stream as NDJSON unless `stream` is false; reasoning goes in `thinking`, tool
 calls whole with their arguments as an object. Errors are Ollama's `{"error": ...}`
-(gateway.http.errors). The models are the config's, all loaded: the routes that manage
-a models directory (pull, push, create, copy, delete) answer 501.
+(gateway.http.errors). A models directory's model (gateway.ondemand) is held from the
+request's start to its end: loaded first if it is not (its `load_duration`), kept after
+it as the request's `keep_alive` says; /api/ps shows those loaded and when each expires.
+The routes that manage models (pull, push, create, copy, delete) are
+gateway.routes.ollama_manage's.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ from aiohttp import web
 from gateway.backends import ModelCard
 from gateway.http.errors import ApiError
 from gateway.http.util import json_bytes, json_response, parse_body
+from gateway.ondemand import held, of
+from gateway.routes import ollama_manage
 from gateway.schemas.ollama import (
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaShowRequest,
+    held_for,
     served_name,
 )
 from gateway.serving.admission import model_card, prepare
@@ -49,17 +55,6 @@ from gateway.tenancy.auth import Principal
 
 VERSION = "0.12.0"  # the Ollama API this one follows, as clients that check it read it
 NDJSON = {"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"}
-_DIRECTORY = (
-    "it acts on a models directory, which kvgate does not have yet; serve the model from the config"
-)
-NOT_IMPLEMENTED = {
-    "post /api/pull": "kvgate downloads nothing: copy the model's file onto this machine and "
-    "serve it (a [[backends]] entry naming its path)",
-    "post /api/push": "kvgate uploads nothing: copy the model's file where it is wanted and serve it there",
-    "post /api/create": _DIRECTORY,
-    "post /api/copy": _DIRECTORY,
-    "delete /api/delete": _DIRECTORY,
-}
 
 
 async def version(request: web.Request) -> web.Response:
@@ -73,10 +68,17 @@ async def tags(request: web.Request) -> web.Response:
 
 
 async def ps(request: web.Request) -> web.Response:
-    """Every served model is resident (loaded at start) and none expires."""
+    """The models loaded: a configured one always (loaded at start, it never expires), a
+    models directory's while it is, with its expiry."""
     gw = request.app[GW]
     principal = await gw.authenticate(request)
-    return json_response({"models": [d.running() for d in await _described(gw, principal)]})
+    models, running = of(gw), []
+    for d in await _described(gw, principal):
+        if models is None or not models.has(d.card.id):
+            running.append(d.running())
+        elif models.is_loaded(d.card.id):
+            running.append(d.running(models.expires_at(d.card.id)))
+    return json_response({"models": running})
 
 
 async def show(request: web.Request) -> web.Response:
@@ -84,7 +86,9 @@ async def show(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, OllamaShowRequest)
     card = _card(gw, principal, body.model or body.name or "")
-    return json_response((await describe(gw, card)).show(gw))
+    async with held(gw, card.id):  # a directory's model: its template is read once loaded
+        card = _card(gw, principal, body.model or body.name or "")
+        return json_response((await describe(gw, card)).show(gw))
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -107,14 +111,21 @@ async def _generation(
     principal = await gw.authenticate(request)
     body = await parse_body(request, model)
     card = _card(gw, principal, body.model)
-    if body.load_only:
-        empty = {"role": "assistant", "content": ""} if field == "message" else ""
-        return _loaded(body.model, {field: empty})
-    _check_context(card, body.num_ctx)
-    chat = not getattr(body, "raw", False)
-    job = await prepare(gw, principal, body.request, chat=chat)
-    reply = _Reply(job, body.model, started, field)
-    return await (_stream(request, reply) if body.stream else _whole(reply))
+    keep_alive, models = held_for(body.keep_alive), of(gw)
+    if body.load_only and keep_alive == 0:  # Ollama's way to unload a model
+        if models is not None and models.has(card.id):
+            models.unload(card.id)
+        return _loaded(body.model, {field: _empty(field)}, unload=True)
+    async with held(gw, card.id, keep_alive) as loaded:
+        if body.load_only:
+            return _loaded(body.model, {field: _empty(field)}, unload=False)
+        card = _card(gw, principal, body.model)  # once loaded, its context is known
+        _check_context(card, body.num_ctx)
+        chat = not getattr(body, "raw", False)
+        job = await prepare(gw, principal, body.request, chat=chat)
+        reply = _Reply(job, body.model, started, field)
+        reply.load_ns = loaded.waited_ns
+        return await (_stream(request, reply) if body.stream else _whole(reply))
 
 
 async def embed_many(request: web.Request) -> web.Response:
@@ -122,13 +133,14 @@ async def embed_many(request: web.Request) -> web.Response:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     body = await parse_body(request, OllamaEmbedRequest)
-    _card(gw, principal, body.model)
-    done = await embed(gw, principal, body.request)
+    card = _card(gw, principal, body.model)
+    async with held(gw, card.id, held_for(body.keep_alive)) as loaded:
+        done = await embed(gw, principal, body.request)
     answer = {
         "model": body.model,
         "embeddings": done.vectors,
         "total_duration": time.monotonic_ns() - started,
-        "load_duration": 0,
+        "load_duration": loaded.waited_ns,
         "prompt_eval_count": done.prompt_tokens,
     }
     return json_response(answer, headers=done.headers)
@@ -138,15 +150,10 @@ async def embed_one(request: web.Request) -> web.Response:
     gw = request.app[GW]
     principal = await gw.authenticate(request)
     body = await parse_body(request, OllamaEmbeddingsRequest)
-    _card(gw, principal, body.model)
-    done = await embed(gw, principal, body.request)
+    card = _card(gw, principal, body.model)
+    async with held(gw, card.id, held_for(body.keep_alive)):
+        done = await embed(gw, principal, body.request)
     return json_response({"embedding": done.vectors[0]}, headers=done.headers)
-
-
-async def not_implemented(request: web.Request) -> web.Response:
-    await request.app[GW].authenticate(request)  # a route of the API: a key, as every one
-    why = NOT_IMPLEMENTED[f"{request.method.lower()} {request.path}"]
-    raise ApiError(501, f"{request.path} is not implemented: {why}.")
 
 
 class _Reply:
@@ -157,6 +164,7 @@ class _Reply:
         self.outputs = choice_outputs(job) if job.chat else []
         self.first: int | None = None  # when the first output came: the prompt's end
         self.calls = Whole()
+        self.load_ns = 0  # how long the request waited for its model's load
 
     def feed(self, chunk: Any) -> Piece:
         if self.first is None:
@@ -204,7 +212,7 @@ class _Reply:
             "done": True,
             "done_reason": "length" if reason == "length" else "stop",
             "total_duration": now - self.started,
-            "load_duration": 0,  # loaded at start
+            "load_duration": self.load_ns,
             "prompt_eval_count": self.job.prompt_tokens,
             "prompt_eval_duration": first - self.started,
             "eval_count": self.job.completion_tokens,
@@ -271,10 +279,16 @@ def _ollama_calls(calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], st
     return shaped, text
 
 
-def _loaded(model: str, said: dict[str, Any]) -> web.Response:
-    """The answer to Ollama's way of loading a model (no prompt, no messages): it is
-    loaded already, as every served model is; nothing is generated or billed."""
-    done = {"model": model, "created_at": _now(), **said, "done": True, "done_reason": "load"}
+def _empty(field: str) -> Any:
+    return {"role": "assistant", "content": ""} if field == "message" else ""
+
+
+def _loaded(model: str, said: dict[str, Any], unload: bool) -> web.Response:
+    """The answer to Ollama's way of loading a model (no prompt, no messages), or, with
+    keep_alive 0, of unloading it: done (the hold loaded it, and unloads it on leaving);
+    nothing is generated or billed."""
+    reason = "unload" if unload else "load"
+    done = {"model": model, "created_at": _now(), **said, "done": True, "done_reason": reason}
     return json_response(done)
 
 
@@ -323,6 +337,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/generate", generate)
     app.router.add_post("/api/embed", embed_many)
     app.router.add_post("/api/embeddings", embed_one)
-    for route in NOT_IMPLEMENTED:
-        method, path = route.split(" ")
-        app.router.add_route(method.upper(), path, not_implemented)
+    ollama_manage.add_routes(app)

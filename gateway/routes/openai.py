@@ -26,6 +26,7 @@ from gateway.backends import (
 )
 from gateway.http.errors import ApiError
 from gateway.http.util import json_response, parse_body, sse
+from gateway.ondemand import held
 from gateway.schemas.inference import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -116,11 +117,12 @@ async def on_a_replica(gw: GatewayState, model: str, call: Callable[[Backend], A
     """`call` on the first healthy replica of `model` that answers (a remote one may have
     just died); the last one's error is the client's."""
     try:
-        candidates = gw.router.candidates(model)
-        for candidate in candidates[:-1]:
-            with contextlib.suppress(BackendError):
-                return await call(candidate.backend)
-        return await call(candidates[-1].backend)
+        async with held(gw, model):  # loaded, if it is a models directory's
+            candidates = gw.router.candidates(model)
+            for candidate in candidates[:-1]:
+                with contextlib.suppress(BackendError):
+                    return await call(candidate.backend)
+            return await call(candidates[-1].backend)
     except BadRequestError as e:
         raise ApiError(400, str(e)) from None
     except BackendError as e:

@@ -20,10 +20,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway.http.errors import is_anthropic, is_ollama
-from gateway.routes import ollama as ollama_api
+from gateway.routes import ollama_manage as manage
 from gateway.schemas import embeddings as e
 from gateway.schemas import messages_responses as am
 from gateway.schemas import ollama as o
+from gateway.schemas import ollama_manage as om
 from gateway.schemas import responses as m
 from gateway.schemas import responses_admin as a
 from gateway.schemas import responses_api as r
@@ -72,6 +73,9 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     o.OllamaEmbedRequest,
     o.OllamaEmbeddingsRequest,
     o.OllamaShowRequest,
+    om.OllamaCopyRequest,
+    om.OllamaCreateRequest,
+    om.OllamaDeleteRequest,
 )
 _ERRORS = {
     400: "The request is malformed or breaks a rule (the body, a parameter, the URL).",
@@ -167,11 +171,11 @@ _SUMMARIES = {
     "post /api/generate": "Generate from a prompt (Ollama's): NDJSON unless stream is false.",
     "post /api/embed": "Embed texts (Ollama's).",
     "post /api/embeddings": "Embed one prompt (Ollama's older route).",
-    "post /api/pull": "Not implemented: copy the model's file and serve it.",
-    "post /api/push": "Not implemented: copy the model's file and serve it.",
-    "post /api/create": "Not implemented yet (it needs a models directory).",
-    "post /api/copy": "Not implemented yet (it needs a models directory).",
-    "delete /api/delete": "Not implemented yet (it needs a models directory).",
+    "post /api/pull": "Not implemented: copy the model's file into the models directory.",
+    "post /api/push": "Not implemented: copy the model's file where it is wanted.",
+    "post /api/create": "Copy a model of the models directory under a new name (admin key).",
+    "post /api/copy": "Copy a model of the models directory under a new name (admin key).",
+    "delete /api/delete": "Remove a model's file from the models directory (admin key).",
 }
 # http.middleware.refuse_control_characters answers 400 to a URL that holds a control character
 _TEXT_PARAM = {"type": "string", "pattern": NO_CONTROL}
@@ -224,6 +228,9 @@ EXAMPLES: dict[type[BaseModel], tuple[dict[str, Any], ...]] = {
     o.OllamaEmbedRequest: ({"model": "", "input": ["first", "second"]},),
     o.OllamaEmbeddingsRequest: ({"model": "", "prompt": "The food was delicious."},),
     o.OllamaShowRequest: ({"model": ""},),
+    om.OllamaCopyRequest: ({"source": "smollm2", "destination": "smollm2-copy"},),
+    om.OllamaCreateRequest: ({"name": "smollm2-copy", "from": "smollm2", "stream": False},),
+    om.OllamaDeleteRequest: ({"name": "smollm2-copy"},),
     e.EmbeddingRequest: (
         {"model": "", "input": "The food was delicious."},
         {"model": "", "input": ["first", "second"], "encoding_format": "base64"},
@@ -307,7 +314,11 @@ def _ollama_routes() -> list[Route]:
         Route("post /api/generate", reply, o.OllamaGenerateRequest, errors=COMPLETE),
         Route("post /api/embed", _OBJECT, o.OllamaEmbedRequest, errors=COMPLETE),
         Route("post /api/embeddings", _OBJECT, o.OllamaEmbeddingsRequest, errors=COMPLETE),
-        *(Route(route, _OBJECT, errors=unmade) for route in ollama_api.NOT_IMPLEMENTED),
+        *(Route(f"post {path}", _OBJECT, errors=unmade) for path in manage.NOT_IMPLEMENTED),
+        # the models directory's, for an admin key (501: the gateway serves none)
+        Route("post /api/copy", {}, om.OllamaCopyRequest, errors=(*KEY, 501)),
+        Route("post /api/create", reply, om.OllamaCreateRequest, errors=(*KEY, 501)),
+        Route("delete /api/delete", {}, om.OllamaDeleteRequest, errors=(*KEY, 501)),
     ]
 
 

@@ -18,8 +18,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
+from gateway.config_check import keep_alive_s
 from gateway.schemas.base import StrictBody as _Body
 from gateway.schemas.embeddings import EmbeddingRequest
 from gateway.schemas.fields import INT32, INT53, IntIn, Name
@@ -27,8 +35,28 @@ from gateway.schemas.inference import MAX_STOP, ChatCompletionRequest, Completio
 from gateway.schemas.structured import MAX_TOOLS, FunctionName, ToolSpec
 
 LATEST = ":latest"
+DEFAULT = "default"  # no keep_alive sent: the gateway's (gateway.ondemand)
 M = TypeVar("M", bound=BaseModel)
 Stop = Annotated[str, Field(min_length=1, max_length=1000)]
+
+
+def _keep_alive(value: float | str) -> float | str:
+    """Ollama's keep_alive as seconds (float), or "forever" (a negative one)."""
+    seconds = keep_alive_s(value)
+    return "forever" if seconds is None else seconds
+
+
+# how long the model stays loaded after the request: seconds, or a duration ("10m",
+# "1h30m"); 0 unloads it once the request is done, a negative one keeps it
+KeepAlive = Annotated[float | str, AfterValidator(_keep_alive)]
+
+
+def held_for(keep_alive: float | str | None) -> float | str | None:
+    """A parsed keep_alive as gateway.ondemand takes it: seconds, None for forever,
+    DEFAULT where none was sent."""
+    if keep_alive is None:
+        return DEFAULT
+    return None if keep_alive == "forever" else keep_alive
 
 
 def served_name(model: str) -> str:
@@ -95,9 +123,7 @@ class _Generating(_Body):
     format: Literal["", "json"] | dict[str, Any] | None = None
     options: OllamaOptions | None = None
     think: bool | None = None
-    # nothing unloads yet: a model stays resident longer than any keep_alive asks, but
-    # one that asks to unload now (0) cannot be honoured
-    keep_alive: float | str | None = None
+    keep_alive: KeepAlive | None = None
     _request: ChatCompletionRequest | CompletionRequest | None = PrivateAttr(default=None)
 
     @property
@@ -110,10 +136,6 @@ class _Generating(_Body):
         return None if self.options is None else self.options.num_ctx
 
     def common_fields(self) -> dict[str, Any]:
-        if self.keep_alive in (0, "0", "0s", "0m"):
-            raise ValueError(
-                "keep_alive 0 (unload now) is not supported: kvgate keeps models loaded"
-            )
         fields: dict[str, Any] = {"model": served_name(self.model), "stream": self.stream}
         fields |= self.options.sampling_fields() if self.options else {}
         if self.format == "json":
@@ -186,7 +208,7 @@ class OllamaEmbedRequest(_Body):
     truncate: bool = True
     dimensions: Annotated[int, IntIn(1, INT32)] | None = None
     options: OllamaOptions | None = None  # accepted: an embedding samples nothing
-    keep_alive: float | str | None = None
+    keep_alive: KeepAlive | None = None
     _request: EmbeddingRequest | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -209,7 +231,7 @@ class OllamaEmbeddingsRequest(_Body):
     model: Name
     prompt: str = Field(min_length=1)
     options: OllamaOptions | None = None
-    keep_alive: float | str | None = None
+    keep_alive: KeepAlive | None = None
 
     @property
     def request(self) -> EmbeddingRequest:

@@ -42,6 +42,7 @@ from gateway.backends.base import ChatTemplateBackend
 from gateway.backends.capabilities import supports
 from gateway.http.errors import ApiError
 from gateway.observe.tracing import REPLICA, current_span, step
+from gateway.ondemand import DEFAULT, held
 from gateway.routing.router import Candidate
 from gateway.routing.salts import tenant_cache_salt
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
@@ -70,7 +71,20 @@ async def prepare(
     """Check, render, admit, and only then build one GenRequest per choice: a request that
     is refused costs its rendering and nothing else. The request's id (its answer's, its
     usage row's and x-request-id's) starts with `id_prefix`, the API's own (msg_, resp_);
-    else OpenAI's for a chat or a text completion."""
+    else OpenAI's for a chat or a text completion. A models directory's model is loaded
+    first, and held until the request is placed on it (gateway.ondemand)."""
+    model_card(gw, principal, body.model)  # a 404 or 403 before anything loads
+    async with held(gw, served_model(gw, principal, body.model), DEFAULT):
+        return await _prepare(gw, principal, body, chat, id_prefix)
+
+
+async def _prepare(
+    gw: GatewayState,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+    id_prefix: str | None,
+) -> Job:
     tenant_id = tenant_of(principal)
     card = model_card(gw, principal, body.model)
     require_task(gw, principal, card, GENERATE)
@@ -226,6 +240,18 @@ async def render_on_a_replica(
     its template is the gateway's to render); a 400 or 503 for the client as
     _backend_errors says."""
     model = served_model(gw, principal, model)
+    async with held(gw, model):  # loaded, if it is a models directory's
+        return await _render_on_one(gw, principal, model, inputs, tools, kwargs)
+
+
+async def _render_on_one(
+    gw: GatewayState,
+    principal: Principal,
+    model: str,
+    inputs: list[PromptInput],
+    tools: list[dict] | None,
+    kwargs: dict | None,
+) -> tuple[list[Candidate], Backend, list[list[int]]]:
     with _backend_errors(gw, principal, model):
         candidates = gw.router.candidates(model)  # each replica's stats, read once
         for candidate in candidates[:-1]:

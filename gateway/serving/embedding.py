@@ -47,12 +47,14 @@ from gateway.http.errors import ApiError
 from gateway.http.util import json_bytes
 from gateway.observe.stats import Finished
 from gateway.observe.tracing import step
+from gateway.ondemand import DEFAULT, held
 from gateway.schemas.embeddings import EmbeddingRequest, embedding_body
 from gateway.serving.admission import (
     admit,
     model_card,
     render_on_a_replica,
     require_task,
+    served_model,
     tenant_of,
 )
 from gateway.serving.outcome import CLIENT_GONE, off_loop_if
@@ -91,7 +93,20 @@ async def embed(
 ) -> Embedded:
     """Admit, embed, record; an ApiError for any refusal or failure (nothing is taken
     for a refused request, and a failed one settles what it took). A Batch API line's
-    (`batch`: its batch id and custom_id) is priced at `price`, the batch price."""
+    (`batch`: its batch id and custom_id) is priced at `price`, the batch price. A models
+    directory's model is loaded first and held to the end (gateway.ondemand)."""
+    model_card(gw, principal, body.model)  # a 404 or 403 before anything loads
+    async with held(gw, served_model(gw, principal, body.model), DEFAULT):
+        return await _embed(gw, principal, body, batch, price)
+
+
+async def _embed(
+    gw: GatewayState,
+    principal: Principal,
+    body: EmbeddingRequest,
+    batch: tuple[str, str] | None,
+    price: Price | None,
+) -> Embedded:
     tenant_of(principal)
     card = model_card(gw, principal, body.model)
     require_task(gw, principal, card, EMBED)

@@ -2,8 +2,9 @@
 size, a digest, its details (format, family, quantization as far as the file's name
 says it), `model_info` (architecture and context length) and its capabilities.
 
-kvgate serves the models of its config, all loaded at start: each is listed, each is
-resident, and none expires (nothing unloads yet). The digest is the sha256 of what
+A configured model is loaded at start and never expires; a models directory's
+(gateway.ondemand) is listed from the start, and what is not loaded yet is described
+from its GGUF file's header (its architecture) without loading it. The digest is the sha256 of what
 names the model's file (its path, size and modification time, or the entry's backend
 and model where there is no file): stable while the file is, not a hash of its bytes,
 which would read gigabytes on every listing.
@@ -30,7 +31,7 @@ from gateway.state import GatewayState
 # a GGUF's quantization as its file name usually says it (Q4_K_M, IQ2_XS, F16, BF16)
 _QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d[A-Z0-9_]*|BF16|F16|F32)(?![A-Za-z0-9])", re.I)
 _IN_PROCESS = ("local", "gpu")
-# nothing unloads yet: Ollama's clients read a time, so a far one
+# a model that never unloads: Ollama's clients read a time, so a far one (Ollama's own)
 NEVER = "2318-01-01T00:00:00Z"
 
 
@@ -44,6 +45,7 @@ class Described:
     path: str | None  # its file or directory, where kvgate loads one
     size: int
     modified: float
+    arch: str | None = None  # an unloaded model's, from its file's header
 
     @property
     def name(self) -> str:
@@ -56,6 +58,8 @@ class Described:
 
     @property
     def architecture(self) -> str:
+        if self.arch is not None:
+            return self.arch
         if self.backend is not None and supports(self.backend, ChatTemplateBackend):
             _, archs, model_type = self.backend.chat_template_info()
             if model_type or archs:
@@ -87,9 +91,10 @@ class Described:
             "details": self.details(),
         }
 
-    def running(self) -> dict[str, Any]:
-        """An entry of /api/ps."""
-        entry = self.tag() | {"expires_at": NEVER, "size_vram": 0}
+    def running(self, expires_at: float | None = None) -> dict[str, Any]:
+        """An entry of /api/ps; `expires_at` (wall clock) None: never."""
+        expires = NEVER if expires_at is None else _time(expires_at)
+        entry = self.tag() | {"expires_at": expires, "size_vram": 0}
         entry["context_length"] = self.card.context_length
         del entry["modified_at"]
         return entry
@@ -100,6 +105,8 @@ class Described:
         # every generate model takes tools: one with no parser of its own is prompted
         # for the hermes format (gateway.backends.tool_prompt)
         found = ["completion", "tools"]
+        if self.card.vision:
+            found.append("vision")
         if self.backend is not None and parsers_of(gw, self.backend).reasoning:
             found.append("thinking")
         return found
@@ -137,7 +144,11 @@ async def describe(gw: GatewayState, card: ModelCard) -> Described:
     if spec is not None and spec.type in _IN_PROCESS:
         path = await asyncio.to_thread(_path_of, spec.model)
     size, modified = await asyncio.to_thread(_stat, path, gw.traffic.started_at)
-    return Described(card, backend, kind, path, size, modified)
+    arch = None
+    models = gw.models_dir
+    if path is not None and models is not None and not models.is_loaded(card.id):
+        arch = await asyncio.to_thread(_gguf_architecture, path)
+    return Described(card, backend, kind, path, size, modified, arch)
 
 
 def _path_of(model: str) -> str | None:
@@ -145,6 +156,16 @@ def _path_of(model: str) -> str | None:
         return model_path(model) if model else str(default_model_path())
     except Exception:  # a model that serves has its file; a listing must not fail on one
         return None
+
+
+def _gguf_architecture(path: str) -> str:
+    # lazily: a directory's model is llama.cpp's, and a gateway without one never loads it
+    from backend_local.gguf_header import read_strings
+
+    try:
+        return read_strings(path, {"general.architecture"}).get("general.architecture", "")
+    except (OSError, ValueError):  # a file that does not load says so when asked to
+        return ""
 
 
 def _stat(path: str | None, started_at: float) -> tuple[int, float]:

@@ -83,7 +83,7 @@ def _choose(spec: BackendSpec | None, backend: Backend) -> Parsers:
 def spec_of(gw: GatewayState, backend: Backend) -> BackendSpec | None:
     """The entry that made `backend` (one of its replicas, or its workers')."""
     entry = next((name for name, bs in gw.entries.items() if backend in bs), None)
-    if entry is None:
-        return None
+    if entry is None:  # a models directory's, or none
+        return None if gw.models_dir is None else gw.models_dir.spec_of(backend)
     specs = gw.settings.resolved_backends(starter=True)
     return next((s for s in specs if s.name == entry), None)

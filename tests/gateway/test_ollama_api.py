@@ -175,9 +175,9 @@ def test_errors_are_ollamas(gateway, key):
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("fake-model")
     assert e.value.status_code == 501 and "copy" in e.value.error
-    with pytest.raises(ollama.ResponseError) as e:
+    with pytest.raises(ollama.ResponseError) as e:  # the models directory's: an admin's
         c.delete("fake-model")
-    assert e.value.status_code == 501
+    assert e.value.status_code == 403
     assert httpx.post(gateway.url + "/api/pull", json={"model": "x"}).status_code == 401
     bad = httpx.post(
         gateway.url + "/api/chat",

@@ -1,0 +1,149 @@
+"""`kvgate serve --models-dir` as Ollama's users expect it, the `ollama` client as the
+caller against one real gateway: a directory of three GGUF files (the packaged SmolLM2
+135M Instruct twice, under two names, and Gemma 3 270M) listed before anything loads,
+each loaded by its first request, at most one resident (--models-max 1: the least
+recently used goes), keep_alive 0 unloading and a negative one keeping, /api/ps with
+each model's real expiry, a memory budget (0.2 GB) that Gemma's 250 MB file does not
+fit, and the directory's files changed by an admin's /api/copy and /api/delete (a
+tenant's key: 403) or by hand and a reload."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import ollama
+import pytest
+
+from gateway.backends.default_model import INSTRUCT_MODEL_ID, default_model_path, model_path
+from tests.conftest import ADMIN_KEY, start_gateway
+
+pytestmark = pytest.mark.slow
+
+HI = [{"role": "user", "content": "Say hello."}]
+SHORT = {"num_predict": 3, "temperature": 0, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("models")
+    smollm2 = model_path(INSTRUCT_MODEL_ID)
+    os.symlink(smollm2, directory / "smollm2.gguf")
+    os.symlink(smollm2, directory / "smollm2-b.gguf")
+    os.symlink(default_model_path(), directory / "gemma3.gguf")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, models):
+    args = ["--models-dir", str(models), "--models-max", "1", "--models-memory-gb", "0.2"]
+    args += ["--n-ctx", "512", "--n-parallel", "1", "--n-threads", "1"]
+    gw = start_gateway(tmp_path_factory.mktemp("models-dir"), *args, timeout=120)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway) -> ollama.Client:
+    _, key = gateway.tenant_key("models-dir")
+    return ollama.Client(host=gateway.url, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.fixture(scope="module")
+def admin(gateway) -> ollama.Client:
+    return ollama.Client(host=gateway.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+
+
+def loaded(client: ollama.Client) -> list[str]:
+    return sorted(m.model for m in client.ps().models)
+
+
+def test_listed_before_any_load_then_loaded_by_its_first_request(client, gateway):
+    names = {m.model for m in client.list().models}
+    assert names == {"smollm2:latest", "smollm2-b:latest", "gemma3:latest"}
+    assert loaded(client) == []  # nothing loaded by listing
+    openai = httpx.get(f"{gateway.url}/v1/models", headers=client._client.headers).json()
+    assert {m["id"] for m in openai["data"]} == {"smollm2", "smollm2-b", "gemma3"}
+    first = client.chat("smollm2", HI, stream=False, options=SHORT)
+    assert first.done and first.eval_count == 3 and first.load_duration > 0
+    again = client.chat("smollm2", HI, stream=False, options=SHORT)
+    assert again.load_duration == 0 and again.message.content == first.message.content
+    (ps,) = client.ps().models
+    assert ps.model == "smollm2:latest" and ps.context_length == 512
+    # Ollama's default keep-alive: five minutes from the last request
+    expected = datetime.now(UTC) + timedelta(minutes=5)
+    assert abs((ps.expires_at - expected).total_seconds()) < 60
+
+
+def test_models_max_unloads_the_least_recently_used(client):
+    client.chat("smollm2", HI, stream=False, options=SHORT)
+    assert loaded(client) == ["smollm2:latest"]
+    streamed = list(client.chat("smollm2-b", HI, stream=True, options=SHORT))
+    assert streamed[-1].done and streamed[-1].load_duration > 0
+    assert loaded(client) == ["smollm2-b:latest"]  # --models-max 1: smollm2 went
+    back = client.chat("smollm2", HI, stream=False, options=SHORT)
+    assert back.load_duration > 0 and loaded(client) == ["smollm2:latest"]
+
+
+def test_keep_alive_zero_unloads_and_a_negative_one_keeps(client):
+    client.chat("smollm2", HI, stream=False, options=SHORT, keep_alive=-1)
+    (ps,) = client.ps().models
+    assert ps.expires_at.year > 2200  # never
+    client.chat("smollm2", HI, stream=False, options=SHORT, keep_alive="10m")
+    expected = datetime.now(UTC) + timedelta(minutes=10)
+    assert abs((client.ps().models[0].expires_at - expected).total_seconds()) < 60
+    done = client.chat("smollm2", HI, stream=False, options=SHORT, keep_alive=0)
+    assert done.done and loaded(client) == []
+    client.generate("smollm2", "")  # Ollama's way to load a model
+    assert loaded(client) == ["smollm2:latest"]
+    unloaded = client.generate("smollm2", "", keep_alive=0)  # and to unload it
+    assert unloaded.done_reason == "unload" and loaded(client) == []
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat("smollm2", HI, keep_alive="5 minutes")
+    assert e.value.status_code == 400 and "keep_alive" in e.value.error
+
+
+def test_a_model_over_the_memory_budget_is_a_clear_503(client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate("gemma3", "Once upon a time", raw=True, options=SHORT)
+    assert e.value.status_code == 503 and "memory budget" in e.value.error
+    assert "gemma3" in e.value.error and "models_memory_gb" in e.value.error
+    assert client.chat("smollm2", HI, stream=False, options=SHORT).done  # the rest serve
+
+
+def test_the_directory_changed_by_an_admin_or_by_hand(client, admin, gateway, models):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.copy("smollm2", "mine")
+    assert e.value.status_code == 403 and e.value.error  # Ollama's {"error": ...}
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("smollm2")
+    assert e.value.status_code == 403
+    admin.copy("smollm2", "smollm2-copy")
+    assert "smollm2-copy:latest" in {m.model for m in client.list().models}
+    assert client.chat("smollm2-copy", HI, stream=False, options=SHORT).done
+    admin.delete("smollm2-copy")
+    assert "smollm2-copy:latest" not in {m.model for m in client.list().models}
+    assert not (models / "smollm2-copy.gguf").exists()
+    with pytest.raises(ollama.ResponseError) as e:
+        admin.delete("smollm2-copy")
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        admin.copy("smollm2", "../outside")
+    assert e.value.status_code == 400 and not (models.parent / "outside.gguf").exists()
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3.2")
+    assert e.value.status_code == 501 and "models directory" in e.value.error
+    # by hand: a file copied in appears on a reload (or the watch's next look, whichever
+    # comes first), one removed goes
+    shutil.copyfile(models / "smollm2.gguf", models / "by-hand.gguf")
+    reload = httpx.post(f"{gateway.url}/admin/reload", headers=gateway.admin_headers)
+    assert reload.status_code == 200 and reload.json()["reloaded"]
+    assert "by-hand:latest" in {m.model for m in client.list().models}
+    (models / "by-hand.gguf").unlink()
+    assert httpx.post(f"{gateway.url}/admin/reload", headers=gateway.admin_headers).is_success
+    assert "by-hand:latest" not in {m.model for m in client.list().models}
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat("by-hand", HI)
+    assert e.value.status_code == 404
