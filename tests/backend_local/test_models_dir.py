@@ -147,3 +147,19 @@ def test_the_directory_changed_by_an_admin_or_by_hand(client, admin, gateway, mo
     with pytest.raises(ollama.ResponseError) as e:
         client.chat("by-hand", HI)
     assert e.value.status_code == 404
+
+
+def test_langchains_chat_ollama_calls_a_directory_model(gateway, client):
+    from langchain_ollama import ChatOllama
+
+    headers = dict(client._client.headers)
+    chat = ChatOllama(
+        model="smollm2",
+        base_url=gateway.url,
+        num_predict=4,
+        temperature=0,
+        client_kwargs={"headers": {"Authorization": headers["authorization"]}},
+    )
+    answer = chat.invoke("Say hello.")
+    assert answer.content.strip() and answer.response_metadata["model"] == "smollm2"
+    assert answer.usage_metadata["output_tokens"] <= 4
