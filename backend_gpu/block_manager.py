@@ -1,7 +1,8 @@
 """A fixed pool of KV blocks with ref counts, an O(1) LRU free queue and prefix caching.
 
-A full block's hash chains its parent's hash, its tokens and the request's cache salt,
-so two requests share a block only when their whole prefix and their salt agree.
+A full block's hash chains its parent's hash, its tokens and the request's cache salt
+(and the digest of any image whose placeholder tokens it holds), so two requests share a
+block only when their whole prefix, their images and their salt agree.
 Blocks wholly inside a request's published prefix (`shared_prefix_len`) are hashed
 without the salt, so every tenant shares them. Freed blocks keep their hash and stay
 findable until the free queue hands them out again, oldest first (LRU eviction).
@@ -170,6 +171,7 @@ class BlockManager:
             seq.cache_salt,
             seq.shared_prefix_len,
             seq.hash_root,
+            extra_keys=seq.key_spans,
         )
         for block_hash in hashes:
             block = self.cached.get(block_hash)
@@ -191,6 +193,7 @@ class BlockManager:
             seq.shared_prefix_len,
             cached[-1].hash if cached else seq.hash_root,
             len(cached),
+            seq.key_spans,
         )
         # a block the device holds again ends the run: it must not be loaded twice
         ends = next((i for i, h in enumerate(hashes) if h in self.cached), len(hashes))
@@ -279,6 +282,7 @@ class BlockManager:
             seq.shared_prefix_len,
             parent,
             first,
+            seq.key_spans,
         )
         for i, block_hash in enumerate(new, start=first):
             seq.block_hashes.append(block_hash)

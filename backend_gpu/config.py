@@ -80,6 +80,11 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    # vision models (backend_gpu.multimodal): image tokens the encoder cache keeps (the
+    # tower's output per image, least recently used out; 0: none kept), and the pixels
+    # an image is resized down to at most (None: the model's processor's max_pixels)
+    encoder_cache_tokens: int = 16384
+    max_image_pixels: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZE_PER_CHANNEL:
@@ -111,6 +116,17 @@ class EngineConfig:
         self._check_pipeline_parallel_size()
         self._check_kv_offload()
         self._check_lora()
+        if isinstance(self.encoder_cache_tokens, bool) or not isinstance(
+            self.encoder_cache_tokens, int
+        ):
+            raise ValueError(
+                f"encoder_cache_tokens must be an int >= 0, got {self.encoder_cache_tokens!r}"
+            )
+        if self.encoder_cache_tokens < 0:
+            raise ValueError(f"encoder_cache_tokens must be >= 0, got {self.encoder_cache_tokens}")
+        mp = self.max_image_pixels
+        if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 784):
+            raise ValueError(f"max_image_pixels must be None or an int >= 784, got {mp!r}")
 
     @property
     def kv_tiers_on(self) -> bool:

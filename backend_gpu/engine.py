@@ -15,6 +15,7 @@ from backend_gpu.guided import hf_grammar_cache
 from backend_gpu.kv_tiers import TierStack, build_tiers
 from backend_gpu.loader import open_model
 from backend_gpu.lora import BaseShapes, LoRAManager
+from backend_gpu.multimodal import ImagePrompt
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.prompt_logprobs import record_prompt_logprobs
 from backend_gpu.sampler import Sampler
@@ -29,6 +30,7 @@ from engine_api.errors import (
     LoraDisabledError,
     PromptTooLongError,
 )
+from engine_api.images import ImageInput
 from engine_api.records import AdapterRef, GenRequest, Progress
 from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
@@ -138,9 +140,11 @@ class LLMEngine:
             raise PromptTooLongError(len(prompt_ids), params.max_tokens, self.max_model_len)
         if req.adapter is not None:
             self.check_adapter(req.adapter)
+        images = self.image_prompt(req)
         # compiled (or found compiled) before the request takes anything
         grammar = self.grammars.matcher(params.structured) if params.structured else None
         seq = Sequence(req)
+        seq.images = images
         seq.grammar = grammar
         seq.progress = progress
         self.seqs[request_id] = seq
@@ -161,6 +165,19 @@ class LLMEngine:
             on_device = self.block_manager.cached
             first_miss = next((i for i, k in enumerate(keys) if k not in on_device), len(keys))
             self.kv_tiers.prefetch(keys[first_miss:])
+
+    def image_prompt(self, req: GenRequest) -> ImagePrompt | None:
+        """Where `req`'s images lie in its prompt (None: a text prompt), or a
+        BadRequestError: a model that takes no images, placeholders that do not fit."""
+        vision = self.runner.vision
+        if vision is None:
+            if req.images:
+                raise BadRequestError(f"model {self.config.model} does not take images")
+            return None
+        placeholder = self.hf_config.image_token_id
+        if not req.images and placeholder not in req.prompt_token_ids:
+            return None
+        return ImagePrompt.of(req.prompt_token_ids, req.images, placeholder, vision.processor)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; unknown ids are ignored."""
@@ -235,12 +252,14 @@ class LLMEngine:
         """The keys of the blocks admitting `req` would look up: its prompt's full
         blocks, leaving one token to compute, under its salt."""
         n = (len(req.prompt_token_ids) - 1) // self.config.block_size * self.config.block_size
+        images = self.image_prompt(req)
         return hash_blocks(
             req.prompt_token_ids[:n],
             self.config.block_size,
             req.cache_salt,
             req.shared_prefix_len,
             adapter_root(req.adapter),
+            extra_keys=images.key_spans if images is not None else None,
         )
 
     def export_kv(self, keys: list[bytes]) -> list[bytes]:
@@ -379,6 +398,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs),
             prompt_logprobs=self._prompt_logprobs(seq, new_tokens),
+            num_image_tokens=seq.images.num_image_tokens if seq.images is not None else 0,
         )
         if finished:
             del self.seqs[seq.request_id]
@@ -426,6 +446,9 @@ class LLMEngine:
         s.prompt_tokens_per_s, s.gen_tokens_per_s = self.throughput.rates()
         if self.lora is not None:
             s.adapters_loaded, s.lora_loads = self.lora.resident(), self.lora.loads
+        if self.runner.vision is not None:
+            cache = self.runner.vision.cache
+            s.encoder_cache_hits, s.encoder_cache_misses = cache.hits, cache.misses
         s.waiting += len(self.lora_waiting)
         s.tenants = self.scheduler.tenant_stats()  # a new dict: the copy below shares it
         return EngineStats(**vars(s))
@@ -448,8 +471,10 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         adapter: AdapterRef | None = None,
+        images: list[list[ImageInput]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt, under LoRA `adapter` if given (enable_lora)."""
+        """Generate for every prompt, under LoRA `adapter` if given (enable_lora);
+        `images`: each prompt's images, in its placeholders' order (a vision model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -457,13 +482,14 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         ids = []
+        images = images or [[] for _ in prompts]
         try:
-            for prompt, params in zip(prompts, sampling_params, strict=True):
+            for prompt, params, pictures in zip(prompts, sampling_params, images, strict=True):
                 ids.append(str(self._next_id))
                 self._next_id += 1
                 prompt_ids = self.engine.tokenize(prompt)
                 self.engine.add_request(
-                    GenRequest(ids[-1], "", prompt_ids, params, adapter=adapter)
+                    GenRequest(ids[-1], "", prompt_ids, params, adapter=adapter, images=pictures)
                 )
         except Exception:
             for request_id in ids:

@@ -308,5 +308,11 @@ def open_model(path: str):
     hf_config = getattr(config, "text_config", None) or config
     if not hf_config.architectures:  # a multimodal model's text model: served by its name
         hf_config.architectures = config.architectures
+    if hf_config is not config and getattr(config, "vision_config", None) is not None:
+        # a vision model (Qwen2.5-VL) reads its tower's config and image token beside it
+        hf_config.vision_config = config.vision_config
+        for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if getattr(config, name, None) is not None:
+                setattr(hf_config, name, getattr(config, name))
     tokenizer = AutoTokenizer.from_pretrained(path)
     return hf_config, tokenizer, Checkpoint(path)

@@ -33,6 +33,7 @@ from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
 from backend_gpu.memory import graph_batch, kv_shape_of, logit_rows, parameter_bytes
 from backend_gpu.models.llama import head_dim_of
+from backend_gpu.multimodal import VisionSteps, image_processor
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage
 from backend_gpu.prompt_logprobs import (
     PromptLogprobs,
@@ -130,6 +131,16 @@ class ModelRunner:
         self.model.eval()
         self.weight_bytes = parameter_bytes(self.model)
         self.hf_config = hf_config
+        # a vision model's image inputs, through the encoder cache (rank 0's: TP refused)
+        self.vision = (
+            VisionSteps(
+                self.model,
+                image_processor(checkpoint.directory, config.max_image_pixels),
+                config.encoder_cache_tokens,
+            )
+            if getattr(self.model, "vision", False)
+            else None
+        )
         # an EAGLE-3 head reads a few layers' inputs: kept on rank 0 from every step
         # (graphs included, so before the memory profile and the graphs)
         self.aux_states = (
@@ -250,8 +261,12 @@ class ModelRunner:
         """Compute the batch (on every rank); rank 0 gets the logits (float32) of the
         sequences that reach their end this step, 1 + len(spec_token_ids) rows each, their
         indices in the batch, and the logprobs its prompt spans score (None without)."""
+        # a vision model's M-RoPE positions and image rows (backend_gpu.multimodal): 1D
+        # positions (shifted) where every row is text, else [3, T] and no graph
+        rope, images = self.vision.step(batch) if self.vision is not None else (None, None)
+        flat = rope is None or bool((rope[0] == rope[1]).all() and (rope[0] == rope[2]).all())
         graph_size = None
-        if self.graphs is not None and max(batch.num_new_tokens) == 1:
+        if self.graphs is not None and max(batch.num_new_tokens) == 1 and flat:
             graph_size = self.graphs.size_for(len(batch.seqs))
         spans = batch.prompt_spans
         prompt_rows = row_slices(spans, self.logit_rows)  # prepare hands them to the ranks
@@ -260,12 +275,24 @@ class ModelRunner:
             ids, top_n = prompt_targets(batch.seqs, spans)
             targets = (torch.tensor(ids, device=self.device), top_n)
         try:
-            *inputs, sampled = self.prepare(batch, graph_size, prompt_rows)
-            logits, scored = self._forward(*inputs, graph_size, prompt_rows, targets)
+            shifted = rope[0] if rope is not None else None
+            input_ids, positions, *inputs, sampled = self.prepare(
+                batch, graph_size, prompt_rows, shifted
+            )
+            if not flat:
+                positions = torch.from_numpy(rope).to(self.device)
+            if self.vision is not None:
+                self.model.step_images = images
+            logits, scored = self._forward(
+                input_ids, positions, *inputs, graph_size, prompt_rows, targets
+            )
         except RuntimeError as exc:
             if self.ranks is None:
                 raise
             raise self.ranks.failure(exc) from exc  # a collective failed: which rank is gone
+        finally:
+            if self.vision is not None:
+                self.model.step_images = None
         prompt = PromptLogprobs(spans, *scored) if scored is not None else None
         return StepOutput(logits, sampled, prompt)
 
@@ -340,14 +367,17 @@ class ModelRunner:
         batch: ScheduledBatch,
         graph_size: int | None,
         prompt_rows: list[tuple[int, int]],
+        rope_positions=None,
     ):
         """Build the step's rows, hand them to the other ranks, fill this rank's step
         buffers; return (input ids, positions, attention metadata, sampled rows, sampled
         sequences' indices). With `graph_size` (a decode batch) the buffers are padded
         to that many sequences for the graph of that size. `prompt_rows`, the slices of
         the batch's prompt spans, go to the other ranks too: they run the LM head on them
-        as well."""
+        as well. `rope_positions`: the rows' rotary positions where they are not their
+        indices (an M-RoPE model's, shifted by an image's delta)."""
         step, sampled = self.step_rows(batch, graph_size, prompt_rows)
+        step.rope_positions = rope_positions
         if self.ranks is not None:
             self.ranks.send(step)
         return (*self.load(step), sampled)

@@ -26,6 +26,8 @@ class RequestOutput:
     prompt_logprobs: list[Logprob | None] | None = None
     # a request that could not run (finish_reason "abort"): its adapter would not load
     error: AdapterLoadError | None = None
+    # of the prompt's tokens, how many are images' placeholders (Usage.image_tokens)
+    num_image_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -38,6 +40,9 @@ class EngineStats:
     waiting: int = 0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    # a vision model's encoder cache (backend_gpu.encoder_cache): images found, encoded
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0

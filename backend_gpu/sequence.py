@@ -13,6 +13,8 @@ from engine_api.records import GenRequest, Progress
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
+    from backend_gpu.multimodal import ImagePrompt
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -74,6 +76,14 @@ class Sequence:
         self.grammar: LLMatcher | None = None
         # where its caller reads how much of the prompt is computed (None: nobody does)
         self.progress: Progress | None = None
+        # its images' placeholders and M-RoPE positions (None: a text prompt); the engine
+        # sets it at admission (backend_gpu.multimodal)
+        self.images: ImagePrompt | None = None
+
+    @property
+    def key_spans(self) -> list[tuple[int, int, bytes]] | None:
+        """Its images' token spans, hashed into its blocks (None: no images)."""
+        return self.images.key_spans if self.images is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -121,6 +121,8 @@ class StepBuffers:
         slots = buf["slot_mapping"][:num_tokens]
         np.multiply(table[row_seq, positions // block_size], block_size, out=slots)
         slots += positions % block_size
+        if step.rope_positions is not None:  # the rotary's, once the slots are written
+            positions[:] = step.rope_positions
         buf["context_lens"][:num_seqs] = ends
         buf["query_start_loc"][0] = 0
         buf["query_start_loc"][1 : num_seqs + 1] = q_ends
@@ -152,3 +154,6 @@ class StepRows:
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     # per sequence, its LoRA adapter's slot (-1: none; backend_gpu.lora); empty: none at all
     lora_slots: list[int] = field(default_factory=list)
+    # per row, its rotary position where that is not its index (an M-RoPE model's text
+    # rows after an image: backend_gpu.multimodal); None: the indices
+    rope_positions: np.ndarray | None = None

@@ -12,6 +12,7 @@ from backend_gpu.models.gpt_oss import GptOssForCausalLM
 from backend_gpu.models.llama import LlamaEmbeddingModel, LlamaForCausalLM
 from backend_gpu.models.moe import MoEForCausalLM
 from backend_gpu.models.phi3 import Phi3ForCausalLM
+from backend_gpu.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from backend_gpu.models.qwen2_moe import Qwen2MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -28,6 +29,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # Qwen2.5-VL: its vision tower and M-RoPE decoder (images: backend_gpu.multimodal)
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 # an embedding model (a sentence-transformers directory) by its config's model_type
