@@ -210,19 +210,24 @@ class BatchRunner:
 
 
 def interactive_waiting(gw: GatewayState, lines_in_flight: int = 0) -> bool:
-    """Whether a request other than the batch lines waits: more wait, in the replicas'
-    queues and the gateway's before them, than lines are in flight (a line counts as
-    waiting until it runs). Counting every waiting request instead held new lines back
-    while the runner's own lines queued for an engine's slots: the batch ran at 0.74x
-    the same lines sent at full concurrency (studies/batch_yield.py, gpu engine)."""
+    """Whether a request other than the batch lines waits. In the gateway's fair queues
+    (before the llama.cpp backend's slots and a remote upstream with `max_in_flight`)
+    each waiter's priority tells: any better than a line's. At the replicas (an engine's
+    waiting count: in-process, or a worker's as its stats say), more waiting than lines
+    are in flight (a line counts as waiting until it runs). Counting every waiting request
+    instead held new lines back while the runner's own lines queued for an engine's
+    slots: the batch ran at 0.74x the same lines sent at full concurrency
+    (studies/batch_yield.py, gpu engine)."""
+    if any(q.waiting_ahead_of(LOWEST_PRIORITY) for q in gw.queues.values()):
+        return True
     live = (b for b in gw.router.backends if b.name not in gw.router.broken)
-    waiting = sum(b.stats().waiting for b in live)
-    waiting += sum(len(t.waiting) for q in gw.queues.values() for t in q.tenants.values())
-    return waiting > lines_in_flight
+    return sum(b.stats().waiting for b in live) > lines_in_flight
 
 
 def budgets_only(limits: QuotaLimits | None) -> QuotaLimits | None:
-    """`limits` without its rates (rpm, tpm, concurrency), in every scope."""
+    """`limits` without its rates (rpm, tpm, concurrency), in every scope, and counting
+    in none of their windows: a batch's lines never fill the minute's tokens or slots an
+    interactive request of the tenant is held to."""
     if limits is None:
         return None
     return dataclasses.replace(
@@ -232,6 +237,7 @@ def budgets_only(limits: QuotaLimits | None) -> QuotaLimits | None:
         max_concurrent=None,
         tenant=budgets_only(limits.tenant),
         key=budgets_only(limits.key),
+        rates=False,
     )
 
 

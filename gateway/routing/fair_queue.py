@@ -12,6 +12,13 @@ charged as it happens: the prompt when a request gets its slot, cached prompt to
 refunded down to CACHED_TOKEN_COST when the backend reports them, output tokens as
 they stream. With `fairness="fcfs"` the lines are released in arrival order.
 
+Priority classes come first (a request's `priority`, vLLM's: lower first): a slot that
+frees goes to a waiting request of the best priority waiting, and VTC (or arrival
+order) chooses only among the tenants with one of those. A batch line (the lowest
+priority, gateway/batches) that waits here never goes ahead of an interactive request,
+which is how batch work yields on a backend whose own scheduler knows no priority: the
+llama.cpp backend's slots and a remote upstream with `max_in_flight`.
+
 A slot frees only when a request ends, so behind a flood of long requests a newcomer
 would wait for the nearest end. Under VTC the queue keeps SPARE_SEATS slots beyond
 `slots` for a tenant becoming active (nothing in flight or waiting) and not ahead of the
@@ -42,7 +49,8 @@ class _Tenant:
     service: float = 0.0  # unweighted service given; only goes up
     running: int = 0
     granted_at: int = -1  # when it last got a slot: ties go to the longest without one
-    waiting: deque[tuple[int, asyncio.Future[None]]] = field(default_factory=deque)
+    # (arrival, priority, its waiter), in arrival order
+    waiting: deque[tuple[int, int, asyncio.Future[None]]] = field(default_factory=deque)
 
 
 class FairQueue:
@@ -64,13 +72,17 @@ class FairQueue:
         self.spare = SPARE_SEATS if fairness == "vtc" else 0
 
     @contextlib.asynccontextmanager
-    async def slot(self, tenant_id: str, weight: float) -> AsyncIterator[None]:
+    async def slot(self, tenant_id: str, weight: float, priority: int = 0) -> AsyncIterator[None]:
         """Hold one of the backend's slots while the body runs (waiting in line first)."""
-        await self._acquire(tenant_id, weight)
+        await self._acquire(tenant_id, weight, priority)
         try:
             yield
         finally:
             self._release(tenant_id)
+
+    def waiting_ahead_of(self, priority: int) -> int:
+        """How many wait here with a better priority than `priority`."""
+        return sum(e[1] < priority for t in self.tenants.values() for e in t.waiting)
 
     def charge(self, tenant_id: str, tokens: float) -> None:
         t = self.tenants[tenant_id]
@@ -90,7 +102,7 @@ class FairQueue:
             for tenant_id, t in self.tenants.items()
         }
 
-    async def _acquire(self, tenant_id: str, weight: float) -> None:
+    async def _acquire(self, tenant_id: str, weight: float, priority: int) -> None:
         t = self.tenants.setdefault(tenant_id, _Tenant())
         t.weight = weight
         newcomer = False
@@ -106,7 +118,7 @@ class FairQueue:
             self._grant(tenant_id)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (next(self._arrival), fut)
+        entry = (next(self._arrival), priority, fut)
         t.waiting.append(entry)
         try:
             await fut
@@ -129,16 +141,33 @@ class FairQueue:
         self.in_flight -= 1
         self.tenants[tenant_id].running -= 1
         while self.in_flight < self.slots and (nxt := self._next()) is not None:
-            _, fut = self.tenants[nxt].waiting.popleft()
+            tenant, i = nxt
+            waiting = self.tenants[tenant].waiting
+            fut = waiting[i][2]
+            del waiting[i]
             if fut.done():  # its waiter was cancelled and has not run yet
                 continue
-            self._grant(nxt)
+            self._grant(tenant)
             fut.set_result(None)
 
-    def _next(self) -> str | None:
-        waiting = [(k, t) for k, t in self.tenants.items() if t.waiting]
-        if not waiting:
+    def _next(self) -> tuple[str, int] | None:
+        """The tenant whose request goes next, and where that request is in its line:
+        its first of the best priority waiting."""
+        firsts: dict[str, int] = {}  # tenant -> its first entry of the best priority
+        best = None
+        for k, t in self.tenants.items():
+            if not t.waiting:
+                continue
+            i = min(range(len(t.waiting)), key=lambda j: (t.waiting[j][1], j))
+            p = t.waiting[i][1]
+            if best is None or p < best:
+                best, firsts = p, {}
+            if p == best:
+                firsts[k] = i
+        if best is None:
             return None
         if self.fairness == "fcfs":
-            return min(waiting, key=lambda kt: kt[1].waiting[0][0])[0]
-        return min(waiting, key=lambda kt: (kt[1].counter, kt[1].granted_at))[0]
+            k = min(firsts, key=lambda k: self.tenants[k].waiting[firsts[k]][0])
+        else:
+            k = min(firsts, key=lambda k: (self.tenants[k].counter, self.tenants[k].granted_at))
+        return k, firsts[k]

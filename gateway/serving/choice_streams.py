@@ -29,7 +29,7 @@ async def queued(
     once it ends: a trace's span of the wait."""
     tenant = req.tenant_id
     asked = time.time_ns()
-    async with queue.slot(tenant, req.weight):
+    async with queue.slot(tenant, req.weight, req.priority):
         if slot_given is not None:
             slot_given(asked)
         queue.charge(tenant, len(req.prompt_token_ids))

@@ -249,7 +249,7 @@ class _Call:
         if queue is None:
             return await backend.embed(req, self.progress)
         tenant = req.tenant_id
-        async with queue.slot(tenant, self.principal.weight):
+        async with queue.slot(tenant, self.principal.weight, self.principal.priority):
             queue.charge(tenant, self.tokens)
             return await backend.embed(req, self.progress)
 

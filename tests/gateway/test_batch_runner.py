@@ -1,18 +1,26 @@
 """The batch runner's rules (issue 50) on their own: no line starts while a request waits
-at a replica or a gateway queue; lines keep the budgets but not the rates; the batch
-price is half the model's unless the config names one."""
+at a replica or a gateway queue; lines keep the budgets but not the rates, and take
+nothing from the minute's windows or the slots (both quota stores); the batch price is
+half the model's unless the config names one."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from engine_api.records import BackendStats
 from gateway.batches.prices import batch_price
-from gateway.batches.runner import budgets_only, interactive_waiting
+from gateway.batches.runner import LOWEST_PRIORITY, budgets_only, interactive_waiting
 from gateway.config import Settings
+from gateway.db import Database, migrate
 from gateway.routing.fair_queue import FairQueue
-from gateway.tenancy.quota import QuotaLimits
+from gateway.tenancy.quota import MemoryQuotaStore, QuotaExceeded, QuotaLimits
+from gateway.tenancy.quota.postgres import PostgresQuotaStore
+from tests.conftest import PG_URL
+
+NOW = 1_800_000_000.0 + 5  # 5 s into a minute
 
 
 class _Replica:
@@ -38,20 +46,25 @@ async def test_no_line_starts_while_a_request_waits() -> None:
     queue = FairQueue(1)
     holding = asyncio.Event()
 
-    async def hold() -> None:
-        async with queue.slot("t_1", 1.0):
+    async def hold(priority: int = 0) -> None:
+        async with queue.slot("t_1", 1.0, priority):
             holding.set()
             await asyncio.sleep(3600)
 
     first = asyncio.create_task(hold())
     await holding.wait()
     assert not interactive_waiting(_gw([], {"q": queue}))  # running, none waiting
+    # the runner's own lines waiting in the queue (a remote upstream's, llama.cpp's) are
+    # not interactive work, however many lines are in flight
+    lines = [asyncio.create_task(hold(LOWEST_PRIORITY)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert not interactive_waiting(_gw([], {"q": queue}), lines_in_flight=0)
     second = asyncio.create_task(hold())
     await asyncio.sleep(0)
-    assert interactive_waiting(_gw([], {"q": queue}))
-    for task in (first, second):
+    assert interactive_waiting(_gw([], {"q": queue}), lines_in_flight=3)
+    for task in (first, second, *lines):
         task.cancel()
-    await asyncio.gather(first, second, return_exceptions=True)
+    await asyncio.gather(first, second, *lines, return_exceptions=True)
 
 
 def test_lines_keep_the_budgets_not_the_rates() -> None:
@@ -62,6 +75,43 @@ def test_lines_keep_the_budgets_not_the_rates() -> None:
     for limits in (kept, kept.tenant, kept.key):
         assert (limits.rpm, limits.tpm, limits.max_concurrent) == (None, None, None)
     assert (kept.daily_tokens, kept.tenant.monthly_spend, kept.key.daily_tokens) == (50, 5, 50)
+
+
+@pytest.fixture(params=["memory", "postgres"])
+async def quota(request):
+    if request.param == "memory":
+        yield MemoryQuotaStore()
+        return
+    db = Database(PG_URL, request.getfixturevalue("pg_schema"))
+    await migrate(db)
+    yield PostgresQuotaStore(db)
+    await db.close()
+
+
+async def test_lines_leave_the_minute_and_the_slots_to_interactive_requests(quota) -> None:
+    tenant = QuotaLimits(rpm=2, tpm=100, max_concurrent=1, daily_tokens=1000, daily_spend=900)
+    key = QuotaLimits(tpm=100, daily_tokens=5000)
+    interactive = QuotaLimits.with_key(tenant, "key_1", key)
+    lines = budgets_only(interactive)
+    assert lines is not None
+    # three lines at once, each past the minute's tokens, running together past the slot
+    held = [await quota.admit("t_1", lines, 300, NOW, spend=200) for _ in range(3)]
+    used = await quota.used("t_1", NOW)
+    assert (used["requests"], used["tokens"], used["concurrent"]) == (0, 0, 0)
+    assert (used["daily"], used["daily_spend"]) == (900, 600)  # the budgets count them
+    assert (await quota.used("key_1", NOW))["daily"] == 900
+    # an interactive request of the tenant still has the whole minute and its slot
+    res = await quota.admit("t_1", interactive, 100, NOW)
+    with pytest.raises(QuotaExceeded) as e:  # and the budgets hold both kinds
+        await quota.admit("t_1", lines, 1, NOW)
+    assert e.value.kind == "daily"
+    for r in held:
+        await quota.settle(r, 250, used_spend=150)
+    await quota.settle(res, 80)
+    used = await quota.used("t_1", NOW)
+    assert (used["requests"], used["tokens"], used["concurrent"]) == (1, 80, 0)
+    assert (used["daily"], used["daily_spend"]) == (3 * 250 + 80, 3 * 150)
+    assert (await quota.used("key_1", NOW))["tokens"] == 80
 
 
 def test_the_batch_price_is_half_unless_configured() -> None:

@@ -1,7 +1,8 @@
 """The gateway's fair queue (gateway/routing/fair_queue.py), deterministic on one event loop:
 slots are never exceeded or leaked, a flooding tenant does not hold another behind its
 line, weights share the service, idle time banks no credit, a cancelled waiter leaves
-nothing behind; and through a live gateway in front of a backend with a slot limit."""
+nothing behind, a better priority goes first (a batch line never ahead of an interactive
+request, its own tenant's included) with fair share within a class; and through a live gateway in front of a backend with a slot limit."""
 
 from __future__ import annotations
 
@@ -97,6 +98,40 @@ async def test_a_cancelled_waiter_leaves_nothing_behind():
     await _drain(holders, gate)
     assert order == ["a", "b"] and queue.in_flight == 0
     assert queue.stats()["b"]["waiting"] == 0 and queue.stats()["b"]["running"] == 0
+
+
+async def _ranked(queue: FairQueue, who: str, priority: int, order: list[str], gate) -> None:
+    tenant = who.rstrip("0123456789")
+    async with queue.slot(tenant, 1.0, priority):
+        order.append(who)
+        queue.charge(tenant, 10)
+        await gate.wait()
+
+
+@pytest.mark.parametrize("fairness", ["vtc", "fcfs"])
+async def test_a_better_priority_goes_first_and_fair_share_holds_within_it(fairness):
+    queue, order, gate = FairQueue(1, fairness), [], asyncio.Event()
+    batch = 2**31 - 1  # gateway.batches.runner.LOWEST_PRIORITY
+    # a's batch lines take the slot (and the spare seat) and queue; then interactive
+    # requests: a's own, and b's, which has had more service than c
+    tasks = [asyncio.create_task(_ranked(queue, f"a{i}", batch, order, gate)) for i in range(5)]
+    await asyncio.sleep(0)
+    queue.charge("a", 1000)
+    for who in ("b1", "b2"):
+        tasks.append(asyncio.create_task(_ranked(queue, who, 0, order, gate)))
+    await asyncio.sleep(0)
+    queue.tenants["b"].counter += 500  # b has had more service than c when c comes
+    tasks += [asyncio.create_task(_ranked(queue, w, 0, order, gate)) for w in ("c1", "a5")]
+    await asyncio.sleep(0)
+    # VTC gives the spare seat to b, a tenant becoming active; FCFS has none
+    assert order == (["a0", "b1"] if fairness == "vtc" else ["a0"])
+    await _drain(tasks, gate)
+    assert order[5:] == ["a1", "a2", "a3", "a4"]  # every interactive request before a line
+    if fairness == "vtc":  # within the class the least served first: c and a level (c
+        assert order[2:5] == ["c1", "a5", "b2"]  # never served), then b, 500 tokens ahead
+    else:  # arrival order
+        assert order[1:5] == ["b1", "b2", "c1", "a5"]
+    assert queue.in_flight == 0
 
 
 @settings(max_examples=60, deadline=None)

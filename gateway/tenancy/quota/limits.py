@@ -79,9 +79,13 @@ _LIMIT_FIELD = {f.counter: f.name for f in LIMITS if f.counter is not None}
 COUNTED_LIMITS = tuple(_LIMIT_FIELD.values())  # the limit fields that have counters
 
 
-def amounts(requests: int, tokens: int, spend: int = 0) -> dict[str, int]:
-    """What one admission takes from each counter (`spend` in nanodollars)."""
-    return {
+RATE_KINDS = (REQUESTS, TOKENS, CONCURRENT)  # what a request without rates never moves
+
+
+def amounts(requests: int, tokens: int, spend: int = 0, rates: bool = True) -> dict[str, int]:
+    """What one admission takes from each counter (`spend` in nanodollars); without
+    `rates`, the budgets' alone (QuotaLimits.rates)."""
+    wanted = {
         REQUESTS: requests,
         TOKENS: tokens,
         DAILY: tokens,
@@ -90,6 +94,10 @@ def amounts(requests: int, tokens: int, spend: int = 0) -> dict[str, int]:
         DAILY_SPEND: spend,
         MONTHLY_SPEND: spend,
     }
+    if not rates:
+        for kind in RATE_KINDS:
+            del wanted[kind]
+    return wanted
 
 
 def checked_limit(limits: QuotaLimits, kind: str, amount: int) -> int | None:
@@ -117,6 +125,10 @@ class QuotaLimits:
     key_id: str | None = None
     tenant: QuotaLimits | None = None
     key: QuotaLimits | None = None
+    # False: a batch line's (gateway.batches.runner.budgets_only): it takes from the token
+    # and money budgets only, never from the per-minute windows or the concurrency slots
+    # an interactive request of its tenant needs
+    rates: bool = True
 
     @classmethod
     def from_row(cls, row: Any) -> QuotaLimits:
@@ -247,6 +259,9 @@ class Reservation:
         by_kind |= {kind: used_spend - self.spend for kind in SPEND_KINDS}
         by_kind[CONCURRENT] = -self.requests
         by_kind[REQUESTS] = 0 if count_request else -self.requests
+        if not self.limits.rates:  # admission took nothing from these
+            for kind in RATE_KINDS:
+                del by_kind[kind]
         return [
             (owner, kind, w.of(kind), delta)
             for owner in sorted(self.owners())

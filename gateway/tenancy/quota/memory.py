@@ -47,7 +47,7 @@ class MemoryQuotaStore:
         spend: int = 0,
     ) -> Reservation:
         w = windows_at(now)
-        wanted = amounts(requests, tokens, spend)
+        wanted = amounts(requests, tokens, spend, limits.rates)
         scopes = limits.scopes(tenant_id)
         for scope in scopes:
             for kind, amount in wanted.items():
@@ -67,6 +67,7 @@ class MemoryQuotaStore:
                 scopes, kind, {s.owner: self.counters[(s.owner, kind, w.minute)] for s in scopes}
             )
             for kind in (REQUESTS, TOKENS)
+            if kind in wanted
         }
         return Reservation(tenant_id, tokens, w, remaining, limits, requests, spend)
 

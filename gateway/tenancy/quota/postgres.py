@@ -182,7 +182,7 @@ class PostgresQuotaStore:
         spend: int = 0,
     ) -> Reservation:
         w = windows_at(now)
-        wanted = amounts(requests, tokens, spend)
+        wanted = amounts(requests, tokens, spend, limits.rates)
         scopes = limits.scopes(tenant_id)
         rows = sorted(
             [s.owner, kind, w.of(kind), amount, checked_limit(s.limits, kind, amount)]
@@ -190,7 +190,9 @@ class PostgresQuotaStore:
             for kind, amount in wanted.items()
         )
         reservation = Reservation(tenant_id, tokens, w, {}, limits, requests, spend)
-        asked = _Asked(rows, [[s.owner, requests] for s in scopes], now, reservation)
+        # no slots without rates, but the lease row all the same: it records the call
+        slots = requests if limits.rates else 0
+        asked = _Asked(rows, [[s.owner, slots] for s in scopes], now, reservation)
         self._queued.setdefault(tenant_id, []).append(asked)
         if tenant_id not in self._calling:
             self._calling.add(tenant_id)
@@ -211,6 +213,7 @@ class PostgresQuotaStore:
         reservation.remaining = {
             kind: least_remaining(scopes, kind, {s.owner: taken[(s.owner, kind)] for s in scopes})
             for kind in (REQUESTS, TOKENS)
+            if kind in wanted
         }
         return reservation
 
@@ -283,7 +286,8 @@ class PostgresQuotaStore:
         if res.settled:
             return None
         res.settled = True
-        slots = [(owner, res.requests) for owner in sorted(res.owners())]
+        held = res.requests if res.limits.rates else 0
+        slots = [(owner, held) for owner in sorted(res.owners())]
         deltas = res.deltas(used_tokens, count_request, used_spend)
         return Settlement(self.instance_id, deltas, slots)
 
