@@ -15,6 +15,7 @@ from tui.source import StatsSource
 from tui.view import TENANT_SORTS, Dashboard
 from tui.widgets import (
     BackendsTable,
+    BatchesTable,
     ChartPanel,
     EnginePanel,
     ErrorsTable,
@@ -85,6 +86,7 @@ class DashboardScreen(Screen[None]):
             yield BackendsTable(id="backends", classes="panel")
         with Vertical(id="lower"):
             yield TenantsTable(id="tenants", classes="panel")
+            yield BatchesTable(id="batches", classes="panel")
             yield ErrorsTable(id="errors", classes="panel")
         yield Input(placeholder="filter tenants (enter: keep, escape: clear)", id="filter")
         yield Footer()
@@ -126,6 +128,7 @@ class DashboardScreen(Screen[None]):
         self.query_one(TenantsTable).show(board)
         self.query_one(BackendsTable).show(board.backends)
         self.query_one(ErrorsTable).show(board.errors)
+        self.query_one(BatchesTable).show(board.batches)
 
     # -- keys ------------------------------------------------------------------
 

@@ -120,6 +120,27 @@ class ErrorRow:
 
 
 @dataclass
+class BatchRow:
+    """One batch (the Batch API's): its progress, result files and what its lines were
+    billed so far at the batch price."""
+
+    id: str
+    tenant: str
+    status: str
+    total: int
+    completed: int
+    failed: int
+    output_file_id: str | None
+    error_file_id: str | None
+    spend: float  # USD
+
+    @property
+    def done(self) -> float | None:
+        """The share of its lines answered (completed or failed); None: it has none."""
+        return (self.completed + self.failed) / self.total if self.total else None
+
+
+@dataclass
 class Dashboard:
     connection: Connection
     replay: str | None  # the replayed file's name; None when live
@@ -140,6 +161,7 @@ class Dashboard:
     tenant_filter: str = ""
     backends: list[BackendRow] = field(default_factory=list)
     errors: list[ErrorRow] = field(default_factory=list)
+    batches: list[BatchRow] = field(default_factory=list)  # empty: the panel is hidden
     has_data: bool = False
 
 
@@ -301,6 +323,32 @@ def error_rows(errors: list[dict[str, Any]]) -> list[ErrorRow]:
     ]
 
 
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def batch_rows(batches: list[dict[str, Any]]) -> list[BatchRow]:
+    """As the gateway sends them: running batches first, each newest first."""
+    rows = []
+    for b in batches:
+        counts = _dict(b.get("request_counts"))
+        tenant_id = str(b.get("tenant_id") or "")
+        rows.append(
+            BatchRow(
+                id=str(b.get("id") or "?"),
+                tenant=str(b.get("tenant") or tenant_id),
+                status=str(b.get("status") or ""),
+                total=_int(counts.get("total")),
+                completed=_int(counts.get("completed")),
+                failed=_int(counts.get("failed")),
+                output_file_id=_opt_str(b.get("output_file_id")),
+                error_file_id=_opt_str(b.get("error_file_id")),
+                spend=_num(b.get("spend")),
+            )
+        )
+    return rows
+
+
 def build_dashboard(
     snapshot: dict[str, Any] | None,
     history: Iterable[tuple[float, float, float, float]],
@@ -349,4 +397,5 @@ def build_dashboard(
     board.tenant_count = len(tenants)
     board.tenants = sort_and_filter(tenants, sort_key, tenant_filter)
     board.errors = error_rows(_list(snapshot.get("errors")))
+    board.batches = batch_rows(_list(snapshot.get("batches")))
     return board

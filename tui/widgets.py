@@ -18,6 +18,7 @@ from tui.keyed_table import KeyedRow, KeyedTable
 from tui.view import (
     TENANT_SORTS,
     BackendRow,
+    BatchRow,
     Dashboard,
     Engine,
     ErrorRow,
@@ -278,4 +279,61 @@ def _error_cells(e: ErrorRow) -> list[Text]:
         Text(e.tenant),
         Text(e.model),
         Text(e.message),
+    ]
+
+
+BAR_WIDTH = 12
+BATCH_STATUS_STYLE = {"completed": "green", "failed": "red", "expired": "red"}
+BATCH_STATUS_STYLE |= {"in_progress": "bold", "cancelling": "yellow", "cancelled": "dim"}
+
+
+class BatchesTable(KeyedTable):
+    """Every tenant's batches (the Batch API's), running ones first: progress as a bar of
+    the lines answered (failed ones red), the output and error files, the batch price
+    billed so far. Shown only while the gateway reports a batch."""
+
+    COLUMNS = [
+        ("id", "batch"),
+        ("tenant", "tenant"),
+        ("status", "status"),
+        ("progress", "progress"),
+        ("lines", "done/failed/total"),
+        ("spend", "spend (batch price)"),
+        ("files", "output / error file"),
+    ]
+
+    def on_mount(self) -> None:
+        self.cursor_type = "none"
+
+    def show(self, batches: list[BatchRow]) -> None:
+        self.display = bool(batches)
+        self.sync([KeyedRow(b.id, _batch_cells(b)) for b in batches])
+        running = sum(b.status in ("validating", "in_progress", "finalizing") for b in batches)
+        self.border_title = f"batches ({running} running, {len(batches)} shown)"
+
+
+def progress_bar(b: BatchRow, width: int = BAR_WIDTH) -> Text:
+    """Completed lines green, failed red, the rest dim, and the share answered."""
+    if not b.total:
+        return Text("-", "dim")
+    ok = b.completed * width // b.total
+    bad = min(width - ok, -(-b.failed * width // b.total))  # a failure shows, however few
+    return Text.assemble(
+        ("█" * ok, "green"),
+        ("█" * bad, "red"),
+        ("░" * (width - ok - bad), "dim"),
+        f" {fmt.pct(b.done)}",
+    )
+
+
+def _batch_cells(b: BatchRow) -> list[Text]:
+    files = f"{b.output_file_id or '-'} / {b.error_file_id or '-'}"
+    return [
+        Text(b.id),
+        Text(b.tenant),
+        Text(b.status, BATCH_STATUS_STYLE.get(b.status, "")),
+        progress_bar(b),
+        Text(f"{b.completed}/{b.failed}/{b.total}", justify="right"),
+        Text(fmt.usd(b.spend), justify="right"),
+        Text(files, "" if b.output_file_id or b.error_file_id else "dim"),
     ]

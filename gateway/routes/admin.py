@@ -12,6 +12,7 @@ import time
 
 from aiohttp import web
 
+from gateway.batches.panel import panel_batches
 from gateway.http.errors import ApiError
 from gateway.http.util import json_response, parse_body, sse
 from gateway.observe.metrics import kv_tier_stats, kv_transfer_stats
@@ -279,6 +280,10 @@ async def snapshot(gw: GatewayState) -> dict:
         "uptime_s": now - gw.traffic.started_at,
     }
     snap["backends"] = _backends(gw)
+    snap["batches"] = await panel_batches(gw.db)
+    for row in snap["batches"]:
+        tenant = tenants.get(row["tenant_id"])
+        row["tenant"] = tenant["name"] if tenant is not None else None
     return snap
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -72,8 +73,8 @@ def gateway(tmp_path: Path):
 
 
 def test_files_are_tenant_scoped_and_batches_run_with_the_openai_client(gateway, tmp_path):
-    # batch lines are no requests of the tenant's rpm: its own requests still pass
-    _, key_a = gateway.tenant_key("acme", rpm=2)
+    # batch lines are no requests of the tenant's rpm or tpm: its own requests still pass
+    _, key_a = gateway.tenant_key("acme", rpm=2, tpm=100_000, daily_tokens=1_000_000)
     _, key_b = gateway.tenant_key("other")
     a, b = _client(gateway, key_a), _client(gateway, key_b)
     f = a.files.create(
@@ -121,6 +122,20 @@ def test_files_are_tenant_scoped_and_batches_run_with_the_openai_client(gateway,
     for _, spend, prompt, completion in rows:
         full = prompt * 2000 + completion * 4000  # nanodollars at 2 and 4 USD a million
         assert spend == -(-full // 2) or spend == full // 2
+    # the dashboard's data: the batch's progress, files and spend at the batch price; and
+    # its lines filled none of the tenant's per-minute windows (tpm, rpm)
+    stats = httpx.get(gateway.url + "/admin/stats", headers=gateway.admin_headers).json()
+    (panel,) = stats["batches"]
+    assert panel["id"] == batch.id and panel["tenant"] == "acme"
+    assert panel["status"] == "completed" and panel["endpoint"] == "/v1/chat/completions"
+    assert panel["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert (panel["output_file_id"], panel["error_file_id"]) == (done.output_file_id, None)
+    assert panel["billed_lines"] == 3
+    assert panel["billed_tokens"] == sum(p + c for _, _, p, c in rows)
+    assert panel["spend"] == pytest.approx(sum(r[1] for r in rows) / 1e9)
+    quota = next(t["quota"] for t in stats["tenants"] if t["name"] == "acme")
+    assert (quota["tpm_used"], quota["rpm_used"]) == (0, 0)
+    assert quota["daily_used"] == panel["billed_tokens"]  # budgets count them
     assert [x.id for x in a.batches.list()] == [batch.id]
     assert list(b.batches.list()) == []
     with pytest.raises(openai.ConflictError):

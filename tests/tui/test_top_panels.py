@@ -265,3 +265,61 @@ def test_transfers_sum_the_backends_that_pull():
     ]
     assert transfers(backends) == Transfers(3, 10, 0.5, 1)
     assert transfers([{"name": "fake"}, {"kv_transfer": {}}]) is None
+
+
+def with_batches(snapshots: list[dict]) -> list[dict]:
+    """The recorded snapshots with the gateway's batch list: one running, one done."""
+    tenant = snapshots[-1]["tenants"][0]
+    running = {
+        "id": "batch_run", "tenant_id": tenant["id"], "tenant": tenant["name"],
+        "status": "in_progress", "endpoint": "/v1/chat/completions",
+        "request_counts": {"total": 40, "completed": 10, "failed": 10},
+        "output_file_id": None, "error_file_id": None, "spend": 0.0123,
+    }  # fmt: skip
+    done = running | {
+        "id": "batch_done", "status": "completed", "tenant": None,
+        "request_counts": {"total": 3, "completed": 3, "failed": 0},
+        "output_file_id": "file-out", "spend": 2.5,
+    }  # fmt: skip
+    for snap in snapshots:
+        snap["batches"] = [running, done]
+    return snapshots
+
+
+async def test_the_batch_panel_shows_each_batchs_progress_files_and_spend():
+    from tui.widgets import BatchesTable
+
+    snapshots = with_batches(load_replay(DATA))
+    app = TopApp(StatsSource(replay=snapshots, replay_name="batches.jsonl", speed=0.0))
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        table = app.query_one(BatchesTable)
+        assert table.display and table.border_title == "batches (1 running, 2 shown)"
+        run, done = ([str(c) for c in table.get_row(k)] for k in ("batch_run", "batch_done"))
+        name = snapshots[-1]["tenants"][0]["name"]
+        # a quarter done, a quarter failed: 3 green, 3 red and 6 dim cells of 12, 50% answered
+        assert run[:3] == ["batch_run", name, "in_progress"]
+        assert run[3] == "███" + "███" + "░" * 6 + " 50%"
+        assert run[4:] == ["10/10/40", "$0.01", "- / -"]
+        # a deleted tenant's batch: its id; a finished batch names its output file
+        assert done[1] == snapshots[-1]["tenants"][0]["id"] and done[3].endswith(" 100%")
+        assert done[5:] == ["$2.50", "file-out / -"]
+        text = screen_text(table)
+        assert "batch_run" in text and "50%" in text
+    app = replay_app()  # a gateway that reports no batch: no panel
+    async with app.run_test(size=SIZE) as pilot:
+        await played_out(pilot)
+        assert not app.query_one(BatchesTable).display
+
+
+def test_a_failure_shows_in_the_bar_however_few_and_bad_fields_read_as_nothing():
+    from tui.view import batch_rows
+    from tui.widgets import progress_bar
+
+    (row,) = batch_rows([{"id": "b", "request_counts": {"total": 1000, "completed": 999,
+                                                        "failed": 1}}])  # fmt: skip
+    bar = progress_bar(row, 10)
+    assert str(bar) == "█" * 10 + " 100%" and bar.spans[1].style == "red"
+    (odd,) = batch_rows([{"request_counts": "all", "spend": "lots", "output_file_id": 7}])
+    assert (odd.id, odd.total, odd.spend, odd.output_file_id, odd.done) == ("?", 0, 0.0, None, None)
+    assert str(progress_bar(odd)) == "-"
