@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 import typing
@@ -33,6 +34,8 @@ ROUTER_POLICIES = ("prefix", "round_robin", "least_loaded")  # gateway.routing.r
 MIN_ADMIN_KEY_CHARS = 32  # a configured admin key must be as hard to guess as a generated one
 MAX_DRAIN_TIMEOUT_S = 3600.0  # a drain past an hour is a hung process, not a drain
 MAX_INSTANCE_CHARS = 100  # catalog rows are keyed "<instance>/<replica>", 200 characters in all
+MAX_IMAGE_FETCH_TIMEOUT_S = 300.0
+_HOST = re.compile(r"[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?)*")
 
 
 @dataclass
@@ -142,6 +145,15 @@ class Settings:
     models_max: int = 3
     models_memory_gb: float | None = None
     keep_alive: str = "5m"
+    # images in chat requests (gateway/serving/images.py): each one's bytes as sent or
+    # fetched, its pixels (checked before it is decoded), images per request; remote
+    # image URLs are fetched only from `allowed_image_hosts` (never a private, loopback
+    # or link-local address; no redirects), within `image_fetch_timeout_s`
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    max_images_per_request: int = 8
+    allowed_image_hosts: list[str] = field(default_factory=list)
+    image_fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_types(self, SETTING_TYPES, skip=frozenset({"prices", "batch_prices"}))
@@ -183,6 +195,7 @@ class Settings:
             keep_alive_s(self.keep_alive)
         except ValueError as e:
             raise ConfigError("keep_alive", str(e)) from None
+        self._check_images()
         if min(self.max_file_bytes, self.max_file_lines, self.batch_in_flight) < 1:
             raise ValueError("max_file_bytes, max_file_lines and batch_in_flight must be >= 1")
         if self.prefill_workers and not 0 < self.prefill_workers < self.workers:
@@ -201,6 +214,25 @@ class Settings:
             raise ValueError(
                 f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}"
             )
+
+    def _check_images(self) -> None:
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.image_fetch_timeout_s <= MAX_IMAGE_FETCH_TIMEOUT_S:
+            raise ConfigError(
+                "image_fetch_timeout_s",
+                f"image_fetch_timeout_s must be in (0, {MAX_IMAGE_FETCH_TIMEOUT_S}]",
+            )
+        hosts = [h.strip().lower().rstrip(".") for h in self.allowed_image_hosts]
+        for host in hosts:
+            if not _HOST.fullmatch(host):
+                raise ConfigError(
+                    "allowed_image_hosts",
+                    f"allowed_image_hosts: {host[:100]!r} is not a host name (no scheme, "
+                    "port or path: `images.example.com`)",
+                )
+        self.allowed_image_hosts = hosts
 
     def price_of(self, model: str) -> Price:
         """The model's prices; one with none is free (FREE)."""
@@ -405,6 +437,11 @@ _ENV_FIELDS = {
     "max_file_bytes": int,
     "max_file_lines": int,
     "batch_in_flight": int,
+    "max_image_bytes": int,
+    "max_image_pixels": int,
+    "max_images_per_request": int,
+    "allowed_image_hosts": lambda v: v.replace(",", " ").split(),
+    "image_fetch_timeout_s": float,
     "models_dir": str,
     "models_max": int,
     "models_memory_gb": float,

@@ -45,6 +45,17 @@ FLAGLESS = {
     "max_file_bytes": "the largest file `POST /v1/files` takes",
     "max_file_lines": "the most lines a batch input file may have",
     "batch_in_flight": "batch lines run at once at most (each only while nothing waits)",
+    "max_image_bytes": "an image's bytes as sent (decoded from base64) or fetched; past "
+    "it a 400 naming this limit",
+    "max_image_pixels": "an image's width x height, read from its header before it is "
+    "decoded; past it a 400",
+    "max_images_per_request": "images in one request's messages; past it a 400",
+    "allowed_image_hosts": "the hosts whose `https://` or `http://` image URLs the gateway "
+    "fetches (names, no scheme or port; the variable: separated by spaces or commas). "
+    "Every address a host resolves to must be public (not private, loopback or "
+    "link-local), redirects are not followed. Empty: image URLs are a 400, images come "
+    "inline (data URLs, base64)",
+    "image_fetch_timeout_s": "seconds to fetch one image from an allowed host, all of it",
 }
 # Settings fields that are tables of the file, not scalar settings (the page's prose)
 TABLES = {"backends", "prices", "batch_prices"}

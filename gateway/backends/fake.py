@@ -24,6 +24,12 @@ A request's `mock_response` (LiteLLM's field) is the text it "generates" instead
 word and punctuation tokens and streamed as its words are (max_tokens, stop strings and
 pace apply; the text's end is a "stop"), so that the output parsers, the clients and the
 three APIs can be tested end to end on a model's real output formats.
+
+vision = true lets its generating model take images, as a test double for the APIs'
+image handling alone: each image is IMAGE_ID placeholder tokens (one per 32x32 tile of
+it), counted as the usage's image_tokens. It never looks at the pixels: its output is
+the same words for any picture of the same size, so no test can mistake it for a model
+that sees. A model without it refuses images, as every text-only model does.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from engine_api.records import (
     Usage,
 )
 from engine_api.structured import StructuredOutput
-from gateway.backends.common import decode_off_loop, render_off_loop
+from gateway.backends.common import decode_off_loop, refuse_images, render_off_loop
 from gateway.backends.spec import BackendSpec
 
 WORDS = [
@@ -109,6 +115,8 @@ WORDS = [
 EOS_ID = 0
 WORD_ID_BASE = 1
 PROMPT_ID_BASE = 1000
+IMAGE_ID = 999  # an image's placeholder token (below the prompt words' ids)
+IMAGE_TILE = 32  # pixels a side of the square an image's placeholder token stands for
 BLOCK = 16
 _WORD_RE = re.compile(r"\S+")
 _MOCK_TOKEN_RE = re.compile(r"\s*(?:\w+|[^\w\s])|\s+")
@@ -136,6 +144,7 @@ class FakeBackend:
             raise ValueError(f"fake backend {spec.name!r}: task must be generate or embed")
         self.embedding_size = int(opts.get("embedding_size", 32))
         self.truncatable = bool(opts.get("truncatable", False))
+        self.vision = bool(opts.get("vision", False)) and self.task == GENERATE
         self.running = 0
         self.started = False
         self.aborted: list[str] = []
@@ -165,7 +174,7 @@ class FakeBackend:
                     truncatable=self.truncatable,
                 )
             ]
-        card = ModelCard(self.model_id, self.name, self.context_length)
+        card = ModelCard(self.model_id, self.name, self.context_length, vision=self.vision)
         card.sampling_defaults = self.sampling_defaults
         return [card]
 
@@ -196,16 +205,17 @@ class FakeBackend:
     async def render(
         self, model: str, prompt: PromptInput, tools: list[dict] | None = None
     ) -> list[int]:
+        if not self.vision:
+            refuse_images(model, prompt)
         return await render_off_loop(self._render, prompt)  # no template: tools go unused
 
     def _render(self, prompt: PromptInput) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant:"
+            ids = [i for m in prompt for i in _message_ids(m)] + _word_ids("assistant:")
         elif isinstance(prompt, list):
             return list(prompt)
         else:
-            text = prompt
-        ids = [PROMPT_ID_BASE + zlib.crc32(w.encode()) % 30000 for w in _WORD_RE.findall(text)]
+            ids = _word_ids(prompt)
         if not ids:
             raise BadRequestError("The prompt is empty.")
         return ids
@@ -269,7 +279,7 @@ class FakeBackend:
             limit = sp.max_tokens if mock is None else min(sp.max_tokens, len(mock))
             if mock == []:  # nothing to say: the answer ends at once
                 finished = True
-                yield GenChunk([], "", "stop", Usage(len(req.prompt_token_ids), 0, cached))
+                yield GenChunk([], "", "stop", self._usage(req, 0, cached))
                 return
             for i in range(limit):
                 emitted = i + 1
@@ -293,7 +303,7 @@ class FakeBackend:
                             [token_id],
                             piece[: max(keep, 0)],
                             "stop",
-                            Usage(len(req.prompt_token_ids), i + 1, cached),
+                            self._usage(req, i + 1, cached),
                             logprobs,
                             stop_sequence=stop[1],
                         )
@@ -305,7 +315,7 @@ class FakeBackend:
                     [token_id],
                     piece,
                     ended if finished else None,
-                    Usage(len(req.prompt_token_ids), emitted, cached) if finished else None,
+                    self._usage(req, emitted, cached) if finished else None,
                     logprobs,
                 )
                 if not pace and i % 64 == 63:
@@ -315,6 +325,10 @@ class FakeBackend:
             self._count_generated(emitted)
             if not finished:
                 self.aborted.append(req.request_id)
+
+    def _usage(self, req: GenRequest, generated: int, cached: int) -> Usage:
+        images = req.prompt_token_ids.count(IMAGE_ID) if req.images else 0
+        return Usage(len(req.prompt_token_ids), generated, cached, image_tokens=images)
 
     def _count_generated(self, n: int) -> None:
         second = int(time.monotonic())
@@ -357,6 +371,27 @@ class FakeBackend:
         self.prefix_queries += len(ids)
         self.prefix_hits += cached
         return cached
+
+
+def _word_ids(text: str) -> list[int]:
+    return [PROMPT_ID_BASE + zlib.crc32(w.encode()) % 30000 for w in _WORD_RE.findall(text)]
+
+
+def _message_ids(message: dict) -> list[int]:
+    """A message's ids: its role's word, then its text's words and each image's
+    placeholders where they stand."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return _word_ids(f"{message['role']}: {content}\n")
+    ids = _word_ids(f"{message['role']}:")
+    for part in content:
+        if part.get("type") == "image":
+            image = part["image"]
+            tiles = math.ceil(image.width / IMAGE_TILE) * math.ceil(image.height / IMAGE_TILE)
+            ids += [IMAGE_ID] * tiles
+        else:
+            ids += _word_ids(part.get("text", ""))
+    return ids
 
 
 def _unit_vector(token_ids: list[int], size: int, keep: int) -> list[float]:

@@ -8,7 +8,13 @@ engine's tokenizer is, how its outputs read, and how the fair queue's spare seat
 With `options.task = "embed"` the engine embeds (pooled as `options.pooling` says) and
 this is an EmbeddingBackend: the card says so, `render` tokenizes text as llama-server's
 --embedding does (BOS and special tokens) and `embed` runs the request; chat messages and
-`generate` are a BadRequestError that says the model embeds."""
+`generate` are a BadRequestError that says the model embeds.
+
+Images: its models take none (the card's `vision` is false: a chat with an image is a
+400). An entry's `mmproj` option (a GGUF's vision projector) is refused at start-up:
+llama-cpp-python 0.3.36 encodes images with libmtmd only inside its chat handlers
+(MTMDChatHandler, Qwen25VLChatHandler: one sequence through Llama.create_chat_completion),
+and this engine batches its own slots without them."""
 
 from __future__ import annotations
 
@@ -47,12 +53,21 @@ ENGINE_OPTIONS = (
     *("enable_lora", "max_loras"),
 )
 
+MMPROJ_REFUSED = (
+    "local backend {name!r}: option mmproj: kvgate's llama.cpp engine does not serve images "
+    "yet (llama-cpp-python's multimodal support is its single-sequence chat handlers, which "
+    "this batched engine does not use); serve the vision model on the gpu backend, or "
+    "remove mmproj"
+)
+
 
 class LocalBackend(InProcessBackend[LocalEngine]):
     kind = "local"
     engine_options = ENGINE_OPTIONS
 
     def __init__(self, spec: BackendSpec) -> None:
+        if "mmproj" in spec.options:
+            raise ValueError(MMPROJ_REFUSED.format(name=spec.name))
         super().__init__(spec)
         self._last_events: list[KVEvent] = []  # a stopped engine's last ones ("removed")
         # llama.cpp serves its slots first come, first served: the gateway queues fairly

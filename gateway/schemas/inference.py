@@ -25,6 +25,7 @@ from engine_api.sampling import (
 from engine_api.structured import StructuredOutput
 from gateway.schemas.base import NO_CONTROL
 from gateway.schemas.base import StrictBody as _Body
+from gateway.schemas.content import ContentPart, has_image, message_content
 from gateway.schemas.fields import INT32, INT53, Count32, IntIn, Name, Priority, TokenId
 from gateway.schemas.structured import (
     GUIDED,
@@ -45,14 +46,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_MOCK_RESPONSE = 1 << 20  # characters of a mock_response
 
 
-class TextPart(_Body):
-    type: str
-    text: str | None = None
-
-
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: Name | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: ToolCallId | None = None
@@ -69,12 +65,14 @@ class ChatMessage(_Body):
             raise ValueError("reasoning is only allowed on assistant messages")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        if self.role != "user" and has_image(self.content):
+            raise ValueError("image_url parts are only allowed in user messages")
         return self
 
     def as_dict(self) -> dict[str, Any]:
         """The message as a chat template takes it (gateway.backends.tool_prompt writes tool fields
         where the template has none)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": self.role, "content": message_content(self.content)}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -84,18 +82,6 @@ class ChatMessage(_Body):
         if thought := self.reasoning_content or self.reasoning:
             out["reasoning_content"] = thought
         return out
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content parts of type {part.type!r} are not supported")
-            parts.append(part.text)
-        return "".join(parts)
 
 
 class StreamOptions(_Body):
@@ -237,8 +223,6 @@ class ChatCompletionRequest(SamplingFields):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        for m in self.messages:
-            m.text()  # refuses unsupported content parts here, as a 400
         self._check_tools()
         return self
 
@@ -352,8 +336,6 @@ class TokenizeRequest(_Body):
             raise ValueError(
                 "add_special_tokens must be true: prompts are tokenized as a completion gets them"
             )
-        for m in self.messages or []:
-            m.text()  # refuses unsupported content parts here, as a 400
         return self
 
     def rendered(self) -> str | list[dict[str, Any]]:

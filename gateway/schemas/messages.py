@@ -7,9 +7,11 @@ The Messages API is served on the chat-completions machinery, so that every back
 turns a body into the ChatCompletionRequest it means (tool_result blocks become tool
 messages, tool_use blocks an assistant's tool calls, `tool_choice` any/tool/none the
 required/named/none modes, `thinking: {"type": "disabled"}` enable_thinking false, and
-an assistant's thinking blocks are left out). Strict like every body: an unknown field,
-and a content block kvgate does not implement (image, document, ...), is a 400 that
-names it. `cache_control` is accepted and ignored: kvgate's prefix cache is automatic.
+an assistant's thinking blocks are left out, a user's image blocks OpenAI's image_url
+parts: base64 as a data: URL, a `url` source as the URL, which the gateway fetches only
+from allowed hosts). Strict like every body: an unknown field, and a content block
+kvgate does not implement (document, ...), is a 400 that names it. `cache_control` is
+accepted and ignored: kvgate's prefix cache is automatic.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from engine_api.structured import StructuredOutput
 from gateway.schemas.base import NO_CONTROL, Refused
 from gateway.schemas.base import StrictBody as _Body
+from gateway.schemas.content import image_part
 from gateway.schemas.fields import INT32, IntIn, Name
 from gateway.schemas.inference import MAX_MOCK_RESPONSE, MAX_STOP, ChatCompletionRequest
 from gateway.schemas.structured import (
@@ -32,7 +35,9 @@ from gateway.schemas.structured import (
     checked,
 )
 
-BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+# the image types Anthropic's API takes in a base64 source
+MediaType = Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
 StopSequence = Annotated[str, Field(min_length=1, max_length=1000)]
 
 
@@ -47,6 +52,29 @@ class TextBlock(_Body):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+
+
+class Base64Source(_Body):
+    type: Literal["base64"]
+    media_type: MediaType
+    data: Annotated[str, Field(min_length=1)]
+
+
+class UrlSource(_Body):
+    type: Literal["url"]
+    url: Annotated[str, Field(min_length=1)]
+
+
+class ImageBlock(_Body):
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    def as_part(self) -> dict[str, Any]:
+        """The image as an OpenAI image_url part."""
+        s = self.source
+        url = s.url if isinstance(s, UrlSource) else f"data:{s.media_type};base64,{s.data}"
+        return image_part(url)
 
 
 class ToolUseBlock(_Body):
@@ -89,7 +117,7 @@ class RedactedThinkingBlock(_Body):
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -118,8 +146,8 @@ class Message(_Body):
         kinds = {b.type for b in self.content} if isinstance(self.content, list) else set()
         if self.role == "user" and kinds & {"tool_use", "thinking", "redacted_thinking"}:
             raise ValueError("tool_use and thinking blocks belong in assistant messages")
-        if self.role == "assistant" and "tool_result" in kinds:
-            raise ValueError("tool_result blocks belong in user messages")
+        if self.role == "assistant" and kinds & {"tool_result", "image"}:
+            raise ValueError("tool_result and image blocks belong in user messages")
         return self
 
     def chat_messages(self) -> list[dict[str, Any]]:
@@ -146,6 +174,13 @@ class Message(_Body):
             for b in self.content
             if isinstance(b, ToolResultBlock)
         ]
+        if any(isinstance(b, ImageBlock) for b in self.content):
+            parts = [
+                b.as_part() if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                for b in self.content
+                if isinstance(b, TextBlock | ImageBlock)
+            ]
+            return [*results, {"role": "user", "content": parts}]
         return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
 
 

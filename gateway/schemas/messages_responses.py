@@ -30,6 +30,7 @@ class MessageUsage(Body):
     output_tokens: int
     cache_read_input_tokens: int
     cache_creation_input_tokens: int
+    image_tokens: int | None = None  # kvgate's: of the prompt's tokens, its images'
 
 
 class ReplyText(Body):

@@ -8,9 +8,11 @@ means, made while it is validated, so that a body the chat rules refuse is a 400
 any other. `options` map onto the sampling fields (num_predict is max_tokens,
 repeat_penalty repetition_penalty; num_ctx is accepted up to the model's context and
 changes nothing, as the context is the engine's); `format` is a structured output,
-`think` the template's enable_thinking. An Ollama model name's `:latest` tag is the
-served model itself. Strict like every body: an option or field kvgate does not
-implement (mirostat, images, template, context, ...) is a 400 that names it.
+`think` the template's enable_thinking, a message's (or /api/generate's) `images`
+(base64, as Ollama's clients send files) OpenAI's image_url parts before its text. An
+Ollama model name's `:latest` tag is the served model itself. Strict like every body:
+an option or field kvgate does not implement (mirostat, template, context, ...) is a
+400 that names it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pydantic import (
 
 from gateway.config_check import keep_alive_s
 from gateway.schemas.base import StrictBody as _Body
+from gateway.schemas.content import image_part
 from gateway.schemas.embeddings import EmbeddingRequest
 from gateway.schemas.fields import INT32, INT53, IntIn, Name
 from gateway.schemas.inference import MAX_STOP, ChatCompletionRequest, CompletionRequest
@@ -38,6 +41,16 @@ LATEST = ":latest"
 DEFAULT = "default"  # no keep_alive sent: the gateway's (gateway.ondemand)
 M = TypeVar("M", bound=BaseModel)
 Stop = Annotated[str, Field(min_length=1, max_length=1000)]
+# a message's images, base64 (the count is bounded again by max_images_per_request)
+Images = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=64)]
+
+
+def _with_images(text: str, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """A user message's content: its text, or its images (as data: URLs) then its text."""
+    if not images:
+        return text
+    urls = [i if i.startswith("data:") else f"data:;base64,{i}" for i in images]
+    return [*(image_part(u) for u in urls), {"type": "text", "text": text}]
 
 
 def _keep_alive(value: float | str) -> float | str:
@@ -113,6 +126,7 @@ class OllamaMessage(_Body):
     thinking: str | None = None  # an assistant's reasoning sent back: to the template
     tool_calls: Annotated[list[OllamaToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_name: FunctionName | None = None
+    images: Images | None = None
 
 
 class _Generating(_Body):
@@ -175,6 +189,7 @@ class OllamaGenerateRequest(_Generating):
     system: str | None = None
     raw: bool = False
     suffix: str | None = None
+    images: Images | None = None
 
     @model_validator(mode="after")
     def _translate(self) -> OllamaGenerateRequest:
@@ -186,11 +201,13 @@ class OllamaGenerateRequest(_Generating):
         if self.raw:
             if self.system is not None:
                 raise ValueError("system does not apply to a raw prompt: put it in the prompt")
+            if self.images:
+                raise ValueError("images need the chat template: they do not go with raw")
             fields.pop("chat_template_kwargs", None)
             self._request = validated(CompletionRequest, fields | {"prompt": self.prompt})
             return self
         messages = [{"role": "system", "content": self.system}] if self.system else []
-        messages.append({"role": "user", "content": self.prompt})
+        messages.append({"role": "user", "content": _with_images(self.prompt, self.images)})
         self._request = validated(ChatCompletionRequest, fields | {"messages": messages})
         return self
 
@@ -277,7 +294,9 @@ def _chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     unanswered: list[tuple[str, str]] = []  # (call id, function name)
     for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.images and m.role != "user":
+            raise ValueError("images belong in user messages")
+        msg: dict[str, Any] = {"role": m.role, "content": _with_images(m.content, m.images)}
         if m.role == "assistant" and m.tool_calls:
             calls = []
             for c in m.tool_calls:

@@ -10,7 +10,7 @@ from gateway.backends import EMBED, ModelCard, TokenLogprob, Usage
 def model_entry(card: ModelCard, created: int) -> dict[str, Any]:
     """A model in /v1/models, the gateway's and a worker's, with vLLM's `max_model_len`
     and kvgate's `task` (generate: chat and completions; embed: /v1/embeddings, with its
-    vectors' size and whether `dimensions` cuts them)."""
+    vectors' size and whether `dimensions` cuts them) and `vision` (it takes images)."""
     entry: dict[str, Any] = {
         "id": card.id,
         "object": "model",
@@ -18,6 +18,7 @@ def model_entry(card: ModelCard, created: int) -> dict[str, Any]:
         "owned_by": card.owned_by,
         "max_model_len": card.context_length,
         "task": card.task,
+        "vision": card.vision,
     }
     if card.task == EMBED:
         entry |= {"embedding_size": card.embedding_size, "truncatable": card.truncatable}
@@ -36,7 +37,10 @@ def usage_body(u: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": u.cached_tokens,
+            "image_tokens": u.image_tokens,
+        },
     }
     if reasoning_tokens is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}

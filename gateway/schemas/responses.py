@@ -36,6 +36,7 @@ class ErrorResponse(Body):
 
 class PromptTokensDetails(Body):
     cached_tokens: int
+    image_tokens: int = Field(0, description="of the prompt's tokens, its images'")
 
 
 class CompletionTokensDetails(Body):
@@ -210,6 +211,7 @@ class ModelCard(Body):
     # an embedding model's only: its vectors' size, and whether `dimensions` may cut them
     embedding_size: int | None = None
     truncatable: bool | None = None
+    vision: bool = Field(False, description="kvgate's: the model takes images in chat")
     parent: str | None = Field(None, description="a LoRA adapter's base model (vLLM's)")
     kvgate: ModelParsers | None = None
 

@@ -26,6 +26,7 @@ from pydantic import (
 from engine_api.structured import StructuredOutput
 from gateway.schemas.base import NO_CONTROL, Refused
 from gateway.schemas.base import StrictBody as _Body
+from gateway.schemas.content import image_part
 from gateway.schemas.fields import INT32, IntIn, Name
 from gateway.schemas.inference import MAX_MOCK_RESPONSE, ChatCompletionRequest
 from gateway.schemas.structured import (
@@ -50,28 +51,49 @@ MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 
 
-class ResponseContentPart(_Body):
-    """Text in a message of `input`: `input_text` (user, system, developer) or
-    `output_text` (an assistant turn sent back, with its annotations and logprobs)."""
+PARTS = ("input_text", "output_text", "input_image")
 
-    type: Literal["input_text", "output_text"]
-    text: str
+
+class ResponseContentPart(_Body):
+    """A part of a message of `input`: `input_text` (user, system, developer),
+    `output_text` (an assistant turn sent back, with its annotations and logprobs), or a
+    user's `input_image` (its `image_url`: a data: URL, or a URL the gateway fetches only
+    from allowed hosts; `detail` accepted; an uploaded file's `file_id` is not taken)."""
+
+    type: Literal["input_text", "output_text", "input_image"]
+    text: str | None = None
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
+    image_url: Annotated[str, Field(min_length=1)] | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _text_only(cls, data: Any) -> Any:
+    def _known(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data  # not an object: pydantic says so
         kind = data.get("type")
-        if kind not in ("input_text", "output_text"):
+        if kind not in PARTS:
             raise Refused(
-                f"content parts of type {kind!r} are not supported: kvgate's models take "
-                "text (input_text, output_text)",
+                f"content parts of type {kind!r} are not supported: kvgate takes "
+                f"{', '.join(PARTS)}",
                 "type",
             )
+        if kind == "input_image" and data.get("file_id") is not None:
+            raise Refused(
+                "input_image by file_id is not supported: send image_url (a data: URL)",
+                "file_id",
+            )
         return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseContentPart:
+        image = self.type == "input_image"
+        if image and (self.image_url is None or self.text is not None):
+            raise ValueError("an input_image part has image_url, and no text")
+        if not image and (self.text is None or self.image_url or self.detail):
+            raise ValueError(f"a {self.type} part has text, and no image_url")
+        return self
 
 
 def _text_or_list(v: Any) -> str:
@@ -86,7 +108,23 @@ Content = Annotated[
 
 
 def _text(content: Content) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    if isinstance(content, str):
+        return content
+    if any(p.type == "input_image" for p in content):
+        raise ValueError("input_image parts belong in user messages")
+    return "".join(p.text or "" for p in content)
+
+
+def _chat_content(content: Content) -> str | list[dict[str, Any]]:
+    """A user message's content for the chat: its text, or with images OpenAI's parts."""
+    if isinstance(content, str) or all(p.type != "input_image" for p in content):
+        return _text(content)
+    return [
+        image_part(p.image_url)  # type: ignore[arg-type]
+        if p.type == "input_image"
+        else {"type": "text", "text": p.text}
+        for p in content
+    ]
 
 
 class ResponseInputMessage(_Body):
@@ -338,7 +376,8 @@ class ResponseCreateRequest(_Body):
         names: dict[str, str] = {}  # call_id -> the function called, for its output
         for item in self.input:
             if isinstance(item, ResponseInputMessage):
-                messages.append({"role": item.role, "content": _text(item.content)})
+                content = _chat_content(item.content) if item.role == "user" else None
+                messages.append({"role": item.role, "content": content or _text(item.content)})
             elif isinstance(item, ResponseFunctionCallInput):
                 names[item.call_id] = item.name
                 call = {"id": item.call_id, "type": "function"}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field
+
 from gateway.schemas.responses import Body
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -61,6 +63,7 @@ OutputItem = ResponseReasoning | ResponseOutputMessage | ResponseFunctionCall
 class ResponseInputTokensDetails(Body):
     cached_tokens: int
     cache_write_tokens: int
+    image_tokens: int = Field(0, description="of the input's tokens, its images'")
 
 
 class ResponseOutputTokensDetails(Body):

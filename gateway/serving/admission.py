@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import NoReturn
 
+from engine_api.images import ImageInput
 from engine_api.records import AdapterRef, PromptInput
 from engine_api.structured import StructuredOutput
 from gateway.backends import (
@@ -47,6 +48,7 @@ from gateway.routing.router import Candidate
 from gateway.routing.salts import tenant_cache_salt
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
 from gateway.serving.echo import echoes
+from gateway.serving.images import ImageLimits, chat_images
 from gateway.serving.job import Job
 from gateway.serving.parser_choice import parsers_of
 from gateway.serving.sampling import keep_markers, sampling, structured_output
@@ -91,7 +93,7 @@ async def _prepare(
     served, adapter = card.id, _adapter(gw, principal, body.model)
     salt = tenant_cache_salt(gw.secret, tenant_id)
     gw.catalog.note_salt(salt, tenant_id)
-    candidates, renderer, prompts = await _render(gw, principal, body)
+    candidates, renderer, prompts, images = await _render(gw, principal, body, card)
     if body.mock_response is not None:
         _check_mock(candidates)
     echo = None
@@ -112,7 +114,7 @@ async def _prepare(
     )
     request_id = (id_prefix or ("chatcmpl-" if chat else "cmpl-")) + os.urandom(12).hex()
     requests = _requests(
-        request_id, body, principal, plan, prompts, salt, shared_lens, structured, card
+        request_id, body, principal, plan, prompts, salt, shared_lens, structured, card, images
     )
     requests = keep_markers(requests, parsers_of(gw, backend), body)
     if adapter is not None:
@@ -210,21 +212,29 @@ async def _place(
 
 
 async def _render(
-    gw: GatewayState, principal: Principal, body: ChatCompletionRequest | CompletionRequest
-) -> tuple[list[Candidate], Backend, list[list[int]]]:
-    """The healthy replicas, and the token ids of every prompt from the first of them
-    that can render them: every replica of a model has its tokenizer, and for a remote
+    gw: GatewayState,
+    principal: Principal,
+    body: ChatCompletionRequest | CompletionRequest,
+    card: ModelCard,
+) -> tuple[list[Candidate], Backend, list[list[int]], list[ImageInput]]:
+    """The healthy replicas, the token ids of every prompt from the first of them that
+    can render them (every replica of a model has its tokenizer, and for a remote
     replica rendering is a network call: one that just died must not fail the request
-    while another is healthy."""
+    while another is healthy), and a chat's images in prompt order, decoded first."""
     tools = kwargs = None
+    images: list[ImageInput] = []
     if isinstance(body, ChatCompletionRequest):
-        inputs: list = [[m.as_dict() for m in body.messages]]
+        chat, images = await chat_images(
+            ImageLimits.of(gw.settings), card, [m.as_dict() for m in body.messages]
+        )
+        inputs: list = [chat]
         if body.tool_mode != "none":  # tool_choice "none": the tools are not shown
             tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         kwargs = body.chat_template_kwargs
     else:
         inputs = body.prompts()
-    return await render_on_a_replica(gw, principal, body.model, inputs, tools, kwargs)
+    rendered = await render_on_a_replica(gw, principal, body.model, inputs, tools, kwargs)
+    return (*rendered, images)
 
 
 async def render_on_a_replica(
@@ -271,8 +281,11 @@ async def rendered_tokens(
     tools: list[dict] | None = None,
 ) -> list[int]:
     """The prompt's tokens as a replica of `model` renders it, for the routes that count
-    and bill nothing (/tokenize, Anthropic's count_tokens); a 400 where the upstream does
-    not tokenize for the gateway (its rendering is the prompt's bytes, a bound)."""
+    and bill nothing (/tokenize, Anthropic's count_tokens), its images' placeholders
+    among them; a 400 where the upstream does not tokenize for the gateway (its
+    rendering is the prompt's bytes, a bound)."""
+    card = model_card(gw, principal, model)
+    prompt, _ = await chat_images(ImageLimits.of(gw.settings), card, prompt)
     _, backend, [tokens] = await render_on_a_replica(gw, principal, model, [prompt], tools)
     if is_text_bound(backend, tokens):
         raise ApiError(400, f"The upstream of model `{model}` does not tokenize for the gateway.")
@@ -330,10 +343,11 @@ def _requests(
     shared_lens: list[int],
     structured: StructuredOutput | None,
     card: ModelCard,
+    images: list[ImageInput],
 ) -> list[GenRequest]:
     """One GenRequest per choice, prompt-major; seeds differ by choice; what the body
-    leaves out of sampling takes the card's defaults. A body's priority only yields:
-    never ahead of the principal's."""
+    leaves out of sampling takes the card's defaults; a chat's images go with each of
+    its choices. A body's priority only yields: never ahead of the principal's."""
     defaults = card.sampling_defaults
     priority = principal.priority
     if body.priority is not None:
@@ -350,6 +364,7 @@ def _requests(
             shared_lens[i // body.n],
             weight=principal.weight,
             mock_response=body.mock_response,
+            images=images,
         )
         for i in range(plan.choices)
     ]

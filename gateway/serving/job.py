@@ -107,6 +107,13 @@ class Job:
     def cached_tokens(self) -> int:
         return sum(self.cached_by_prompt.values())
 
+    @property
+    def image_tokens(self) -> int:
+        """Of the prompt tokens, its images' placeholders, as the engine counted them
+        (within the prompt; 0 where it sent no usage)."""
+        claims = [m.claim for m in self.meters[:: self.n]]
+        return sum(c.image_tokens for c in claims if c is not None)
+
     def headers(self) -> dict[str, str]:
         r = self.reservation
         return ratelimit_headers(r.limits, r.remaining, r.windows) | {

@@ -28,14 +28,19 @@ Event = tuple[str, dict[str, Any]]  # (the SSE event name, its data)
 
 
 def usage(job: Job) -> dict[str, int]:
-    """Anthropic's usage: input_tokens counts the prompt's tokens not read from cache."""
+    """Anthropic's usage: input_tokens counts the prompt's tokens not read from cache;
+    kvgate's image_tokens (of the prompt's tokens, its images') only where there were
+    images (a field the SDK keeps and other clients ignore)."""
     cached = job.cached_tokens
-    return {
+    out = {
         "input_tokens": job.prompt_tokens - cached,
         "output_tokens": job.completion_tokens,
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
+    if images := job.image_tokens:
+        out["image_tokens"] = images
+    return out
 
 
 def message(

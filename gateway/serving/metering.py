@@ -13,7 +13,7 @@ client passes one ChoiceMeter, which
   on its text, so memory per request is bounded too), logprobs are cut to the number
   asked for, prompt logprobs to the prompt;
 - takes the backend's usage on the last chunk only where it is consistent with what was
-  delivered (what was counted <= completion <= max_tokens, 0 <= cached <= prompt); the
+  delivered (what was counted <= completion <= max_tokens, 0 <= cached, images <= prompt); the
   prompt is the gateway's own count, or, where that is only a bound (a text-bound prompt,
   gateway/backends/remote_text.py), the claim within it;
 - carries the Progress the backend fills with how much of the prompt it computed: what a
@@ -189,9 +189,11 @@ class ChoiceMeter:
             )
         elif usage.counted_by not in COUNTERS:
             why = f"counted_by {usage.counted_by!r}"
+        elif not 0 <= usage.image_tokens <= prompt:
+            why = f"image_tokens {usage.image_tokens} outside [0, {prompt}]"
         else:
-            c = usage.completion_tokens
-            self.claim = Usage(prompt, c, usage.cached_tokens, usage.counted_by)
+            c, images = usage.completion_tokens, usage.image_tokens
+            self.claim = Usage(prompt, c, usage.cached_tokens, usage.counted_by, images)
             return
         self.refuse(why)
 

@@ -29,7 +29,11 @@ def usage_body(job: Job, reasoning_tokens: int = 0) -> dict[str, Any]:
     """A finished Job's usage as the Response's: what its usage row says."""
     return {
         "input_tokens": job.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": job.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": job.cached_tokens,
+            "cache_write_tokens": 0,
+            "image_tokens": job.image_tokens,
+        },
         "output_tokens": job.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": job.prompt_tokens + job.completion_tokens,

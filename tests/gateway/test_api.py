@@ -46,7 +46,7 @@ async def test_chat_completion_shape_and_usage(gw):
     assert usage["completion_tokens"] == 5
     assert usage["prompt_tokens"] > 4  # the rendered chat adds role words
     assert usage["total_tokens"] == usage["prompt_tokens"] + 5
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "image_tokens": 0}
 
 
 async def test_content_parts_and_unsupported_parts(gw):
@@ -55,8 +55,11 @@ async def test_content_parts_and_unsupported_parts(gw):
     r = await gw.chat(key, parts, max_tokens=2)
     assert r.status == 200
     r = await gw.chat(key, [{"type": "image_url", "image_url": {"url": "x"}}], max_tokens=2)
+    assert r.status == 400  # a model without vision (tests/gateway/test_images.py)
+    assert "does not take images" in (await r.json())["error"]["message"]
+    r = await gw.chat(key, [{"type": "input_audio", "input_audio": {}}], max_tokens=2)
     assert r.status == 400
-    assert "image_url" in (await r.json())["error"]["message"]
+    assert "'input_audio' are not supported" in (await r.json())["error"]["message"]
 
 
 async def test_completions_prompt_forms_and_n(gw):

@@ -167,7 +167,8 @@ async def test_errors_are_anthropic_shaped_and_typed(make_gateway):
         await c.messages.create(**ok | {"model": "nope"})
     cases = [
         ({"thinking": {"type": "enabled"}}, "needs budget_tokens"),
-        ({"messages": say([{"type": "image", "source": {}}])}, "'image' are not supported"),
+        ({"messages": say([{"type": "document", "source": {}}])}, "'document' are not supported"),
+        ({"messages": say([{"type": "image", "source": {}}])}, "source"),
         ({"messages": say("hi") + [{"role": "assistant", "content": "Sure"}]}, "prefilled"),
         ({"tool_choice": {"type": "any"}}, "needs tools"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "x"}}, "not in tools"),

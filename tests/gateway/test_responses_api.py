@@ -266,8 +266,12 @@ REFUSED = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "'item_reference' are not supported"),
     ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "'computer_call_output'"),
     (
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+        "content parts of type 'input_file' are not supported",
+    ),
+    (  # images are taken (tests/gateway/test_images.py), not by a model without vision
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-        "content parts of type 'input_image' are not supported",
+        "`fake-model` does not take images",
     ),
     ({"reasoning": {"effort": "low"}}, "'reasoning'"),
     ({"include": ["message.output_text.logprobs"]}, "'include'"),
