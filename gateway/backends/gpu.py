@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from backend_gpu import AsyncLLM, EngineStats, RequestOutput
 from backend_gpu.config import EngineConfig
 from backend_gpu.embed_engine import NOT_A_GENERATOR
-from engine_api.block_hash import adapter_root, hash_blocks
+from engine_api.block_hash import adapter_root, hash_blocks, image_key_spans
 from engine_api.errors import BackendError, BadRequestError
+from engine_api.images import ImageInput
 from engine_api.records import (
     EMBED,
     AdapterRef,
@@ -35,9 +36,10 @@ from engine_api.records import (
     PromptInput,
     Usage,
 )
-from gateway.backends.common import check_model, render_off_loop
+from gateway.backends.common import check_model, has_images, render_off_loop
 from gateway.backends.generation_config import from_hf_dir
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
+from gateway.backends.vision_render import widen_placeholders, with_image_markers
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 # each KV tier's counters (EngineStats.kv_host_*, ...), passed on under their own names
@@ -59,7 +61,9 @@ def kv_tiers_on(config: EngineConfig) -> list[str]:
 
 
 def _architecture(model_type: str) -> str:
-    return "gemma3" if model_type == "gemma3_text" else model_type
+    """The built-in chat template's family of a text model type (a multimodal model's
+    text model takes its family's: Qwen2.5-VL chats as Qwen2 does)."""
+    return {"gemma3_text": "gemma3", "qwen2_5_vl_text": "qwen2"}.get(model_type, model_type)
 
 
 class GpuBackend(InProcessBackend[AsyncLLM]):
@@ -109,7 +113,7 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
     def _card_fields(self) -> dict:
         engine = self.engine
         if engine.task != EMBED:
-            return {}
+            return {"vision": self._vision() is not None}
         spec = engine.engine.spec
         return {"task": EMBED, "embedding_size": spec.size, "truncatable": spec.truncatable}
 
@@ -126,6 +130,27 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
         if prompt and all(type(t) is int for t in prompt):
             return list(prompt)
         raise BadRequestError(f"{NOT_A_GENERATOR} (it takes text or token ids, not messages)")
+
+    def _vision(self):
+        """The engine's image inputs (backend_gpu.multimodal.VisionSteps); None: a model
+        that takes no images."""
+        if self._engine is None or self._engine.task == EMBED:
+            return None
+        return self._engine.engine.runner.vision
+
+    async def render_chat(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
+    ) -> list[int]:
+        """A vision model's chat with images: each image part as its placeholder run
+        (gateway.backends.vision_render); everything else as any backend renders it."""
+        vision = self._vision()
+        if vision is None or not has_images(prompt):
+            return await super().render_chat(model, prompt, tools, kwargs)
+        messages, images = with_image_markers(prompt)
+        token_ids = await super().render_chat(model, messages, tools, kwargs)
+        counts = [vision.processor.num_tokens(im.width, im.height) for im in images]
+        pad_id = self.engine.engine.hf_config.image_token_id
+        return widen_placeholders(token_ids, pad_id, counts)
 
     async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         check_model(req.model, self.model_id)
@@ -159,7 +184,12 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
     def _output(self, out: RequestOutput, req: GenRequest) -> Output:
         usage = None
         if out.finished:
-            usage = Usage(len(req.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+            usage = Usage(
+                len(req.prompt_token_ids),
+                len(out.token_ids),
+                out.num_cached_tokens,
+                image_tokens=out.num_image_tokens,
+            )
         logprobs = None
         if out.logprobs and out.new_token_ids:
             logprobs = out.logprobs[-len(out.new_token_ids) :]
@@ -191,12 +221,25 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
         cache_salt: str | None,
         shared_prefix_len: int = 0,
         adapter: AdapterRef | None = None,
+        images: list[ImageInput] | None = None,
     ) -> list[str]:
+        """The engine's keys: with `images`, their placeholders' blocks keyed by their
+        digests as the engine keys them (a prompt whose placeholders do not pair with
+        them: none, the engine refuses it)."""
         if self._engine is None:
             return []
         block_size = self._engine.engine.config.block_size
         root = adapter_root(adapter)
-        hashes = hash_blocks(token_ids, block_size, cache_salt, shared_prefix_len, root)
+        keys = None
+        if images and self._vision() is not None:
+            pad_id = self._engine.engine.hf_config.image_token_id
+            try:
+                keys = image_key_spans(token_ids, pad_id, [im.digest for im in images])
+            except BadRequestError:
+                return []
+        hashes = hash_blocks(
+            token_ids, block_size, cache_salt, shared_prefix_len, root, extra_keys=keys
+        )
         return [h.hex() for h in hashes]
 
     async def _check_adapter(self, ref: AdapterRef) -> None:
