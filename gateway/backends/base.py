@@ -109,7 +109,9 @@ class PrefixCachingBackend(Backend, Protocol):
         adapter: AdapterRef | None = None,
     ) -> list[str]:
         """Hex chain hashes of the prompt's full blocks, as this backend keys its cache
-        (under a LoRA adapter: from its chain root, engine_api.block_hash.adapter_root)."""
+        (under a LoRA adapter: from its chain root, engine_api.block_hash.adapter_root).
+        A backend whose model takes images also takes `images=` (GenRequest.images): their
+        placeholders' blocks keyed by their digests, as its engine keys them."""
         ...
 
     def kv_events(self) -> list[KVEvent]:

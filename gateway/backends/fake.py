@@ -261,7 +261,9 @@ class FakeBackend:
             self.adapter_requests[name] = self.adapter_requests.get(name, 0) + 1
             if name not in self.adapters_loaded:
                 self.adapters_loaded.append(name)
-        cached = self._match_prefix(req.prompt_token_ids, req.cache_salt, req.adapter)
+        cached = self._match_prefix(
+            req.prompt_token_ids, req.cache_salt, req.adapter, [i.digest for i in req.images]
+        )
         if progress is not None:  # its "prefill" is done: the blocks are stored now
             progress.advance(len(req.prompt_token_ids), cached)
         self.running += 1
@@ -358,9 +360,14 @@ class FakeBackend:
         key = f"{req.prompt_token_ids[-8:]}|{seed}"
         return zlib.crc32((key + f"|{req.adapter.name}" if req.adapter else key).encode())
 
-    def _match_prefix(self, ids: list[int], salt: str | None, adapter: AdapterRef | None) -> int:
-        """Full prompt blocks seen before under the same salt and adapter count as cached."""
-        parent, cached, hit = (salt or "").encode() + (adapter_root(adapter) or b""), 0, True
+    def _match_prefix(
+        self, ids: list[int], salt: str | None, adapter: AdapterRef | None, digests: list[str]
+    ) -> int:
+        """Full prompt blocks seen before under the same salt, adapter and images count as
+        cached (its images' placeholders are one id whatever they show: their digests key
+        the whole chain, coarser than an engine's keys but never a hit for another image)."""
+        parent = (salt or "").encode() + (adapter_root(adapter) or b"") + "".join(digests).encode()
+        cached, hit = 0, True
         for start in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
             parent = hashlib.blake2b(parent + str(ids[start : start + BLOCK]).encode()).digest()
             if hit and parent in self.cached_blocks:

@@ -110,7 +110,7 @@ async def _prepare(
     plan, worst = _plan(principal, body, card, prompts, chat, price)
     reservation = await admit(gw, principal, plan.reserve, plan.choices, worst)
     backend, block_hashes, shared_lens = await _place(
-        gw, served, candidates, renderer, prompts, salt, reservation, adapter
+        gw, served, candidates, renderer, prompts, salt, reservation, adapter, images
     )
     request_id = (id_prefix or ("chatcmpl-" if chat else "cmpl-")) + os.urandom(12).hex()
     requests = _requests(
@@ -181,17 +181,23 @@ async def _place(
     salt: str,
     reservation: Reservation,
     adapter: AdapterRef | None = None,
+    images: list[ImageInput] | None = None,
 ) -> tuple[Backend, list[str], list[int]]:
     """The replica to serve it, claimed until the Job finishes, with the first prompt's
-    block hashes it was picked by and each prompt's published prefix length. If picking
-    fails, the admitted quota is given back."""
+    block hashes it was picked by (a chat's images keying their placeholders' blocks, as
+    the engine keys them) and each prompt's published prefix length. If picking fails,
+    the admitted quota is given back."""
     try:
         with step(gw.tracing, "kvgate.route") as span:
             # a published prefix's length per prompt: its blocks are hashed without the salt
             shared_lens = [gw.pins.shared_prefix_len(model, p) for p in prompts]
             block_hashes = []
             if supports(renderer, PrefixCachingBackend):
-                block_hashes = renderer.block_hashes(prompts[0], salt, shared_lens[0], adapter)
+                # only a vision model's replica (it took the images) is handed them
+                by_image = {"images": images} if images else {}
+                block_hashes = renderer.block_hashes(
+                    prompts[0], salt, shared_lens[0], adapter, **by_image
+                )
             name = adapter.name if adapter else None
             backend, why = gw.router.pick_why(candidates, block_hashes, name)
             gw.router.claim(backend)  # released when the Job finishes
