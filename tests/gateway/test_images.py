@@ -201,3 +201,63 @@ def test_llama_cpp_refuses_mmproj_at_start_up(tmp_path):
     spec = BackendSpec("vl", "local", str(tmp_path / "m.gguf"), "", {"mmproj": "p.gguf"})
     with pytest.raises(ValueError, match="local backend 'vl': option mmproj: .* does not serve"):
         build_backend(spec)
+
+
+async def test_every_form_is_checked_where_it_stands(gw):
+    _, key = await gw.tenant()
+    url = data_url(png())
+    refused = [  # (path, body, what the 400 says)
+        (
+            "/v1/messages",
+            {
+                "model": "fake-vl",
+                "max_tokens": 3,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "url", "url": "https://a.b/c"}}
+                        ],
+                    }
+                ],
+            },
+            "fetches no image URLs",
+        ),
+        (
+            "/api/generate",
+            {"model": "fake-vl", "prompt": "x", "raw": True, "images": [url.split(",")[1]]},
+            "do not go with raw",
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "fake-vl",
+                "input": [
+                    {"role": "system", "content": [{"type": "input_image", "image_url": url}]}
+                ],
+            },
+            "belong in user messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "fake-vl",
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": image_chat(url)["messages"][0]["content"]},
+                    {"role": "user", "content": "y"},
+                ],
+            },
+            "only allowed in user messages",
+        ),
+    ]
+    for path, body, said in refused:
+        r = await gw.post(path, key, body)
+        text = await r.text()
+        assert r.status == 400 and said in text, (path, text)
+    # /tokenize counts an image's placeholders with the text
+    plain = {"model": "fake-vl", "messages": [{"role": "user", "content": "what is this"}]}
+    r = await gw.post("/tokenize", key, plain)
+    alone = (await r.json())["count"]
+    r = await gw.post("/tokenize", key, image_chat(url))
+    assert (await r.json())["count"] == alone + TILES
