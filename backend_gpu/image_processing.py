@@ -87,6 +87,12 @@ class Qwen2VLImageProcessor:
         w, h = self.resized(width, height)
         return 1, h // self.patch_size, w // self.patch_size
 
+    def largest_grid(self) -> tuple[int, int, int]:
+        """The grid of the largest image it makes (a square at max_pixels): what the
+        memory profile encodes once."""
+        side = math.isqrt(self.max_pixels)
+        return self.grid(side, side)
+
     def num_tokens(self, width: int, height: int) -> int:
         """The image's placeholder tokens in the prompt: its patches after the merge."""
         t, h, w = self.grid(width, height)

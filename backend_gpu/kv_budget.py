@@ -66,6 +66,10 @@ class KVSizing:
     weight_bytes: int
     tp_size: int
     graph_seqs: int  # the largest decode batch captured as a CUDA graph; 0: no graphs
+    # a vision model's largest image, its patch grid (the profile encodes one), and the
+    # encoder cache's bytes (kept beside the KV cache); None and 0 for a text model
+    vision_grid: tuple[int, int, int] | None = None
+    encoder_cache_bytes: int = 0
 
     def size(self, world: ParallelGroup) -> KVCacheSize:
         """The cache's blocks, the same on every rank of `world` (the least any rank's
@@ -119,7 +123,7 @@ class KVSizing:
         if config.kv_cache_memory_bytes is not None:
             return config.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            activations = self.profile_activations()
+            activations = self.profile_activations() + self.encoder_cache_bytes
             graph_pool = graph_pool_bytes(
                 step_shape_of(self.hf_config, self.tp_size, self.dtype.itemsize),
                 self.graph_seqs,
@@ -173,6 +177,9 @@ class KVSizing:
         )
         positions = torch.arange(tokens, device=device) % self.max_model_len
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        # a vision model's step encodes an image first and holds its output through the
+        # step: one image at the configured limit (backend_gpu.multimodal)
+        image = self.encode_largest_image() if self.vision_grid is not None else None
         if self.stage.count == 1:
             hidden = self.model(ids, positions, meta)
         else:  # a later stage's input: as many hidden states
@@ -187,6 +194,14 @@ class KVSizing:
         peak = torch.cuda.max_memory_allocated(device) - before
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = cache[:0]
-        del cache, hidden, meta
+        del cache, hidden, meta, image
         torch.cuda.empty_cache()
         return peak
+
+    def encode_largest_image(self) -> torch.Tensor:
+        """The tower's output for an image of the largest grid (random pixels)."""
+        t, h, w = self.vision_grid
+        tower = self.hf_config.vision_config
+        width = 3 * tower.temporal_patch_size * tower.patch_size**2
+        patches = torch.randn(t * h * w, width, device=self.device)
+        return self.model.encode_image(patches, self.vision_grid)

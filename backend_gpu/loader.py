@@ -305,14 +305,22 @@ def open_model(path: str):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model {path!r} is neither a directory nor a .gguf file")
     config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return text_config_of(config), tokenizer, Checkpoint(path)
+
+
+def text_config_of(config):
+    """The config the engine's model is built from: a multimodal model's text config,
+    served under the whole model's architecture; a vision model's (Qwen2.5-VL's) with
+    its tower's config, its image tokens and its head's tying beside it."""
     hf_config = getattr(config, "text_config", None) or config
     if not hf_config.architectures:  # a multimodal model's text model: served by its name
         hf_config.architectures = config.architectures
     if hf_config is not config and getattr(config, "vision_config", None) is not None:
-        # a vision model (Qwen2.5-VL) reads its tower's config and image token beside it
         hf_config.vision_config = config.vision_config
         for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
             if getattr(config, name, None) is not None:
                 setattr(hf_config, name, getattr(config, name))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return hf_config, tokenizer, Checkpoint(path)
+        if getattr(config, "tie_word_embeddings", False):
+            hf_config.tie_word_embeddings = True
+    return hf_config

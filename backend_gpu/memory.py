@@ -127,6 +127,26 @@ def step_activation_bytes(shape: StepShape, tokens: int, logit_rows: int) -> int
     return tokens * per_token * shape.dtype_bytes + logits
 
 
+def encoder_batch_bytes(vision_config, patches: int, dtype_bytes: int) -> int:
+    """An estimate of the peak bytes one image of `patches` patches adds through a
+    vision tower (Qwen2.5-VL's): its float32 patches, the residual stream and the normed
+    input beside the larger of the attention's (q, k, v, output) and the MLP's (gate and
+    up, the activation) temporaries, and its merged output. The engine runs one image
+    at a time, so this is the tower's whole share at the largest image it takes (the
+    configured limit, not a worst case per image). On CUDA the engine measures it."""
+    hidden, inter = vision_config.hidden_size, vision_config.intermediate_size
+    temporal, patch = vision_config.temporal_patch_size, vision_config.patch_size
+    pixels = patches * 3 * temporal * patch * patch * 4
+    per_patch = 2 * hidden + max(4 * hidden, 3 * inter)
+    merged = patches // vision_config.spatial_merge_size**2
+    return pixels + (patches * per_patch + merged * vision_config.out_hidden_size) * dtype_bytes
+
+
+def encoder_cache_bytes(tokens: int, hidden_size: int, dtype_bytes: int) -> int:
+    """The encoder cache's bound in bytes: `tokens` image tokens of the model's width."""
+    return tokens * hidden_size * dtype_bytes
+
+
 def kv_shape_of(hf_config, tp_size: int, itemsize: int) -> KVShape:
     """The KV shape of one rank of `hf_config`'s model split over `tp_size` ranks."""
     if getattr(hf_config, "kv_lora_rank", None):  # MLA (models/deepseek_v3.py)

@@ -26,14 +26,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from backend_gpu.config import EngineConfig
 from backend_gpu.distributed import ParallelGroup
 from backend_gpu.gguf_loader import cache_root, file_digest
+from backend_gpu.image_processing import Qwen2VLImageProcessor
 from backend_gpu.layers.gpt_oss_moe import Mxfp4Experts
 from backend_gpu.layers.linear import TABLE_GROUP
 from backend_gpu.layers.moe import FusedExperts
+from backend_gpu.loader import text_config_of
 from backend_gpu.memory import (
     KVCacheSize,
     device_kv_budget,
+    encoder_batch_bytes,
+    encoder_cache_bytes,
     full_heads_kv_bytes_per_token,
     graph_batch,
     graph_pool_bytes,
@@ -132,10 +137,7 @@ def load_model_config(path: str):
             config = AutoConfig.for_model(**json.load(f))
     else:
         config = AutoConfig.from_pretrained(path)
-    text = getattr(config, "text_config", None)
-    if text is not None and not getattr(text, "architectures", None):
-        text.architectures = config.architectures
-    return text or config
+    return text_config_of(config)
 
 
 def meta_model(hf_config, dtype: str, tp_size: int) -> nn.Module:
@@ -237,6 +239,7 @@ def plan_rank(
     activations = step_activation_bytes(
         step, s.max_num_batched_tokens, logit_rows(s.max_num_seqs, s.max_num_batched_tokens)
     )
+    activations += vision_bytes(hf_config, dtype_bytes)
     graphs = 0 if s.enforce_eager else graph_batch(s.max_num_seqs, s.max_num_batched_tokens)
     pool = graph_pool_bytes(step, graphs)
     budget = s.kv_cache_memory_bytes
@@ -248,6 +251,21 @@ def plan_rank(
     itemsize = KV_ITEMSIZE[s.kv_cache_dtype] or dtype_bytes
     kv = kv_cache_size(kv_shape_of(hf_config, tp_size, itemsize), s.block_size, budget, length)
     return RankPlan(tp_size, weights, activations, pool, kv, kv.num_blocks // kv.blocks_per_seq)
+
+
+def vision_bytes(hf_config, dtype_bytes: int) -> int:
+    """A vision model's share beside its weights (the tower's are in the model): one
+    image at the processor's default limit through the tower, and the encoder cache at
+    the engine's default bound; 0 for a text model."""
+    cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
+    if not getattr(cls, "vision", False):  # Gemma 3's tower is not served: not counted
+        return 0
+    tower = hf_config.vision_config
+    _, h, w = Qwen2VLImageProcessor().largest_grid()
+    tokens = EngineConfig.encoder_cache_tokens
+    return encoder_batch_bytes(tower, h * w, dtype_bytes) + encoder_cache_bytes(
+        tokens, hf_config.hidden_size, dtype_bytes
+    )
 
 
 def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> MemoryPlan:

@@ -31,7 +31,13 @@ from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.kv_budget import KVSizing
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
-from backend_gpu.memory import graph_batch, kv_shape_of, logit_rows, parameter_bytes
+from backend_gpu.memory import (
+    encoder_cache_bytes,
+    graph_batch,
+    kv_shape_of,
+    logit_rows,
+    parameter_bytes,
+)
 from backend_gpu.models.llama import head_dim_of
 from backend_gpu.multimodal import VisionSteps, image_processor
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage
@@ -226,6 +232,12 @@ class ModelRunner:
             weight_bytes=self.weight_bytes,
             tp_size=self.tp.size,
             graph_seqs=self.graph_max_seqs if self.use_graphs else 0,
+            vision_grid=self.vision.processor.largest_grid() if self.vision else None,
+            encoder_cache_bytes=encoder_cache_bytes(
+                config.encoder_cache_tokens, self.hidden_size, self.dtype.itemsize
+            )
+            if self.vision
+            else 0,
         ).size(self.world)
         self.num_blocks = size.num_blocks
         self.kv_cache_bytes = size.cache_bytes

@@ -261,7 +261,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     def __init__(self, config, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
         if tp.size > 1:
-            raise NotImplementedError("Qwen2.5-VL under tensor parallelism is not supported")
+            raise ValueError("Qwen2.5-VL under tensor parallelism is not supported yet")
         text = copy.copy(config)
         text.qkv_bias = True  # Qwen2's q, k, v biases (its model type is not "qwen2")
         theta, _ = rope_settings(config)

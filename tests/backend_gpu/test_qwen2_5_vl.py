@@ -9,6 +9,8 @@ refusals (a text model given images, placeholders that do not fit)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from PIL import Image
@@ -17,6 +19,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.image_processing import Qwen2VLImageProcessor
+from backend_gpu.kv_budget import KVSizing
+from backend_gpu.memory_plan import PlanDevice, PlanSettings, plan_memory, vision_bytes
 from backend_gpu.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Ours
 from engine_api.errors import BadRequestError
 from engine_api.images import ImageInput
@@ -234,3 +238,28 @@ def test_greedy_on_cuda_matches_transformers_on_the_cpu(model_dir, prompts, refe
         for out, (ref_ids, ref_logits) in zip(outs, references, strict=True):
             assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
     assert llm.engine.runner.num_graph_steps > 0  # decodes at the M-RoPE offset, in graphs
+
+
+def test_memory_counts_the_tower_and_one_encoder_batch(model_dir, cached_llm):
+    """The engine's weights and `kvgate plan`'s are the tower's and the decoder's; the
+    plan's activations add one image at the processor's limit and the encoder cache."""
+    model = cached_llm.engine.runner.model
+    tower = sum(p.numel() for p in model.visual.parameters())
+    assert tower > 0
+    assert cached_llm.stats().weight_bytes == 4 * sum(p.numel() for p in model.parameters())
+    device = PlanDevice("h100-80gb", 80 << 30, 0)
+    vision = PlanSettings(dtype="bfloat16")
+    plan = plan_memory(model_dir, device, vision)
+    assert plan.architecture == "Qwen2_5_VLForConditionalGeneration"
+    assert plan.parameters == sum(p.numel() for p in model.parameters())
+    config = cached_llm.engine.hf_config
+    reserve = vision_bytes(config, 2)
+    # one 1280-token image (5120 patches) through the tower, and 16384 cached tokens
+    assert reserve >= 5120 * 3 * 2 * 14 * 14 * 4 + 16384 * config.hidden_size * 2
+    assert plan.ranks[0].activation_bytes >= reserve
+    # what the CUDA profile encodes (the largest image at the bounds), here on the CPU
+    grid = cached_llm.engine.runner.vision.processor.largest_grid()
+    assert grid[1] * grid[2] * 196 <= MAX_PIXELS
+    sizing = SimpleNamespace(vision_grid=grid, hf_config=config, device="cpu", model=model)
+    out = KVSizing.encode_largest_image(sizing)
+    assert out.shape == (grid[0] * grid[1] * grid[2] // 4, config.hidden_size)
