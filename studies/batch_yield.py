@@ -2,7 +2,7 @@
 slots, all phases in one run against one gateway: `--backend fake` (behind the gateway's
 fair queue, `max_in_flight = 2`), `gpu` (kvgate's engine, `max_num_seqs = 2`, on a random
 Llama of bench.tiny_model: its scheduler preempts a batch line for an interactive request)
-or `local` (llama.cpp on the default GGUF, `n_parallel = 2`).
+or `local` (llama.cpp on the default GGUF, `n_parallel = 2`, one thread).
 
 - interactive median latency alone, beside a running batch, and beside the same lines
   sent as ordinary requests at full concurrency by another tenant (today's way);
@@ -16,6 +16,7 @@ The engines' answers are of fixed length (`ignore_eos`).
 
     .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json
     .venv/bin/python -m studies.batch_yield --backend gpu --lines 48 --out docs/perf/batch_yield_gpu.json
+    .venv/bin/python -m studies.batch_yield --backend local --lines 40 --interactive 10 --max-tokens 8 --out docs/perf/batch_yield_local.json
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def config(args: argparse.Namespace, tmp: Path) -> str:
         model = str(build_tiny_llama(tmp / "model"))
         return server + toml_backend("fake", "gpu", "fake", model, max_num_seqs=2)
     if args.backend == "local":
-        return server + toml_backend("fake", "local", "fake", n_parallel=2, n_ctx=2048)
+        # one thread: llama.cpp's threads spin at each op's barrier, and beside other jobs
+        # on a shared machine a second one made an 8-token request 6x slower (PERF.md)
+        local = toml_backend("fake", "local", "fake", n_parallel=2, n_ctx=2048, n_threads=1)
+        return server + local
     fake = toml_backend(
         "fake", "fake", "fake", max_in_flight=2, ttft_ms=args.ttft_ms,
         tokens_per_second=args.tokens_per_second,
