@@ -88,6 +88,12 @@ class Metrics:
         self.generation_tokens = Counter(
             "kvgate:generation_tokens", "Tokens generated", ["tenant", "model"], registry=r
         )
+        self.image_tokens = Counter(
+            "kvgate:image_tokens",
+            "Of the prompt tokens, images' placeholder tokens (as the engine counted them)",
+            ["tenant", "model"],
+            registry=r,
+        )
         # vLLM's prefix_cache_queries/hits, per tenant; a hit token is a prefill token saved
         self.prefix_queries = Counter(
             "kvgate:prefix_cache_queries",

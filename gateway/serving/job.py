@@ -424,6 +424,8 @@ class Job:
         m.child(m.prefix_queries, tenant, model).inc(prompt_tokens)
         if self.cached_tokens:
             m.child(m.cached_tokens, tenant, model).inc(self.cached_tokens)
+        if images := self.image_tokens:
+            m.child(m.image_tokens, tenant, model).inc(images)
         if self.block_hashes and self.cached_by_prompt.get(0):
             gw.catalog.drain([self.backend])  # the blocks it hit may be just stored
             hits = self.cached_by_prompt[0]

@@ -22,11 +22,13 @@ import pytest
 from PIL import Image
 
 from gateway.backends import BackendSpec, build_backend
+from tests.conftest import ADMIN_KEY
 
 BACKENDS = [
     BackendSpec("vl", "fake", "", "fake-vl", {"vision": True}),
     BackendSpec("text", "fake", "", "fake-model", {}),
 ]
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TILES = 2 * 1  # a 64x32 image: two 32x32 tiles, two placeholder tokens on the fake
 
 
@@ -96,6 +98,10 @@ async def test_openai_chat_and_responses_take_images_and_count_them(gw):
     # /v1/models says which model takes images
     models = {m.id: m for m in (await client.models.list()).data}
     assert models["fake-vl"].vision is True and models["fake-model"].vision is False
+    # and Prometheus counts them: one image, two, one
+    async with gw.http.get(gw.url + "/metrics", headers=ADMIN) as r:
+        metrics = await r.text()
+    assert f'kvgate:image_tokens_total{{model="fake-vl",tenant="acme"}} {4.0 * TILES}' in metrics
 
 
 async def test_a_text_model_refuses_images_in_every_api(gw):
