@@ -49,8 +49,11 @@ class _Tenant:
     service: float = 0.0  # unweighted service given; only goes up
     running: int = 0
     granted_at: int = -1  # when it last got a slot: ties go to the longest without one
-    # (arrival, priority, its waiter), in arrival order
-    waiting: deque[tuple[int, int, asyncio.Future[None]]] = field(default_factory=deque)
+    # its waiters by priority (none empty), each line in arrival order: (arrival, waiter)
+    waiting: dict[int, deque[tuple[int, asyncio.Future[None]]]] = field(default_factory=dict)
+
+    def waiters(self) -> int:
+        return sum(map(len, self.waiting.values()))
 
 
 class FairQueue:
@@ -82,7 +85,12 @@ class FairQueue:
 
     def waiting_ahead_of(self, priority: int) -> int:
         """How many wait here with a better priority than `priority`."""
-        return sum(e[1] < priority for t in self.tenants.values() for e in t.waiting)
+        return sum(
+            len(line)
+            for t in self.tenants.values()
+            for p, line in t.waiting.items()
+            if p < priority
+        )
 
     def charge(self, tenant_id: str, tokens: float) -> None:
         t = self.tenants[tenant_id]
@@ -96,7 +104,7 @@ class FairQueue:
                 "weight": t.weight,
                 "service": t.service,
                 "counter": t.counter,
-                "waiting": len(t.waiting),
+                "waiting": t.waiters(),
                 "running": t.running,
             }
             for tenant_id, t in self.tenants.items()
@@ -118,16 +126,17 @@ class FairQueue:
             self._grant(tenant_id)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (next(self._arrival), priority, fut)
-        t.waiting.append(entry)
+        entry = (next(self._arrival), fut)
+        t.waiting.setdefault(priority, deque()).append(entry)
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # granted, then cancelled: give it back
                 self._release(tenant_id)
-            else:
-                with contextlib.suppress(ValueError):  # _release may have dropped it
-                    t.waiting.remove(entry)
+            elif entry in (line := t.waiting.get(priority, ())):  # _release may have dropped it
+                line.remove(entry)
+                if not line:
+                    del t.waiting[priority]
             raise
 
     def _grant(self, tenant_id: str) -> None:
@@ -141,33 +150,24 @@ class FairQueue:
         self.in_flight -= 1
         self.tenants[tenant_id].running -= 1
         while self.in_flight < self.slots and (nxt := self._next()) is not None:
-            tenant, i = nxt
+            tenant, priority = nxt
             waiting = self.tenants[tenant].waiting
-            fut = waiting[i][2]
-            del waiting[i]
+            _, fut = waiting[priority].popleft()
+            if not waiting[priority]:
+                del waiting[priority]
             if fut.done():  # its waiter was cancelled and has not run yet
                 continue
             self._grant(tenant)
             fut.set_result(None)
 
     def _next(self) -> tuple[str, int] | None:
-        """The tenant whose request goes next, and where that request is in its line:
-        its first of the best priority waiting."""
-        firsts: dict[str, int] = {}  # tenant -> its first entry of the best priority
-        best = None
-        for k, t in self.tenants.items():
-            if not t.waiting:
-                continue
-            i = min(range(len(t.waiting)), key=lambda j: (t.waiting[j][1], j))
-            p = t.waiting[i][1]
-            if best is None or p < best:
-                best, firsts = p, {}
-            if p == best:
-                firsts[k] = i
-        if best is None:
+        """The tenant whose request goes next, and that request's priority: the best one
+        waiting; among the tenants with one of it, by VTC or arrival."""
+        waiting = [(k, t) for k, t in self.tenants.items() if t.waiting]
+        if not waiting:
             return None
+        best = min(min(t.waiting) for _, t in waiting)
+        waiting = [(k, t) for k, t in waiting if best in t.waiting]
         if self.fairness == "fcfs":
-            k = min(firsts, key=lambda k: self.tenants[k].waiting[firsts[k]][0])
-        else:
-            k = min(firsts, key=lambda k: (self.tenants[k].counter, self.tenants[k].granted_at))
-        return k, firsts[k]
+            return min(waiting, key=lambda kt: kt[1].waiting[best][0][0])[0], best
+        return min(waiting, key=lambda kt: (kt[1].counter, kt[1].granted_at))[0], best
