@@ -23,6 +23,7 @@ from PIL import Image
 
 from gateway.backends import BackendSpec, build_backend
 from tests.conftest import ADMIN_KEY
+from tests.gateway.test_url_only_upstreams import BareUpstream
 
 BACKENDS = [
     BackendSpec("vl", "fake", "", "fake-vl", {"vision": True}),
@@ -267,3 +268,18 @@ async def test_every_form_is_checked_where_it_stands(gw):
     alone = (await r.json())["count"]
     r = await gw.post("/tokenize", key, image_chat(url))
     assert (await r.json())["count"] == alone + TILES
+
+
+async def test_a_remote_upstream_is_sent_no_images(make_gateway):
+    """A remote entry's card does not say vision (its upstream's cannot be told yet):
+    an image is refused at the gateway and never reaches the upstream."""
+    async with BareUpstream() as up:
+        front = await make_gateway([BackendSpec("up", "remote", "gemma", "", {"url": up.url})])
+        _, key = await front.tenant()
+        body = image_chat(data_url(png()), "gemma", max_tokens=2)
+        r = await front.post("/v1/chat/completions", key, body)
+        assert r.status == 400
+        assert "`gemma` does not take images" in await r.text()
+        text = {"model": "gemma", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert (await front.post("/v1/chat/completions", key, text)).status == 200
+        assert [b["messages"][-1]["content"] for b in up.bodies] == ["hi"]
