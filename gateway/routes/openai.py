@@ -261,4 +261,6 @@ def _choice(
 
 
 def _usage(job: Job) -> Usage:
-    return Usage(job.prompt_tokens, job.completion_tokens, job.cached_tokens)
+    return Usage(
+        job.prompt_tokens, job.completion_tokens, job.cached_tokens, image_tokens=job.image_tokens
+    )
