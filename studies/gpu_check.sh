@@ -17,7 +17,8 @@
 #    compressed-tensors models through the INT4 kernel, which need the compressed-tensors
 #    package: a wheel in .whl/; test_gpt_oss.py's MXFP4 gpt-oss against transformers and
 #    test_triton_mxfp4.py's kernel path at gpt-oss-120b's expert sizes;
-#    test_triton_mla.py's MLA kernel at DeepSeek-V3's widths), at most TEST_S
+#    test_triton_mla.py's MLA kernel at DeepSeek-V3's widths; test_qwen2_5_vl.py's
+#    Qwen2.5-VL with images, decodes at the M-RoPE offset in CUDA graphs), at most TEST_S
 #    seconds: OUTDIR/pytest.log,
 #    OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
@@ -64,7 +65,8 @@ if wanted tests; then
         tests/backend_gpu/test_cuda.py tests/backend_gpu/test_triton_attention.py \
         tests/backend_gpu/test_triton_lora.py tests/backend_gpu/test_triton_int4.py \
         tests/backend_gpu/test_quantized_checkpoints.py tests/backend_gpu/test_gpt_oss.py \
-        tests/backend_gpu/test_triton_mxfp4.py tests/backend_gpu/test_triton_mla.py 2>&1 |
+        tests/backend_gpu/test_triton_mxfp4.py tests/backend_gpu/test_triton_mla.py \
+        tests/backend_gpu/test_qwen2_5_vl.py 2>&1 |
         tee "$out/pytest.log"
     tests=${PIPESTATUS[0]}
     echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"
@@ -117,5 +119,12 @@ step deepseek_mla "${MLA_S:-60}" "$python" -m studies.deepseek_mla --device cuda
 # issue 49: EAGLE-3's verifying step (a random head's 3 chained passes and the target over
 # 4 positions a sequence) against a plain decode step, a random 1.1B Llama, batch 1-64
 step eagle3_verify "${EAGLE3_S:-120}" "$python" -m studies.eagle3_gpu --out "$out"
+# issue 52: a 5-turn chat sending one 896x896 image (1,024 image tokens) each turn on a
+# random Qwen2.5-VL-shaped model (tower 16 blocks of 1280, decoder 8 layers of 1024,
+# bfloat16): TTFT with the encoder cache and prefix caching against neither (goal 3x at
+# turn 5), and each cache alone
+step vision_cache "${VISION_S:-240}" "$python" -m studies.vision_cache --device cuda \
+    --dtype bfloat16 --hidden 1024 --layers 8 --vision-hidden 1280 --vision-depth 16 \
+    --image-size 896 --kv-cache-mib 2048 --out "$out"
 # new steps above this line
 exit "$tests"

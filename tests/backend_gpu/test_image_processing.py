@@ -11,10 +11,9 @@ from importlib import resources
 import numpy as np
 import pytest
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from backend_gpu.image_processing import Qwen2VLImageProcessor
-from tests.backend_gpu.tiny_qwen2_5_vl import scene
+from tests.backend_gpu.tiny_qwen2_5_vl import hf_image_processor, scene
 
 BOUNDS = [(28 * 28 * 4, 28 * 28 * 24), (56 * 56, 28 * 28 * 1280)]
 
@@ -39,9 +38,7 @@ def test_patches_equal_transformers(name, bounds):
     image = IMAGES[name]()
     lo, hi = bounds
     ours = Qwen2VLImageProcessor(min_pixels=lo, max_pixels=hi)
-    ref = Qwen2VLImageProcessorPil(min_pixels=lo, max_pixels=hi)(
-        images=[image], return_tensors="np"
-    )
+    ref = hf_image_processor(lo, hi)(images=[image], return_tensors="np")
     width, height = image.size
     patches = ours.patches(width, height, image.tobytes())
     assert list(ref["image_grid_thw"][0]) == list(ours.grid(width, height))

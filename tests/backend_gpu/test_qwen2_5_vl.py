@@ -15,7 +15,6 @@ import pytest
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.image_processing import Qwen2VLImageProcessor
@@ -28,7 +27,7 @@ from engine_api.records import GenRequest
 from tests.backend_gpu.reference import assert_greedy_matches
 from tests.backend_gpu.tiny_qwen2_5_vl import (
     MAX_PIXELS,
-    MIN_PIXELS,
+    hf_image_processor,
     save_tiny_qwen2_5_vl,
     scene_input,
 )
@@ -91,7 +90,7 @@ def references(model_dir, prompts):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None
-    processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    processor = hf_image_processor()
     pad = model.config.image_token_id
     results = []
     with torch.inference_mode():

@@ -92,6 +92,18 @@ def save_tiny_qwen2_5_vl(directory: str) -> str:
     return path
 
 
+def hf_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
+    """transformers' Qwen2-VL image processor without torchvision: its Pillow backend
+    (transformers 5.2x), or the slow processor of the versions before it."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Processor,
+        )
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as Processor
+    return Processor(min_pixels=min_pixels, max_pixels=max_pixels)
+
+
 def scene(width: int, height: int, seed: int) -> Image.Image:
     """A drawn picture: a sky gradient, a sun, hills, a house and a blur, so that the
     resize sees edges, gradients and texture as in a photograph."""
