@@ -253,35 +253,56 @@ class RemoteBackend:
     async def render(
         self, model: str, prompt: PromptInput, tools: list[dict] | None = None
     ) -> list[int]:
+        return await self.render_chat(model, prompt, tools, {})
+
+    def chat_template_info(self) -> tuple[str | None, list[str], str | None]:
+        """ChatTemplateBackend: nothing to detect output parsers from, as a remote
+        upstream parses its own replies (gateway.serving.parser_choice)."""
+        return None, [], None
+
+    async def render_chat(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
+    ) -> list[int]:
+        """ChatTemplateBackend: `render`, with the chat template's variables (vLLM's and
+        SGLang's chat_template_kwargs) sent where the upstream renders the chat (its
+        /tokenize, /apply-template or /chat/completions), or rendered with here
+        (options.tokenizer); a kvgate worker's /tokenize takes none."""
         check_model(model, self.model_id)
         refuse_images(model, prompt)  # an upstream's vision is not carried yet
         if not prompt:
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         if self.text_bound:
-            return text_bound(prompt, tools, model)
+            return text_bound(prompt, tools, model, kwargs)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if not (isinstance(prompt, str) or all(isinstance(m, dict) for m in prompt)):
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         if self.tokenizer is not None and not self._is_worker:
             tokenizer = self.tokenizer
-            return await render_off_loop(lambda p: tokenizer.render(p, tools), prompt)
+            return await render_off_loop(lambda p: tokenizer.render(p, tools, kwargs), prompt)
         # the entry's replicas serve one model: if this one fails, another tokenizes
         replicas = [self, *(r for r in self.siblings if r.stats().healthy)]
         for replica in replicas[:-1]:
             with contextlib.suppress(BackendError):
-                return await replica._tokenize(prompt, tools)
-        return await replicas[-1]._tokenize(prompt, tools)
+                return await replica._tokenize(prompt, tools, kwargs)
+        return await replicas[-1]._tokenize(prompt, tools, kwargs)
 
     async def _tokenize(
-        self, prompt: str | list[dict[str, Any]], tools: list[dict] | None
+        self, prompt: str | list[dict[str, Any]], tools: list[dict] | None, kwargs: dict
     ) -> list[int]:
         """Through the upstream's tokenizer endpoint (remote_tokenize.py)."""
         info = self.monitor.info
         kind = info.found.tokenizer if info is not None and info.worker is None else VLLM
+        worker = self._is_worker
         try:
             return await upstream_tokenize(
-                self.client, kind or VLLM, self.upstream_model, prompt, tools, self._is_worker
+                self.client,
+                kind or VLLM,
+                self.upstream_model,
+                prompt,
+                tools,
+                worker,
+                None if worker else kwargs,
             )
         except BackendError as e:
             self._failed(e)

@@ -33,7 +33,7 @@ from gateway.backends.remote_http import (
     stream_error,
 )
 from gateway.backends.remote_parsed import upstream_parse
-from gateway.backends.remote_text import carried_prompt, chat_body
+from gateway.backends.remote_text import carried, chat_body
 
 log = logging.getLogger("kvgate.remote")
 
@@ -125,11 +125,11 @@ async def open_text_completion(
 ) -> aiohttp.ClientResponse:
     """The 200 response of the streamed request for a text-bound prompt: a string to
     /completions, a chat to /chat/completions (the upstream applies its own template)."""
-    prompt = carried_prompt(req.prompt_token_ids)
+    prompt, kwargs = carried(req.prompt_token_ids)
     body = completion_body(req, model, prompt if isinstance(prompt, str) else "")
     url = client.endpoint.base + "/completions"
     if not isinstance(prompt, str):
-        body, url = chat_body(body, prompt), client.endpoint.base + "/chat/completions"
+        body, url = chat_body(body, prompt, kwargs), client.endpoint.base + "/chat/completions"
     resp = await client.request("POST", url, body)
     if resp.status != 200:
         try:

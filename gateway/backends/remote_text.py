@@ -11,7 +11,9 @@ byte of the text, so a text has at most as many tokens as bytes; a chat template
 a few special tokens per turn, fewer than the JSON's bytes for the turn (`{"role":"",
 "content":""}` is 25 bytes), and BOS, the generation prompt or a default system prompt
 (Llama 3.1's date lines, Qwen's "You are Qwen...": about 25 tokens) fit in the margin.
-The ids carry the prompt itself, so any replica of the entry can send it, and the
+A chat with the request's chat_template_kwargs (Qwen3's enable_thinking) carries them
+too, beside its messages (KWARGS_MARK): the upstream's template takes them, as vLLM's and
+SGLang's /v1/chat/completions do. The ids carry the prompt itself, so any replica of the entry can send it, and the
 prefix router hashes them as it hashes token ids: by the prompt's leading bytes, as
 SGLang's router routes by characters. The upstream's `usage` settles the prompt's
 real count (gateway.serving.metering takes it where it is within the bound).
@@ -31,19 +33,27 @@ from gateway.backends.tool_prompt import plain_tool_turns
 MARGIN = 64  # marker ids before the bytes: the template's tokens beyond the JSON's bytes
 TEXT_MARK = 256  # a string prompt (byte values are 0..255: the marks are not bytes)
 CHAT_MARK = 257  # a chat, as JSON
+KWARGS_MARK = 258  # a chat and its template's variables: {"messages", "chat_template_kwargs"}
 
 
-def text_bound(prompt: PromptInput, tools: list[dict] | None, model: str) -> list[int]:
-    """The text-bound prompt of a string or a chat; a 400 for token ids, which mean
-    nothing without the upstream's tokenizer."""
+def text_bound(
+    prompt: PromptInput, tools: list[dict] | None, model: str, kwargs: dict | None = None
+) -> list[int]:
+    """The text-bound prompt of a string or a chat (with its template's variables
+    `kwargs`, if any); a 400 for token ids, which mean nothing without the upstream's
+    tokenizer."""
     if isinstance(prompt, str):
         return [TEXT_MARK] * MARGIN + list(prompt.encode())
     if all(isinstance(m, dict) for m in prompt):
         # the gateway's own tool-call format, as for a template without tools: the
         # calls come back as <tool_call> blocks the gateway reads, whatever the server
         messages = plain_tool_turns(list(prompt), tools) if tools else list(prompt)
-        data = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
-        return [CHAT_MARK] * MARGIN + list(data.encode())
+        carried: Any = messages
+        mark = CHAT_MARK
+        if kwargs:
+            carried, mark = {"messages": messages, "chat_template_kwargs": kwargs}, KWARGS_MARK
+        data = json.dumps(carried, ensure_ascii=False, separators=(",", ":"))
+        return [mark] * MARGIN + list(data.encode())
     raise BadRequestError(
         f"the upstream of model {model!r} does not tokenize for the gateway, so a prompt "
         "of token ids cannot be sent to it; send text, or set the entry's options.tokenizer"
@@ -61,7 +71,7 @@ def marked(ids: list[int]) -> bool:
     """Whether `ids` begin with a text-bound prompt's marks."""
     return (
         len(ids) >= MARGIN
-        and ids[0] in (TEXT_MARK, CHAT_MARK)
+        and ids[0] in (TEXT_MARK, CHAT_MARK, KWARGS_MARK)
         and all(i == ids[0] for i in ids[1:MARGIN])
     )
 
@@ -69,19 +79,41 @@ def marked(ids: list[int]) -> bool:
 def carried_prompt(ids: list[int]) -> str | list[dict[str, Any]]:
     """The string or the chat messages a text-bound prompt carries; a 400 for ids made
     to look like one (a client's /detokenize) that carry no valid text."""
+    return carried(ids)[0]
+
+
+def carried(ids: list[int]) -> tuple[str | list[dict[str, Any]], dict[str, Any] | None]:
+    """The string or the chat messages a text-bound prompt carries, and the chat
+    template's variables it carries with them (None: none); a 400 as carried_prompt."""
     try:
         text = bytes(ids[MARGIN:]).decode()
-        return text if ids[0] == TEXT_MARK else json.loads(text)
+        if ids[0] == TEXT_MARK:
+            return text, None
+        data = json.loads(text)
     except ValueError:  # bytes out of range, invalid UTF-8 or JSON
         raise BadRequestError("the token ids are not a prompt of this model") from None
+    if ids[0] == CHAT_MARK:
+        return data, None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    kwargs = data.get("chat_template_kwargs") if isinstance(data, dict) else None
+    if not (isinstance(messages, list) and isinstance(kwargs, dict)):
+        raise BadRequestError("the token ids are not a prompt of this model")
+    return messages, kwargs
 
 
-def chat_body(completion: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+def chat_body(
+    completion: dict[str, Any],
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A /chat/completions body from the /completions body of the same request: the
     sampling fields are the same (vLLM, SGLang, llama.cpp's servers read them on both);
-    logprobs are asked for in the chat API's way."""
+    logprobs are asked for in the chat API's way; the template's variables `kwargs` as
+    vLLM's and SGLang's chat_template_kwargs."""
     body = {k: v for k, v in completion.items() if k not in ("prompt", "logprobs")}
     body["messages"] = messages
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
     if completion.get("logprobs") is not None:
         body |= {"logprobs": True, "top_logprobs": completion["logprobs"]}
     return body

@@ -29,11 +29,13 @@ async def tokenize(
     prompt: str | list[dict[str, Any]],
     tools: list[dict] | None,
     relay: bool,
+    kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The token ids the upstream makes of a string or a chat (`relay`: a worker's 400
-    is passed on in its words)."""
+    is passed on in its words), the chat with its template's variables `kwargs` (vLLM's
+    and llama-server's chat_template_kwargs)."""
     if kind == LLAMA_SERVER:
-        body = await llama_server_tokenize_body(client, prompt, tools)
+        body = await llama_server_tokenize_body(client, prompt, tools, kwargs)
     else:
         body = {"model": model}
         if isinstance(prompt, str):
@@ -42,6 +44,8 @@ async def tokenize(
             body |= {"messages": prompt, "add_generation_prompt": True}
             if tools:
                 body["tools"] = tools  # vLLM's /tokenize takes them, as a worker's does
+            if kwargs:
+                body["chat_template_kwargs"] = kwargs
     data = await client.json("POST", client.endpoint.root + "/tokenize", body, relay=relay)
     tokens = data.get("tokens") if isinstance(data, dict) else None
     if not isinstance(tokens, list) or not all(
@@ -52,7 +56,10 @@ async def tokenize(
 
 
 async def llama_server_tokenize_body(
-    client: UpstreamClient, prompt: str | list[dict[str, Any]], tools: list[dict] | None
+    client: UpstreamClient,
+    prompt: str | list[dict[str, Any]],
+    tools: list[dict] | None,
+    kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The /tokenize body that makes llama-server's prompt of a string or a chat, as it
     tokenizes one itself (BOS added, special tokens parsed): a chat rendered by its
@@ -62,7 +69,10 @@ async def llama_server_tokenize_body(
     if not isinstance(text, str):
         messages = plain_tool_turns(prompt, tools) if tools else prompt
         url = client.endpoint.root + "/apply-template"
-        data = await client.json("POST", url, {"messages": messages})
+        ask: dict[str, Any] = {"messages": messages}
+        if kwargs:
+            ask["chat_template_kwargs"] = kwargs
+        data = await client.json("POST", url, ask)
         text = data.get("prompt") if isinstance(data, dict) else None
         if not isinstance(text, str):
             raise BackendError(f"{client.label} sent an invalid /apply-template answer")

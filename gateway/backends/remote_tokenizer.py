@@ -45,8 +45,14 @@ class RemoteTokenizer:
         self._texts: OrderedDict[bytes, str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def render(self, prompt: PromptInput, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a prompt or chat, as the in-process adapters render them."""
+    def render(
+        self,
+        prompt: PromptInput,
+        tools: list[dict] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a prompt or chat (with the template's variables `kwargs`), as the
+        in-process adapters render them."""
         texts: list[str] = []
 
         def encode(text: str, add_bos: bool) -> list[int]:
@@ -54,7 +60,16 @@ class RemoteTokenizer:
             return self.tokenizer.encode(text, add_special_tokens=add_bos)
 
         template, eos = self.tokenizer.chat_template, self.tokenizer.eos_token or ""
-        ids = render_prompt(prompt, encode, template, self.architecture, self.bos_token, eos, tools)
+        ids = render_prompt(
+            prompt,
+            encode,
+            template,
+            self.architecture,
+            self.bos_token,
+            eos,
+            tools,
+            template_kwargs=kwargs,
+        )
         if texts:
             with self._lock:
                 key = _key(ids)
