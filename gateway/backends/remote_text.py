@@ -12,9 +12,9 @@ a few special tokens per turn, fewer than the JSON's bytes for the turn (`{"role
 "content":""}` is 25 bytes), and BOS, the generation prompt or a default system prompt
 (Llama 3.1's date lines, Qwen's "You are Qwen...": about 25 tokens) fit in the margin.
 A chat with the request's chat_template_kwargs (Qwen3's enable_thinking) carries them
-too, beside its messages (KWARGS_MARK): the upstream's template takes them, as vLLM's and
-SGLang's /v1/chat/completions do. The ids carry the prompt itself, so any replica of the entry can send it, and the
-prefix router hashes them as it hashes token ids: by the prompt's leading bytes, as
+too, beside its messages (KWARGS_MARK): the upstream's template takes them, as vLLM's
+and SGLang's /v1/chat/completions do. The ids carry the prompt itself, so any replica
+of the entry can send it, and the prefix router hashes them as it hashes token ids: by the prompt's leading bytes, as
 SGLang's router routes by characters. The upstream's `usage` settles the prompt's
 real count (gateway.serving.metering takes it where it is within the bound).
 """
