@@ -273,9 +273,11 @@ class ModelsDir:
         """Unload the idle models whose keep-alive has run out."""
         now = time.time()
         for entry in self.entries.values():
+            if self._busy(entry):  # a stream placed long ago counts as use until it ends
+                entry.last_used = now
+                continue
             ka = entry.keep_alive
-            idle = entry.loaded and not self._busy(entry)
-            if idle and ka is not None and now >= entry.last_used + ka:
+            if entry.loaded and ka is not None and now >= entry.last_used + ka:
                 self._unload(entry)
 
     async def rescan(self) -> Scanned:

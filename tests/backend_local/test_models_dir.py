@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -96,6 +97,12 @@ def test_keep_alive_zero_unloads_and_a_negative_one_keeps(client):
     assert abs((client.ps().models[0].expires_at - expected).total_seconds()) < 60
     done = client.chat("smollm2", HI, stream=False, options=SHORT, keep_alive=0)
     assert done.done and loaded(client) == []
+    # a keep-alive that runs out: the sweep unloads the idle model (within seconds)
+    client.chat("smollm2", HI, stream=False, options=SHORT, keep_alive="1s")
+    deadline = time.monotonic() + 60
+    while loaded(client) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert loaded(client) == []
     client.generate("smollm2", "")  # Ollama's way to load a model
     assert loaded(client) == ["smollm2:latest"]
     unloaded = client.generate("smollm2", "", keep_alive=0)  # and to unload it
