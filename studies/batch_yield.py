@@ -10,8 +10,10 @@ or `local` (llama.cpp on the default GGUF, `n_parallel = 2`, one thread).
   sent as ordinary requests at full concurrency.
 
 The fake backend and llama.cpp have no priority scheduler: a line that holds a slot is
-not preempted, so an interactive request waits at most for a slot to free (the runner
-starts no line while one waits). On the gpu engine the line gives its slot up at once.
+not preempted, so an interactive request waits at most for a slot to free, and shares
+the steps of the lines already running (the gateway's queue serves it first and the
+runner starts no line while one waits or runs there). On the gpu engine the line gives
+its slot up at once.
 The engines' answers are of fixed length (`ignore_eos`).
 
     .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json

@@ -1,8 +1,9 @@
 """The batch runner: the gateway's own client of its batches, started and stopped with
 it (gateway.app). Every batch's lines run as requests of the endpoint they name, through
 the same admission and Job as an HTTP request (`execute`, gateway.routes.batch_lines),
-at the lowest priority: at most `batch_in_flight` at once, and none started while a
-request waits at a replica or a gateway queue (interactive work goes first).
+at the lowest priority: at most `batch_in_flight` at once, and none started while an
+interactive request waits at a replica, or waits or runs at a gateway queue (whose
+backend cannot preempt a line): interactive work goes first (`interactive_waiting`).
 
 Durable: the rows are the state (gateway.batches.store). A gateway killed mid-batch
 runs, once restarted, every line not answered; a line that was running at the kill runs
@@ -210,16 +211,21 @@ class BatchRunner:
 
 
 def interactive_waiting(gw: GatewayState, lines_in_flight: int = 0) -> bool:
-    """Whether a request other than the batch lines waits. In the gateway's fair queues
-    (before the llama.cpp backend's slots and a remote upstream with `max_in_flight`)
-    each waiter's priority tells: any better than a line's. At the replicas (an engine's
-    waiting count: in-process, or a worker's as its stats say), more waiting than lines
-    are in flight (a line counts as waiting until it runs). Counting every waiting request
-    instead held new lines back while the runner's own lines queued for an engine's
-    slots: the batch ran at 0.74x the same lines sent at full concurrency
-    (studies/batch_yield.py, gpu engine)."""
-    if any(q.waiting_ahead_of(LOWEST_PRIORITY) for q in gw.queues.values()):
-        return True
+    """Whether interactive work (any request but the batch lines) comes first now.
+
+    Behind the gateway's fair queues (the llama.cpp backend's slots, a remote upstream
+    with `max_in_flight`), whose backends cannot preempt a line, while one waits or runs:
+    each request's priority tells, and a line started beside a running one would share
+    its every decode step (on llama.cpp with two slots that cost an interactive request
+    2.9x its time alone, PERF.md). At the replicas (an engine's waiting count: in-process,
+    or a worker's as its stats say), while more wait than lines are in flight (a line
+    counts as waiting until it runs); there the gpu engine preempts a line for a better
+    priority. Counting every waiting request instead held new lines back while the
+    runner's own lines queued for an engine's slots: the batch ran at 0.74x the same
+    lines sent at full concurrency (studies/batch_yield.py, gpu engine)."""
+    for q in gw.queues.values():
+        if q.waiting_ahead_of(LOWEST_PRIORITY) or q.running_ahead_of(LOWEST_PRIORITY):
+            return True
     live = (b for b in gw.router.backends if b.name not in gw.router.broken)
     return sum(b.stats().waiting for b in live) > lines_in_flight
 

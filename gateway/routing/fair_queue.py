@@ -63,6 +63,7 @@ class FairQueue:
         self.slots = slots
         self.set_fairness(fairness)
         self.in_flight = 0
+        self.holding: dict[int, int] = {}  # requests holding a slot, by priority
         self.vtime = 0.0  # the largest counter any tenant had when it got a slot
         self.tenants: dict[str, _Tenant] = {}
         self._arrival = itertools.count()
@@ -81,7 +82,11 @@ class FairQueue:
         try:
             yield
         finally:
-            self._release(tenant_id)
+            self._release(tenant_id, priority)
+
+    def running_ahead_of(self, priority: int) -> int:
+        """How many hold a slot here with a better priority than `priority`."""
+        return sum(n for p, n in self.holding.items() if p < priority)
 
     def waiting_ahead_of(self, priority: int) -> int:
         """How many wait here with a better priority than `priority`."""
@@ -123,7 +128,7 @@ class FairQueue:
             t.counter = max(t.counter, floor)
         free = self.in_flight < self.slots and not any(o.waiting for o in self.tenants.values())
         if free or (newcomer and self.in_flight < self.slots + self.spare):
-            self._grant(tenant_id)
+            self._grant(tenant_id, priority)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (next(self._arrival), fut)
@@ -132,22 +137,26 @@ class FairQueue:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # granted, then cancelled: give it back
-                self._release(tenant_id)
+                self._release(tenant_id, priority)
             elif entry in (line := t.waiting.get(priority, ())):  # _release may have dropped it
                 line.remove(entry)
                 if not line:
                     del t.waiting[priority]
             raise
 
-    def _grant(self, tenant_id: str) -> None:
+    def _grant(self, tenant_id: str, priority: int) -> None:
         t = self.tenants[tenant_id]
         self.in_flight += 1
+        self.holding[priority] = self.holding.get(priority, 0) + 1
         t.running += 1
         t.granted_at = next(self._arrival)
         self.vtime = max(self.vtime, t.counter)
 
-    def _release(self, tenant_id: str) -> None:
+    def _release(self, tenant_id: str, priority: int) -> None:
         self.in_flight -= 1
+        self.holding[priority] -= 1
+        if not self.holding[priority]:
+            del self.holding[priority]
         self.tenants[tenant_id].running -= 1
         while self.in_flight < self.slots and (nxt := self._next()) is not None:
             tenant, priority = nxt
@@ -157,7 +166,7 @@ class FairQueue:
                 del waiting[priority]
             if fut.done():  # its waiter was cancelled and has not run yet
                 continue
-            self._grant(tenant)
+            self._grant(tenant, priority)
             fut.set_result(None)
 
     def _next(self) -> tuple[str, int] | None:

@@ -1,5 +1,5 @@
-"""The batch runner's rules (issue 50) on their own: no line starts while a request waits
-at a replica or a gateway queue; lines keep the budgets but not the rates, and take
+"""The batch runner's rules (issue 50) on their own: no line starts while an interactive
+request waits at a replica, or waits or runs at a gateway queue; lines keep the budgets but not the rates, and take
 nothing from the minute's windows or the slots (both quota stores); the batch price is
 half the model's unless the config names one."""
 
@@ -51,20 +51,29 @@ async def test_no_line_starts_while_a_request_waits() -> None:
             holding.set()
             await asyncio.sleep(3600)
 
-    first = asyncio.create_task(hold())
-    await holding.wait()
-    assert not interactive_waiting(_gw([], {"q": queue}))  # running, none waiting
-    # the runner's own lines waiting in the queue (a remote upstream's, llama.cpp's) are
-    # not interactive work, however many lines are in flight
+    # the runner's own lines, holding the queue's slot or waiting there (a remote
+    # upstream's, llama.cpp's), are not interactive work, however many are in flight
     lines = [asyncio.create_task(hold(LOWEST_PRIORITY)) for _ in range(3)]
-    await asyncio.sleep(0)
+    await holding.wait()
+    assert queue.in_flight == 1 and queue.stats()["t_1"]["waiting"] == 2
     assert not interactive_waiting(_gw([], {"q": queue}), lines_in_flight=0)
-    second = asyncio.create_task(hold())
+    # an interactive request waiting there: lines wait
+    interactive = asyncio.create_task(hold())
     await asyncio.sleep(0)
     assert interactive_waiting(_gw([], {"q": queue}), lines_in_flight=3)
-    for task in (first, second, *lines):
+    # and while it runs there: a line beside it would share its steps (no preemption)
+    lines[0].cancel()
+    await asyncio.sleep(0)
+    assert queue.holding == {0: 1} and queue.waiting_ahead_of(LOWEST_PRIORITY) == 0
+    assert interactive_waiting(_gw([], {"q": queue}), lines_in_flight=3)
+    interactive.cancel()
+    await asyncio.sleep(0)
+    assert queue.holding == {LOWEST_PRIORITY: 1}  # the next line took the slot
+    assert not interactive_waiting(_gw([], {"q": queue}), lines_in_flight=2)
+    for task in lines:
         task.cancel()
-    await asyncio.gather(first, second, *lines, return_exceptions=True)
+    await asyncio.gather(interactive, *lines, return_exceptions=True)
+    assert queue.in_flight == 0 and queue.holding == {}
 
 
 def test_lines_keep_the_budgets_not_the_rates() -> None:
