@@ -135,6 +135,25 @@ def test_greedy_matches_transformers(model_dir, prompts, references, setting):
         assert out.num_image_tokens == tokens.count(pad) > 0
 
 
+def test_greedy_under_preemption(model_dir, prompts, references):
+    """A pool of 8 blocks for three prompts of 3, 5 and 2 blocks and their outputs: a
+    preempted sequence computes its images and positions again."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=8 * 8192, max_model_len=128)
+    assert llm.stats().num_blocks == 8
+    for out, (ref_ids, ref_logits) in zip(generate(llm, prompts), references, strict=True):
+        assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
+    assert llm.stats().preemptions > 0
+
+
+def test_max_image_pixels_lowers_the_largest_image(model_dir):
+    llm = LLM(model_dir, max_image_pixels=28 * 28 * 8)
+    processor = llm.engine.runner.vision.processor
+    assert processor.max_pixels == 28 * 28 * 8
+    assert processor.num_tokens(RED.width, RED.height) == 6  # 24 at the model's own bound
+    with pytest.raises(ValueError, match="max_image_pixels"):
+        LLM(model_dir, max_image_pixels=100)
+
+
 def run(llm: LLM, tokens: list[int], images: list[ImageInput], salt: str | None = None):
     """One request to its end through the engine, under cache salt `salt`."""
     engine = llm.engine
