@@ -227,6 +227,29 @@ class RecentError(Body):
     message: str
 
 
+class BatchCounts(Body):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchProgress(Body):
+    """A batch as the dashboard's batch panel shows it (gateway/batches/panel.py)."""
+
+    id: str
+    tenant_id: str
+    tenant: str | None = Field(description="the tenant's name; null: it was deleted")
+    status: str
+    endpoint: str
+    created_at: float
+    request_counts: BatchCounts
+    output_file_id: str | None
+    error_file_id: str | None
+    billed_lines: int = Field(description="lines with a usage row so far")
+    billed_tokens: int = Field(description="their prompt and completion tokens")
+    spend: float = Field(description="USD, at the batch price")
+
+
 class StatsSnapshot(Body):
     """docs/STATS.md; also each `data:` event of /admin/stats/stream."""
 
@@ -238,6 +261,9 @@ class StatsSnapshot(Body):
     backends: list[BackendInfo]
     tenants: list[TenantTraffic]
     errors: list[RecentError]
+    batches: list[BatchProgress] = Field(
+        description="running first, then the latest ended; 20 at most"
+    )
 
 
 class Health(Body):

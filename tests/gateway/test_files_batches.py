@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.schemas.responses_admin import StatsSnapshot
 from tests.conftest import LiveGateway, start_gateway
 
 PRICES = """
@@ -125,6 +126,7 @@ def test_files_are_tenant_scoped_and_batches_run_with_the_openai_client(gateway,
     # the dashboard's data: the batch's progress, files and spend at the batch price; and
     # its lines filled none of the tenant's per-minute windows (tpm, rpm)
     stats = httpx.get(gateway.url + "/admin/stats", headers=gateway.admin_headers).json()
+    StatsSnapshot.model_validate(stats)  # as the OpenAPI document says it
     (panel,) = stats["batches"]
     assert panel["id"] == batch.id and panel["tenant"] == "acme"
     assert panel["status"] == "completed" and panel["endpoint"] == "/v1/chat/completions"
