@@ -13,10 +13,16 @@ mask in 44 us a step on average against xgrammar's 24 us (either is far below 1%
 decode step), but compiles a new schema in 15 ms against xgrammar's 2.1 s, and that
 compile is time to first token for every request with a schema not seen before
 (docs/PERF.md).
+
+A family that reasons before it answers (StructuredOutput.reasoning) gets a grammar of
+two parts: its reasoning (any text up to the first `</think>`, opened by `<think>` where
+the model opens it) and then the constraint, a grammar of its own referenced from the
+first; so the reasoning is free and the answer after it still constrained.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,11 +37,41 @@ CACHED_GRAMMARS = 256
 # JSON the way models write it (", " and ": "), and no free whitespace, which a model
 # could emit without end
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# the reasoning before the constraint, as Lark (@{ref}: the constraint's grammar): any text
+# without `</think>`, closed by it and the blank lines the models write after it
+_REASONING = r"""
+THOUGHT: /(?s:.*)/ & ~/(?s:.*)<\/think>(?s:.*)/
+CLOSE: "</think>" /[ \n]*/
+"""
+REASONING_FIRST = {
+    "think": 'start: THINK? @{ref}\nTHINK: "<think>" THOUGHT CLOSE' + _REASONING,
+    "open_think": "start: REASONED @{ref}\nREASONED: THOUGHT CLOSE" + _REASONING,
+}
 
 
 def grammar_spec(structured: StructuredOutput) -> str:
-    """The constraint as llguidance's grammar (GBNF grammars become Lark); BadRequestError
-    for a grammar it cannot read."""
+    """The constraint as llguidance's grammar (GBNF grammars become Lark), after the
+    reasoning its `reasoning` lets come first; BadRequestError for a grammar it cannot
+    read."""
+    spec = _constraint_spec(structured)
+    if structured.reasoning is None:
+        return spec
+    return reasoning_first(spec, structured.reasoning)
+
+
+def reasoning_first(spec: str, form: str) -> str:
+    """`spec` (llguidance's JSON of grammars, or a Lark grammar) after the reasoning of
+    `form` (a key of REASONING_FIRST)."""
+    if spec.lstrip().startswith("{"):
+        grammars = json.loads(spec)["grammars"]
+    else:
+        grammars = [{"name": "constraint", "lark_grammar": spec}]
+    ref = grammars[0]["name"]
+    top = {"name": "reasoning_first", "lark_grammar": REASONING_FIRST[form].format(ref=ref)}
+    return json.dumps({"grammars": [top, *grammars]})
+
+
+def _constraint_spec(structured: StructuredOutput) -> str:
     kind = structured.kind
     if kind in ("json", "json_object"):
         schema = structured.schema()
@@ -56,7 +92,7 @@ class GrammarCache:
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer]) -> None:
         self._make_tokenizer = make_tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str | None], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -70,7 +106,7 @@ class GrammarCache:
     def compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         """The constraint's matcher in its initial state (cached), or BadRequestError
         naming what the library cannot compile."""
-        key = (structured.kind, structured.source)
+        key = (structured.kind, structured.source, structured.reasoning)
         with self._lock:
             if (cached := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)

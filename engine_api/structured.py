@@ -23,19 +23,26 @@ MAX_SCHEMA_DEPTH = 32  # nesting of objects and arrays in the schema document it
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# what may come before the constrained text, where the model's family reasons first
+# (gateway.parsers' reasoning parsers): "think", a `<think>...</think>` block or none
+# (Qwen3: the model opens it when it thinks); "open_think", reasoning up to `</think>`
+# (DeepSeek-R1: the prompt opened `<think>`, so the output starts inside it)
+REASONING_FORMS = ("think", "open_think")
 
 
 @dataclass
 class StructuredOutput(Record):
     """Exactly one of: `json` (a JSON schema, as JSON text), `json_object` (any JSON
     object), `regex`, `choice` (one of these strings), `grammar` (GBNF, llama.cpp's
-    grammar format)."""
+    grammar format); and `reasoning`, one of REASONING_FORMS or None: the reasoning the
+    constrained text may follow (it goes out as reasoning, the constraint holds after)."""
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: str | None = None
 
     wire_error = BadRequestError
 
@@ -78,6 +85,10 @@ class StructuredOutput(Record):
         """Raise BadRequestError naming what is wrong: not exactly one constraint, or one
         past the bounds (size, depth, number of choices)."""
         check_types(self, BadRequestError)
+        if self.reasoning not in (None, *REASONING_FORMS):
+            raise BadRequestError(
+                f"reasoning must be one of {', '.join(REASONING_FORMS)}, got {show(self.reasoning)}"
+            )
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise BadRequestError(

@@ -47,6 +47,7 @@ class OutputParser:
     """
 
     in_reasoning: bool = False
+    reasons = False  # whether it reads reasoning at all
 
     def feed(self, text: str) -> ParsedDelta:
         raise NotImplementedError
@@ -54,6 +55,13 @@ class OutputParser:
     def finish(self) -> ParsedDelta:
         """Flush held-back text; a marker that never completed is content."""
         raise NotImplementedError
+
+    def reasoning_end(self) -> int | None:
+        """How many characters of the text fed so far the reasoning spans, its markers
+        included (0: none). A whole answer parsed at once counts its reasoning tokens
+        from it. None where the reasoning is not one span at the start (harmony's
+        channels): such a parser is fed chunk by chunk."""
+        return 0
 
 
 def merge_calls(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:

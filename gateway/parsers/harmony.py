@@ -28,6 +28,8 @@ FUNCTIONS = "functions."
 
 
 class HarmonyParser(ToolParser):
+    reasons = True
+
     def __init__(self, tool_names: frozenset[str] | None) -> None:
         super().__init__(tool_names)
         self.header = ""
@@ -37,6 +39,9 @@ class HarmonyParser(ToolParser):
     @property
     def in_reasoning(self) -> bool:  # type: ignore[override]
         return self.kind == "reasoning"
+
+    def reasoning_end(self) -> None:
+        return None  # analysis messages may come anywhere
 
     def run(self, final: bool) -> None:
         while True:

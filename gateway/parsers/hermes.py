@@ -57,7 +57,9 @@ class HermesParser(ToolParser):
         """Until the block's arguments begin (a streamed call) or it closes (read whole)."""
         text, marker = self.take((CLOSE,), final)
         self.block += text
-        head = HEAD.match(self.block)
+        # the head can only have come whole with the `{` that opens the arguments: where
+        # the new text has none, the block read so far is not read again
+        head = HEAD.match(self.block) if "{" in text else None
         if head is not None:
             name = json.loads(head.group(1))
             if self.allowed(name):

@@ -20,6 +20,8 @@ OPEN, CLOSE = "<think>", "</think>"
 class ThinkParser(Buffered, OutputParser):
     """Reasoning until `</think>`, content after; `starts_inside`: DeepSeek-R1's reading."""
 
+    reasons = True
+
     def __init__(self, starts_inside: bool) -> None:
         super().__init__()
         self.starts_inside = starts_inside
@@ -27,13 +29,19 @@ class ThinkParser(Buffered, OutputParser):
         self.in_reasoning = starts_inside
         self.trim = Trim()
         self.lead = True  # content's leading whitespace after `</think>` is dropped
+        self.fed = 0  # characters fed
+        self.ended = 0  # characters fed up to the end of `</think>`, once it came
 
     @property
     def done(self) -> bool:
         """Past the reasoning: the rest is content as it comes."""
         return self.state == "content" and not self.lead
 
+    def reasoning_end(self) -> int:
+        return self.fed if self.state == "reasoning" else self.ended
+
     def feed(self, text: str) -> ParsedDelta:
+        self.fed += len(text)
         if self.state == "reasoning" and not self.buf and "<" not in text:
             return ParsedDelta(self.trim.add(text))  # the common case: reasoning goes on
         if self.state == "content" and not self.lead:
@@ -64,6 +72,7 @@ class ThinkParser(Buffered, OutputParser):
                 return out
             self.state = "content"
             self.in_reasoning = False
+            self.ended = self.fed - len(self.buf)
         text, self.buf = self.buf, ""
         if self.lead:
             text = text.lstrip()

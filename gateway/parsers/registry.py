@@ -53,6 +53,8 @@ class Passthrough(OutputParser):
 class Chain(OutputParser):
     """A reasoning parser in front of a tool-call parser."""
 
+    reasons = True
+
     def __init__(self, reasoning: ThinkParser, tools: OutputParser) -> None:
         self.reasoning, self.tools = reasoning, tools
         self.in_reasoning = reasoning.in_reasoning  # a plain field: read twice a chunk
@@ -69,6 +71,9 @@ class Chain(OutputParser):
         self.in_reasoning = thinker.in_reasoning
         self.thought = thinker.done
         return self._then(first, final=False)
+
+    def reasoning_end(self) -> int:
+        return self.reasoning.reasoning_end()
 
     def finish(self) -> ParsedDelta:
         first = self.reasoning.finish()

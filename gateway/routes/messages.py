@@ -62,11 +62,11 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 async def _whole(job: Job) -> web.Response:
-    [output], whole = choice_outputs(job), Whole()
+    [output], whole = choice_outputs(job, whole=True), Whole()
     finish = stop_sequence = None
     async with whole_answer(job):
         async for _, chunk in job.events():
-            whole.add(output.feed(chunk))
+            output.take(chunk)
             if chunk.finish_reason:
                 finish, stop_sequence = chunk.finish_reason, chunk.stop_sequence
     rest, finish = await off_loop_if(output.chars > LARGE_CALL_CHARS, output.finish, finish)

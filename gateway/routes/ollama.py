@@ -123,7 +123,7 @@ async def _generation(
         _check_context(card, body.num_ctx)
         chat = not getattr(body, "raw", False)
         job = await prepare(gw, principal, body.request, chat=chat)
-        reply = _Reply(job, body.model, started, field)
+        reply = _Reply(job, body.model, started, field, whole=not body.stream)
         reply.load_ns = loaded.waited_ns
         return await (_stream(request, reply) if body.stream else _whole(reply))
 
@@ -159,9 +159,9 @@ async def embed_one(request: web.Request) -> web.Response:
 class _Reply:
     """One reply's NDJSON objects: what it says, and the closing one's counts and times."""
 
-    def __init__(self, job: Job, model: str, started: int, field: str) -> None:
+    def __init__(self, job: Job, model: str, started: int, field: str, whole: bool) -> None:
         self.job, self.model, self.started, self.field = job, model, started, field
-        self.outputs = choice_outputs(job) if job.chat else []
+        self.outputs = choice_outputs(job, whole) if job.chat else []
         self.first: int | None = None  # when the first output came: the prompt's end
         self.calls = Whole()
         self.load_ns = 0  # how long the request waited for its model's load
@@ -173,6 +173,16 @@ class _Reply:
             return Piece(content=chunk.text)
         piece = self.outputs[0].feed(chunk)
         return self._held(piece)
+
+    def take(self, chunk: Any) -> Piece | None:
+        """A chunk of a whole reply: kept by its ChoiceOutput until `finish` (a raw
+        prompt's text, which has none, comes back as content)."""
+        if self.first is None:
+            self.first = time.monotonic_ns()
+        if not self.outputs:
+            return Piece(content=chunk.text)
+        self.outputs[0].take(chunk)
+        return None
 
     def _held(self, piece: Piece) -> Piece:
         """Calls are sent whole, at the end, as Ollama sends them."""
@@ -224,7 +234,8 @@ async def _whole(reply: _Reply) -> web.Response:
     whole, job, finish = Whole(), reply.job, None
     async with whole_answer(job):
         async for _, chunk in job.events():
-            whole.add(reply.feed(chunk))
+            if (piece := reply.take(chunk)) is not None:
+                whole.add(piece)
             finish = chunk.finish_reason or finish
     large = bool(reply.outputs) and reply.outputs[0].chars > LARGE_CALL_CHARS
     rest, finish = await off_loop_if(large, reply.finish, finish)

@@ -147,7 +147,7 @@ async def _whole(job: Job) -> web.Response:
     if job.requests[0].sampling.logprobs is not None:
         logprobs = [[] for _ in range(k)]
     echoes = job.echoes is not None
-    outputs = choice_outputs(job) if job.chat else []
+    outputs = choice_outputs(job, whole=True) if job.chat else []
     wholes = [Whole() for _ in outputs]
     async with whole_answer(job):
         async for i, chunk in job.events():
@@ -156,7 +156,7 @@ async def _whole(job: Job) -> web.Response:
                 if logprobs is not None:
                     logprobs[i].extend(echo.logprobs(chunk.prompt_logprobs))
             if outputs:
-                wholes[i].add(outputs[i].feed(chunk))
+                outputs[i].take(chunk)
             else:
                 texts[i].append(chunk.text)
             if chunk.finish_reason:

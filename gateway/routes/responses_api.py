@@ -49,11 +49,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _whole(job: Job, body: ResponseCreateRequest) -> web.Response:
-    [output], whole = choice_outputs(job), Whole()
+    [output], whole = choice_outputs(job, whole=True), Whole()
     finish: str | None = None
     async with whole_answer(job):
         async for _, chunk in job.events():
-            whole.add(output.feed(chunk))
+            output.take(chunk)
             finish = chunk.finish_reason or finish
     large = output.chars > LARGE_CALL_CHARS
     rest, finish = await off_loop_if(large, output.finish, finish)

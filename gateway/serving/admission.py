@@ -101,7 +101,8 @@ async def _prepare(
         with _backend_errors(gw, principal, body.model):
             sent, with_logprobs = body.prompts(), body.logprobs is not None
             echo = await echoes(renderer, served, sent, prompts, with_logprobs)
-    structured = structured_output(body)
+    # a reasoning family may think before the constrained answer: its parsers say which
+    structured = structured_output(body, parsers_of(gw, renderer).reasoning)
     if structured is not None:  # compiled before admission: a bad schema costs nothing
         # the replica that rendered compiles it (its engine caches it)
         with _backend_errors(gw, principal, body.model):

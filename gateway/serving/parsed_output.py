@@ -7,13 +7,24 @@ ends with "tool_calls"; each only reshapes its Pieces. The text is read by the b
 family parser (gateway.parsers, chosen by gateway.serving.parser_choice) unless the tool
 plan fixes its meaning: a named call's text is its arguments (streamed as they come), a
 required call's a JSON array of calls (read whole at the end), both constrained by a
-grammar from the first token, so neither is parsed for reasoning. A remote upstream that
+grammar. A family whose reasoning is a `<think>` block may write it before the
+constrained text (gateway.serving.tool_calls.think_first, which the grammar follows):
+its reasoning parser reads it off first, and the rest is the call or the structured
+output. A remote upstream that
 parsed the output itself (vLLM, SGLang) sends its reasoning and calls apart from the text
 (gateway.backends.remote_openai's ParsedChunk): they pass through as they are.
 
-Reasoning tokens are the tokens of the chunks fed while the parser was in reasoning (before
-or after the chunk): a chunk that holds the end of reasoning and the start of the answer
-counts as reasoning whole.
+A whole answer (`take`, then `finish`) is parsed once, at its end, on its whole text: a
+parser fed the text a chunk at a time does the same work a chunk, which a streamed answer
+needs and a whole one does not (docs/PERF.md, issue 48). Only harmony's parser, whose
+reasoning is not one span at the start, still reads a whole answer chunk by chunk.
+
+Reasoning tokens are the tokens of the chunks that begin before the reasoning's end (its
+closing marker's last character): a chunk that holds the end of reasoning and the start
+of the answer counts as reasoning whole, and so does one that holds only part of the
+opening marker. They are counted at the end, from the chunks' lengths, so that any split
+of the text counts the same; harmony's reasoning, which may come anywhere, is counted
+as it is fed instead (the chunks fed while the parser was in reasoning, before or after).
 """
 
 from __future__ import annotations
@@ -24,9 +35,10 @@ from typing import Any
 
 from gateway.backends import GenChunk, ParsedChunk
 from gateway.parsers import OutputParser, ToolCallDelta, output_parser
+from gateway.parsers.reasoning import ThinkParser
 from gateway.serving.job import Job
 from gateway.serving.parser_choice import Parsers, parsers_of
-from gateway.serving.tool_calls import ToolPlan, tool_call
+from gateway.serving.tool_calls import ToolPlan, think_first, tool_call
 
 # the tool-call format gateway.backends.tool_prompt asks for, where no parser is chosen
 DEFAULT_TOOL_PARSER = "hermes"
@@ -57,11 +69,17 @@ class Piece:
 class ChoiceOutput:
     """One choice: chunks in, Pieces out; `finish` flushes what the parser held."""
 
-    def __init__(self, plan: ToolPlan, parsers: Parsers) -> None:
+    def __init__(self, plan: ToolPlan, parsers: Parsers, whole: bool = False) -> None:
         self.plan = plan
         self.parser: OutputParser | None = None
+        # a forced call's text is read by the reasoning parser alone, if any (its content
+        # is the call); the grammar lets reasoning come first where think_first says so
+        self.forced = plan.mode in ("named", "required")
+        first = think_first(parsers.reasoning, plan.thinking) if plan.constrained else None
+        if self.forced and first is not None:
+            self.parser = ThinkParser(starts_inside=first == "open_think")
         if plan.mode in ("none", "auto"):
-            reasoning = None if plan.constrained else parsers.reasoning
+            reasoning = None if plan.constrained and first is None else parsers.reasoning
             tools = (parsers.tools or DEFAULT_TOOL_PARSER) if plan.mode == "auto" else None
             if reasoning or tools:
                 self.parser = output_parser(
@@ -76,6 +94,17 @@ class ChoiceOutput:
         self.reasoning_tokens = 0
         self.ids: dict[int, str] = {}  # each call's index -> the id it was sent with
         self.dropped: set[int] = set()  # calls past the first without parallel_tool_calls
+        # the chunks' lengths and token counts, where the reasoning is one span at the
+        # start: its tokens are counted at the end (harmony's as they come)
+        self.spans = self.parser is not None and self.parser.reasoning_end() is not None
+        self.counting = self.spans and self.parser is not None and self.parser.reasons
+        self.lengths: list[int] = []
+        self.counts: list[int] = []
+        # a whole answer: its chunks, read at the end (harmony's parser reads them as they come)
+        self.whole = whole
+        self.at_once = whole and (self.parser is None or self.spans)
+        self.chunks: list[GenChunk] = []
+        self.passed = Piece()  # an upstream's own parse, as it came
 
     def feed(self, chunk: GenChunk) -> Piece:
         piece = self._text(chunk)
@@ -83,16 +112,39 @@ class ChoiceOutput:
             return self._passed(chunk).extend(piece)
         return piece
 
+    def take(self, chunk: GenChunk) -> None:
+        """A chunk of a whole answer: kept, to be read at `finish`."""
+        if type(chunk) is ParsedChunk:
+            self.passed.extend(self._passed(chunk))
+        if not self.at_once:  # harmony's parser: chunk by chunk all the same
+            self.passed.extend(self._text(chunk))
+            return
+        self.chars += len(chunk.text)
+        self.chunks.append(chunk)
+
     def _text(self, chunk: GenChunk) -> Piece:
         text = chunk.text
         self.chars += len(text)
         parser = self.parser
         if parser is not None:
-            was = parser.in_reasoning
-            parsed = parser.feed(text)
-            if was or parser.in_reasoning:
-                self.reasoning_tokens += len(chunk.token_ids) or (1 if text else 0)
-            return self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
+            if self.counting:
+                self.lengths.append(len(text))
+                self.counts.append(len(chunk.token_ids) or (1 if text else 0))
+                parsed = parser.feed(text)
+                if not parser.in_reasoning and parser.reasoning_end():
+                    self._count()  # the reasoning is over: no more to count
+            elif self.spans:  # no reasoning to count
+                parsed = parser.feed(text)
+            else:
+                was = parser.in_reasoning
+                parsed = parser.feed(text)
+                if was or parser.in_reasoning:
+                    self.reasoning_tokens += len(chunk.token_ids) or (1 if text else 0)
+            if parsed.tool_calls:
+                return self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
+            if self.forced:
+                return self._forced(parsed.reasoning, parsed.content)
+            return Piece(parsed.reasoning, parsed.content)
         if self.plan.mode == "named":
             return self._named(text)
         if self.plan.mode == "required":
@@ -103,12 +155,19 @@ class ChoiceOutput:
     def finish(self, reason: str | None) -> tuple[Piece, str | None]:
         """The rest of the choice, and its finish reason ("tool_calls" for a reply that
         made calls and stopped on its own)."""
+        if self.whole:
+            return self._finish_whole(reason)
         piece = Piece()
         if self.parser is not None:
             parsed = self.parser.finish()
-            piece = self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
-        elif self.plan.mode == "named":
-            piece = self._named("")
+            if self.counting:
+                self._count()
+            if self.forced:
+                piece = self._forced(parsed.reasoning, parsed.content)
+            else:
+                piece = self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
+        if self.plan.mode == "named":
+            piece.extend(self._named(""))
         elif self.plan.mode == "required":
             content, calls = self.plan.forced("".join(self.held))
             for i, call in enumerate(calls[: None if self.plan.parallel else 1]):
@@ -116,6 +175,55 @@ class ChoiceOutput:
                 piece.calls.append({"index": i, **call})
             piece.content = content or ""
         return piece, "tool_calls" if self.ids and reason == "stop" else reason
+
+    def _count(self) -> None:
+        """The reasoning tokens, once the reasoning's end is known."""
+        assert self.parser is not None
+        end = self.parser.reasoning_end() or 0
+        self.reasoning_tokens += _tokens_before(self.lengths, self.counts, end)
+        self.counting, self.lengths, self.counts = False, [], []
+
+    def _finish_whole(self, reason: str | None) -> tuple[Piece, str | None]:
+        """A whole answer's text read at once, then finished as a stream finishes (what
+        came parsed from upstream first)."""
+        if self.at_once:
+            chunks, self.chunks = self.chunks, []
+            texts = [c.text for c in chunks]
+            if self.counting:
+                self.lengths = list(map(len, texts))
+                self.counts = [len(c.token_ids) or (1 if c.text else 0) for c in chunks]
+            self._read(texts)
+        self.whole = False
+        piece, reason = self.finish(reason)
+        return self.passed.extend(piece), reason
+
+    def _read(self, texts: list[str]) -> None:
+        text = "".join(texts)
+        parser = self.parser
+        if parser is not None:
+            parsed = parser.feed(text)
+            if self.forced:
+                self.passed.extend(self._forced(parsed.reasoning, parsed.content))
+            else:
+                calls = parsed.tool_calls
+                self.passed.extend(self._piece(parsed.reasoning, parsed.content, calls))
+        elif self.plan.mode == "required":
+            self.held.append(text)
+        elif self.plan.mode == "named":
+            self.passed.extend(self._named(text))
+        else:
+            self.passed.content += text
+
+    def _forced(self, reasoning: str, text: str) -> Piece:
+        """A forced call's text after its reasoning: a named call's arguments as they
+        come (the call opens with the first), a required call's array held."""
+        piece = Piece(reasoning)
+        if self.plan.mode == "named":
+            if text:
+                piece.extend(self._named(text))
+        else:
+            self.held.append(text)
+        return piece
 
     def _named(self, text: str) -> Piece:
         """A named call's arguments as they come; the call opens with the first."""
@@ -157,6 +265,18 @@ class ChoiceOutput:
         return self._piece(reasoning, "", deltas)
 
 
+def _tokens_before(lengths: list[int], counts: list[int], end: int) -> int:
+    """The tokens of the chunks (of these lengths and token counts) that begin before
+    character `end` of their text."""
+    total = at = 0
+    for length, n in zip(lengths, counts, strict=True):
+        if at >= end:
+            break
+        total += n
+        at += length
+    return total
+
+
 @dataclass
 class Whole:
     """A whole answer's Pieces gathered: its reasoning, content and whole calls."""
@@ -192,10 +312,11 @@ class Whole:
         return "".join(self.reasoning)
 
 
-def choice_outputs(job: Job) -> list[ChoiceOutput]:
-    """One ChoiceOutput per choice of a chat Job, with its backend's parsers."""
+def choice_outputs(job: Job, whole: bool = False) -> list[ChoiceOutput]:
+    """One ChoiceOutput per choice of a chat Job, with its backend's parsers; `whole`: an
+    answer sent whole, its chunks given to `take` and read at `finish`."""
     parsers = parsers_of(job.gw, job.backend)
-    return [ChoiceOutput(job.tools, parsers) for _ in range(job.num_choices)]
+    return [ChoiceOutput(job.tools, parsers, whole) for _ in range(job.num_choices)]
 
 
 def reasoning_tokens(outputs: list[ChoiceOutput], completion_tokens: int) -> int:

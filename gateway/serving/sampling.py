@@ -14,7 +14,6 @@ same of the request, `adjust_request`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from engine_api.records import GenRequest
@@ -22,15 +21,22 @@ from engine_api.sampling import SamplingParams
 from engine_api.structured import StructuredOutput
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
 from gateway.serving.parser_choice import Parsers
-from gateway.serving.tool_calls import ToolPlan
+from gateway.serving.tool_calls import ToolPlan, think_first
 
 
-def structured_output(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+def structured_output(
+    body: ChatCompletionRequest | CompletionRequest, reasoning: str | None = None
+) -> StructuredOutput | None:
     """What the output must match: a forced tool call's schema, or the body's own
-    structured output (the schema refuses both at once)."""
-    if isinstance(body, ChatCompletionRequest) and body.forced_tools:
-        return ToolPlan.of(body).constraint()
-    return body.structured()
+    structured output (the schema refuses both at once); on a chat, after the reasoning
+    its model's family writes first (`reasoning`: the backend's reasoning parser), where
+    thinking is on."""
+    if not isinstance(body, ChatCompletionRequest):
+        return body.structured()
+    out = ToolPlan.of(body).constraint() if body.forced_tools else body.structured()
+    if out is not None:
+        out.reasoning = think_first(reasoning, body.thinking)
+    return out
 
 
 def sampling(
@@ -73,11 +79,11 @@ def keep_markers(
     body: ChatCompletionRequest | CompletionRequest,
 ) -> list[GenRequest]:
     """`requests` keeping special tokens in their text where `parsers` read markers
-    that may be special tokens; as they are otherwise."""
+    that may be special tokens; as they are otherwise. Changed in place (each has its
+    own SamplingParams, made for it by `sampling`): copying two dataclasses a choice
+    showed in the gateway's profile under the parsers' load (docs/PERF.md, issue 48)."""
     offered = isinstance(body, ChatCompletionRequest) and body.tool_mode == "auto"
-    if not (parsers.reasoning == "openai" or (parsers.tools and offered)):
-        return requests
-    return [
-        dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, skip_special_tokens=False))
-        for r in requests
-    ]
+    if parsers.reasoning == "openai" or (parsers.tools and offered):
+        for r in requests:
+            r.sampling.skip_special_tokens = False
+    return requests

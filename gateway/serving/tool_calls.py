@@ -10,9 +10,11 @@ makes a forced call parse, and the calls read back out of the reply's text.
   gateway.serving.parser_choice) reads its calls out of the text, `hermes` where none is
   chosen (the `<tool_call>` blocks gateway.backends.tool_prompt asks for).
 
-The plan also says whether the reply may reason first: not where its text is constrained
-(a forced call, a structured output: the grammar starts at the first token), nor where
-the request turned thinking off (`chat_template_kwargs: {"enable_thinking": false}`).
+The plan also says whether the reply may reason first: not where the request turned
+thinking off (`chat_template_kwargs: {"enable_thinking": false}`); where its text is
+constrained (a forced call, a structured output), only in a family whose reasoning is a
+`<think>` block (`think_first`): the grammar then lets that block come before the
+constrained text (engine_api.grammar), and the block goes out as reasoning.
 A reply whose calls parse ends with finish_reason "tool_calls" (gateway.serving.parsed_output).
 """
 
@@ -78,6 +80,18 @@ class ToolPlan:
         except ValueError:
             return text, []
         return None, [tool_call(i["name"], json.dumps(i["parameters"])) for i in items]
+
+
+# the reasoning parsers whose reasoning a grammar lets come first (StructuredOutput.reasoning):
+# Qwen3 opens its <think> itself when it thinks; DeepSeek-R1's prompt opened it
+THINK_FIRST = {"qwen3": "think", "deepseek_r1": "open_think"}
+
+
+def think_first(reasoning: str | None, thinking: bool) -> str | None:
+    """The reasoning a constrained reply starts with (one of engine_api.structured's
+    REASONING_FORMS), for a backend whose reasoning parser is `reasoning`; None where
+    there is none (no reasoning parser, harmony's channels, thinking turned off)."""
+    return THINK_FIRST.get(reasoning or "") if thinking else None
 
 
 def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
