@@ -31,7 +31,7 @@ class ImageUrl(_Body):
 
 
 class ContentPart(_Body):
-    type: str
+    type: Literal["text", "image_url"]
     text: str | None = None
     image_url: ImageUrl | None = None
 
@@ -56,10 +56,11 @@ class ContentPart(_Body):
 
     @model_validator(mode="after")
     def _check(self) -> ContentPart:
-        if self.type == "text" and (self.text is None or self.image_url is not None):
-            raise ValueError("a text part has text, and only text")
-        if self.type == "image_url" and (self.image_url is None or self.text is not None):
-            raise ValueError("an image_url part has image_url, and only image_url")
+        mine, other = ("text", "image_url") if self.type == "text" else ("image_url", "text")
+        if getattr(self, other) is not None:
+            raise Refused(f"a {self.type} part has no {other}", other)
+        if getattr(self, mine) is None:
+            raise Refused(f"a {self.type} part needs {mine}", mine)
         return self
 
 
