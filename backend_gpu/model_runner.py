@@ -287,9 +287,9 @@ class ModelRunner:
             ids, top_n = prompt_targets(batch.seqs, spans)
             targets = (torch.tensor(ids, device=self.device), top_n)
         try:
-            shifted = rope[0] if rope is not None else None
+            shifted = {"rope_positions": rope[0]} if rope is not None else {}
             input_ids, positions, *inputs, sampled = self.prepare(
-                batch, graph_size, prompt_rows, shifted
+                batch, graph_size, prompt_rows, **shifted
             )
             if not flat:
                 positions = torch.from_numpy(rope).to(self.device)
