@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ToolCallDelta:
-    """A piece of one tool call: its id and name come once, its arguments in fragments."""
+    """A piece of one tool call: its id and name come once, its arguments in fragments.
+    Not frozen, though nothing changes one: a frozen dataclass's __init__ costs three
+    times as much, and a streamed call makes one a token."""
 
     index: int  # which call of the reply, 0-based
     id: str | None  # set on the call's first delta only ("call_" + random hex)

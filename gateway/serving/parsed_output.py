@@ -186,15 +186,16 @@ class ChoiceOutput:
     def _finish_whole(self, reason: str | None) -> tuple[Piece, str | None]:
         """A whole answer's text read at once, then finished as a stream finishes (what
         came parsed from upstream first)."""
+        chunks, self.chunks = self.chunks, []
+        counting = self.at_once and self.counting
         if self.at_once:
-            chunks, self.chunks = self.chunks, []
-            texts = [c.text for c in chunks]
-            if self.counting:
-                self.lengths = list(map(len, texts))
-                self.counts = [len(c.token_ids) or (1 if c.text else 0) for c in chunks]
-            self._read(texts)
+            self._read([c.text for c in chunks])
+            self.counting = False  # counted here, from the chunks
         self.whole = False
         piece, reason = self.finish(reason)
+        if counting:
+            assert self.parser is not None
+            self.reasoning_tokens += _chunk_tokens_before(chunks, self.parser.reasoning_end() or 0)
         return self.passed.extend(piece), reason
 
     def _read(self, texts: list[str]) -> None:
@@ -274,6 +275,18 @@ def _tokens_before(lengths: list[int], counts: list[int], end: int) -> int:
             break
         total += n
         at += length
+    return total
+
+
+def _chunk_tokens_before(chunks: list[GenChunk], end: int) -> int:
+    """_tokens_before, of a whole answer's chunks."""
+    total = at = 0
+    for chunk in chunks:
+        if at >= end:
+            break
+        text = chunk.text
+        total += len(chunk.token_ids) or (1 if text else 0)
+        at += len(text)
     return total
 
 
