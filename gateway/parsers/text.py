@@ -61,6 +61,8 @@ class Buffered:
         (the text no marker can start in, None), keeping a possible marker's prefix unless
         `final`."""
         buf = self.buf
+        if len(markers) == 1:  # most states wait for one marker: one pass, no helpers
+            return self._take_one(markers[0], final)
         for m in markers:
             if m[0] in buf:
                 break
@@ -76,6 +78,23 @@ class Buffered:
         out = self.buf[: len(self.buf) - keep]
         self.buf = self.buf[len(self.buf) - keep :]
         return out, None
+
+    def _take_one(self, marker: str, final: bool) -> tuple[str, str | None]:
+        """`take` of one marker."""
+        buf = self.buf
+        i = buf.find(marker)
+        if i != -1:
+            self.buf = buf[i + len(marker) :]
+            return buf[:i], marker
+        # a possible start of the marker can only be in the last len(marker) - 1 characters
+        j = -1 if final else buf.find(marker[0], max(0, len(buf) - len(marker) + 1))
+        while j != -1 and not marker.startswith(buf[j:]):
+            j = buf.find(marker[0], j + 1)
+        if j == -1:
+            self.buf = ""
+            return buf, None
+        self.buf = buf[j:]
+        return buf[:j], None
 
 
 class Trim:
