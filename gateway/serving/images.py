@@ -85,7 +85,7 @@ async def chat_images(
             "(max_images_per_request).",
             param="messages",
         )
-    images = [await _image(limits, part["url"], i + 1) for i, part in enumerate(parts)]
+    images = await _all_images(limits, [p["url"] for p in parts])
     decoded = iter(images)
     out = []
     for m in messages:
@@ -97,6 +97,17 @@ async def chat_images(
             ]
         out.append({**m, "content": content})  # type: ignore[dict-item]
     return out, images
+
+
+async def _all_images(limits: ImageLimits, urls: list[str]) -> list[ImageInput]:
+    """Every image read and decoded at once (Pillow's decoders let go of the GIL); the
+    first refusal is the answer, and the fetches still running are cancelled."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_image(limits, u, i + 1)) for i, u in enumerate(urls)]
+    except* ApiError as failed:
+        raise failed.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 async def _image(limits: ImageLimits, url: str, number: int) -> ImageInput:
