@@ -125,7 +125,8 @@ class BatchRow:
     billed so far at the batch price."""
 
     id: str
-    tenant: str
+    tenant_id: str
+    tenant: str  # its name; its id for a deleted tenant's
     status: str
     total: int
     completed: int
@@ -336,6 +337,7 @@ def batch_rows(batches: list[dict[str, Any]]) -> list[BatchRow]:
         rows.append(
             BatchRow(
                 id=str(b.get("id") or "?"),
+                tenant_id=tenant_id,
                 tenant=str(b.get("tenant") or tenant_id),
                 status=str(b.get("status") or ""),
                 total=_int(counts.get("total")),
@@ -397,5 +399,10 @@ def build_dashboard(
     board.tenant_count = len(tenants)
     board.tenants = sort_and_filter(tenants, sort_key, tenant_filter)
     board.errors = error_rows(_list(snapshot.get("errors")))
-    board.batches = batch_rows(_list(snapshot.get("batches")))
+    needle = tenant_filter.strip().lower()  # the tenants' filter picks their batches too
+    board.batches = [
+        b
+        for b in batch_rows(_list(snapshot.get("batches")))
+        if needle in b.tenant.lower() or needle in b.tenant_id.lower()
+    ]
     return board

@@ -306,6 +306,14 @@ async def test_the_batch_panel_shows_each_batchs_progress_files_and_spend():
         assert done[5:] == ["$2.50", "file-out / -"]
         text = screen_text(table)
         assert "batch_run" in text and "50%" in text
+        # the tenants' filter picks their batches: none of another tenant's
+        other = snapshots[-1]["tenants"][1]["name"]
+        await pilot.press("slash", *other, "enter")
+        await pilot.pause()
+        assert other.lower() not in name.lower() and not table.display
+        await pilot.press("escape")
+        await pilot.pause()
+        assert table.display and table.row_count == 2
     app = replay_app()  # a gateway that reports no batch: no panel
     async with app.run_test(size=SIZE) as pilot:
         await played_out(pilot)
