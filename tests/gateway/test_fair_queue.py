@@ -137,13 +137,24 @@ async def test_a_better_priority_goes_first_and_fair_share_holds_within_it(fairn
 @settings(max_examples=60, deadline=None)
 @given(
     slots=st.integers(1, 3),
-    arrivals=st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 20)), max_size=30),
+    arrivals=st.lists(
+        st.tuples(st.sampled_from("abc"), st.integers(1, 20), st.sampled_from([0, 9])),
+        max_size=30,
+    ),
     cancel=st.sets(st.integers(0, 29)),
 )
 def test_slots_are_never_exceeded_or_leaked(slots, arrivals, cancel):
+    async def run(queue: FairQueue, tenant: str, cost: int, priority: int, order, gate):
+        async with queue.slot(tenant, 1.0, priority):
+            assert queue.in_flight <= queue.slots + queue.spare
+            assert sum(queue.holding.values()) == queue.in_flight
+            order.append(tenant)
+            queue.charge(tenant, cost)
+            await gate.wait()
+
     async def scenario() -> None:
         queue, order, gate = FairQueue(slots), [], asyncio.Event()
-        tasks = [asyncio.create_task(_run(queue, t, c, order, gate)) for t, c in arrivals]
+        tasks = [asyncio.create_task(run(queue, t, c, p, order, gate)) for t, c, p in arrivals]
         await asyncio.sleep(0)
         for i in cancel:
             if i < len(tasks):
@@ -151,7 +162,7 @@ def test_slots_are_never_exceeded_or_leaked(slots, arrivals, cancel):
         await asyncio.sleep(0)
         gate.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert queue.in_flight == 0
+        assert queue.in_flight == 0 and queue.holding == {}
         assert all(t["waiting"] == 0 and t["running"] == 0 for t in queue.stats().values())
         assert len(order) <= len(arrivals)
 
