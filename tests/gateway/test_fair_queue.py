@@ -2,7 +2,8 @@
 slots are never exceeded or leaked, a flooding tenant does not hold another behind its
 line, weights share the service, idle time banks no credit, a cancelled waiter leaves
 nothing behind, a better priority goes first (a batch line never ahead of an interactive
-request, its own tenant's included) with fair share within a class; and through a live gateway in front of a backend with a slot limit."""
+request, its own tenant's included) with fair share within a class; and through a live
+gateway in front of a backend with a slot limit."""
 
 from __future__ import annotations
 
