@@ -265,8 +265,8 @@ class RemoteBackend:
     ) -> list[int]:
         """ChatTemplateBackend: `render`, with the chat template's variables (vLLM's and
         SGLang's chat_template_kwargs) sent where the upstream renders the chat (its
-        /tokenize, /apply-template or /chat/completions), or rendered with here
-        (options.tokenizer); a kvgate worker's /tokenize takes none."""
+        /tokenize, /apply-template or /chat/completions, a kvgate worker's /tokenize), or
+        rendered with here (options.tokenizer)."""
         check_model(model, self.model_id)
         refuse_images(model, prompt)  # an upstream's vision is not carried yet
         if not prompt:
@@ -293,7 +293,6 @@ class RemoteBackend:
         """Through the upstream's tokenizer endpoint (remote_tokenize.py)."""
         info = self.monitor.info
         kind = info.found.tokenizer if info is not None and info.worker is None else VLLM
-        worker = self._is_worker
         try:
             return await upstream_tokenize(
                 self.client,
@@ -301,8 +300,8 @@ class RemoteBackend:
                 self.upstream_model,
                 prompt,
                 tools,
-                worker,
-                None if worker else kwargs,
+                self._is_worker,
+                kwargs,
             )
         except BackendError as e:
             self._failed(e)

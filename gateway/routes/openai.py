@@ -96,7 +96,8 @@ async def tokenize(request: web.Request) -> web.Response:
         body = await parse_body(request, TokenizeRequest)
         card = model_card(gw, principal, body.model)
         rendered, tools = body.rendered(), body.tool_dicts()
-        tokens = await rendered_tokens(gw, principal, body.model, rendered, tools)
+        kwargs = body.chat_template_kwargs
+        tokens = await rendered_tokens(gw, principal, body.model, rendered, tools, kwargs)
     answer = {"tokens": tokens, "count": len(tokens), "max_model_len": card.context_length}
     return json_response(answer, headers=headers)
 

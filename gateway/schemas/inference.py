@@ -325,6 +325,8 @@ class TokenizeRequest(_Body):
     tools: Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    # vLLM's: the chat template's variables (Qwen3's enable_thinking), as on a chat
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:

@@ -286,14 +286,16 @@ async def rendered_tokens(
     model: str,
     prompt: PromptInput,
     tools: list[dict] | None = None,
+    kwargs: dict | None = None,
 ) -> list[int]:
-    """The prompt's tokens as a replica of `model` renders it, for the routes that count
-    and bill nothing (/tokenize, Anthropic's count_tokens), its images' placeholders
-    among them; a 400 where the upstream does not tokenize for the gateway (its
-    rendering is the prompt's bytes, a bound)."""
+    """The prompt's tokens as a replica of `model` renders it (with the chat template's
+    variables `kwargs`), for the routes that count and bill nothing (/tokenize,
+    Anthropic's count_tokens), its images' placeholders among them; a 400 where the
+    upstream does not tokenize for the gateway (its rendering is the prompt's bytes, a
+    bound)."""
     card = model_card(gw, principal, model)
     prompt, _ = await chat_images(ImageLimits.of(gw.settings), card, prompt)
-    _, backend, [tokens] = await render_on_a_replica(gw, principal, model, [prompt], tools)
+    _, backend, [tokens] = await render_on_a_replica(gw, principal, model, [prompt], tools, kwargs)
     if is_text_bound(backend, tokens):
         raise ApiError(400, f"The upstream of model `{model}` does not tokenize for the gateway.")
     return tokens

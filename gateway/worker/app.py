@@ -20,6 +20,8 @@ import hmac
 from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
+from gateway.backends.base import ChatTemplateBackend
+from gateway.backends.capabilities import supports
 from gateway.http.drain import DRAIN, drain_guard
 from gateway.http.errors import ApiError
 from gateway.http.middleware import openai_errors
@@ -91,7 +93,12 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await parse_body(request, TokenizeRequest)
     card = state.card(body.model)
     try:
-        tokens = await state.backend.render(body.model, body.rendered(), body.tool_dicts())
+        backend, kwargs = state.backend, body.chat_template_kwargs
+        if kwargs and supports(backend, ChatTemplateBackend):  # the template's variables
+            rendered, tools = body.rendered(), body.tool_dicts()
+            tokens = await backend.render_chat(body.model, rendered, tools, kwargs)
+        else:
+            tokens = await backend.render(body.model, body.rendered(), body.tool_dicts())
     except (BadRequestError, BackendError) as e:
         raise api_error(e) from None
     return json_response(
