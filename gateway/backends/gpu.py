@@ -309,5 +309,14 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                 },
                 "adapters_loaded": list(s.adapters_loaded),
                 "lora_loads": s.lora_loads,
+                # a vision model's encoder cache: images found, images encoded
+                **(
+                    {
+                        "encoder_cache_hits": s.encoder_cache_hits,
+                        "encoder_cache_misses": s.encoder_cache_misses,
+                    }
+                    if self._vision() is not None
+                    else {}
+                ),
             },
         )

@@ -58,6 +58,8 @@ async def test_images_render_as_their_placeholders_and_count_in_usage(backend, m
     chunks = [c async for c in backend.generate(req)]
     usage = chunks[-1].usage
     assert usage.image_tokens == n and usage.prompt_tokens == len(ids)
+    extra = backend.stats().extra
+    assert (extra["encoder_cache_misses"], extra["encoder_cache_hits"]) == (1, 0)
     # the router's keys are the engine's: another image with the same ids shares none
     # of the blocks its placeholders touch
     red = backend.block_hashes(ids, "t", images=[RED])
