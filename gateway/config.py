@@ -298,12 +298,14 @@ class Settings:
             and not (self.lora_modules or self.workers)
         )
 
-    def dir_options(self) -> dict[str, Any]:
-        """The engine settings given, as the options of a models directory's (llama.cpp)
-        entries; ValueError for one llama.cpp does not take."""
-        options = {n: v for n in ENGINE_SETTINGS if (v := getattr(self, n)) is not None}
-        _check_engine_settings(options, "local")
-        return options
+    def dir_options(self, kind: str) -> dict[str, Any]:
+        """The engine settings given that backend `kind` takes, as the options of a models
+        directory's entries of that kind (each setting applies to the models it fits)."""
+        return {
+            n: v
+            for n, kinds in ENGINE_SETTINGS.items()
+            if kind in kinds and (v := getattr(self, n)) is not None
+        }
 
 
 SETTING_TYPES = typing.get_type_hints(Settings)

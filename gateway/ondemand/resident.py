@@ -1,4 +1,5 @@
-"""The models of a models directory, loaded on demand: one llama.cpp entry per file,
+"""The models of a models directory, loaded on demand: one entry per model (llama.cpp's
+for a GGUF file, the gpu backend's for a Hugging Face directory),
 known to the router (listed, its card's) from the start but started only by the first
 request that needs it, and stopped again when the directory's caps want its room or its
 keep-alive has run out.
@@ -82,7 +83,7 @@ class ModelsDir:
         self.models_max = settings.models_max
         self.budget = memory_budget(settings.models_memory_gb)
         self.keep_alive = keep_alive_s(settings.keep_alive)
-        self.options = settings.dir_options()
+        self.options = {kind: settings.dir_options(kind) for kind in ("local", "gpu")}
         self.parsers = (settings.reasoning_parser, settings.tool_call_parser)
         self.entries: dict[str, Entry] = {}
         self._room = asyncio.Lock()  # one decision at a time on what is resident
@@ -308,17 +309,17 @@ class ModelsDir:
         reasoning, tools = self.parsers
         spec = BackendSpec(
             f"dir-{found.name}",
-            "local",
+            found.kind,
             found.path,
             found.name,
-            dict(self.options),
+            dict(self.options[found.kind]),
             reasoning_parser=reasoning,
             tool_call_parser=tools,
         )
         backend = build_backend(with_kv_tier_secret(spec, gw.kv_tier_secret))
         self.entries[found.name] = Entry(found, backend, spec, keep_alive=self.keep_alive)
         gw.backends.append(backend)
-        gw.backend_types[backend.name] = "local"
+        gw.backend_types[backend.name] = found.kind
         gw.router.backends.append(backend)
         gw.router.add_models(backend)
         return True

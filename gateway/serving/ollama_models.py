@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ _QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d[A-Z0-9_]*|BF16|F16|F32)(?![A-Za-z0-
 _IN_PROCESS = ("local", "gpu")
 # a model that never unloads: Ollama's clients read a time, so a far one (Ollama's own)
 NEVER = "2318-01-01T00:00:00Z"
+MAX_CONFIG_BYTES = 1 << 20  # a config.json read to describe an unloaded model, at most
 
 
 @dataclass
@@ -147,7 +149,7 @@ async def describe(gw: GatewayState, card: ModelCard) -> Described:
     arch = None
     models = gw.models_dir
     if path is not None and models is not None and not models.is_loaded(card.id):
-        arch = await asyncio.to_thread(_gguf_architecture, path)
+        arch = await asyncio.to_thread(_architecture, path)
     return Described(card, backend, kind, path, size, modified, arch)
 
 
@@ -158,13 +160,19 @@ def _path_of(model: str) -> str | None:
         return None
 
 
-def _gguf_architecture(path: str) -> str:
-    # lazily: a directory's model is llama.cpp's, and a gateway without one never loads it
-    from backend_local.gguf_header import read_strings
-
+def _architecture(path: str) -> str:
+    """An unloaded model's architecture, from its GGUF's header or its config.json."""
     try:
-        return read_strings(path, {"general.architecture"}).get("general.architecture", "")
-    except (OSError, ValueError):  # a file that does not load says so when asked to
+        if path.endswith(".gguf"):
+            # lazily: a gateway without a GGUF never loads llama.cpp
+            from backend_local.gguf_header import read_strings
+
+            return read_strings(path, {"general.architecture"}).get("general.architecture", "")
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            config = json.loads(f.read(MAX_CONFIG_BYTES))
+        archs = config.get("architectures") or [""]
+        return str(config.get("model_type") or archs[0]).lower()
+    except (OSError, ValueError, AttributeError):  # a model that does not load says so then
         return ""
 
 

@@ -19,6 +19,7 @@ import ollama
 import pytest
 
 from gateway.backends.default_model import INSTRUCT_MODEL_ID, default_model_path, model_path
+from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.conftest import ADMIN_KEY, start_gateway
 
 pytestmark = pytest.mark.slow
@@ -34,6 +35,7 @@ def models(tmp_path_factory):
     os.symlink(smollm2, directory / "smollm2.gguf")
     os.symlink(smollm2, directory / "smollm2-b.gguf")
     os.symlink(default_model_path(), directory / "gemma3.gguf")
+    save_tiny_model("llama", str(directory))  # a Hugging Face directory: the gpu backend's
     return directory
 
 
@@ -63,10 +65,10 @@ def loaded(client: ollama.Client) -> list[str]:
 
 def test_listed_before_any_load_then_loaded_by_its_first_request(client, gateway):
     names = {m.model for m in client.list().models}
-    assert names == {"smollm2:latest", "smollm2-b:latest", "gemma3:latest"}
+    assert names == {"smollm2:latest", "smollm2-b:latest", "gemma3:latest", "tiny-llama:latest"}
     assert loaded(client) == []  # nothing loaded by listing
     openai = httpx.get(f"{gateway.url}/v1/models", headers=client._client.headers).json()
-    assert {m["id"] for m in openai["data"]} == {"smollm2", "smollm2-b", "gemma3"}
+    assert {m["id"] for m in openai["data"]} == {"smollm2", "smollm2-b", "gemma3", "tiny-llama"}
     first = client.chat("smollm2", HI, stream=False, options=SHORT)
     assert first.done and first.eval_count == 3 and first.load_duration > 0
     again = client.chat("smollm2", HI, stream=False, options=SHORT)
@@ -110,6 +112,14 @@ def test_keep_alive_zero_unloads_and_a_negative_one_keeps(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat("smollm2", HI, keep_alive="5 minutes")
     assert e.value.status_code == 400 and "keep_alive" in e.value.error
+
+
+def test_a_hugging_face_directory_is_served_by_the_gpu_backend(client):
+    (listed,) = [m for m in client.list().models if m.model == "tiny-llama:latest"]
+    assert listed.details.format == "safetensors" and listed.size > 0
+    done = client.generate("tiny-llama", "Once upon a time", raw=True, options=SHORT)
+    assert done.done and done.eval_count == 3 and done.load_duration > 0
+    assert loaded(client) == ["tiny-llama:latest"]  # --models-max 1: it took the place
 
 
 def test_a_model_over_the_memory_budget_is_a_clear_503(client):

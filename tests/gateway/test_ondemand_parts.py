@@ -42,9 +42,14 @@ def test_scan_serves_each_gguf_by_its_stem(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
     (tmp_path / "bad:tag.gguf").write_bytes(b"x")  # a tag cannot be in a file's name
     (tmp_path / ".hidden.gguf").write_bytes(b"x")
-    (tmp_path / "sub.gguf").mkdir()  # a directory, not a file
+    (tmp_path / "sub.gguf").mkdir()  # a directory, not a file, and no model's
+    (tmp_path / "hf").mkdir()  # a Hugging Face model's directory: the gpu backend's
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"x" * 20)
+    (tmp_path / "notes").mkdir()  # a directory without config.json
     found = scan(str(tmp_path))
-    assert sorted(found) == ["big", "tiny"]
+    assert sorted(found) == ["big", "hf", "tiny"]
+    assert found["hf"].kind == "gpu" and found["hf"].size == 22 and found["tiny"].kind == "local"
     assert found["tiny"].size == 10 and found["tiny"].path == str(tmp_path / "tiny.gguf")
     assert found["big"].size == 12 and found["big"].path.endswith("big-00001-of-00002.gguf")
 
