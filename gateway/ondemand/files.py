@@ -1,6 +1,7 @@
 """The models directory's files changed by name, for Ollama's /api/copy, /api/create
 (from an existing model) and /api/delete: only `<name>.gguf` files directly in the
-directory, named as scan reads them, so no name reaches outside it. A copy is a hard
+directory, named as scan reads them, so no name reaches outside it (a Hugging Face
+directory is a 400: it is changed by hand). A copy is a hard
 link where the file system allows (instant, no space), else a copy written under a
 temporary name and renamed, so a reader never sees half a file. Blocking: called in a
 worker thread.
@@ -33,6 +34,7 @@ def check_name(name: str) -> None:
 
 def copy(directory: str, source: Found, destination: str) -> None:
     check_name(destination)
+    _a_file(source)
     target = os.path.join(directory, destination + SUFFIX)
     if os.path.lexists(target):
         raise FileError(400, f"model {destination!r} exists already: delete it first")
@@ -52,4 +54,16 @@ def copy(directory: str, source: Found, destination: str) -> None:
 
 def delete(found: Found) -> None:
     """The model's file (its link in the directory: a file it was copied from stays)."""
+    _a_file(found)
     os.remove(found.path)
+
+
+def _a_file(found: Found) -> None:
+    """A Hugging Face model's directory is copied or removed by hand, not by a request
+    (a tree of files, perhaps linked from elsewhere)."""
+    if found.kind != "local":
+        raise FileError(
+            400,
+            f"model {found.name!r} is a Hugging Face directory: copy or remove it in the "
+            "models directory by hand",
+        )

@@ -142,6 +142,12 @@ def test_the_directory_changed_by_an_admin_or_by_hand(client, admin, gateway, mo
     assert client.chat("smollm2-copy", HI, stream=False, options=SHORT).done
     admin.delete("smollm2-copy")
     assert "smollm2-copy:latest" not in {m.model for m in client.list().models}
+    assert admin.create("smollm2-made", from_="smollm2").status == "success"
+    assert "smollm2-made:latest" in {m.model for m in client.list().models}
+    admin.delete("smollm2-made")
+    with pytest.raises(ollama.ResponseError) as e:
+        admin.delete("tiny-llama")  # a directory: by hand
+    assert e.value.status_code == 400 and (models / "tiny-llama").is_dir()
     assert not (models / "smollm2-copy.gguf").exists()
     with pytest.raises(ollama.ResponseError) as e:
         admin.delete("smollm2-copy")
