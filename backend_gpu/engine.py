@@ -161,7 +161,7 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         if self.kv_tiers is not None and req.sampling.prompt_logprobs is None:
-            keys = self.prompt_keys(req)
+            keys = self.prompt_keys(req, images)
             on_device = self.block_manager.cached
             first_miss = next((i for i, k in enumerate(keys) if k not in on_device), len(keys))
             self.kv_tiers.prefetch(keys[first_miss:])
@@ -248,11 +248,12 @@ class LLMEngine:
 
     # -- prefill on one engine, decode on another (kv_transfer) ---------------------------
 
-    def prompt_keys(self, req: GenRequest) -> list[bytes]:
+    def prompt_keys(self, req: GenRequest, images: ImagePrompt | None = None) -> list[bytes]:
         """The keys of the blocks admitting `req` would look up: its prompt's full
-        blocks, leaving one token to compute, under its salt."""
+        blocks, leaving one token to compute, under its salt (and its images' digests:
+        `images`, where admission computed them already)."""
         n = (len(req.prompt_token_ids) - 1) // self.config.block_size * self.config.block_size
-        images = self.image_prompt(req)
+        images = images or self.image_prompt(req)
         return hash_blocks(
             req.prompt_token_ids[:n],
             self.config.block_size,

@@ -200,6 +200,24 @@ def test_prefix_cache_hits_by_the_image_shown(cached_llm, tokenizer, model_dir):
     assert other_tenant.token_ids == want_red
 
 
+def test_the_host_tier_keys_blocks_by_the_image_too(model_dir, tokenizer):
+    """Blocks evicted to the host tier come back for the same image, never for another
+    image of the same size (the tier keeps the device's keys)."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=8 * 8192, max_model_len=128, kv_offload_gb=0.01)
+    text = ["The quick brown fox jumps over the lazy dog.", RED, "Déjà vu, naïve façade."]
+    red, images = prompt_of(tokenizer, model_dir, text)
+    _, other = prompt_of(tokenizer, model_dir, [text[0], SAME_SIZE_AS_RED, text[2]])
+    filler, none = prompt_of(tokenizer, model_dir, ["Numbers: 0 1 2 3 4 5 6 7 8 9 10 42" * 4])
+    want = run(llm, red, images, "a").token_ids
+    run(llm, filler, none, "a")  # the device's 8 blocks go to the host tier
+    again = run(llm, red, images, "a")
+    assert again.num_cached_tokens == (len(red) - 1) // 16 * 16 and again.token_ids == want
+    assert llm.stats().kv_host_hits > 0
+    run(llm, filler, none, "a")
+    pad = llm.engine.hf_config.image_token_id
+    assert run(llm, red, other, "a").num_cached_tokens == red.index(pad) // 16 * 16
+
+
 def test_the_encoder_cache_encodes_a_repeated_image_once_per_tenant(model_dir, tokenizer):
     llm = LLM(model_dir, enable_prefix_caching=False)
     tokens, images = prompt_of(tokenizer, model_dir, ["Numbers:", RED, "and", BLUE, "?"])
