@@ -64,6 +64,8 @@ class ImagePrompt:
         keys = image_key_spans(token_ids, placeholder, [im.digest for im in images])
         spans = []
         for (start, end, _), image in zip(keys, images, strict=True):
+            if len(image.rgb) != image.width * image.height * 3:  # never at a step
+                raise BadRequestError(f"image {len(spans)}: its pixels do not fill its size")
             try:
                 grid = processor.grid(image.width, image.height)
             except ValueError as exc:

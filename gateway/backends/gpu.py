@@ -148,7 +148,10 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             return await super().render_chat(model, prompt, tools, kwargs)
         messages, images = with_image_markers(prompt)
         token_ids = await super().render_chat(model, messages, tools, kwargs)
-        counts = [vision.processor.num_tokens(im.width, im.height) for im in images]
+        try:
+            counts = [vision.processor.num_tokens(im.width, im.height) for im in images]
+        except ValueError as exc:  # an aspect ratio past the processor's
+            raise BadRequestError(str(exc)) from None
         pad_id = self.engine.engine.hf_config.image_token_id
         return widen_placeholders(token_ids, pad_id, counts)
 

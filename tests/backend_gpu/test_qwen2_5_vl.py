@@ -256,6 +256,12 @@ def test_refusals_change_nothing(model_dir, tokenizer, tiny_model_dir, cached_ll
         engine.add_request(GenRequest("x", "", tokens, GREEDY, images=[BLUE]))
     with pytest.raises(BadRequestError, match="1 image placeholders for 0 images"):
         engine.add_request(GenRequest("x", "", tokens, GREEDY))
+    torn = ImageInput(RED.digest, RED.width, RED.height, RED.rgb[:-3])
+    with pytest.raises(BadRequestError, match="pixels do not fill its size"):
+        engine.add_request(GenRequest("x", "", tokens, GREEDY, images=[torn]))
+    wide = ImageInput(RED.digest, 2010, 10, bytes(2010 * 10 * 3))
+    with pytest.raises(BadRequestError, match="aspect ratio"):
+        engine.add_request(GenRequest("x", "", tokens, GREEDY, images=[wide]))
     assert not engine.seqs and not engine.has_unfinished_requests()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from backend_gpu.image_processing import Qwen2VLImageProcessor
+from engine_api.images import image_input
 from gateway.backends import BackendSpec, BadRequestError, GenRequest, SamplingParams, build_backend
 from gateway.backends.vision_render import widen_placeholders
 from tests.backend_gpu.tiny_qwen2_5_vl import save_tiny_qwen2_5_vl, scene_input
@@ -76,3 +77,5 @@ async def test_a_pad_token_in_the_text_is_refused(backend):
     with pytest.raises(BadRequestError, match="2 image placeholders for 1 images"):
         await backend.render(model, messages)
     assert widen_placeholders([1, 9, 2, 9], 9, [2, 1]) == [1, 9, 9, 2, 9]
+    with pytest.raises(BadRequestError, match="aspect ratio"):
+        await backend.render(model, chat(image_input(2010, 10, bytes(2010 * 10 * 3))))
