@@ -118,8 +118,14 @@ class ModelsDir:
         return next((e.spec for e in self.entries.values() if e.backend is backend), None)
 
     def is_loaded(self, model: str) -> bool:
+        """Resident: loaded, or loading (it counts against the caps from the start)."""
         entry = self.entries.get(model)
         return entry is not None and entry.loaded
+
+    def is_up(self, model: str) -> bool:
+        """Loaded, its engine running (its tokenizer and template can be read)."""
+        entry = self.entries.get(model)
+        return entry is not None and entry.loaded and entry.loading is None
 
     def expires_at(self, model: str) -> float | None:
         """When the loaded `model` unloads if unused (wall clock); None: never."""

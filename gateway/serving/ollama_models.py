@@ -148,7 +148,7 @@ async def describe(gw: GatewayState, card: ModelCard) -> Described:
     size, modified = await asyncio.to_thread(_stat, path, gw.traffic.started_at)
     arch = None
     models = gw.models_dir
-    if path is not None and models is not None and not models.is_loaded(card.id):
+    if path is not None and models is not None and not models.is_up(card.id):
         arch = await asyncio.to_thread(_architecture, path)
     return Described(card, backend, kind, path, size, modified, arch)
 

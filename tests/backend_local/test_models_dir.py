@@ -9,6 +9,7 @@ tenant's key: 403) or by hand and a reload."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import time
@@ -88,6 +89,24 @@ def test_models_max_unloads_the_least_recently_used(client):
     assert loaded(client) == ["smollm2-b:latest"]  # --models-max 1: smollm2 went
     back = client.chat("smollm2", HI, stream=False, options=SHORT)
     assert back.load_duration > 0 and loaded(client) == ["smollm2:latest"]
+
+
+def test_a_load_runs_beside_the_event_loop(client, gateway):
+    """The gateway answers while a model loads (the load is in a thread): /api/ps shows
+    the load begun (a model is listed from its load's start) and then /admin/backends
+    its engine not up yet, two answers made inside the load. A stalled event loop would
+    answer neither until the load was done."""
+    client.generate("smollm2-b", "", keep_alive=0)  # unloaded, whatever came before
+    seen_inside = False
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        load = pool.submit(client.generate, "smollm2-b", "Hi", raw=True, options=SHORT)
+        while not load.done() and not seen_inside:
+            if "smollm2-b:latest" in loaded(client):
+                rows = httpx.get(f"{gateway.url}/admin/backends", headers=gateway.admin_headers)
+                (row,) = [b for b in rows.json()["data"] if b["name"] == "dir-smollm2-b"]
+                seen_inside = not row["healthy"]
+        assert load.result().load_duration > 0
+    assert seen_inside
 
 
 def test_keep_alive_zero_unloads_and_a_negative_one_keeps(client):
