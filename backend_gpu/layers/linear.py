@@ -75,27 +75,43 @@ class QuantizedEmbedding(nn.Module):
         self.weight = nn.Parameter(q.view(rows, dim), requires_grad=False)
         self.weight_scale = nn.Parameter(scale.view(rows, -1), requires_grad=False)
 
-    def _widen(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def widen(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """The table's `rows` (a slice, or token ids) in `dtype`."""
+        q, scale = self.weight[rows], self.weight_scale[rows]
         grouped = q.to(self.dtype).view(*scale.shape, TABLE_GROUP)
         return (grouped * scale.to(self.dtype)[..., None]).view(q.shape)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._widen(self.weight[input_ids], self.weight_scale[input_ids])
+        return self.widen(input_ids)
 
     def dequantize(self) -> torch.Tensor:
-        return self._widen(self.weight, self.weight_scale)
+        return self.widen(slice(None))
+
+
+# Token-table rows the CPU widens at once for the LM head: about 10 MB of float32 for a
+# 640-wide table, so they are still in cache for the matmul that reads them, where the
+# whole of Gemma 3's 262k-row table widened is two 670 MB temporaries per step (PERF.md).
+CPU_HEAD_ROWS = 4096
 
 
 class QuantizedLMHead(nn.Module):
     """The LM head over an 8-bit token table: its own, or the embedding's when tied.
-    Weight-only: the table is widened in each forward."""
+    Weight-only: the table is widened in each forward, on the CPU a slab of rows at a
+    time (each row's logits are the same dot products either way)."""
 
     def __init__(self, table: QuantizedEmbedding) -> None:
         super().__init__()
         self.table = table
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return vocab_matmul(x, self.table.dequantize().to(x.dtype))
+        if x.device.type != "cpu":
+            return vocab_matmul(x, self.table.dequantize().to(x.dtype))
+        vocab = self.table.weight.shape[0]
+        out = torch.empty(vocab, x.shape[0], dtype=x.dtype)  # (weight @ x.T), as vocab_matmul
+        for start in range(0, vocab, CPU_HEAD_ROWS):
+            rows = slice(start, start + CPU_HEAD_ROWS)
+            torch.mm(self.table.widen(rows).to(x.dtype), x.t(), out=out[rows])
+        return out.t().contiguous()
 
 
 class QuantizedLinear(nn.Module):
