@@ -114,6 +114,11 @@ class ModelsDir:
     def owns(self, backend: Backend) -> bool:
         return any(e.backend is backend for e in self.entries.values())
 
+    def not_up(self, backend: Backend) -> bool:
+        """One of this directory's models whose engine is not running now."""
+        entry = next((e for e in self.entries.values() if e.backend is backend), None)
+        return entry is not None and not self.is_up(entry.found.name)
+
     def spec_of(self, backend: Backend) -> BackendSpec | None:
         return next((e.spec for e in self.entries.values() if e.backend is backend), None)
 

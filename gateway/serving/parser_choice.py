@@ -50,8 +50,11 @@ NONE = Parsers()
 
 
 def parsers_of(gw: GatewayState, backend: Backend) -> Parsers:
-    """The backend's parsers, chosen on the first ask."""
+    """The backend's parsers, chosen on the first ask (a models directory's model's once
+    it is up: its template is read from its engine)."""
     chosen = gw.parser_choices.get(backend)
+    if chosen is None and gw.models_dir is not None and gw.models_dir.not_up(backend):
+        return NONE
     if chosen is None:
         chosen = gw.parser_choices[backend] = _choose(spec_of(gw, backend), backend)
     return chosen
