@@ -197,6 +197,12 @@ async def _stream(request: web.Request, job: Job, include_usage: bool) -> web.St
                 if finish:
                     rest, finish = await off_loop_if(large, out.finish, finish)
                     piece.extend(rest)
+                elif not (
+                    piece.content or piece.reasoning or piece.calls or first[i] or chunk.logprobs
+                ):
+                    # text the parser holds (a marker's start, a call's closing brace):
+                    # nothing to say yet, and vLLM sends nothing (its logprobs would go)
+                    continue
             last_finish = finish or last_finish
             body = chunk_body(
                 job.chat,
