@@ -102,11 +102,28 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate_vision(q, cos, sin), _rotate_vision(k, cos, sin)
         out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens, cu_seqlens[1:], strict=False):
-            if end > start:  # one window (or the whole image): no mask within it
-                qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-                out[start:end] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+        # windows of one length one after another (a row of windows but its last) go
+        # through attention as one batch; no mask within a window (or the whole image)
+        for start, length, count in _runs(cu_seqlens):
+            end = start + length * count
+            qs, ks, vs = (t[start:end].view(count, length, *t.shape[1:]) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs)))
+            out[start:end] = o.transpose(1, 2).reshape(end - start, *q.shape[1:])
         return self.proj(out.reshape(n, -1))
+
+
+def _runs(bounds: list[int]) -> list[tuple[int, int, int]]:
+    """(start, length, count): the consecutive segments of equal length between bounds."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        length = end - start
+        if length == 0:
+            continue
+        if runs and runs[-1][1] == length and runs[-1][0] + length * runs[-1][2] == start:
+            runs[-1] = (runs[-1][0], length, runs[-1][2] + 1)
+        else:
+            runs.append((start, length, 1))
+    return runs
 
 
 def _rotate_vision(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
