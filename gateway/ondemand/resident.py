@@ -333,6 +333,9 @@ class ModelsDir:
         gw.backend_types[backend.name] = found.kind
         gw.router.backends.append(backend)
         gw.router.add_models(backend)
+        if found.kind == "local":  # its context before it loads: the engine's settings say it
+            card = gw.router.cards[found.name]
+            card.context_length = _llama_context(found.path, spec.options)
         return True
 
     def _remove(self, entry: Entry) -> None:
@@ -355,6 +358,17 @@ class ModelsDir:
             with contextlib.suppress(Exception):
                 await entry.loading
         await self._stopped(entry)
+
+
+def _llama_context(path: str, options: dict[str, Any]) -> int:
+    """A llama.cpp model's context per request, as its engine will hold it (0 where the
+    options do not make a config: its load says why)."""
+    from backend_local import EngineConfig  # lazily: llama.cpp's, as the adapter is
+
+    try:
+        return EngineConfig(model_path=path, **options).n_ctx_per_seq
+    except (TypeError, ValueError):
+        return 0
 
 
 def of(gw: GatewayState) -> ModelsDir | None:

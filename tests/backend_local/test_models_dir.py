@@ -70,6 +70,8 @@ def test_listed_before_any_load_then_loaded_by_its_first_request(client, gateway
     assert loaded(client) == []  # nothing loaded by listing
     openai = httpx.get(f"{gateway.url}/v1/models", headers=client._client.headers).json()
     assert {m["id"] for m in openai["data"]} == {"smollm2", "smollm2-b", "gemma3", "tiny-llama"}
+    (listed,) = [m for m in openai["data"] if m["id"] == "smollm2"]
+    assert listed["max_model_len"] == 512  # --n-ctx 512 --n-parallel 1, before it loads
     # the output parsers are chosen once a model is up, not guessed (and kept) before
     assert "detecting the output parsers" not in gateway.log.read_text()
     first = client.chat("smollm2", HI, stream=False, options=SHORT)
