@@ -15,6 +15,7 @@ from backend_gpu.guided import hf_grammar_cache
 from backend_gpu.kv_tiers import TierStack, build_tiers
 from backend_gpu.loader import open_model
 from backend_gpu.lora import BaseShapes, LoRAManager
+from backend_gpu.models import ARCHITECTURES
 from backend_gpu.multimodal import ImagePrompt
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.prompt_logprobs import record_prompt_logprobs
@@ -53,11 +54,25 @@ def _is_weight(value: object) -> bool:
     return math.isfinite(value) and value > 0
 
 
+def check_vision_settings(config: EngineConfig, hf_config) -> None:
+    """A vision model (Qwen2.5-VL) runs whole in one process for now: a ValueError
+    naming the setting otherwise, before any process starts."""
+    architecture = (hf_config.architectures or [hf_config.model_type])[0]
+    if not getattr(ARCHITECTURES.get(architecture), "vision", False):
+        return
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(config, name) > 1:
+            raise ValueError(f"{name} > 1 does not work with vision models yet")
+    if config.speculative_config is not None:
+        raise ValueError("speculative_config does not work with vision models yet")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         hf_config, self.tokenizer, weights = open_model(os.fspath(config.model))
         self.hf_config = hf_config
+        check_vision_settings(config, hf_config)
         # before the target's runner: on CUDA a draft model sizes its KV cache first
         self.speculator = (
             Speculator(config, hf_config, weights, self.tokenizer)

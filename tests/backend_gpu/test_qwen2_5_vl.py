@@ -152,6 +152,10 @@ def test_max_image_pixels_lowers_the_largest_image(model_dir):
     assert processor.num_tokens(RED.width, RED.height) == 6  # 24 at the model's own bound
     with pytest.raises(ValueError, match="max_image_pixels"):
         LLM(model_dir, max_image_pixels=100)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not work with vision"):
+        LLM(model_dir, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_config does not work with vision"):
+        LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def run(llm: LLM, tokens: list[int], images: list[ImageInput], salt: str | None = None):
