@@ -38,7 +38,7 @@ from gateway.schemas.ollama import (
     held_for,
     served_name,
 )
-from gateway.serving.admission import model_card, prepare
+from gateway.serving.admission import model_card, prepare, tenant_of
 from gateway.serving.embedding import embed
 from gateway.serving.job import Job
 from gateway.serving.ollama_models import describe
@@ -111,6 +111,8 @@ async def _generation(
     principal = await gw.authenticate(request)
     body = await parse_body(request, model)
     card = _card(gw, principal, body.model)
+    if not body.load_only:
+        tenant_of(principal)  # an admin key's 403 before its model loads
     keep_alive, models = held_for(body.keep_alive), of(gw)
     if body.load_only and keep_alive == 0:  # Ollama's way to unload a model
         if models is not None and models.has(card.id):
@@ -134,6 +136,7 @@ async def embed_many(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, OllamaEmbedRequest)
     card = _card(gw, principal, body.model)
+    tenant_of(principal)
     async with held(gw, card.id, held_for(body.keep_alive)) as loaded:
         done = await embed(gw, principal, body.request)
     answer = {
@@ -151,6 +154,7 @@ async def embed_one(request: web.Request) -> web.Response:
     principal = await gw.authenticate(request)
     body = await parse_body(request, OllamaEmbeddingsRequest)
     card = _card(gw, principal, body.model)
+    tenant_of(principal)
     async with held(gw, card.id, held_for(body.keep_alive)):
         done = await embed(gw, principal, body.request)
     return json_response({"embedding": done.vectors[0]}, headers=done.headers)

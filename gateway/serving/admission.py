@@ -75,7 +75,8 @@ async def prepare(
     usage row's and x-request-id's) starts with `id_prefix`, the API's own (msg_, resp_);
     else OpenAI's for a chat or a text completion. A models directory's model is loaded
     first, and held until the request is placed on it (gateway.ondemand)."""
-    model_card(gw, principal, body.model)  # a 404 or 403 before anything loads
+    tenant_of(principal)  # a 404 or 403 before anything loads
+    model_card(gw, principal, body.model)
     async with held(gw, served_model(gw, principal, body.model), DEFAULT):
         return await _prepare(gw, principal, body, chat, id_prefix)
 

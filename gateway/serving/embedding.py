@@ -95,7 +95,8 @@ async def embed(
     for a refused request, and a failed one settles what it took). A Batch API line's
     (`batch`: its batch id and custom_id) is priced at `price`, the batch price. A models
     directory's model is loaded first and held to the end (gateway.ondemand)."""
-    model_card(gw, principal, body.model)  # a 404 or 403 before anything loads
+    tenant_of(principal)  # a 404 or 403 before anything loads
+    model_card(gw, principal, body.model)
     async with held(gw, served_model(gw, principal, body.model), DEFAULT):
         return await _embed(gw, principal, body, batch, price)
 

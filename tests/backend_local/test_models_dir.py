@@ -145,6 +145,13 @@ def test_a_hugging_face_directory_is_served_by_the_gpu_backend(client):
     assert loaded(client) == ["tiny-llama:latest"]  # --models-max 1: it took the place
 
 
+def test_an_admin_keys_chat_loads_nothing(admin, client):
+    client.generate("smollm2-b", "", keep_alive=0)  # unloaded
+    with pytest.raises(ollama.ResponseError) as e:
+        admin.chat("smollm2-b", HI, options=SHORT)
+    assert e.value.status_code == 403 and "smollm2-b:latest" not in loaded(client)
+
+
 def test_a_model_over_the_memory_budget_is_a_clear_503(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.generate("gemma3", "Once upon a time", raw=True, options=SHORT)
