@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="GB",
         help="with --models-dir: the resident models' files may add up to this much; a "
-        "load that would not fit is a 503 (default: 80%% of the machine's memory)",
+        "load that would not fit is a 503 (default: 0.8 of the machine's memory)",
     )
     serve.add_argument(
         "--keep-alive",
