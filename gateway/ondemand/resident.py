@@ -209,10 +209,12 @@ class ModelsDir:
             await entry.backend.start()
         except Exception as e:
             entry.loaded = False
+            # why, for the operator: it names the server's paths, which a client is not told
+            log.warning("models directory: %s failed to load: %s", name, e)
             log.debug("models directory: %s failed to load", name, exc_info=True)
             with contextlib.suppress(Exception):
                 await entry.backend.stop(drain=False)
-            why = f"model {name!r} failed to load: {e}"
+            why = f"model {name!r} failed to load (the gateway's log says why)"
             raise ApiError(503, why, code="model_not_loaded") from None
         finally:
             entry.loading = None

@@ -195,6 +195,14 @@ def test_the_directory_changed_by_an_admin_or_by_hand(client, admin, gateway, mo
     assert reload.status_code == 200 and reload.json()["reloaded"]
     assert "by-hand:latest" in {m.model for m in client.list().models}
     (models / "by-hand.gguf").unlink()
+    # a file that is no model: listed, and its first request a 503 that says so
+    (models / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)
+    assert httpx.post(f"{gateway.url}/admin/reload", headers=gateway.admin_headers).is_success
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat("broken", HI)
+    assert e.value.status_code == 503 and "failed to load" in e.value.error
+    assert str(models) not in e.value.error  # the server's paths are its own
+    (models / "broken.gguf").unlink()
     assert httpx.post(f"{gateway.url}/admin/reload", headers=gateway.admin_headers).is_success
     assert "by-hand:latest" not in {m.model for m in client.list().models}
     with pytest.raises(ollama.ResponseError) as e:
