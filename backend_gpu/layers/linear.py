@@ -46,6 +46,13 @@ def vocab_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """A token table left uninitialized: the loader fills it. nn.Embedding's own init
+    (normal_) on the meta device the loader builds on imports torch._dynamo, seconds at
+    every engine start for values that are overwritten."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class LMHead(nn.Linear):
     """hidden states -> logits over the vocabulary; no bias."""
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
+from backend_gpu.layers.linear import embedding
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -35,9 +36,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class BertEmbeddings(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.word_embeddings = embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers import vocab_parallel
 from backend_gpu.layers.attention import AttentionMetadata
-from backend_gpu.layers.linear import LMHead, PackedLinear
+from backend_gpu.layers.linear import LMHead, PackedLinear, embedding
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
 from backend_gpu.models.llama import (
@@ -76,7 +76,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab = VocabShard.of(config.vocab_size, tp)
-        self.embed_tokens = nn.Embedding(self.vocab.rows, config.hidden_size)
+        self.embed_tokens = embedding(self.vocab.rows, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         rotaries: dict[str, RotaryEmbedding] = {}
         layers = []

@@ -17,7 +17,7 @@ from torch import nn
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers import vocab_parallel
 from backend_gpu.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
-from backend_gpu.layers.linear import LMHead, PackedLinear
+from backend_gpu.layers.linear import LMHead, PackedLinear, embedding
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
 from backend_gpu.tp_shards import VocabShard, local_heads
@@ -114,7 +114,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab = VocabShard.of(config.vocab_size, tp)
-        self.embed_tokens = nn.Embedding(self.vocab.rows, config.hidden_size)
+        self.embed_tokens = embedding(self.vocab.rows, config.hidden_size)
         rotary = rotary or RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, *rope_settings(config)
         )

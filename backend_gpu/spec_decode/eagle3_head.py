@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
-from backend_gpu.layers.linear import LMHead, PackedLinear
+from backend_gpu.layers.linear import LMHead, PackedLinear, embedding
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
 from backend_gpu.loader import Checkpoint, text_model_name
@@ -80,7 +80,7 @@ class Eagle3Model(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens = embedding(config.vocab_size, h)
         self.fc = nn.Linear(3 * h, h, bias=False)
         rotary = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, *rope_settings(config)
