@@ -138,6 +138,14 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
             return None
         return self._engine.engine.runner.vision
 
+    @property
+    def image_token_id(self) -> int | None:
+        """A vision model's image placeholder token (a worker's /v1/models tells it, so a
+        gateway keys an image's blocks as this engine does); None: it takes no images."""
+        if self._vision() is None:
+            return None
+        return self._engine.engine.hf_config.image_token_id
+
     async def render_chat(
         self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
     ) -> list[int]:

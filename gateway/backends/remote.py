@@ -51,8 +51,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine_api.block_hash import adapter_root, hash_blocks
+from engine_api.block_hash import adapter_root, hash_blocks, image_key_spans
 from engine_api.errors import BackendError, BadRequestError
+from engine_api.images import ImageInput
 from engine_api.records import (
     EMBED,
     GENERATE,
@@ -219,7 +220,13 @@ class RemoteBackend:
         # an embedding upstream judges `dimensions` itself: the gateway passes it on
         truncatable = self.task == EMBED
         card = ModelCard(self.model_id, self.name, self._context_length() or 0)
-        return [dataclasses.replace(card, task=self.task, truncatable=truncatable)]
+        vision = self._vision  # a worker's vision model: its images go to it as pixels
+        return [dataclasses.replace(card, task=self.task, truncatable=truncatable, vision=vision)]
+
+    @property
+    def _vision(self) -> bool:
+        info = self.monitor.info
+        return info is not None and info.worker is not None and info.vision
 
     @property
     def role(self) -> str:
@@ -268,7 +275,8 @@ class RemoteBackend:
         /tokenize, /apply-template or /chat/completions, a kvgate worker's /tokenize), or
         rendered with here (options.tokenizer)."""
         check_model(model, self.model_id)
-        refuse_images(model, prompt)  # an upstream's vision is not carried yet
+        if not self._vision:  # a third-party upstream gets none (docs/apis.md: Images)
+            refuse_images(model, prompt)
         if not prompt:
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         if self.text_bound:
@@ -501,19 +509,29 @@ class RemoteBackend:
         cache_salt: str | None,
         shared_prefix_len: int = 0,
         adapter: AdapterRef | None = None,
+        images: list[ImageInput] | None = None,
     ) -> list[str]:
-        """As the worker's engine keys its cache (under the adapter's chain root); for an
-        upstream without events, as the record of what this gateway sent it keys its
-        blocks (an adapter's prompts are not recorded: none is routed by it)."""
+        """As the worker's engine keys its cache (under the adapter's chain root, an
+        image's placeholder blocks keyed by its digest); for an upstream without events,
+        as the record of what this gateway sent it keys its blocks (an adapter's prompts
+        are not recorded: none is routed by it)."""
         info = self.monitor.info
         worker = info.worker if info else None
         if info is not None and worker is None:
             return [] if adapter else self.sent.hashes(token_ids, cache_salt, shared_prefix_len)
         if worker is None or not worker.prefix_events or not worker.block_size:
             return []
+        keys = None
+        if images and worker.image_token_id is not None:
+            try:
+                digests = [im.digest for im in images]
+                keys = image_key_spans(token_ids, worker.image_token_id, digests)
+            except BadRequestError:  # placeholders that do not pair: the worker refuses it
+                return []
         root = adapter_root(adapter)
         size = worker.block_size
-        return [h.hex() for h in hash_blocks(token_ids, size, cache_salt, shared_prefix_len, root)]
+        hashes = hash_blocks(token_ids, size, cache_salt, shared_prefix_len, root, extra_keys=keys)
+        return [h.hex() for h in hashes]
 
     def kv_events(self) -> list[KVEvent]:
         return self.monitor.events.take() + self.sent.take()

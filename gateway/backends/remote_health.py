@@ -46,6 +46,7 @@ class UpstreamInfo:
     worker: WorkerInfo | None  # None: a third-party server
     found: Found = Found()  # a third-party server's probed context length and tokenizer
     task: str | None = None  # what its /v1/models entry says the model does (a worker's)
+    vision: bool = False  # a worker's model takes images (its /v1/models entry's `vision`)
 
 
 def parse_models(data: Any, wanted: str | None, default: str, label: str) -> dict:
@@ -198,7 +199,8 @@ class Monitor:
         if length is not None:
             found = dataclasses.replace(found, context_length=length, context_from="/v1/models")
         task = entry.get("task") if entry.get("task") in (GENERATE, EMBED) else None
-        self.info = UpstreamInfo(entry["id"], found.context_length, worker, found, task)
+        vision = worker is not None and entry.get("vision") is True
+        self.info = UpstreamInfo(entry["id"], found.context_length, worker, found, task, vision)
         if worker is None and (previous is None or previous.model != entry["id"]):
             announce(self._name, entry["id"], found, self.configured)
         if worker is not None and worker.prefix_events and not self._polling_events:

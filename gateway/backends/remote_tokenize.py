@@ -16,6 +16,7 @@ from typing import Any
 from engine_api.errors import BackendError, BadRequestError
 from gateway.backends.remote_discovery import LLAMA_CPP_PYTHON, LLAMA_SERVER
 from gateway.backends.remote_http import UpstreamClient
+from gateway.backends.remote_images import json_body, outgoing
 from gateway.backends.tool_prompt import plain_tool_turns
 
 log = logging.getLogger("kvgate.remote")
@@ -33,19 +34,20 @@ async def tokenize(
 ) -> list[int]:
     """The token ids the upstream makes of a string or a chat (`relay`: a worker's 400
     is passed on in its words), the chat with its template's variables `kwargs` (vLLM's
-    and llama-server's chat_template_kwargs)."""
+    and llama-server's chat_template_kwargs) and its images (a worker's: remote_images)."""
+    body: dict[str, Any] | bytes
     if kind == LLAMA_SERVER:
         body = await llama_server_tokenize_body(client, prompt, tools, kwargs)
+    elif isinstance(prompt, str):
+        body = {"model": model, "prompt": prompt}
     else:
-        body = {"model": model}
-        if isinstance(prompt, str):
-            body["prompt"] = prompt
-        else:
-            body |= {"messages": prompt, "add_generation_prompt": True}
-            if tools:
-                body["tools"] = tools  # vLLM's /tokenize takes them, as a worker's does
-            if kwargs:
-                body["chat_template_kwargs"] = kwargs
+        messages, images = outgoing(prompt)
+        chat = {"model": model, "messages": messages, "add_generation_prompt": True}
+        if tools:
+            chat["tools"] = tools  # vLLM's /tokenize takes them, as a worker's does
+        if kwargs:
+            chat["chat_template_kwargs"] = kwargs
+        body = await json_body(chat, images)
     data = await client.json("POST", client.endpoint.root + "/tokenize", body, relay=relay)
     tokens = data.get("tokens") if isinstance(data, dict) else None
     if not isinstance(tokens, list) or not all(

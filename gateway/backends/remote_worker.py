@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import typing
@@ -50,21 +51,27 @@ class WorkerInfo:
     prefix_events: bool
     epoch: str
     role: str = BOTH  # prefill | decode | both; a worker from before roles says none
+    # a vision model's image placeholder token: the gateway keys an image's blocks by its
+    # digest as the worker's engine does (None: the model takes no images)
+    image_token_id: int | None = None
 
     @classmethod
     def parse(cls, data: Any, label: str) -> WorkerInfo:
         d = data if isinstance(data, dict) else {}
         block_size = d.get("block_size")
+        image_token_id = d.get("image_token_id")
         ok = (
             isinstance(d.get("backend"), str)
             and (block_size is None or _is_int(block_size) and block_size > 0)
             and isinstance(d.get("prefix_events"), bool)
             and isinstance(d.get("epoch"), str)
             and d.get("role", BOTH) in ROLES
+            and (image_token_id is None or _is_int(image_token_id) and image_token_id >= 0)
         )
         if not ok:
             raise BackendError(f"{label} sent an invalid kvgate model entry")
-        return cls(d["backend"], block_size, d["prefix_events"], d["epoch"], d.get("role", BOTH))
+        role = d.get("role", BOTH)
+        return cls(d["backend"], block_size, d["prefix_events"], d["epoch"], role, image_token_id)
 
 
 def _is_int(v: Any) -> bool:
@@ -79,7 +86,8 @@ async def worker_stream(
     `progress`, the worker first stops it and says how much of its prompt the engine
     computed (remote_abort.py)."""
     url = client.endpoint.root + "/kvgate/v1/generate"
-    resp = await opened(client, url, req.to_dict(), req.request_id, progress)
+    body: Any = req.to_dict() if not req.images else await asyncio.to_thread(_encoded, req)
+    resp = await opened(client, url, body, req.request_id, progress)
     finished = False
     try:
         if resp.status != 200:
@@ -110,6 +118,11 @@ async def worker_stream(
             resp.release()  # complete: the connection goes back to the pool
         else:
             resp.close()  # the worker sees the connection close and aborts the request
+
+
+def _encoded(req: GenRequest) -> bytes:
+    """A request with images as JSON bytes (their pixels' base64: off the event loop)."""
+    return json.dumps(req.to_dict()).encode()
 
 
 async def check_adapter(client: UpstreamClient, ref: AdapterRef) -> None:

@@ -14,6 +14,7 @@ the worker has one; errors leave OpenAI-shaped, as the gateway's do.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 
@@ -22,12 +23,14 @@ from aiohttp import web
 from engine_api.errors import BackendError, BadRequestError
 from gateway.backends.base import ChatTemplateBackend
 from gateway.backends.capabilities import supports
+from gateway.backends.remote_images import IMAGE_RECORD_BYTES, placed
+from gateway.config import Settings
 from gateway.http.drain import DRAIN, drain_guard
 from gateway.http.errors import ApiError
 from gateway.http.middleware import openai_errors
 from gateway.http.traced import traced_requests
 from gateway.http.util import SETTINGS, json_response, parse_body
-from gateway.schemas.inference import DetokenizeRequest, TokenizeRequest
+from gateway.schemas.inference import DetokenizeRequest
 from gateway.schemas.openai_format import model_entry
 from gateway.worker import adapters
 from gateway.worker.completions import completions
@@ -36,6 +39,7 @@ from gateway.worker.errors import api_error
 from gateway.worker.generate import abort, generate
 from gateway.worker.kv_export import export_kv
 from gateway.worker.kv_pull import EXPORT_PATH
+from gateway.worker.schemas import WorkerTokenizeRequest
 from gateway.worker.state import WORKER, WorkerState
 
 MAX_WAIT_S = 30.0  # the longest long poll of /kvgate/v1/kv_events
@@ -83,6 +87,8 @@ async def list_models(request: web.Request) -> web.Response:
         "epoch": state.epoch,
         "role": state.role,
     }
+    if (image_token_id := getattr(state.backend, "image_token_id", None)) is not None:
+        kvgate["image_token_id"] = image_token_id  # a vision model's (remote_images.py)
     created = int(state.started_at)
     data = [model_entry(card, created) | {"kvgate": kvgate} for card in state.backend.models()]
     return json_response({"object": "list", "data": data})
@@ -90,15 +96,17 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[WORKER]
-    body = await parse_body(request, TokenizeRequest)
+    body = await parse_body(request, WorkerTokenizeRequest)
     card = state.card(body.model)
     try:
         backend, kwargs = state.backend, body.chat_template_kwargs
+        # the gateway's decoded images in their places (remote_images.py)
+        limit = state.settings.max_images_per_request
+        rendered = await asyncio.to_thread(placed, body.rendered(), body.images or [], limit)
         if kwargs and supports(backend, ChatTemplateBackend):  # the template's variables
-            rendered, tools = body.rendered(), body.tool_dicts()
-            tokens = await backend.render_chat(body.model, rendered, tools, kwargs)
+            tokens = await backend.render_chat(body.model, rendered, body.tool_dicts(), kwargs)
         else:
-            tokens = await backend.render(body.model, body.rendered(), body.tool_dicts())
+            tokens = await backend.render(body.model, rendered, body.tool_dicts())
     except (BadRequestError, BackendError) as e:
         raise api_error(e) from None
     return json_response(
@@ -146,9 +154,16 @@ def _number(query, name: str, kind: type, low: float, high: float, default):
     return value
 
 
+def worker_body_bytes(settings: Settings) -> int:
+    """The largest body a worker reads: a request's own bytes, plus room for as many
+    images as the gateway takes, as base64 RGB (gateway/backends/remote_images.py)."""
+    per_image = 4 * settings.max_image_pixels + IMAGE_RECORD_BYTES
+    return settings.max_body_bytes + settings.max_images_per_request * per_image
+
+
 def create_worker_app(state: WorkerState) -> web.Application:
     app = web.Application(
-        client_max_size=state.settings.max_body_bytes,
+        client_max_size=worker_body_bytes(state.settings),
         middlewares=[openai_errors, require_token, drain_guard],
     )
     app[WORKER] = state

@@ -15,7 +15,7 @@ from pydantic import RootModel, field_validator
 
 from gateway.schemas.base import StrictBody
 from gateway.schemas.fields import Name, Priority
-from gateway.schemas.inference import CompletionRequest
+from gateway.schemas.inference import CompletionRequest, TokenizeRequest
 
 
 class WorkerCompletionRequest(CompletionRequest):
@@ -39,6 +39,14 @@ class WorkerCompletionRequest(CompletionRequest):
         if v != 1:
             raise ValueError("a worker serves n = 1 only")
         return v
+
+
+class WorkerTokenizeRequest(TokenizeRequest):
+    """The gateway's /tokenize body, with a chat's images (ImageInput records, placed
+    where its image_url parts say `kvgate:image`: gateway/backends/remote_images.py);
+    their count is checked against max_images_per_request where they are placed."""
+
+    images: list[dict[str, Any]] | None = None
 
 
 class AbortRequest(StrictBody):

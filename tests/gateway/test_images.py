@@ -271,8 +271,8 @@ async def test_every_form_is_checked_where_it_stands(gw):
 
 
 async def test_a_remote_upstream_is_sent_no_images(make_gateway):
-    """A remote entry's card does not say vision (its upstream's cannot be told yet):
-    an image is refused at the gateway and never reaches the upstream."""
+    """A third-party upstream's card does not say vision (only a kvgate worker's does:
+    test_images_workers.py): an image is refused at the gateway and never reaches it."""
     async with BareUpstream() as up:
         front = await make_gateway([BackendSpec("up", "remote", "gemma", "", {"url": up.url})])
         _, key = await front.tenant()

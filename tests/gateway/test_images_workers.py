@@ -1,0 +1,130 @@
+"""Images through kvgate workers (issue 52): a real `kvgate serve --workers 1` serving the
+tiny Qwen2.5-VL (CPU here) answers the official `openai` client's chat with a picture as
+the in-process gpu backend does (the same words, prompt and image tokens), its card says
+vision, and the same picture again is a prefix-cache hit in the worker while another of
+the same size is not. Behind a remote entry, an in-process worker: the gateway renders a
+chat with images through the worker's /tokenize (the pixels as base64 records), keys the
+blocks for routing as the worker's engine does (its placeholder id from the worker's
+/v1/models), and the worker refuses image parts it was not sent, too many images, and
+pixels whose digest is not theirs."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+
+from gateway.backends import BackendSpec, build_backends
+from gateway.backends.remote_images import IMAGE_REF
+from gateway.config import Settings
+from gateway.http.server import GatewayTestServer
+from gateway.worker.app import create_worker_app, worker_body_bytes
+from gateway.worker.state import WorkerState
+from tests.backend_gpu.tiny_qwen2_5_vl import save_tiny_qwen2_5_vl, scene, scene_input
+from tests.conftest import start_gateway
+
+TEXT = "Describe the picture in a few words, please, as briefly as you can manage it."
+RED, BLUE = scene_input(300, 200, 1), scene_input(300, 200, 7)
+
+
+def encoded(seed: int) -> str:
+    out = io.BytesIO()
+    scene(300, 200, seed).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def ask(url: str) -> list[dict]:
+    parts = [{"type": "text", "text": TEXT}, {"type": "image_url", "image_url": {"url": url}}]
+    return [{"role": "user", "content": parts}]
+
+
+def chat(image) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": TEXT}, image]}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_dir):
+    args = ["--backend", "gpu", "--model", model_dir, "--served-model-name", "tiny-vl"]
+    gw = start_gateway(tmp_path_factory.mktemp("served"), *args, "--workers", "1", timeout=300)
+    yield gw
+    gw.stop()
+
+
+async def test_a_worker_answers_as_the_in_process_backend(served, make_gateway, model_dir):
+    ref = await make_gateway([BackendSpec("vl", "gpu", model_dir, "tiny-vl", {"seed": 1})])
+    _, ref_key = await ref.tenant()
+    _, key = served.tenant_key("acme")
+    clients = [
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=k, max_retries=0)
+        for url, k in ((ref.url, ref_key), (served.url, key))
+    ]
+    for client in clients:
+        assert [m.vision for m in (await client.models.list()).data] == [True]
+
+    async def reply(client, seed: int):
+        return await client.chat.completions.create(
+            model="tiny-vl", messages=ask(encoded(seed)), max_tokens=6, temperature=0
+        )
+
+    expected, first = [await reply(c, 1) for c in clients]
+    assert first.choices[0].message.content == expected.choices[0].message.content
+    assert first.usage.prompt_tokens == expected.usage.prompt_tokens
+    image_tokens = first.usage.prompt_tokens_details.image_tokens
+    assert image_tokens == expected.usage.prompt_tokens_details.image_tokens > 0
+    again, other = await reply(clients[1], 1), await reply(clients[1], 7)
+    assert again.choices[0].message.content == expected.choices[0].message.content
+    # the repeat hits every full block but the last; the other picture only the blocks
+    # before its placeholders
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    cached = other.usage.prompt_tokens_details.cached_tokens
+    assert cached < again.usage.prompt_tokens_details.cached_tokens
+
+
+async def test_routing_keys_and_the_workers_tokenize(make_gateway, model_dir):
+    spec = BackendSpec("vl", "gpu", model_dir, "tiny-vl", {"seed": 1})
+    settings = Settings(backend="gpu", max_images_per_request=2, max_image_pixels=300 * 200)
+    state = WorkerState(settings, build_backends(spec)[0], "gpu", None)
+    app = create_worker_app(state)
+    assert app._client_max_size == worker_body_bytes(settings) > 2 * 4 * 300 * 200
+    worker = GatewayTestServer(app, state.settings)
+    await state.backend.start()
+    await worker.start_server()
+    try:
+        url = str(worker.make_url("/v1"))
+        gw = await make_gateway([BackendSpec("up", "remote", "tiny-vl", "up", {"urls": [url]})])
+        (remote,) = gw.state.backends
+        assert [c.vision for c in remote.models()] == [True]
+        ids = await remote.render("up", chat({"type": "image", "image": RED}))
+        assert ids == await state.backend.render("tiny-vl", chat({"type": "image", "image": RED}))
+        keys = remote.block_hashes(ids, "t", images=[RED])
+        assert keys and keys == state.backend.block_hashes(ids, "t", images=[RED])
+        blue = remote.block_hashes(ids, "t", images=[BLUE])
+        assert blue[0] == keys[0] and blue[-1] != keys[-1]  # keyed by what it shows
+
+        ref = {"type": "image_url", "image_url": {"url": IMAGE_REF}}
+        body = {"model": "tiny-vl", "messages": chat(ref), "images": [RED.to_dict()]}
+        tampered = RED.to_dict() | {"digest": BLUE.digest}
+        async with httpx.AsyncClient(base_url=str(worker.make_url(""))) as http:
+            assert (await http.post("/tokenize", json=body)).json()["tokens"] == ids
+            cases = {
+                "not_sent": body | {"images": []},
+                "another_url": body | {"messages": ask(encoded(1))},
+                "too_many": body | {"images": [RED.to_dict()] * 3},
+                "unplaced": body | {"images": [RED.to_dict()] * 2},
+                "tampered": body | {"images": [tampered]},
+            }
+            for case, sent in cases.items():
+                r = await http.post("/tokenize", json=sent)
+                assert r.status_code == 400, (case, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error", case
+    finally:
+        await worker.close()
+        await state.backend.stop(drain=False)
