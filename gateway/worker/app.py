@@ -162,15 +162,19 @@ def worker_body_bytes(settings: Settings) -> int:
 
 
 def create_worker_app(state: WorkerState) -> web.Application:
+    # a body may carry a request's images as pixels (gateway/backends/remote_images.py)
+    body_limited = dataclasses.replace(
+        state.settings, max_body_bytes=worker_body_bytes(state.settings)
+    )
     app = web.Application(
-        client_max_size=worker_body_bytes(state.settings),
+        client_max_size=body_limited.max_body_bytes,
         middlewares=[openai_errors, require_token, drain_guard],
     )
     app[WORKER] = state
     if state.tracing is not None:  # outermost; off, not even a middleware
         app.middlewares.insert(0, traced_requests(lambda a: a[WORKER].tracing, UNTRACED))
     app[DRAIN] = state.drain
-    app[SETTINGS] = state.settings
+    app[SETTINGS] = body_limited  # parse_body's limit too
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/models", list_models)

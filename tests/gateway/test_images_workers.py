@@ -21,6 +21,7 @@ from gateway.backends import BackendSpec, build_backends
 from gateway.backends.remote_images import IMAGE_REF
 from gateway.config import Settings
 from gateway.http.server import GatewayTestServer
+from gateway.http.util import SETTINGS
 from gateway.worker.app import create_worker_app, worker_body_bytes
 from gateway.worker.state import WorkerState
 from tests.backend_gpu.tiny_qwen2_5_vl import save_tiny_qwen2_5_vl, scene, scene_input
@@ -28,6 +29,7 @@ from tests.conftest import start_gateway
 
 TEXT = "Describe the picture in a few words, please, as briefly as you can manage it."
 RED, BLUE = scene_input(300, 200, 1), scene_input(300, 200, 7)
+BODY = 200_000  # the served gateway's max_body_bytes: its PNGs fit, their pixels do not
 
 
 def encoded(seed: int) -> str:
@@ -53,7 +55,12 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model_dir):
     args = ["--backend", "gpu", "--model", model_dir, "--served-model-name", "tiny-vl"]
-    gw = start_gateway(tmp_path_factory.mktemp("served"), *args, "--workers", "1", timeout=300)
+    # a body limit below an image's base64 pixels (240 kB): the worker's limit is derived
+    # from the image limits the gateway passes it, or its /tokenize would be a 413
+    config = f"[server]\nmax_body_bytes = {BODY}\nmax_image_pixels = 90000\n"
+    gw = start_gateway(
+        tmp_path_factory.mktemp("served"), *args, "--workers", "1", config=config, timeout=300
+    )
     yield gw
     gw.stop()
 
@@ -93,7 +100,8 @@ async def test_routing_keys_and_the_workers_tokenize(make_gateway, model_dir):
     settings = Settings(backend="gpu", max_images_per_request=2, max_image_pixels=300 * 200)
     state = WorkerState(settings, build_backends(spec)[0], "gpu", None)
     app = create_worker_app(state)
-    assert app._client_max_size == worker_body_bytes(settings) > 2 * 4 * 300 * 200
+    limit = worker_body_bytes(settings)
+    assert app._client_max_size == app[SETTINGS].max_body_bytes == limit > 2 * 4 * 300 * 200
     worker = GatewayTestServer(app, state.settings)
     await state.backend.start()
     await worker.start_server()
