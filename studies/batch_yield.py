@@ -18,6 +18,7 @@ The engines' answers are of fixed length (`ignore_eos`).
 
     .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json
     .venv/bin/python -m studies.batch_yield --backend gpu --lines 48 --out docs/perf/batch_yield_gpu.json
+    python3 -m studies.batch_yield --backend gpu --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --heads 16 --kv-cache-mib 4096 --lines 48 --interactive 20
     .venv/bin/python -m studies.batch_yield --backend local --lines 40 --interactive 10 --max-tokens 8 --out docs/perf/batch_yield_local.json
 """
 
@@ -41,10 +42,7 @@ CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}
 def config(args: argparse.Namespace, tmp: Path) -> str:
     server = f"[server]\nbatch_in_flight = {args.batch_in_flight}\n\n"
     if args.backend == "gpu":
-        from bench.tiny_model import build_tiny_llama
-
-        model = str(build_tiny_llama(tmp / "model"))
-        return server + toml_backend("fake", "gpu", "fake", model, max_num_seqs=2)
+        return server + gpu_backend(args, tmp)
     if args.backend == "local":
         # one thread: llama.cpp's threads spin at each op's barrier, and beside other jobs
         # on a shared machine a second one made an 8-token request 6x slower (PERF.md)
@@ -55,6 +53,24 @@ def config(args: argparse.Namespace, tmp: Path) -> str:
         tokens_per_second=args.tokens_per_second,
     )  # fmt: skip
     return server + fake
+
+
+def gpu_backend(args: argparse.Namespace, tmp: Path) -> str:
+    """The gpu engine's entry: bench.tiny_model's random Llama (its default shape, or the
+    one asked for), on the device and in the dtype asked for (the engine's "auto": CUDA
+    when torch sees a GPU), with a KV cache of `--kv-cache-mib` where given."""
+    from bench.tiny_model import build_tiny_llama
+
+    shape = {}
+    if args.hidden:
+        shape = {"hidden_size": args.hidden, "num_layers": args.layers}
+        shape |= {"num_heads": args.heads, "num_kv_heads": max(1, args.heads // 2)}
+        shape |= {"vocab_size": args.vocab}
+    model = str(build_tiny_llama(tmp / "model", **shape))
+    options: dict = {"max_num_seqs": 2, "device": args.device, "dtype": args.dtype}
+    if args.kv_cache_mib:
+        options["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
+    return toml_backend("fake", "gpu", "fake", model, **options)
 
 
 async def one(http: httpx.AsyncClient, key: str, max_tokens: int) -> tuple[float, int]:
@@ -153,7 +169,7 @@ async def phases(url: str, args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lines", type=int, default=160, help="lines in the batch")
     p.add_argument("--interactive", type=int, default=30, help="interactive requests a phase")
@@ -162,8 +178,20 @@ def main() -> None:
     p.add_argument("--tokens-per-second", type=float, default=400)
     p.add_argument("--batch-in-flight", type=int, default=4)
     p.add_argument("--backend", choices=("fake", "gpu", "local"), default="fake")
+    gpu = p.add_argument_group("--backend gpu: the engine and its random Llama")
+    gpu.add_argument("--device", default="auto", help="auto: CUDA when torch sees a GPU")
+    gpu.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, else float32")
+    gpu.add_argument("--hidden", type=int, default=0, help="0: bench.tiny_model's shape")
+    gpu.add_argument("--layers", type=int, default=8)
+    gpu.add_argument("--heads", type=int, default=16)
+    gpu.add_argument("--vocab", type=int, default=32000)
+    gpu.add_argument("--kv-cache-mib", type=int, default=0, help="0: the engine's default")
     p.add_argument("--out", type=Path)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.backend != "fake":
         CHAT["ignore_eos"] = True  # every answer max_tokens long, lines and interactive
     with (

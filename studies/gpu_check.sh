@@ -126,5 +126,15 @@ step eagle3_verify "${EAGLE3_S:-120}" "$python" -m studies.eagle3_gpu --out "$ou
 step vision_cache "${VISION_S:-240}" "$python" -m studies.vision_cache --device cuda \
     --dtype bfloat16 --hidden 1024 --layers 8 --vision-hidden 1280 --vision-depth 16 \
     --image-size 896 --kv-cache-mib 2048 --out "$out"
+# issue 50: batch lines beside interactive requests on the gpu engine with 2 sequence slots
+# (a random Llama of hidden 2048 and 8 layers in bfloat16, 16 tokens a request): the
+# interactive median alone against beside a running batch (goal 1.5x) and beside the same
+# lines as ordinary requests, the batch's tokens/s idle against ordinary requests' (goal 0.9x).
+# It runs a whole `kvgate serve`: the gateway's packages the image lacks (pydantic,
+# sqlalchemy, alembic, aiosqlite, asyncpg, orjson, redis, llguidance, opentelemetry-api and
+# their needs, as a probe of the imports on the CPU found) must be wheels in .whl/
+step batch_yield "${BATCH_S:-120}" "$python" -m studies.batch_yield --backend gpu \
+    --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --heads 16 --vocab 32000 \
+    --kv-cache-mib 4096 --lines 48 --interactive 20 --out "$out/batch_yield.json"
 # new steps above this line
 exit "$tests"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from studies import gpu_check
+from studies import batch_yield, gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +67,28 @@ def test_steps_picks_the_parts_to_run(tmp_path):
     logs = sorted(p.name for p in tmp_path.glob("*.log"))
     assert logs == ["lora_kernels.log"]
     assert "-m studies.lora_kernels --out" in (tmp_path / "lora_kernels.log").read_text()
+
+
+def test_batch_yield_step_asks_for_the_engine_on_cuda(tmp_path):
+    """Issue 50's step: its command line is one the study takes, and puts the gpu engine
+    on CUDA in bfloat16 with two slots and a 4 GiB KV cache (the model itself is built
+    here smaller than the step's hidden 2048, to stay quick)."""
+    env = dict(os.environ, STEPS="batch_yield", PYTHON="echo")
+    subprocess.run(["bash", str(ROOT / "studies/gpu_check.sh"), str(tmp_path)], env=env, check=True)
+    argv = shlex.split((tmp_path / "batch_yield.log").read_text().splitlines()[0])
+    assert argv[:2] == ["-m", "studies.batch_yield"]
+    args = batch_yield.parse_args(argv[2:])
+    assert (args.backend, args.hidden, args.layers) == ("gpu", 2048, 8)
+    args.hidden, args.layers, args.heads, args.vocab = 64, 2, 4, 300
+    entry = tomllib.loads(batch_yield.gpu_backend(args, tmp_path))["backends"][0]
+    assert entry["type"] == "gpu"
+    assert entry["options"] == {
+        "max_num_seqs": 2, "device": "cuda", "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 4096 << 20,
+    }  # fmt: skip
+    model = json.loads((Path(entry["model"]) / "config.json").read_text())
+    assert (model["hidden_size"], model["num_hidden_layers"], model["vocab_size"]) == (64, 2, 300)
+    assert model["num_key_value_heads"] == 2
 
 
 @pytest.mark.timeout(600)
