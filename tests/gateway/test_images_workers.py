@@ -112,6 +112,9 @@ async def test_routing_keys_and_the_workers_tokenize(make_gateway, model_dir):
         assert [c.vision for c in remote.models()] == [True]
         ids = await remote.render("up", chat({"type": "image", "image": RED}))
         assert ids == await state.backend.render("tiny-vl", chat({"type": "image", "image": RED}))
+        _, key = await gw.tenant()  # the gateway's /tokenize: decoded, then the worker's
+        r = await gw.post("/tokenize", key, {"model": "up", "messages": ask(encoded(1))})
+        assert (await r.json())["tokens"] == ids
         keys = remote.block_hashes(ids, "t", images=[RED])
         assert keys and keys == state.backend.block_hashes(ids, "t", images=[RED])
         blue = remote.block_hashes(ids, "t", images=[BLUE])
