@@ -22,7 +22,7 @@ from typing import Any
 
 from engine_api.errors import BadRequestError
 from engine_api.images import ImageInput
-from engine_api.records import PromptInput
+from engine_api.records import GenRequest, PromptInput
 
 IMAGE_REF = "kvgate:image"  # an image part's URL on the wire: the next of `images`
 IMAGE_RECORD_BYTES = 512  # an image record's JSON besides its pixels (digest, size, keys)
@@ -57,6 +57,14 @@ async def json_body(body: dict[str, Any], images: list[ImageInput]) -> dict[str,
         return json.dumps(body | {"images": [im.to_dict() for im in images]}).encode()
 
     return await asyncio.to_thread(encode)
+
+
+async def request_body(req: GenRequest) -> dict[str, Any] | bytes:
+    """A GenRequest as the body of a worker's /generate or /kv/export: with images,
+    JSON bytes encoded off the event loop."""
+    if not req.images:
+        return req.to_dict()
+    return await asyncio.to_thread(lambda: json.dumps(req.to_dict()).encode())
 
 
 def placed(prompt: PromptInput, images: list[Any], max_images: int) -> PromptInput:

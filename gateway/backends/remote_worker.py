@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import typing
@@ -38,6 +37,7 @@ from gateway.backends.remote_http import (
     relayed_adapter_error,
     stream_error,
 )
+from gateway.backends.remote_images import request_body
 
 log = logging.getLogger("kvgate.remote")
 
@@ -86,7 +86,7 @@ async def worker_stream(
     `progress`, the worker first stops it and says how much of its prompt the engine
     computed (remote_abort.py)."""
     url = client.endpoint.root + "/kvgate/v1/generate"
-    body: Any = req.to_dict() if not req.images else await asyncio.to_thread(_encoded, req)
+    body = await request_body(req)  # its images' pixels: encoded off the loop
     resp = await opened(client, url, body, req.request_id, progress)
     finished = False
     try:
@@ -118,11 +118,6 @@ async def worker_stream(
             resp.release()  # complete: the connection goes back to the pool
         else:
             resp.close()  # the worker sees the connection close and aborts the request
-
-
-def _encoded(req: GenRequest) -> bytes:
-    """A request with images as JSON bytes (their pixels' base64: off the event loop)."""
-    return json.dumps(req.to_dict()).encode()
 
 
 async def check_adapter(client: UpstreamClient, ref: AdapterRef) -> None:

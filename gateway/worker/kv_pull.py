@@ -25,6 +25,7 @@ from engine_api.errors import BackendError, BadRequestError
 from engine_api.records import GenRequest
 from gateway.backends import Backend
 from gateway.backends.kv_transfer import KVTransferBackend, unpack_records
+from gateway.backends.remote_images import request_body
 
 log = logging.getLogger("kvgate.worker")
 EXPORT_PATH = "/kvgate/v1/kv/export"
@@ -87,9 +88,12 @@ class KVPuller:
             self._http = aiohttp.ClientSession(auto_decompress=False)
         headers = {} if self.token is None else {"Authorization": f"Bearer {self.token}"}
         url = source.rstrip("/") + EXPORT_PATH
-        async with self._http.post(
-            url, json=req.to_dict(), headers=headers, allow_redirects=False
-        ) as resp:
+        body = await request_body(req)  # its images' pixels: encoded off the loop
+        if isinstance(body, bytes):
+            sent = {"data": body, "headers": headers | {"Content-Type": "application/json"}}
+        else:
+            sent = {"json": body, "headers": headers}
+        async with self._http.post(url, allow_redirects=False, **sent) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
             return await resp.read()
