@@ -102,7 +102,10 @@ async def tokenize(request: web.Request) -> web.Response:
         backend, kwargs = state.backend, body.chat_template_kwargs
         # the gateway's decoded images in their places (remote_images.py)
         limit = state.settings.max_images_per_request
-        rendered = await asyncio.to_thread(placed, body.rendered(), body.images or [], limit)
+        if body.images:  # megabytes of base64 to decode and hash: off the loop
+            rendered = await asyncio.to_thread(placed, body.rendered(), body.images, limit)
+        else:  # an image part without its pixels is refused
+            rendered = placed(body.rendered(), [], limit)
         if kwargs and supports(backend, ChatTemplateBackend):  # the template's variables
             tokens = await backend.render_chat(body.model, rendered, body.tool_dicts(), kwargs)
         else:

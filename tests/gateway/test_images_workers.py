@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.backends import BackendSpec, build_backends
+from gateway.backends import BackendSpec, GenRequest, SamplingParams, build_backends
 from gateway.backends.remote_images import IMAGE_REF
 from gateway.config import Settings
 from gateway.http.server import GatewayTestServer
@@ -132,6 +132,9 @@ async def test_routing_keys_and_the_workers_tokenize(make_gateway, model_dir):
                 "unplaced": body | {"images": [RED.to_dict()] * 2},
                 "tampered": body | {"images": [tampered]},
             }
+            gen = GenRequest("r1", "tiny-vl", ids, SamplingParams(max_tokens=2), images=[RED] * 3)
+            r = await http.post("/kvgate/v1/generate", json=gen.to_dict())
+            assert r.status_code == 400 and "max_images_per_request" in r.text
             for case, sent in cases.items():
                 r = await http.post("/tokenize", json=sent)
                 assert r.status_code == 400, (case, r.text)
