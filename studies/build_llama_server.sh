@@ -13,7 +13,7 @@ OUT=${OUT:-.cache/llama-server}
 mkdir -p "$OUT/sdist"
 SDIST=$(ls "$OUT"/sdist/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)
 if [ -z "$SDIST" ]; then
-  .venv/bin/pip download "llama-cpp-python==$VERSION" --no-deps --no-binary :all: -d "$OUT/sdist"
+  .venv/bin/pip download "llama-cpp-python==$VERSION" --no-deps --no-binary llama-cpp-python -d "$OUT/sdist"
   SDIST="$OUT/sdist/llama_cpp_python-$VERSION.tar.gz"
 fi
 SRC="$OUT/src/llama_cpp_python-$VERSION"
