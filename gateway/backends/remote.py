@@ -30,7 +30,9 @@ workers, gateway/serving/prefill_apart.py; default: what the worker says, else b
 `kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
-over HTTP), so it routes by prefix like an in-process replica. A third-party upstream
+over HTTP), so it routes by prefix like an in-process replica; a vision model's worker
+takes a chat's images as the pixels the gateway decoded (remote_images.py), which a
+third-party upstream is never sent (its card does not say vision: a 400). A third-party upstream
 gets streamed /v1/completions (a text-bound chat: /v1/chat/completions); its
 `block_hashes` and `kv_events` come from a record of the prompts this gateway sent it
 (remote_sent.py: approximate prefix routing).
