@@ -2,7 +2,7 @@
 model, and a models directory's cold load against llama.cpp's own.
 
     python -m studies.ollama_local [--rounds 8] [--max-tokens 64] [--threads 2]
-                                   [--loads 3]
+                                   [--loads 3] [--llama-server PATH]
 
 One `kvgate serve --models-dir` over a directory of two GGUF files (the packaged SmolLM2
 135M Instruct and Gemma 3 270M, linked in), --n-ctx N --n-parallel 1 (so the engine's
@@ -19,6 +19,13 @@ context holds 2N cells: its sequence and the fair queue's spare one).
    the gateway is idle. The file is read once before any timing: both are measured with
    the page cache warm, as a model's second and later loads are.
 
+3. With `--llama-server PATH` (`make llama-server` builds .cache/llama-server/llama-server
+   from the vendored llama.cpp): the same directory served by llama-server in router mode
+   (studies/llama_server_router.py), up beside the gateway for the whole run: each model's
+   cold first request (a one-token /v1/completions after `/models/unload`: the router
+   starts the model's child process), its /v1/chat/completions whole and streamed as two
+   more arms of 1., and whether it answers Ollama's /api/chat.
+
 Ollama's own binary is not measured: none can be had from the package registries here
 (PyPI's `ollama` is the client). Writes docs/perf/ollama_local.json.
 """
@@ -26,6 +33,7 @@ Ollama's own binary is not measured: none can be had from the package registries
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -39,6 +47,7 @@ import httpx
 
 from bench.options import DefaultsHelpFormatter
 from gateway.backends.default_model import INSTRUCT_MODEL_ID, default_model_path, model_path
+from studies import llama_server_router
 from studies.harness import ADMIN_KEY, Process, free_port, tenant_key
 
 ASK = [{"role": "user", "content": "Tell me a long story about a dragon and a castle."}]
@@ -46,7 +55,7 @@ OUT = Path("docs/perf/ollama_local.json")
 
 
 def main() -> None:
-    # a study stopped by a signal still stops its gateway (the with blocks unwind)
+    # a study stopped by a signal still stops its servers (the with blocks unwind)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
     p.add_argument("--rounds", type=int, default=8, help="requests per arm")
@@ -54,6 +63,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads, both sides")
     p.add_argument("--n-ctx", type=int, default=2048, help="context per sequence")
     p.add_argument("--loads", type=int, default=3, help="cold loads timed per model")
+    p.add_argument("--llama-server", type=Path, help="llama-server to run in router mode too")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     files = {"smollm2": model_path(INSTRUCT_MODEL_ID), "gemma3": str(default_model_path())}
@@ -64,33 +74,67 @@ def main() -> None:
         for name, path in files.items():
             Path(path).read_bytes()  # the page cache warm for both sides
             os.symlink(path, models / f"{name}.gguf")
-        flags = ["--models-dir", str(models), "--models-max", "2", "--n-parallel", "1"]
-        flags += ["--n-ctx", str(args.n_ctx), "--n-threads", str(args.threads)]
-        env = {
-            "KVGATE_ADMIN_KEY": ADMIN_KEY,
-            "KVGATE_DATABASE_URL": f"sqlite+aiosqlite:///{work}/g.db",
-        }
-        serve = ["serve", "--port", str(free_port()), *flags]
-        with Process(work, "kvgate", serve, "kvgate: listening on ", env) as gw:
-            key = tenant_key(gw.url)
-            with httpx.Client(
-                base_url=gw.url, timeout=300, headers={"Authorization": f"Bearer {key}"}
-            ) as http:
-                say("cold loads through the gateway")
-                loads = {name: cold_loads(http, name, args.loads) for name in files}
-                say("llama_cpp.Llama(...) loads")
-                library = {name: llama_loads(path, args) for name, path in files.items()}
-                say("tokens/s, /api/chat against /v1/chat/completions")
-                speed = throughput(http, "smollm2", args.rounds, args.max_tokens)
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "throughput": speed}
+        report = measure(args, files, work, models)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+def measure(args: argparse.Namespace, files: dict, work: Path, models: Path) -> dict:
+    """Every figure of the run: kvgate's, llama.cpp's load and (with --llama-server) the
+    router's, all servers up throughout."""
+    flags = ["--models-dir", str(models), "--models-max", "2", "--n-parallel", "1"]
+    flags += ["--n-ctx", str(args.n_ctx), "--n-threads", str(args.threads)]
+    env = {"KVGATE_ADMIN_KEY": ADMIN_KEY, "KVGATE_DATABASE_URL": f"sqlite+aiosqlite:///{work}/g.db"}
+    serve = ["serve", "--port", str(free_port()), *flags]
+    with contextlib.ExitStack() as stack:
+        gw = stack.enter_context(Process(work, "kvgate", serve, "kvgate: listening on ", env))
+        auth = {"Authorization": f"Bearer {tenant_key(gw.url)}"}
+        http = stack.enter_context(httpx.Client(base_url=gw.url, timeout=300, headers=auth))
+        peer = None
+        if args.llama_server is not None:
+            # the same cells as kvgate's engine: its sequence and the fair queue's spare one
+            router = llama_server_router.Router(
+                args.llama_server, models, work, 2 * args.n_ctx, args.threads
+            )
+            stack.enter_context(router)
+            # a connection each request: the router closed one that a streamed answer had
+            # used, and the next request on it failed ("Server disconnected")
+            fresh = httpx.Limits(max_keepalive_connections=0)
+            peer = httpx.Client(base_url=router.url, timeout=300, limits=fresh)
+            stack.enter_context(peer)
+        say("cold loads through the gateway")
+        loads = {name: cold_loads(http, name, args.loads) for name in files}
+        say("llama_cpp.Llama(...) loads")
+        library = {name: llama_loads(path, args) for name, path in files.items()}
+        report: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+        if peer is not None:
+            say("cold loads through llama-server's router")
+            report["llama_server"] = router_loads(peer, list(files), args.loads)
+        say("tokens/s, /api/chat against /v1/chat/completions")
+        report["throughput"] = throughput(http, peer, "smollm2", args.rounds, args.max_tokens)
     report["cold_load"] = {
         name: loads[name] | {"llama_cpp_Llama_s": library[name]} for name in files
     }
     for name in files:
         c = report["cold_load"][name]
         c["first_request_over_llama_load"] = c["first_request_s"] / c["llama_cpp_Llama_s"]
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+        if peer is not None:
+            theirs = report["llama_server"]["first_request_s"][name]
+            c["first_request_over_llama_server"] = c["first_request_s"] / theirs
+    return report
+
+
+def router_loads(peer: httpx.Client, names: list[str], n: int) -> dict:
+    """llama-server's router: whether it has Ollama's /api/chat, and each model's cold
+    first request (median of n)."""
+    out: dict = {"api_chat_status": llama_server_router.api_chat_status(peer, names[0])}
+    out["first_request_s"] = {
+        name: statistics.median(
+            llama_server_router.cold_first_request(peer, name) for _ in range(n)
+        )
+        for name in names
+    }
+    return out
 
 
 def say(what: str) -> None:
@@ -130,8 +174,11 @@ def llama_loads(path: str, args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
-def throughput(http: httpx.Client, model: str, rounds: int, max_tokens: int) -> dict:
-    """Tokens/s of each arm, the arms alternating each round."""
+def throughput(
+    http: httpx.Client, peer: httpx.Client | None, model: str, rounds: int, max_tokens: int
+) -> dict:
+    """Tokens/s of each arm, the arms alternating each round; with `peer` (llama-server's
+    router) its /v1/chat/completions too."""
     http.post("/api/generate", json={"model": model, "keep_alive": -1}).raise_for_status()
     arms = {
         "ollama_whole": lambda: ollama_chat(http, model, max_tokens, stream=False),
@@ -139,7 +186,11 @@ def throughput(http: httpx.Client, model: str, rounds: int, max_tokens: int) -> 
         "ollama_stream": lambda: ollama_chat(http, model, max_tokens, stream=True),
         "openai_stream": lambda: openai_chat(http, model, max_tokens, stream=True),
     }
-    for arm in arms.values():  # a warm-up each
+    if peer is not None:
+        peer.post("/models/load", json={"model": model})  # a 400 if it is loaded already
+        arms["llama_server_whole"] = lambda: openai_chat(peer, model, max_tokens, stream=False)
+        arms["llama_server_stream"] = lambda: openai_chat(peer, model, max_tokens, stream=True)
+    for arm in arms.values():  # a warm-up each (the router's child loads in its first)
         arm()
     tokens = dict.fromkeys(arms, 0)
     seconds = dict.fromkeys(arms, 0.0)
@@ -154,6 +205,10 @@ def throughput(http: httpx.Client, model: str, rounds: int, max_tokens: int) -> 
     }
     for kind in ("whole", "stream"):
         out[f"ratio_{kind}"] = out[f"ollama_{kind}"]["tok_s"] / out[f"openai_{kind}"]["tok_s"]
+        if peer is not None:
+            theirs = out[f"llama_server_{kind}"]["tok_s"]
+            out[f"ollama_over_llama_server_{kind}"] = out[f"ollama_{kind}"]["tok_s"] / theirs
+            out[f"openai_over_llama_server_{kind}"] = out[f"openai_{kind}"]["tok_s"] / theirs
     return out
 
 
