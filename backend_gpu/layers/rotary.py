@@ -86,10 +86,14 @@ class RotaryEmbedding(nn.Module):
         self.settings = (head_dim, max_positions, theta, scaling)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        # on the meta device (the loader's build) they are computed once given memory:
-        # meta tensors compute through torch's reference ops, which import torch._dynamo
         if self.cos.device.type != "meta":
             self.compute_tables()
+            return
+        # on the meta device (the loader's build) the tables are computed once given
+        # memory (meta tensors compute through torch's reference ops, which import
+        # torch._dynamo); the scaling is still checked now, on a few CPU values
+        with torch.device("cpu"):
+            inv_frequencies(head_dim, theta, scaling)
 
     def compute_tables(self) -> None:
         """(Re)compute the tables where the module lives: after a model built on the

@@ -80,9 +80,12 @@ class RemoteChat:
         )
         try:
             chunks = iter(stream)
-            while (chunk := self._call(lambda: next(chunks, None))) is not None:
-                if chunk.choices:
-                    yield chunk.choices[0].delta.content or ""
+            with _ctrl_c_cancels(interrupt=True) as ctrl_c:
+                while (chunk := self._call(lambda: next(chunks, None))) is not None:
+                    # a library under the read that caught the interrupt still stops here
+                    ctrl_c.stop_if_pressed()
+                    if chunk.choices:
+                        yield chunk.choices[0].delta.content or ""
         finally:
             stream.close()  # early (Ctrl-C): the gateway sees the hang-up and stops generating
 
@@ -181,16 +184,20 @@ class LocalChat:
 
 
 class _CtrlC:
-    """A Ctrl-C seen while a reply streams: it cancels the step in flight, if any."""
+    """A Ctrl-C seen while a reply streams: it cancels the step in flight, if any, or
+    (`interrupt`) raises KeyboardInterrupt in a blocking read, as Python's own handler."""
 
-    def __init__(self) -> None:
+    def __init__(self, interrupt: bool) -> None:
         self.task: asyncio.Task[Any] | None = None
         self.pressed = False
+        self.interrupt = interrupt
 
     def on_signal(self, _signum: int, _frame: Any) -> None:
         self.pressed = True
         if self.task is not None:
             self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+        if self.interrupt:
+            raise KeyboardInterrupt
 
     def stop_if_pressed(self) -> None:
         if self.pressed:
@@ -198,15 +205,17 @@ class _CtrlC:
 
 
 @contextlib.contextmanager
-def _ctrl_c_cancels() -> Iterator[_CtrlC]:
+def _ctrl_c_cancels(interrupt: bool = False) -> Iterator[_CtrlC]:
     """Turn Ctrl-C into a cancelled step while a reply streams.
 
     asyncio.Runner.run raises KeyboardInterrupt wherever the signal lands, even between
     creating a step's task and running it, which leaves a task never awaited (and its
     warnings on the terminal). Here the signal only marks the reply stopped and cancels
-    the step in flight, so the reply stops at a step's edge.
+    the step in flight, so the reply stops at a step's edge. Either way the mark stays,
+    for a caller to stop at its next chunk should a library under a read swallow the
+    interrupt.
     """
-    ctrl_c = _CtrlC()
+    ctrl_c = _CtrlC(interrupt)
     previous = signal.signal(signal.SIGINT, ctrl_c.on_signal)
     try:
         yield ctrl_c

@@ -43,15 +43,17 @@ async def not_implemented(request: web.Request) -> web.Response:
 
 
 async def copy(request: web.Request) -> web.Response:
-    models = await _directory(request)
+    await guards.admin(request)
     body = await parse_body(request, OllamaCopyRequest)
+    models = _directory(request)
     await _act(models.copy(body.source.removesuffix(":latest"), _bare(body.destination)))
     return web.Response(status=200)
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    models = await _directory(request)
+    await guards.admin(request)
     body = await parse_body(request, OllamaCreateRequest)
+    models = _directory(request)
     await _act(models.copy(body.source, _bare(body.served)))
     done = {"status": "success"}
     if body.stream:  # Ollama's progress lines: here the last one only
@@ -60,16 +62,16 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def delete(request: web.Request) -> web.Response:
-    models = await _directory(request)
+    await guards.admin(request)
     body = await parse_body(request, OllamaDeleteRequest)
+    models = _directory(request)
     await _act(models.delete(body.served))
     return web.Response(status=200)
 
 
-async def _directory(request: web.Request) -> ModelsDir:
-    """The gateway's models directory, for an admin key; 403 for any other key, 501
-    where the gateway serves none."""
-    await guards.admin(request)
+def _directory(request: web.Request) -> ModelsDir:
+    """The gateway's models directory; 501 where it serves none. After the admin check
+    (403 for any other key) and the body's (400), as on every route."""
     models = of(request.app[GW])
     if models is None:
         raise ApiError(

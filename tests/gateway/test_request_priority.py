@@ -25,7 +25,7 @@ def test_a_request_priority_only_yields(asked, tenant, sent) -> None:
     plan = SimpleNamespace(choices=1, max_tokens=[8])
     card = SimpleNamespace(sampling_defaults={})
     args = ("r-1", body, who, plan, [[1, 2]], "salt", [0], None)
-    [req] = _requests(*args, card=card)  # type: ignore[arg-type]
+    [req] = _requests(*args, card=card, images=[])  # type: ignore[arg-type]
     assert req.priority == sent
 
 
