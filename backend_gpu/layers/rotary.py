@@ -91,7 +91,13 @@ class RotaryEmbedding(nn.Module):
             return
         # on the meta device (the loader's build) the tables are computed once given
         # memory (meta tensors compute through torch's reference ops, which import
-        # torch._dynamo); the scaling is still checked now, on a few CPU values
+        # torch._dynamo); the scaling is still checked now
+        self.check_scaling()
+
+    def check_scaling(self) -> None:
+        """Refuse a scaling these tables cannot honour, naming the field: computes the
+        frequencies (a few values) on the CPU."""
+        head_dim, _, theta, scaling = self.settings
         with torch.device("cpu"):
             inv_frequencies(head_dim, theta, scaling)
 

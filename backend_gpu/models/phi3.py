@@ -79,6 +79,10 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
         if self.longrope:
             self.long = context_len > self.original
 
+    def check_scaling(self) -> None:
+        if not self.longrope:  # LongRoPE's factors were read above
+            super().check_scaling()
+
     def compute_tables(self) -> None:
         if not self.longrope:
             super().compute_tables()
