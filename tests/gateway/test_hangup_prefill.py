@@ -186,4 +186,6 @@ async def test_gpu_embeddings_cut_short_bill_the_inputs_pooled(make_gateway, tmp
 async def test_llama_cpp_embeddings_cut_short_bill_the_inputs_pooled(make_gateway):
     options = {"task": "embed", "pooling": "mean", "n_ctx": 64, "n_parallel": 1, "n_threads": 1}
     gw = await make_gateway([BackendSpec("embed", "local", "", MODEL, options)], prices=PRICES)
-    await check_embeddings_hang_up(gw, engine_count(gw, "embed"), INPUTS)
+    # 60 inputs are still several batches of n_ctx on llama.cpp, so the client leaves
+    # mid-request; the check then embeds them all once more, which 300 made minutes long
+    await check_embeddings_hang_up(gw, engine_count(gw, "embed"), INPUTS[:60])
