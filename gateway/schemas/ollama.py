@@ -255,14 +255,13 @@ class OllamaEmbeddingsRequest(_Body):
         return validated(EmbeddingRequest, {"model": served_name(self.model), "input": self.prompt})
 
 
-class NamedModel(_Body):
-    """A body naming one model as `model`, or as the older `name`."""
-
+class OllamaShowRequest(_Body):
     model: Name | None = None
     name: Name | None = None  # the older spelling
+    verbose: bool = False
 
     @model_validator(mode="after")
-    def _one(self) -> NamedModel:
+    def _one(self) -> OllamaShowRequest:
         if (self.model is None) == (self.name is None):
             raise ValueError("send model (or the older name), exactly one")
         return self
@@ -270,10 +269,6 @@ class NamedModel(_Body):
     @property
     def served(self) -> str:
         return served_name(self.model or self.name or "")
-
-
-class OllamaShowRequest(NamedModel):
-    verbose: bool = False
 
 
 def validated(model: type[M], fields: dict[str, Any]) -> M:
