@@ -18,7 +18,9 @@ from gateway.app import create_app
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.http.server import GatewayTestServer
+from gateway.routing import adapters
 from gateway.tenancy.quota import QuotaExceeded, QuotaLimits
+from gateway.tenancy.quota import postgres as quota_postgres
 from gateway.tenancy.quota.postgres import PostgresQuotaStore
 from studies import pg_cluster
 from tests.conftest import ADMIN_KEY, PG_URL
@@ -100,7 +102,10 @@ async def _server_statements(dsn: str, reset: bool = False) -> list[tuple[str, i
     return out
 
 
-async def test_a_request_makes_one_round_trip_before_its_first_token(cluster):
+async def test_a_request_makes_one_round_trip_before_its_first_token(cluster, monkeypatch):
+    # the background polls (other gateways' adapters, this one's lease) are no request's
+    monkeypatch.setattr(adapters, "REFRESH_S", 3600.0)
+    monkeypatch.setattr(quota_postgres, "HEARTBEAT_S", 3600.0)
     await _sql(cluster.dsn, "CREATE EXTENSION pg_stat_statements")
     settings = Settings(
         database_url=cluster.url,
