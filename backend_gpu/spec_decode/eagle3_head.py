@@ -157,8 +157,11 @@ class HeadCheckpoint:
     def directory(self) -> str:
         return self.layout.directory
 
-    def tensors(self, shards=None, dropped=(), fused=None) -> Iterator[tuple[str, torch.Tensor]]:
-        assert shards is None and not dropped and fused is None  # one whole head
+    def tensors(
+        self, shards=None, dropped=(), fused=None, vision=False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint.tensors' signature: a head is read whole, and has no tower."""
+        assert shards is None and not dropped and fused is None and not vision
         stored = stored_names(self.directory)
         seen = {checkpoint_name(name) for name in stored}
         whole = self.layout.draft_vocab_size == self.layout.vocab_size

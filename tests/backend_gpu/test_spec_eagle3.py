@@ -9,6 +9,7 @@ token for token, sampled output must keep the target's distribution, and every b
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -199,6 +200,54 @@ def test_the_head_reads_the_targets_hidden_states(llama_head):
     assert state.verified == len(prompt)
     ((start, rows),) = state.pending
     assert start == len(prompt) and rows.shape[0] == 1 + 3
+
+
+def test_the_engines_chain_computes_what_the_trainer_trains(llama_head):
+    """The engine's paged head and the trainer's forward (studies/eagle3_ttt.py) agree:
+    a chain proposed after the prefill, and one after a few verifying steps (the head
+    caught up on verified rows), give the logits the training-time test gives at the
+    chain's anchor, step by step, fed the same tokens and the target's hidden states."""
+    from studies.eagle3_ttt import Eagle3TTT
+    from studies.train_eagle3 import features
+    from tests.requests import req
+
+    target, head_dir = llama_head
+    spec = LLM(target, speculative_config=eagle3(head_dir))
+    engine = spec.engine
+    proposer = engine.speculator.proposer
+    chains = []
+    propose = proposer.propose
+
+    def spy(seqs, ks, sampler):
+        logits = []
+        compute = proposer.head.compute_logits
+        proposer.head.compute_logits = lambda h: logits.append(compute(h)) or logits[-1]
+        try:
+            drafts, q = propose(seqs, ks, sampler)
+        finally:
+            del proposer.head.compute_logits
+        chains.append((list(seqs[0].token_ids), drafts[0], [lg[-1] for lg in logits]))
+        return drafts, q
+
+    proposer.propose = spy
+    engine.add_request(req("r", copy_prompts(spec.tokenizer)[1], GREEDY))
+    for _ in range(6):
+        engine.step()
+    with open(f"{head_dir}/config.json") as f:
+        cfg = json.load(f)
+    for tokens, draft, logits in (chains[0], chains[-1]):
+        assert len(draft) == 3
+        ids = tokens + draft[:-1]  # the chain's inputs: its own guesses after the last token
+        (aux,), _, embed, *_ = features(target, [ids], cfg["eagle_aux_hidden_state_layer_ids"])
+        ttt = Eagle3TTT(cfg, embed)
+        stored = load_file(f"{head_dir}/model.safetensors")
+        ttt.load_state_dict({k: v for k, v in stored.items() if k not in ("d2t", "t2d")})
+        with torch.no_grad():
+            want = ttt(torch.tensor([ids]), aux[None], 3)
+        anchor = len(tokens) - 2  # the head's position t reads token t + 1
+        for j in range(3):
+            torch.testing.assert_close(logits[j], want[j][0, anchor], atol=1e-4, rtol=1e-4)
+            assert int(logits[j].argmax()) == draft[j]
 
 
 def test_sampled_output_keeps_the_targets_distribution(tiny_model_dir, tmp_path):
