@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ import torch
 from backend_gpu.quantization import KV_CACHE_DTYPES, QUANTIZE_PER_CHANNEL
 from backend_gpu.spec_decode.config import SpeculativeConfig
 
+log = logging.getLogger(__name__)
 MAX_LORA_RANK = 128  # the LoRA kernels' (layers/triton_lora.py)
 
 
@@ -82,8 +84,11 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # vision models (backend_gpu.multimodal): image tokens the encoder cache keeps (the
     # tower's output per image, least recently used out; 0: none kept), and the pixels
-    # an image is resized down to at most (None: the model's processor's max_pixels)
+    # an image is resized down to at most (None: the model's processor's max_pixels);
+    # not the gateway's max_image_pixels, which refuses an image larger than it
     encoder_cache_tokens: int = 16384
+    resize_image_pixels: int | None = None
+    # the older name of resize_image_pixels: taken, with a deprecation warning
     max_image_pixels: int | None = None
 
     def __post_init__(self) -> None:
@@ -124,9 +129,22 @@ class EngineConfig:
             )
         if self.encoder_cache_tokens < 0:
             raise ValueError(f"encoder_cache_tokens must be >= 0, got {self.encoder_cache_tokens}")
-        mp = self.max_image_pixels
+        self._check_resize_image_pixels()
+
+    def _check_resize_image_pixels(self) -> None:
+        if self.max_image_pixels is not None:
+            if self.resize_image_pixels is not None:
+                raise ValueError(
+                    "give resize_image_pixels, not also max_image_pixels (its old name)"
+                )
+            log.warning(
+                "max_image_pixels on the gpu engine is deprecated: it is resize_image_pixels "
+                "(the gateway's max_image_pixels refuses an image, this resizes it)"
+            )
+            self.resize_image_pixels, self.max_image_pixels = self.max_image_pixels, None
+        mp = self.resize_image_pixels
         if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 784):
-            raise ValueError(f"max_image_pixels must be None or an int >= 784, got {mp!r}")
+            raise ValueError(f"resize_image_pixels must be None or an int >= 784, got {mp!r}")
 
     @property
     def kv_tiers_on(self) -> bool:

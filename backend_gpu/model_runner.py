@@ -141,7 +141,7 @@ class ModelRunner:
         self.vision = (
             VisionSteps(
                 self.model,
-                image_processor(checkpoint.directory, config.max_image_pixels),
+                image_processor(checkpoint.directory, config.resize_image_pixels),
                 config.encoder_cache_tokens,
             )
             if getattr(self.model, "vision", False)

@@ -112,7 +112,7 @@ def mrope_positions(length: int, spans: list[ImageSpan], merge: int) -> tuple[np
 
 def image_processor(model_dir: str, max_pixels: int | None) -> Qwen2VLImageProcessor:
     """The model's processor, its largest image capped at `max_pixels` (the engine's
-    max_image_pixels) where that is smaller."""
+    resize_image_pixels) where that is smaller."""
     processor = Qwen2VLImageProcessor.from_dir(model_dir)
     if max_pixels is None or max_pixels >= processor.max_pixels:
         return processor

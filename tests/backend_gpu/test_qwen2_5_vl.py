@@ -9,6 +9,7 @@ refusals (a text model given images, placeholders that do not fit)."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from PIL import Image
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from backend_gpu import LLM, SamplingParams
+from backend_gpu.config import EngineConfig
 from backend_gpu.image_processing import Qwen2VLImageProcessor
 from backend_gpu.kv_budget import KVSizing
 from backend_gpu.memory_plan import PlanDevice, PlanSettings, plan_memory, vision_bytes
@@ -145,13 +147,20 @@ def test_greedy_under_preemption(model_dir, prompts, references):
     assert llm.stats().preemptions > 0
 
 
-def test_max_image_pixels_lowers_the_largest_image(model_dir):
-    llm = LLM(model_dir, max_image_pixels=28 * 28 * 8)
+def test_resize_image_pixels_lowers_the_largest_image(model_dir, caplog):
+    llm = LLM(model_dir, resize_image_pixels=28 * 28 * 8)
     processor = llm.engine.runner.vision.processor
     assert processor.max_pixels == 28 * 28 * 8
     assert processor.num_tokens(RED.width, RED.height) == 6  # 24 at the model's own bound
-    with pytest.raises(ValueError, match="max_image_pixels"):
-        LLM(model_dir, max_image_pixels=100)
+    with pytest.raises(ValueError, match="resize_image_pixels"):
+        LLM(model_dir, resize_image_pixels=100)
+    # the older name (the gateway's refusing limit's too) is taken, with a warning
+    with caplog.at_level(logging.WARNING, "backend_gpu.config"):
+        config = EngineConfig(model_dir, max_image_pixels=28 * 28 * 8)
+    assert (config.resize_image_pixels, config.max_image_pixels) == (28 * 28 * 8, None)
+    assert "max_image_pixels on the gpu engine is deprecated" in caplog.text
+    with pytest.raises(ValueError, match="not also max_image_pixels"):
+        EngineConfig(model_dir, max_image_pixels=1000, resize_image_pixels=1000)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not work with vision"):
         LLM(model_dir, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="speculative_config does not work with vision"):
