@@ -28,6 +28,7 @@ from gateway.schemas.admin import KeyUpdate, TenantUpdate
 from gateway.tenancy.quota.limits import LIMIT_FIELDS, LIMITS, MODELS, USD
 from gateway.tenancy.quota.prices import usd_text
 from gateway.tenancy.tenants import QUOTA_FIELDS, Conflict, NotFound, TenantService
+from gateway.tenancy.usage_queries import USAGE_COUNTS
 
 TENANT_HELP = "the tenant's id or its name"
 LIFT = "none"  # a limit flag's value that lifts the limit: `kvgate keys update K --rpm none`
@@ -281,7 +282,7 @@ def _usage_row(r: dict[str, Any]) -> dict[str, Any]:
         row["tenant"] = r["tenant_name"] or f"{r['tenant_id']} (deleted)"
     if "model" in r:
         row["model"] = r["model"]
-    counts = {c: r[c] for c in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
+    counts = {c: r[c] for c in USAGE_COUNTS}
     return row | counts | {"spend_usd": usd_text(r["spend"])}
 
 

@@ -105,6 +105,8 @@ class UsageRecord(Base):
     # a Batch API line's (gateway/batches): unique together, so it is billed once
     batch_id: Mapped[str | None] = mapped_column(String(40))
     custom_id: Mapped[str | None] = mapped_column(String(200))
+    # of prompt_tokens, how many came from images (the engine's or upstream's count)
+    image_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
 
     __table_args__ = (
         Index("ix_usage_records_tenant_created", "tenant_id", "created_at"),
@@ -123,6 +125,7 @@ class DailyUsage(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     spend_nano_usd: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    image_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class QuotaCounter(Base):

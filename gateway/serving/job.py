@@ -411,6 +411,7 @@ class Job:
             spend_nano_usd=spend,
             batch_id=self.batch[0] if self.batch else None,
             custom_id=self.batch[1] if self.batch else None,
+            image_tokens=self.image_tokens,
             settlement=settlement,
         )
 

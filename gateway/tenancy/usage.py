@@ -79,6 +79,7 @@ class UsageRow:
     spend_nano_usd: int = 0  # at the model's price (gateway.tenancy.quota.prices)
     batch_id: str | None = None  # a Batch API line's batch and custom_id (gateway/batches)
     custom_id: str | None = None
+    image_tokens: int = 0  # of prompt_tokens, those of its images
     # the request's quota settlement on PostgreSQL: committed with the row, not a column
     settlement: Settlement | None = None
 
@@ -358,7 +359,7 @@ class UsageRecorder:
             raw.close()
 
     def _daily_totals(self, rows: list[UsageRow]) -> list[dict]:
-        totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0, 0])
         for r in rows:
             t = totals[(r.tenant_id, r.day, r.model)]
             t[0] += 1
@@ -366,6 +367,7 @@ class UsageRecorder:
             t[2] += r.completion_tokens
             t[3] += r.cached_tokens
             t[4] += r.spend_nano_usd
+            t[5] += r.image_tokens
         # sorted: concurrent writers (several gateways) lock daily rows in one order
         return [
             {
@@ -404,6 +406,7 @@ _DAILY_COUNTS = (
     "completion_tokens",
     "cached_tokens",
     "spend_nano_usd",
+    "image_tokens",
 )
 _DAILY_COLUMNS = ("tenant_id", "day", "model", *_DAILY_COUNTS)
 

@@ -25,7 +25,7 @@ from gateway.tenancy.quota.limits import (
 )
 from gateway.tenancy.quota.prices import to_usd
 
-USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "image_tokens")
 
 
 class UsageQueries:
