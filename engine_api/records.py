@@ -9,6 +9,7 @@ as JSON objects and refuse unknown or mistyped fields.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,14 @@ class GenRequest(Record):
     images: list[ImageInput] = field(default_factory=list)
 
     wire_error = BadRequestError
+
+    def to_dict(self) -> dict[str, Any]:
+        """As Record's, each image in its own wire form (its file, not its pixels)."""
+        if not self.images:
+            return super().to_dict()
+        out = dataclasses.replace(self, images=[]).to_dict()
+        out["images"] = [image.to_dict() for image in self.images]
+        return out
 
 
 class Progress:

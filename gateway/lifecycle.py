@@ -163,8 +163,9 @@ async def start_entries(state: GatewayState, configured: list[BackendSpec]) -> S
     env = {"KVGATE_KV_TIER_SECRET": state.kv_tier_secret}
     if endpoint := settings.otlp_traces_endpoint:
         env["KVGATE_OTLP_TRACES_ENDPOINT"] = endpoint
-    # a worker's body limit makes room for the images the gateway takes (remote_images.py)
-    for name in ("max_body_bytes", "max_image_pixels", "max_images_per_request"):
+    # a worker takes the images the gateway takes: its body limit makes room for their
+    # files, and it decodes them within the same limits (remote_images.py)
+    for name in ("max_body_bytes", "max_image_bytes", "max_image_pixels", "max_images_per_request"):
         env["KVGATE_" + name.upper()] = str(getattr(settings, name))
     specs, supervisors = await start_workers(
         configured, settings.workers, on_restart, settings.prefill_workers, env

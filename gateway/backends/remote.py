@@ -31,8 +31,10 @@ workers, gateway/serving/prefill_apart.py; default: what the worker says, else b
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
 over HTTP), so it routes by prefix like an in-process replica; a vision model's worker
-takes a chat's images as the pixels the gateway decoded (remote_images.py), which a
-third-party upstream is never sent (its card does not say vision: a 400). A third-party upstream
+takes a chat's images as the files the gateway decoded (remote_images.py). A
+third-party upstream takes them where its entry says `vision = true` (remote_vision.py:
+data URLs to its /v1/chat/completions, `image_tokens` reserved per image), else an image
+is a 400 naming the entry. A third-party upstream
 gets streamed /v1/completions (a text-bound chat: /v1/chat/completions); its
 `block_hashes` and `kv_events` come from a record of the prompts this gateway sent it
 (remote_sent.py: approximate prefix routing).
@@ -74,6 +76,7 @@ from engine_api.structured import StructuredOutput
 from gateway.backends.common import (
     check_model,
     decode_off_loop,
+    has_images,
     refuse_images,
     render_off_loop,
 )
@@ -90,10 +93,11 @@ from gateway.backends.remote_openai import (
 )
 from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.backends.remote_sent import SentBlocks
-from gateway.backends.remote_text import carried_prompt, marked, text_bound
+from gateway.backends.remote_text import IMAGES_MARK, carried_prompt, marked, text_bound
 from gateway.backends.remote_tokenize import count as count_upstream
 from gateway.backends.remote_tokenize import tokenize as upstream_tokenize
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
+from gateway.backends.remote_vision import image_chat, open_image_chat
 from gateway.backends.remote_worker import check_adapter as worker_check_adapter
 from gateway.backends.remote_worker import remove_adapter as worker_remove_adapter
 from gateway.backends.remote_worker import worker_stream
@@ -222,13 +226,22 @@ class RemoteBackend:
         # an embedding upstream judges `dimensions` itself: the gateway passes it on
         truncatable = self.task == EMBED
         card = ModelCard(self.model_id, self.name, self._context_length() or 0)
-        vision = self._vision  # a worker's vision model: its images go to it as pixels
+        vision = self._vision  # a worker's vision model, or an upstream's by options.vision
         return [dataclasses.replace(card, task=self.task, truncatable=truncatable, vision=vision)]
 
     @property
     def _vision(self) -> bool:
         info = self.monitor.info
-        return info is not None and info.worker is not None and info.vision
+        if info is not None and info.worker is not None:
+            return info.vision
+        return self.opts.vision
+
+    @property
+    def image_refusal(self) -> str | None:
+        """Why this replica's model takes no images, where its entry could say it does."""
+        if self._vision or self._is_worker:
+            return None
+        return f"{self.label} is not marked as taking them (its options.vision)"
 
     @property
     def role(self) -> str:
@@ -277,8 +290,10 @@ class RemoteBackend:
         /tokenize, /apply-template or /chat/completions, a kvgate worker's /tokenize), or
         rendered with here (options.tokenizer)."""
         check_model(model, self.model_id)
-        if not self._vision:  # a third-party upstream gets none (docs/apis.md: Images)
+        if not self._vision:  # docs/apis.md: Images
             refuse_images(model, prompt)
+        elif not self._is_worker and has_images(prompt):  # to its chat API (remote_vision)
+            return image_chat(prompt, tools, kwargs, self.opts.image_tokens)
         if not prompt:
             raise BadRequestError("the prompt must be a string, token ids, or chat messages")
         if self.text_bound:
@@ -449,8 +464,8 @@ class RemoteBackend:
 
     async def count_prompt(self, model: str, token_ids: list[int]) -> int | None:
         check_model(model, self.model_id)
-        if not (self.text_bound and marked(token_ids)):
-            return None
+        if not (self.text_bound and marked(token_ids)) or token_ids[0] == IMAGES_MARK:
+            return None  # an image chat's images: only the upstream counts them
         text = carried_prompt(token_ids)
         info = self.monitor.info
         kind = None if info is None else info.found.tokenizer
@@ -487,7 +502,9 @@ class RemoteBackend:
         tok = self.tokenizer
         if tok is not None:  # else the upstream's own tokenizer judges (vLLM: a 400)
             req.sampling.check_vocab(len(tok.tokenizer))
-        if self.text_bound and marked(req.prompt_token_ids):
+        if req.images:  # an image chat (remote_vision.py)
+            resp = await open_image_chat(self.client, req, req.model)
+        elif self.text_bound and marked(req.prompt_token_ids):
             resp = await open_text_completion(self.client, req, req.model)
         else:  # req.model: the upstream's id (of the model, or of the adapter)
             resp, self._takes_ids = await open_completion(

@@ -1,17 +1,20 @@
-"""A chat's images crossing to a kvgate worker's /tokenize, and the body limit they need.
+"""A chat's images crossing to a kvgate worker's /tokenize and /generate, and the body
+limit they need.
 
-The gateway decodes every image itself (gateway/serving/images.py); a worker only ever
-sees pixels. A chat sent to a worker's /tokenize keeps OpenAI's message shape, so each
-image part goes as an `image_url` part whose URL is IMAGE_REF, standing for the next of
-the body's `images` (ImageInput records as engine_api.wire writes them: the RGB pixels in
-base64). The worker puts each back in its place (`placed`), checking each image's digest
-against its pixels (ImageInput.from_dict), so no cache key it did not compute is trusted.
-GenRequest.images crosses to /kvgate/v1/generate the same way, as the record's field.
+The gateway decodes every image itself (gateway/serving/images.py) and keeps the file the
+client sent; a worker is sent that file (engine_api.images.ImageInput's wire form: size,
+digest and the file in base64), never a URL. A chat sent to a worker's /tokenize keeps
+OpenAI's message shape, so each image part goes as an `image_url` part whose URL is
+IMAGE_REF, standing for the next of the body's `images`. The worker decodes each file as
+the gateway did and checks its pixels against the size and digest sent
+(gateway.serving.images.received), so no cache key it did not compute is trusted, then
+puts each back in its place (`placed`). GenRequest.images crosses to /kvgate/v1/generate
+the same way, as the record's field.
 
 A worker's body limit (gateway.worker.app.worker_body_bytes) is its max_body_bytes plus
-room for max_images_per_request images of max_image_pixels, as base64 RGB (4 bytes a
-pixel, whatever the client's file was) and IMAGE_RECORD_BYTES each: derived from the
-settings (the gateway passes its own to the workers it starts), so bodies stay bounded.
+room for max_images_per_request files of max_image_bytes, in base64, and
+IMAGE_RECORD_BYTES each: derived from the settings (the gateway passes its own to the
+workers it starts), so bodies stay bounded.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from engine_api.images import ImageInput
 from engine_api.records import GenRequest, PromptInput
 
 IMAGE_REF = "kvgate:image"  # an image part's URL on the wire: the next of `images`
-IMAGE_RECORD_BYTES = 512  # an image record's JSON besides its pixels (digest, size, keys)
+IMAGE_RECORD_BYTES = 512  # an image record's JSON besides its file (digest, size, keys)
 
 
 def outgoing(prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
@@ -49,7 +52,7 @@ def outgoing(prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[I
 
 async def json_body(body: dict[str, Any], images: list[ImageInput]) -> dict[str, Any] | bytes:
     """`body` with the images as its `images` field, encoded off the event loop (each
-    is up to megabytes of base64); `body` itself where there are none."""
+    file is up to megabytes of base64); `body` itself where there are none."""
     if not images:
         return body
 
@@ -67,15 +70,10 @@ async def request_body(req: GenRequest) -> dict[str, Any] | bytes:
     return await asyncio.to_thread(lambda: json.dumps(req.to_dict()).encode())
 
 
-def placed(prompt: PromptInput, images: list[Any], max_images: int) -> PromptInput:
+def placed(prompt: PromptInput, images: list[ImageInput]) -> PromptInput:
     """A worker's side: each {"type": "image", "url": IMAGE_REF} part of the rendered
-    chat as the next of `images` decoded and checked; BadRequestError for any other
-    image URL (a worker fetches nothing), a count that does not pair, or too many."""
-    if len(images) > max_images:
-        raise BadRequestError(
-            f"the request has {len(images)} images; at most {max_images} are taken "
-            "(max_images_per_request)"
-        )
+    chat as the next of `images` (received and checked); BadRequestError for any other
+    image URL (a worker fetches nothing) or a count that does not pair."""
     if not isinstance(prompt, list):
         if images:
             raise BadRequestError("images come with chat messages only")
@@ -94,7 +92,7 @@ def placed(prompt: PromptInput, images: list[Any], max_images: int) -> PromptInp
                             f"a worker takes images in the body's `images`, each part's "
                             f"url {IMAGE_REF!r} ({len(images)} sent)"
                         )
-                    p = {"type": "image", "image": ImageInput.from_dict(next(pending))}
+                    p = {"type": "image", "image": next(pending)}
                     used += 1
                 parts.append(p)
             m = {**m, "content": parts}

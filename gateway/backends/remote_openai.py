@@ -239,10 +239,13 @@ def _usage(data: Any) -> Usage | None:
         return None
     prompt, completion = data.get("prompt_tokens"), data.get("completion_tokens")
     details = data.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    details = details if isinstance(details, dict) else {}
+    cached, images = details.get("cached_tokens", 0), details.get("image_tokens", 0)
     if not all(_count(n) for n in (prompt, completion)):
         return None
-    return Usage(prompt, completion, cached if _count(cached) else 0)
+    # image_tokens: where the upstream says (a kvgate gateway does; vLLM does not)
+    cached, images = (n if _count(n) else 0 for n in (cached, images))
+    return Usage(prompt, completion, cached, image_tokens=images)
 
 
 def _str(entry: dict) -> bool:

@@ -44,6 +44,13 @@ class RemoteOptions:
     # prefill | decode | both (gateway.backends.kv_transfer); None: what a kvgate
     # worker's /v1/models says, else both
     role: str | None = None
+    # a third-party upstream's model takes images (vLLM's and SGLang's vision models):
+    # they go to its /v1/chat/completions as data URLs (remote_vision.py); a kvgate
+    # worker's /v1/models says so itself
+    vision: bool = False
+    # the most prompt tokens one image may count on such an upstream: reserved for each
+    # image before admission, and the most its usage may bill for one
+    image_tokens: int = 4096
 
     @classmethod
     def parse(cls, spec: BackendSpec) -> RemoteOptions:
@@ -57,7 +64,14 @@ class RemoteOptions:
             if f.name.endswith("_s"):
                 ok = isinstance(v, int | float) and not isinstance(v, bool) and v > 0
                 rule = "a number of seconds > 0"
-            elif f.name in ("context_length", "max_in_flight", "max_response_bytes"):
+            elif f.name == "vision":
+                ok, rule = isinstance(v, bool), "true or false"
+            elif f.name in (
+                "context_length",
+                "max_in_flight",
+                "max_response_bytes",
+                "image_tokens",
+            ):
                 ok, rule = (
                     isinstance(v, int) and not isinstance(v, bool) and v > 0,
                     "an integer > 0",

@@ -17,10 +17,17 @@ and SGLang's /v1/chat/completions do. The ids carry the prompt itself, so any re
 of the entry can send it, and the prefix router hashes them as it hashes token ids: by the prompt's leading bytes, as
 SGLang's router routes by characters. The upstream's `usage` settles the prompt's
 real count (gateway.serving.metering takes it where it is within the bound).
+
+A chat with images for a third-party upstream that takes them (options.vision) is sent
+the same way on any such upstream, tokenizer or not, since only its /v1/chat/completions
+takes images (remote_vision.py): IMAGES_MARK, the chat as JSON with each image part a
+reference to the request's image, then IMAGE_SLOT ids, options.image_tokens of them per
+image, which bound what its images count there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -34,6 +41,8 @@ MARGIN = 64  # marker ids before the bytes: the template's tokens beyond the JSO
 TEXT_MARK = 256  # a string prompt (byte values are 0..255: the marks are not bytes)
 CHAT_MARK = 257  # a chat, as JSON
 KWARGS_MARK = 258  # a chat and its template's variables: {"messages", "chat_template_kwargs"}
+IMAGES_MARK = 259  # a chat with images, as KWARGS_MARK's, then its images' IMAGE_SLOTs
+IMAGE_SLOT = 260  # one token an image may count, after an image chat's bytes
 
 
 def text_bound(
@@ -52,26 +61,44 @@ def text_bound(
         mark = CHAT_MARK
         if kwargs:
             carried, mark = {"messages": messages, "chat_template_kwargs": kwargs}, KWARGS_MARK
-        data = json.dumps(carried, ensure_ascii=False, separators=(",", ":"))
-        return [mark] * MARGIN + list(data.encode())
+        return [mark] * MARGIN + _json_bytes(carried)
     raise BadRequestError(
         f"the upstream of model {model!r} does not tokenize for the gateway, so a prompt "
         "of token ids cannot be sent to it; send text, or set the entry's options.tokenizer"
     )
 
 
+def image_chat_bound(
+    messages: list[dict[str, Any]], tools: list[dict] | None, kwargs: dict | None, slots: int
+) -> list[int]:
+    """The text-bound prompt of a chat whose image parts are references to the request's
+    images (remote_vision.py), with `slots` IMAGE_SLOTs for what its images count."""
+    messages = plain_tool_turns(messages, tools) if tools else messages
+    carried = {"messages": messages, "chat_template_kwargs": kwargs or {}}
+    return [IMAGES_MARK] * MARGIN + _json_bytes(carried) + [IMAGE_SLOT] * slots
+
+
+def _json_bytes(carried: Any) -> list[int]:
+    return list(json.dumps(carried, ensure_ascii=False, separators=(",", ":")).encode())
+
+
 def is_text_bound(backend: Backend, ids: list[int]) -> bool:
     """Whether `ids`, rendered by `backend`, are a text-bound prompt (their length an
-    upper bound, not a count). Only a text-bound backend's are: another's real tokens
-    may look the same (64 times token 256)."""
-    return supports(backend, OutputCountingBackend) and backend.text_bound and marked(ids)
+    upper bound, not a count). Only a text-bound backend's are, or a remote upstream's
+    image chat: another's real tokens may look the same (64 times token 256; and were a
+    worker's real ids 64 times 259, the bound would be their count, billed the same)."""
+    return (
+        supports(backend, OutputCountingBackend)
+        and marked(ids)
+        and (backend.text_bound or ids[0] == IMAGES_MARK)
+    )
 
 
 def marked(ids: list[int]) -> bool:
     """Whether `ids` begin with a text-bound prompt's marks."""
     return (
         len(ids) >= MARGIN
-        and ids[0] in (TEXT_MARK, CHAT_MARK, KWARGS_MARK)
+        and ids[0] in (TEXT_MARK, CHAT_MARK, KWARGS_MARK, IMAGES_MARK)
         and all(i == ids[0] for i in ids[1:MARGIN])
     )
 
@@ -85,8 +112,12 @@ def carried_prompt(ids: list[int]) -> str | list[dict[str, Any]]:
 def carried(ids: list[int]) -> tuple[str | list[dict[str, Any]], dict[str, Any] | None]:
     """The string or the chat messages a text-bound prompt carries, and the chat
     template's variables it carries with them (None: none); a 400 as carried_prompt."""
+    end = len(ids)
+    if ids[0] == IMAGES_MARK:  # the bytes end where the slots begin (no byte is a slot)
+        with contextlib.suppress(ValueError):
+            end = ids.index(IMAGE_SLOT, MARGIN)
     try:
-        text = bytes(ids[MARGIN:]).decode()
+        text = bytes(ids[MARGIN:end]).decode()
         if ids[0] == TEXT_MARK:
             return text, None
         data = json.loads(text)
@@ -98,7 +129,7 @@ def carried(ids: list[int]) -> tuple[str | list[dict[str, Any]], dict[str, Any] 
     kwargs = data.get("chat_template_kwargs") if isinstance(data, dict) else None
     if not (isinstance(messages, list) and isinstance(kwargs, dict)):
         raise BadRequestError("the token ids are not a prompt of this model")
-    return messages, kwargs
+    return messages, kwargs or None
 
 
 def chat_body(

@@ -233,7 +233,10 @@ async def _render(
     images: list[ImageInput] = []
     if isinstance(body, ChatCompletionRequest):
         chat, images = await chat_images(
-            ImageLimits.of(gw.settings), card, [m.as_dict() for m in body.messages]
+            ImageLimits.of(gw.settings),
+            card,
+            [m.as_dict() for m in body.messages],
+            gw.router.serving,
         )
         inputs: list = [chat]
         if body.tool_mode != "none":  # tool_choice "none": the tools are not shown
@@ -295,7 +298,8 @@ async def rendered_tokens(
     upstream does not tokenize for the gateway (its rendering is the prompt's bytes, a
     bound)."""
     card = model_card(gw, principal, model)
-    prompt, _ = await chat_images(ImageLimits.of(gw.settings), card, prompt)
+    limits = ImageLimits.of(gw.settings)
+    prompt, _ = await chat_images(limits, card, prompt, gw.router.serving)
     _, backend, [tokens] = await render_on_a_replica(gw, principal, model, [prompt], tools, kwargs)
     if is_text_bound(backend, tokens):
         raise ApiError(400, f"The upstream of model `{model}` does not tokenize for the gateway.")

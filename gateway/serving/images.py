@@ -12,7 +12,9 @@ what was wrong; nothing is decoded that was not bounded first.
 
 The parts come back as {"type": "image", "image": ImageInput}, in a copy of the messages
 (a body's own dicts are left as they were), with the images in prompt order:
-GenRequest.images.
+GenRequest.images. Each keeps the file it was decoded from: a kvgate worker is sent the
+file, and `received` is the worker's side, which decodes it the same way, within the
+worker's own limits, and refuses pixels that are not the size and digest sent.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import base64
 import binascii
 import io
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,16 +71,22 @@ def _image_parts(prompt: PromptInput) -> list[dict[str, Any]]:
 
 
 async def chat_images(
-    limits: ImageLimits, card: ModelCard, messages: PromptInput
+    limits: ImageLimits,
+    card: ModelCard,
+    messages: PromptInput,
+    serving: Mapping[str, Sequence[object]] | None = None,
 ) -> tuple[PromptInput, list[ImageInput]]:
     """`messages` with each image decoded, and the images in order; the messages as
-    they are where they hold none. An ApiError (400) for a model without vision, too
-    many images, or an image that is too large, not fetched or does not decode."""
+    they are where they hold none. An ApiError (400) for a model without vision (naming
+    the entry that could take them, of its replicas in `serving`: a remote upstream's),
+    too many images, or an image that is too large, not fetched or does not decode."""
     parts = _image_parts(messages)
     if not parts:
         return messages, []
     if not card.vision:
-        raise ApiError(400, f"The model `{card.id}` does not take images.", param="messages")
+        whys = (getattr(b, "image_refusal", None) for b in (serving or {}).get(card.id, ()))
+        why = next((f": {w}" for w in whys if w), "")
+        raise ApiError(400, f"The model `{card.id}` does not take images{why}.", param="messages")
     if len(parts) > limits.max_images:
         raise ApiError(
             400,
@@ -159,11 +168,39 @@ def decode_image(raw: bytes, max_pixels: int, number: int = 1) -> ImageInput:
                     param="messages",
                 )
             rgb = ImageOps.exif_transpose(image).convert("RGB")
-            return image_input(rgb.width, rgb.height, rgb.tobytes())
+            return image_input(rgb.width, rgb.height, rgb.tobytes(), raw)
     except ApiError:
         raise
     except Exception:  # a client's bytes: whatever a decoder (or its EXIF) trips on is a 400
         raise _bad(number, "it does not decode as PNG, JPEG, GIF, WebP or BMP") from None
+
+
+async def received(limits: ImageLimits, images: list[ImageInput]) -> list[ImageInput]:
+    """A worker's side: the images of a request read from the wire (their files, no
+    pixels: engine_api.images), each decoded off the event loop as the gateway decoded it,
+    within this process's image limits, and refused (400) unless its pixels are the size
+    and the digest it was sent with."""
+    if len(images) > limits.max_images:
+        raise ApiError(
+            400,
+            f"The request has {len(images)} images; at most {limits.max_images} are taken "
+            "(max_images_per_request).",
+            param="images",
+        )
+    return await asyncio.to_thread(
+        lambda: [_check(limits, im, i + 1) for i, im in enumerate(images)]
+    )
+
+
+def _check(limits: ImageLimits, sent: ImageInput, number: int) -> ImageInput:
+    if len(sent.data) > limits.max_bytes:
+        raise _too_big(number, limits.max_bytes)
+    image = decode_image(sent.data, limits.max_pixels, number)
+    if (image.width, image.height) != (sent.width, sent.height):
+        raise _bad(number, f"it is {image.width}x{image.height}, not {sent.width}x{sent.height}")
+    if image.digest != sent.digest:
+        raise _bad(number, "its digest does not match its pixels")
+    return image
 
 
 def _bad(number: int, why: str) -> ApiError:

@@ -14,7 +14,6 @@ the worker has one; errors leave OpenAI-shaped, as the gateway's do.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 
@@ -36,7 +35,7 @@ from gateway.worker import adapters
 from gateway.worker.completions import completions
 from gateway.worker.embeddings import embeddings
 from gateway.worker.errors import api_error
-from gateway.worker.generate import abort, generate
+from gateway.worker.generate import abort, generate, wire_images
 from gateway.worker.kv_export import export_kv
 from gateway.worker.kv_pull import EXPORT_PATH
 from gateway.worker.schemas import WorkerTokenizeRequest
@@ -98,14 +97,12 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[WORKER]
     body = await parse_body(request, WorkerTokenizeRequest)
     card = state.card(body.model)
+    # the images' files, decoded and checked, in their places (remote_images.py); an
+    # image part without its file is refused
+    images = await wire_images(state, body.images) if body.images else []
     try:
         backend, kwargs = state.backend, body.chat_template_kwargs
-        # the gateway's decoded images in their places (remote_images.py)
-        limit = state.settings.max_images_per_request
-        if body.images:  # megabytes of base64 to decode and hash: off the loop
-            rendered = await asyncio.to_thread(placed, body.rendered(), body.images, limit)
-        else:  # an image part without its pixels is refused
-            rendered = placed(body.rendered(), [], limit)
+        rendered = placed(body.rendered(), images)
         if kwargs and supports(backend, ChatTemplateBackend):  # the template's variables
             tokens = await backend.render_chat(body.model, rendered, body.tool_dicts(), kwargs)
         else:
@@ -159,13 +156,13 @@ def _number(query, name: str, kind: type, low: float, high: float, default):
 
 def worker_body_bytes(settings: Settings) -> int:
     """The largest body a worker reads: a request's own bytes, plus room for as many
-    images as the gateway takes, as base64 RGB (gateway/backends/remote_images.py)."""
-    per_image = 4 * settings.max_image_pixels + IMAGE_RECORD_BYTES
+    images as the gateway takes, each its file in base64 (remote_images.py)."""
+    per_image = (settings.max_image_bytes + 2) // 3 * 4 + IMAGE_RECORD_BYTES
     return settings.max_body_bytes + settings.max_images_per_request * per_image
 
 
 def create_worker_app(state: WorkerState) -> web.Application:
-    # a body may carry a request's images as pixels (gateway/backends/remote_images.py)
+    # a body may carry a request's images' files (gateway/backends/remote_images.py)
     body_limited = dataclasses.replace(
         state.settings, max_body_bytes=worker_body_bytes(state.settings)
     )

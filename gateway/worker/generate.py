@@ -24,11 +24,13 @@ from typing import Any
 from aiohttp import web
 
 from engine_api.errors import BackendError, BadRequestError
+from engine_api.images import ImageInput
 from engine_api.records import GenChunk, GenRequest, Progress
 from gateway.http.drain import SHUTTING_DOWN
 from gateway.http.errors import ApiError
 from gateway.http.util import json_bytes, json_response, parse_body
 from gateway.observe.tracing import current_span, step
+from gateway.serving.images import ImageLimits, received
 from gateway.serving.traces import recorded
 from gateway.worker.errors import api_error
 from gateway.worker.schemas import AbortRequest, JsonObject
@@ -38,17 +40,31 @@ NDJSON = "application/x-ndjson"
 
 
 async def read_request(request: web.Request) -> GenRequest:
-    """The body's GenRequest, checked against this worker's model (else a 400)."""
+    """The body's GenRequest, checked against this worker's model (else a 400), its
+    images' files decoded and checked against the digests sent."""
     body = await parse_body(request, JsonObject)
+    state = request.app[WORKER]
     try:
-        if body.root.get("images"):  # their pixels' base64 and digests: off the loop
-            req = await asyncio.to_thread(GenRequest.from_dict, body.root)
-        else:
+        if not body.root.get("images"):
             req = GenRequest.from_dict(body.root)
-        request.app[WORKER].check_request(req)
+            state.check_request(req)
+            return req
+        req = await asyncio.to_thread(GenRequest.from_dict, body.root)  # files' base64
+        state.check_request(req)
     except BadRequestError as e:
         raise api_error(e) from None
-    return req
+    images = await received(ImageLimits.of(state.settings), req.images)
+    return dataclasses.replace(req, images=images)
+
+
+async def wire_images(state: WorkerState, sent: list[Any]) -> list[ImageInput]:
+    """/tokenize's `images` (ImageInput records as the gateway wrote them), decoded and
+    checked as a /generate request's are; a 400 for any that is malformed."""
+    try:
+        images = await asyncio.to_thread(lambda: [ImageInput.from_dict(d) for d in sent])
+    except BadRequestError as e:
+        raise api_error(e) from None
+    return await received(ImageLimits.of(state.settings), images)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

@@ -42,9 +42,9 @@ class WorkerCompletionRequest(CompletionRequest):
 
 
 class WorkerTokenizeRequest(TokenizeRequest):
-    """The gateway's /tokenize body, with a chat's images (ImageInput records, placed
-    where its image_url parts say `kvgate:image`: gateway/backends/remote_images.py);
-    their count is checked against max_images_per_request where they are placed."""
+    """The gateway's /tokenize body, with a chat's images (ImageInput records: their
+    files, placed where its image_url parts say `kvgate:image`:
+    gateway/backends/remote_images.py), counted, decoded and checked as /generate's are."""
 
     images: list[dict[str, Any]] | None = None
 

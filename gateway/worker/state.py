@@ -89,19 +89,14 @@ class WorkerState:
 
     def check_request(self, req: GenRequest) -> None:
         """BadRequestError for a request no engine call can serve: a model not served
-        here, an empty prompt, more images than the settings take, or one that does not
-        fit the context with max_tokens."""
+        here, an empty prompt, or one that does not fit the context with max_tokens (its
+        images are counted and checked as they are decoded: generate.read_request)."""
         context = {c.id: c.context_length for c in self.backend.models()}
         if req.model not in context:
             served = ", ".join(map(repr, context))
             raise BadRequestError(f"model {req.model!r} is not served here (this serves {served})")
         if not req.prompt_token_ids:
             raise BadRequestError("The prompt is empty.")
-        if len(req.images) > self.settings.max_images_per_request:
-            raise BadRequestError(
-                f"the request has {len(req.images)} images; at most "
-                f"{self.settings.max_images_per_request} are taken (max_images_per_request)"
-            )
         prompt, wanted = len(req.prompt_token_ids), req.sampling.max_tokens
         if prompt + wanted > context[req.model]:
             raise PromptTooLongError(prompt, wanted, context[req.model])

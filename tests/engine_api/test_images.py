@@ -1,6 +1,8 @@
-"""An image crosses the worker wire as the same record (its pixels as base64), and a
-malformed one (pixels that do not fill its size, a digest that is not theirs, bytes that
-are not base64) is refused as a bad request naming the field."""
+"""An image crosses the worker wire as its size, digest and file (base64), never its
+pixels, in order; a malformed one (a size that is not positive, no file, bytes that are
+not base64, the pixels themselves) is refused as a bad request naming the field. The
+receiver's decoding and its digest check are the gateway's (tests/gateway/
+test_images_workers.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,19 @@ def over_json(record):
     return type(record).from_dict(json.loads(json.dumps(record.to_dict())))
 
 
-def test_a_request_with_images_crosses_json_unchanged_in_order():
-    a = image_input(2, 1, bytes(range(6)))
-    b = image_input(1, 2, bytes(range(6)))
+def test_a_request_with_images_crosses_json_as_their_files_in_order():
+    a = image_input(2, 1, bytes(range(6)), b"file a")
+    b = image_input(1, 2, bytes(range(6)), b"file b")
     req = GenRequest("r", "m", [1, 2, 3], SamplingParams(), images=[a, b])
+    wire = req.to_dict()
+    assert [sorted(i) for i in wire["images"]] == [["data", "digest", "height", "width"]] * 2
     back = over_json(req)
-    assert back == req
-    assert [i.digest for i in back.images] == [a.digest, b.digest]
+    assert back.prompt_token_ids == req.prompt_token_ids and back.sampling == req.sampling
+    sent = [(i.digest, i.width, i.height, i.data, i.rgb) for i in back.images]
+    assert sent == [(a.digest, 2, 1, b"file a", b""), (b.digest, 1, 2, b"file b", b"")]
     assert a.digest != b.digest  # same bytes, another shape: another picture
+    with pytest.raises(ValueError, match="crosses the wire as its file"):
+        image_input(2, 1, bytes(6)).to_dict()  # pixels alone never cross
 
 
 def test_the_digest_covers_size_and_pixels():
@@ -43,16 +50,17 @@ def test_usage_carries_image_tokens():
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"rgb": "not base64!"}, "rgb must be a base64 string"),
-        ({"rgb": 7}, "rgb must be a base64 string"),
-        ({"width": 3}, "3x1x3 bytes"),
+        ({"data": "not base64!"}, "data must be a base64 string"),
+        ({"data": 7}, "data must be a base64 string"),
+        ({"data": ""}, "must carry its file"),
         ({"width": 0}, "positive"),
-        ({"digest": "0" * 64}, "digest does not match"),
-        ({"extra": 1}, "unknown ImageInput field"),
+        ({"rgb": "AAAAAAAA"}, "unknown WireImage field"),
+        ({"extra": 1}, "unknown WireImage field"),
     ],
 )
 def test_a_malformed_image_is_a_bad_request(change, named):
-    wire = GenRequest("r", "m", [1], SamplingParams(), images=[image_input(2, 1, bytes(6))])
+    image = image_input(2, 1, bytes(6), b"a file")
+    wire = GenRequest("r", "m", [1], SamplingParams(), images=[image])
     data = wire.to_dict()
     data["images"][0].update(change)
     with pytest.raises(BadRequestError, match=named):

@@ -270,16 +270,21 @@ async def test_every_form_is_checked_where_it_stands(gw):
     assert (await r.json())["count"] == alone + TILES
 
 
-async def test_a_remote_upstream_is_sent_no_images(make_gateway):
-    """A third-party upstream's card does not say vision (only a kvgate worker's does:
-    test_images_workers.py): an image is refused at the gateway and never reaches it."""
+async def test_a_remote_upstream_without_vision_is_sent_no_images(make_gateway):
+    """A third-party upstream's card says vision only where its entry does (its images:
+    test_images_remote.py; a kvgate worker's says it itself: test_images_workers.py):
+    an image is refused at the gateway, naming the entry, and never reaches it."""
     async with BareUpstream() as up:
         front = await make_gateway([BackendSpec("up", "remote", "gemma", "", {"url": up.url})])
         _, key = await front.tenant()
         body = image_chat(data_url(png()), "gemma", max_tokens=2)
         r = await front.post("/v1/chat/completions", key, body)
         assert r.status == 400
-        assert "`gemma` does not take images" in await r.text()
+        said = (await r.json())["error"]["message"]
+        assert said == (
+            "The model `gemma` does not take images: remote backend 'up' is not marked as "
+            "taking them (its options.vision)."
+        )
         text = {"model": "gemma", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert (await front.post("/v1/chat/completions", key, text)).status == 200
         assert [b["messages"][-1]["content"] for b in up.bodies] == ["hi"]

@@ -3,10 +3,11 @@ tiny Qwen2.5-VL (CPU here) answers the official `openai` client's chat with a pi
 the in-process gpu backend does (the same words, prompt and image tokens), its card says
 vision, and the same picture again is a prefix-cache hit in the worker while another of
 the same size is not. Behind a remote entry, an in-process worker: the gateway renders a
-chat with images through the worker's /tokenize (the pixels as base64 records), keys the
+chat with images through the worker's /tokenize (the client's files, base64), keys the
 blocks for routing as the worker's engine does (its placeholder id from the worker's
-/v1/models), and the worker refuses image parts it was not sent, too many images, and
-pixels whose digest is not theirs."""
+/v1/models), and the worker decodes each file itself and refuses image parts it was not
+sent, too many images, a file over its pixel limit, and a file whose pixels are not the
+size or digest sent. Its body limit follows max_image_bytes, not the pixels."""
 
 from __future__ import annotations
 
@@ -22,20 +23,28 @@ from gateway.backends.remote_images import IMAGE_REF
 from gateway.config import Settings
 from gateway.http.server import GatewayTestServer
 from gateway.http.util import SETTINGS
+from gateway.serving.images import decode_image
 from gateway.worker.app import create_worker_app, worker_body_bytes
 from gateway.worker.state import WorkerState
-from tests.backend_gpu.tiny_qwen2_5_vl import save_tiny_qwen2_5_vl, scene, scene_input
+from tests.backend_gpu.tiny_qwen2_5_vl import save_tiny_qwen2_5_vl, scene
 from tests.conftest import start_gateway
 
 TEXT = "Describe the picture in a few words, please, as briefly as you can manage it."
-RED, BLUE = scene_input(300, 200, 1), scene_input(300, 200, 7)
-BODY = 200_000  # the served gateway's max_body_bytes: its PNGs fit, their pixels do not
+BODY = 200_000  # the served gateway's max_body_bytes: a request's PNG and text fit
+
+
+def png(seed: int, width: int = 300, height: int = 200) -> bytes:
+    out = io.BytesIO()
+    scene(width, height, seed).save(out, "PNG")
+    return out.getvalue()
 
 
 def encoded(seed: int) -> str:
-    out = io.BytesIO()
-    scene(300, 200, seed).save(out, "PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return "data:image/png;base64," + base64.b64encode(png(seed)).decode()
+
+
+# as the gateway decodes them: their pixels, digests and files
+RED, BLUE = decode_image(png(1), 10**6), decode_image(png(7), 10**6)
 
 
 def ask(url: str) -> list[dict]:
@@ -55,9 +64,10 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model_dir):
     args = ["--backend", "gpu", "--model", model_dir, "--served-model-name", "tiny-vl"]
-    # a body limit below an image's base64 pixels (240 kB): the worker's limit is derived
-    # from the image limits the gateway passes it, or its /tokenize would be a 413
-    config = f"[server]\nmax_body_bytes = {BODY}\nmax_image_pixels = 90000\n"
+    # the worker's body limit makes room for max_image_bytes of file besides the
+    # request's own (its /generate carries the prompt's ids too), from the limits the
+    # gateway passes it
+    config = f"[server]\nmax_body_bytes = {BODY}\nmax_image_bytes = 150000\n"
     gw = start_gateway(
         tmp_path_factory.mktemp("served"), *args, "--workers", "1", config=config, timeout=300
     )
@@ -97,11 +107,18 @@ async def test_a_worker_answers_as_the_in_process_backend(served, make_gateway, 
 
 async def test_routing_keys_and_the_workers_tokenize(make_gateway, model_dir):
     spec = BackendSpec("vl", "gpu", model_dir, "tiny-vl", {"seed": 1})
-    settings = Settings(backend="gpu", max_images_per_request=2, max_image_pixels=300 * 200)
+    settings = Settings(
+        backend="gpu",
+        max_images_per_request=2,
+        max_image_pixels=300 * 200,
+        max_image_bytes=300_000,
+    )
     state = WorkerState(settings, build_backends(spec)[0], "gpu", None)
     app = create_worker_app(state)
     limit = worker_body_bytes(settings)
-    assert app._client_max_size == app[SETTINGS].max_body_bytes == limit > 2 * 4 * 300 * 200
+    assert app._client_max_size == app[SETTINGS].max_body_bytes == limit
+    # room for two files of max_image_bytes in base64, not for pixels (4 bytes a pixel)
+    assert limit == settings.max_body_bytes + 2 * (400_000 + 512)
     worker = GatewayTestServer(app, state.settings)
     await state.backend.start()
     await worker.start_server()
@@ -122,23 +139,33 @@ async def test_routing_keys_and_the_workers_tokenize(make_gateway, model_dir):
 
         ref = {"type": "image_url", "image_url": {"url": IMAGE_REF}}
         body = {"model": "tiny-vl", "messages": chat(ref), "images": [RED.to_dict()]}
-        tampered = RED.to_dict() | {"digest": BLUE.digest}
+        large = decode_image(png(1, 400, 300), 10**6)  # 120,000 pixels: over the worker's
         async with httpx.AsyncClient(base_url=str(worker.make_url(""))) as http:
             assert (await http.post("/tokenize", json=body)).json()["tokens"] == ids
-            cases = {
-                "not_sent": body | {"images": []},
-                "another_url": body | {"messages": ask(encoded(1))},
-                "too_many": body | {"images": [RED.to_dict()] * 3},
-                "unplaced": body | {"images": [RED.to_dict()] * 2},
-                "tampered": body | {"images": [tampered]},
+            cases = {  # (what is sent, what the 400 says)
+                "not_sent": (body | {"images": []}, "0 sent"),
+                "another_url": (body | {"messages": ask(encoded(1))}, "body's `images`"),
+                "too_many": (body | {"images": [RED.to_dict()] * 3}, "max_images_per_request"),
+                "unplaced": (body | {"images": [RED.to_dict()] * 2}, "2 images sent for 1"),
+                "digest": (body | {"images": [RED.to_dict() | {"digest": BLUE.digest}]}, "digest"),
+                "file": (body | {"images": [BLUE.to_dict() | {"digest": RED.digest}]}, "digest"),
+                "size": (body | {"images": [RED.to_dict() | {"width": 299}]}, "not 299x200"),
+                "pixels": (body | {"images": [large.to_dict()]}, "(max_image_pixels)"),
             }
             gen = GenRequest("r1", "tiny-vl", ids, SamplingParams(max_tokens=2), images=[RED] * 3)
             r = await http.post("/kvgate/v1/generate", json=gen.to_dict())
             assert r.status_code == 400 and "max_images_per_request" in r.text
-            for case, sent in cases.items():
+            # /generate decodes and checks its images' files as /tokenize does
+            gen = GenRequest("r2", "tiny-vl", ids, SamplingParams(max_tokens=2), images=[BLUE])
+            forged = gen.to_dict()
+            forged["images"][0]["digest"] = RED.digest
+            r = await http.post("/kvgate/v1/generate", json=forged)
+            assert r.status_code == 400 and "digest does not match" in r.text
+            for case, (sent, said) in cases.items():
                 r = await http.post("/tokenize", json=sent)
                 assert r.status_code == 400, (case, r.text)
-                assert r.json()["error"]["type"] == "invalid_request_error", case
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and said in error["message"], case
     finally:
         await worker.close()
         await state.backend.stop(drain=False)

@@ -167,6 +167,7 @@ class BareUpstream:
     /v1/chat/completions, with usage, and nothing else (no tokenizer, no context)."""
 
     PROMPT_TOKENS = 7
+    PROMPT_DETAILS: dict = {}  # its usage's prompt_tokens_details, if any
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
@@ -186,6 +187,8 @@ class BareUpstream:
             choice = {"index": 0, "delta": {"content": word}, "finish_reason": finish}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         usage = {"prompt_tokens": self.PROMPT_TOKENS, "completion_tokens": len(words)}
+        if self.PROMPT_DETAILS:
+            usage["prompt_tokens_details"] = self.PROMPT_DETAILS
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -194,11 +197,15 @@ class BareUpstream:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    async def __aenter__(self) -> BareUpstream:
-        app = web.Application()
+    def app(self) -> web.Application:
+        """Its routes (a subclass adds more)."""
+        app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
-        self.runner = web.AppRunner(app)
+        return app
+
+    async def __aenter__(self) -> BareUpstream:
+        self.runner = web.AppRunner(self.app())
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
         return self
