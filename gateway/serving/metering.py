@@ -180,6 +180,12 @@ class ChoiceMeter:
         prompt = self.prompt_tokens
         if self.prompt_bound and 0 < usage.prompt_tokens <= prompt:
             prompt = usage.prompt_tokens
+        elif self.prompt_bound and usage.prompt_tokens > prompt:  # billed at the bound
+            log.warning(
+                "request %s: the upstream counted %d prompt tokens, past the %d reserved for "
+                "it (an image chat's: its entry's image_tokens is too low?)",
+                *(self.request_id, usage.prompt_tokens, prompt),
+            )
         if not 0 <= usage.cached_tokens <= prompt:
             why = f"cached_tokens {usage.cached_tokens} outside [0, {prompt}]"
         elif not self.delivered <= usage.completion_tokens <= self.max_tokens:

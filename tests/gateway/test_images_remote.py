@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 
 import anthropic
 import ollama
@@ -175,6 +176,21 @@ async def test_the_quota_reserves_image_tokens_and_tokenize_cannot_count(make_ga
         }
         r = await gw.post("/tokenize", key, body)
         assert r.status == 400 and "does not tokenize for the gateway" in await r.text()
+
+
+async def test_an_upstream_counting_past_the_bound_is_billed_at_it_and_logged(make_gateway, caplog):
+    async with VisionUpstream() as up:
+        gw, _, key = await vision_gateway(make_gateway, up, image_tokens=1)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        with caplog.at_level(logging.WARNING, "kvgate"):
+            reply = await client.chat.completions.create(
+                model="vl",
+                messages=[{"role": "user", "content": [ASK, _part(data_url(png()))]}],
+                max_tokens=2,
+            )
+        assert reply.usage.prompt_tokens < VisionUpstream.PROMPT_TOKENS  # the bound
+        assert "the upstream counted 300 prompt tokens, past the" in caplog.text
+        assert "image_tokens is too low" in caplog.text
 
 
 async def test_a_vllm_shaped_upstream_takes_image_chats_on_its_chat_api(make_gateway):
