@@ -26,7 +26,8 @@ for a tenant with nothing in flight; the rest wait in the gateway's fair queue: 
 upstream that serves in arrival order), task ("embed": an embedding model, served at
 /v1/embeddings through remote_embed.py; a kvgate worker's /v1/models says it), role
 (prefill, decode or both: a kvgate worker's part in prefill and decode on different
-workers, gateway/serving/prefill_apart.py; default: what the worker says, else both).
+workers, gateway/serving/prefill_apart.py; default: what the worker says, else both),
+vision and image_tokens (a third-party upstream's model takes images: remote_vision.py).
 `kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
