@@ -255,13 +255,14 @@ class OllamaEmbeddingsRequest(_Body):
         return validated(EmbeddingRequest, {"model": served_name(self.model), "input": self.prompt})
 
 
-class OllamaShowRequest(_Body):
+class NamedModel(_Body):
+    """A body naming one model as `model`, or as the older `name`."""
+
     model: Name | None = None
     name: Name | None = None  # the older spelling
-    verbose: bool = False
 
     @model_validator(mode="after")
-    def _one(self) -> OllamaShowRequest:
+    def _one(self) -> NamedModel:
         if (self.model is None) == (self.name is None):
             raise ValueError("send model (or the older name), exactly one")
         return self
@@ -269,6 +270,10 @@ class OllamaShowRequest(_Body):
     @property
     def served(self) -> str:
         return served_name(self.model or self.name or "")
+
+
+class OllamaShowRequest(NamedModel):
+    verbose: bool = False
 
 
 def validated(model: type[M], fields: dict[str, Any]) -> M:

@@ -7,35 +7,18 @@ naming them, as kvgate copies a file and makes no new model of one.
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from gateway.schemas.base import StrictBody as _Body
 from gateway.schemas.fields import Name
-from gateway.schemas.ollama import served_name
+from gateway.schemas.ollama import NamedModel, served_name
 
 
-class _Named(_Body):
-    """A body naming one model as `model`, or as the older `name`."""
-
-    model: Name | None = None
-    name: Name | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> _Named:
-        if (self.model is None) == (self.name is None):
-            raise ValueError("send model (or the older name), exactly one")
-        return self
-
-    @property
-    def served(self) -> str:
-        return served_name(self.model or self.name or "")
-
-
-class OllamaDeleteRequest(_Named):
+class OllamaDeleteRequest(NamedModel):
     pass
 
 
-class OllamaCreateRequest(_Named):
+class OllamaCreateRequest(NamedModel):
     from_: Name = Field(alias="from")  # kvgate creates only a copy of a model it has
     stream: bool = True
 
