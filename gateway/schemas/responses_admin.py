@@ -94,6 +94,7 @@ class UsageTotals(Body):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    image_tokens: int = Field(description="of prompt_tokens, those standing for images")
     spend: float = Field(description="USD at the configured prices; 0 for a model with none")
 
 
