@@ -116,7 +116,7 @@ async def _record_usage(db_url: str, tenant_id: str, key_id: str = "key-1", spen
     try:
         row = UsageRow("req-1", tenant_id, key_id, "fake-model", 7, 5, 2, 10.0, 50.0, 200, "stop")
         await recorder.submit(
-            dataclasses.replace(row, created_at=time.time(), spend_nano_usd=spend)
+            dataclasses.replace(row, created_at=time.time(), spend_nano_usd=spend, image_tokens=3)
         )
     finally:
         await recorder.stop()
@@ -156,8 +156,9 @@ def test_tables_by_default_and_json_with_the_flag(db_url, capsys) -> None:
     status, out, _ = run(capsys, *base, "usage")
     rows = table(out)
     assert status == 0 and rows[0][:3] == ["day", "tenant", "model"]
-    assert rows[1][1:] == ["acme", "fake-model", "1", "7", "5", "2", "0.00"]  # the name
-    assert rows[2] == ["total", "1", "7", "5", "2", "0.00"]
+    assert rows[0][-2:] == ["image_tokens", "spend_usd"]
+    assert rows[1][1:] == ["acme", "fake-model", "1", "7", "5", "2", "3", "0.00"]  # the name
+    assert rows[2] == ["total", "1", "7", "5", "2", "3", "0.00"]
     status, out, _ = run(capsys, *base, "usage", "--json", "--tenant", tenant_id)
     usage = json.loads(out)
     assert usage["total"]["prompt_tokens"] == 7
@@ -203,9 +204,9 @@ def test_usage_shows_spend_per_tenant_and_key(db_url, capsys) -> None:
     daily, per_tenant, per_key = (table(part) for part in out.split("\n\n"))
     assert daily[0][-1] == "spend_usd" and daily[1][-1] == daily[2][-1] == "0.0000906"
     assert per_tenant[0] == ["per tenant"] and per_tenant[1][0] == "tenant"
-    assert per_tenant[2] == ["acme", "1", "7", "5", "2", "0.0000906"]
+    assert per_tenant[2] == ["acme", "1", "7", "5", "2", "3", "0.0000906"]
     assert per_key[0] == ["per key"] and per_key[1][:3] == ["key", "name", "tenant"]
-    assert per_key[2] == [key["id"], "batch", "acme", "1", "7", "5", "2", "0.0000906"]
+    assert per_key[2] == [key["id"], "batch", "acme", "1", "7", "5", "2", "3", "0.0000906"]
 
     usage = json.loads(run(capsys, *base, "usage", "--tenant", tenant_id)[1])
     assert usage["total"]["spend"] == usage["data"][0]["spend"] == spend / 1e9
