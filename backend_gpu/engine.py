@@ -15,8 +15,7 @@ from backend_gpu.guided import hf_grammar_cache
 from backend_gpu.kv_tiers import TierStack, build_tiers
 from backend_gpu.loader import open_model
 from backend_gpu.lora import BaseShapes, LoRAManager
-from backend_gpu.models import ARCHITECTURES
-from backend_gpu.multimodal import ImagePrompt
+from backend_gpu.multimodal import ImagePrompt, check_vision_settings
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.prompt_logprobs import record_prompt_logprobs
 from backend_gpu.sampler import Sampler
@@ -52,19 +51,6 @@ def _is_weight(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     return math.isfinite(value) and value > 0
-
-
-def check_vision_settings(config: EngineConfig, hf_config) -> None:
-    """A vision model (Qwen2.5-VL) runs whole in one process for now: a ValueError
-    naming the setting otherwise, before any process starts."""
-    architecture = (hf_config.architectures or [hf_config.model_type])[0]
-    if not getattr(ARCHITECTURES.get(architecture), "vision", False):
-        return
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(config, name) > 1:
-            raise ValueError(f"{name} > 1 does not work with vision models yet")
-    if config.speculative_config is not None:
-        raise ValueError("speculative_config does not work with vision models yet")
 
 
 class LLMEngine:
@@ -192,7 +178,7 @@ class LLMEngine:
         placeholder = self.hf_config.image_token_id
         if not req.images and placeholder not in req.prompt_token_ids:
             return None
-        return ImagePrompt.of(req.prompt_token_ids, req.images, placeholder, vision.processor)
+        return vision.layout(req.prompt_token_ids, req.images, placeholder)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; unknown ids are ignored."""

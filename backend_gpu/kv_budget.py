@@ -200,8 +200,5 @@ class KVSizing:
 
     def encode_largest_image(self) -> torch.Tensor:
         """The tower's output for an image of the largest grid (random pixels)."""
-        t, h, w = self.vision_grid
-        tower = self.hf_config.vision_config
-        width = 3 * tower.temporal_patch_size * tower.patch_size**2
-        patches = torch.randn(t * h * w, width, device=self.device)
+        patches = self.model.image_input_like(self.vision_grid, self.device)
         return self.model.encode_image(patches, self.vision_grid)

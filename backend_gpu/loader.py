@@ -6,7 +6,8 @@ memory on its device in its dtype, then every parameter is filled from the check
 Checkpoint tensors keep their HF names; the ones our models pack into one matmul
 (q/k/v, gate/up) are copied into their shard of the packed weight, and a checkpoint that
 fuses them itself (Phi-3's qkv_proj) is read as its parts. A multimodal checkpoint's text
-model (Gemma 3 4B-27B) is read under a text model's names, its vision tower not at all.
+model (Gemma 3 4B-27B) is read under a text model's names, its vision tower only by a
+model that serves images (reads_vision_tower).
 Under tensor parallelism a rank reads only its part of each tensor (tp_shards.py):
 safetensors slices are read from the file as such, so no rank ever holds the whole model.
 A block-wise FP8 checkpoint (DeepSeek-V3's) is widened as it streams, a weight at a time
@@ -56,11 +57,11 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_towe
 VISION_PREFIXES += ("model.multi_modal_projector.",)
 
 
-def text_model_name(name: str) -> str | None:
-    """A checkpoint tensor's name in a text model; None for a vision tower's (the engine
-    serves text: nothing of it is read)."""
+def text_model_name(name: str, vision: bool = False) -> str | None:
+    """A checkpoint tensor's name in a text model; None for a vision tower's, unless
+    `vision` (a model that reads its tower: Gemma 3's, which names them itself)."""
     if name.startswith(VISION_PREFIXES):
-        return None
+        return name if vision else None
     for prefix, ours in TEXT_MODEL_PREFIXES:
         if name.startswith(prefix):
             return ours + name[len(prefix) :]
@@ -82,18 +83,20 @@ class Checkpoint:
         shards: CheckpointShards | None = None,
         dropped: tuple[str, ...] = (),
         fused: FusedParts | None = None,
+        vision: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs: whole, or what `shards` says this rank holds; tensors
         whose name starts with one of `dropped` (another pipeline stage's) are not read.
         Names are a text model's (text_model_name). `fused`: the parts of a tensor that
-        holds several of ours, each read and cut as a tensor of its own."""
+        holds several of ours, each read and cut as a tensor of its own. `vision`: the
+        vision tower's tensors too, under their own names."""
         files = sorted(glob.glob(os.path.join(self.directory, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    name = text_model_name(stored)
+                    name = text_model_name(stored, vision)
                     if name is None or name.startswith(dropped):
                         continue
                     if fused is not None and (parts := fused(name)) is not None:
@@ -254,7 +257,8 @@ def build_model(
         if blocks is not None:
             shards = blocks.reads(shards)
         fused = getattr(cls, "fused_checkpoint_tensors", None)  # Phi-3's qkv_proj, gate_up_proj
-        weights = checkpoint.tensors(shards, tuple(dropped), fused and fused(hf_config))
+        vision = getattr(cls, "reads_vision_tower", False)  # Gemma 3's tower and projector
+        weights = checkpoint.tensors(shards, tuple(dropped), fused and fused(hf_config), vision)
         if hasattr(model, "checkpoint_weights"):  # a layout of its own (gpt-oss's experts)
             weights = model.checkpoint_weights(weights)
         if quantized is not None:
@@ -318,7 +322,14 @@ def text_config_of(config):
         hf_config.architectures = config.architectures
     if hf_config is not config and getattr(config, "vision_config", None) is not None:
         hf_config.vision_config = config.vision_config
-        for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        for name in (
+            "image_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+            "mm_tokens_per_image",  # Gemma 3's
+            "boi_token_id",
+            "eoi_token_id",
+        ):
             if getattr(config, name, None) is not None:
                 setattr(hf_config, name, getattr(config, name))
         if getattr(config, "tie_word_embeddings", False):

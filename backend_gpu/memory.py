@@ -142,6 +142,19 @@ def encoder_batch_bytes(vision_config, patches: int, dtype_bytes: int) -> int:
     return pixels + (patches * per_patch + merged * vision_config.out_hidden_size) * dtype_bytes
 
 
+def siglip_batch_bytes(vision_config, out_tokens: int, out_hidden: int, dtype_bytes: int) -> int:
+    """An estimate of the peak bytes one image adds through a SigLIP tower (Gemma 3's):
+    every image is one square of image_size, so this is its whole share. Its float32
+    pixels, the residual stream and the normed input beside the larger of the
+    attention's (q, k, v, output) and the MLP's (fc1's output, the activation)
+    temporaries, and the pooled, projected soft tokens."""
+    side = vision_config.image_size
+    patches = (side // vision_config.patch_size) ** 2
+    hidden, inter = vision_config.hidden_size, vision_config.intermediate_size
+    per_patch = 2 * hidden + max(4 * hidden, 2 * inter)
+    return 3 * side * side * 4 + (patches * per_patch + out_tokens * out_hidden) * dtype_bytes
+
+
 def encoder_cache_bytes(tokens: int, hidden_size: int, dtype_bytes: int) -> int:
     """The encoder cache's bound in bytes: `tokens` image tokens of the model's width."""
     return tokens * hidden_size * dtype_bytes

@@ -46,6 +46,7 @@ from backend_gpu.memory import (
     kv_shape_of,
     logit_rows,
     parameter_bytes,
+    siglip_batch_bytes,
     step_activation_bytes,
     step_shape_of,
 )
@@ -141,8 +142,11 @@ def load_model_config(path: str):
 
 
 def meta_model(hf_config, dtype: str, tp_size: int) -> nn.Module:
-    """Rank 0's part of the engine's model of `hf_config` on the meta device."""
+    """Rank 0's part of the engine's model of `hf_config` on the meta device (under
+    tensor parallelism a vision model that can serves its text alone: Gemma 3's)."""
     cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
+    if tp_size > 1 and getattr(cls, "text_model", None):
+        cls = model_class(cls.text_model)
     with torch.device("meta"):
         return cls(hf_config, ParallelGroup(rank=0, size=tp_size)).to(getattr(torch, dtype))
 
@@ -239,7 +243,8 @@ def plan_rank(
     activations = step_activation_bytes(
         step, s.max_num_batched_tokens, logit_rows(s.max_num_seqs, s.max_num_batched_tokens)
     )
-    activations += vision_bytes(hf_config, dtype_bytes)
+    if getattr(model, "vision", False):
+        activations += vision_bytes(hf_config, dtype_bytes)
     graphs = 0 if s.enforce_eager else graph_batch(s.max_num_seqs, s.max_num_batched_tokens)
     pool = graph_pool_bytes(step, graphs)
     budget = s.kv_cache_memory_bytes
@@ -258,14 +263,17 @@ def vision_bytes(hf_config, dtype_bytes: int) -> int:
     image at the processor's default limit through the tower, and the encoder cache at
     the engine's default bound; 0 for a text model."""
     cls = model_class((hf_config.architectures or [hf_config.model_type])[0])
-    if not getattr(cls, "vision", False):  # Gemma 3's tower is not served: not counted
+    if not getattr(cls, "vision", False):
         return 0
     tower = hf_config.vision_config
-    _, h, w = Qwen2VLImageProcessor().largest_grid()
-    tokens = EngineConfig.encoder_cache_tokens
-    return encoder_batch_bytes(tower, h * w, dtype_bytes) + encoder_cache_bytes(
-        tokens, hf_config.hidden_size, dtype_bytes
-    )
+    if getattr(cls, "mrope", False):  # Qwen2.5-VL: the processor's largest image
+        _, h, w = Qwen2VLImageProcessor().largest_grid()
+        batch = encoder_batch_bytes(tower, h * w, dtype_bytes)
+    else:  # Gemma 3: every image one square
+        tokens = getattr(hf_config, "mm_tokens_per_image", 256)
+        batch = siglip_batch_bytes(tower, tokens, hf_config.hidden_size, dtype_bytes)
+    cached = EngineConfig.encoder_cache_tokens
+    return batch + encoder_cache_bytes(cached, hf_config.hidden_size, dtype_bytes)
 
 
 def plan_memory(path: str, device: PlanDevice, settings: PlanSettings) -> MemoryPlan:

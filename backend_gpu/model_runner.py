@@ -39,7 +39,7 @@ from backend_gpu.memory import (
     parameter_bytes,
 )
 from backend_gpu.models.llama import head_dim_of
-from backend_gpu.multimodal import VisionSteps, image_processor
+from backend_gpu.multimodal import VisionSteps, image_markers, image_processor
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage
 from backend_gpu.prompt_logprobs import (
     PromptLogprobs,
@@ -141,8 +141,9 @@ class ModelRunner:
         self.vision = (
             VisionSteps(
                 self.model,
-                image_processor(checkpoint.directory, config.resize_image_pixels),
+                image_processor(self.model, checkpoint.directory, config.resize_image_pixels),
                 config.encoder_cache_tokens,
+                image_markers(self.model, hf_config, tokenizer),
             )
             if getattr(self.model, "vision", False)
             else None
@@ -273,9 +274,11 @@ class ModelRunner:
         """Compute the batch (on every rank); rank 0 gets the logits (float32) of the
         sequences that reach their end this step, 1 + len(spec_token_ids) rows each, their
         indices in the batch, and the logprobs its prompt spans score (None without)."""
-        # a vision model's M-RoPE positions and image rows (backend_gpu.multimodal): 1D
-        # positions (shifted) where every row is text, else [3, T] and no graph
-        rope, images = self.vision.step(batch) if self.vision is not None else (None, None)
+        # a vision model's M-RoPE positions, image rows and rows that see ahead
+        # (backend_gpu.multimodal): 1D positions (shifted) where every row is text, else
+        # [3, T] and no graph
+        vision = self.vision.step(batch) if self.vision is not None else None
+        rope = vision.positions if vision is not None else None
         flat = rope is None or bool((rope[0] == rope[1]).all() and (rope[0] == rope[2]).all())
         graph_size = None
         if self.graphs is not None and max(batch.num_new_tokens) == 1 and flat:
@@ -288,13 +291,14 @@ class ModelRunner:
             targets = (torch.tensor(ids, device=self.device), top_n)
         try:
             shifted = {"rope_positions": rope[0]} if rope is not None else {}
+            ahead = {"key_last": vision.key_last} if vision is not None else {}
             input_ids, positions, *inputs, sampled = self.prepare(
-                batch, graph_size, prompt_rows, **shifted
+                batch, graph_size, prompt_rows, **shifted, **ahead
             )
             if not flat:
                 positions = torch.from_numpy(rope).to(self.device)
-            if self.vision is not None:
-                self.model.step_images = images
+            if vision is not None:
+                self.model.step_images = vision.images
             logits, scored = self._forward(
                 input_ids, positions, *inputs, graph_size, prompt_rows, targets
             )
@@ -380,6 +384,7 @@ class ModelRunner:
         graph_size: int | None,
         prompt_rows: list[tuple[int, int]],
         rope_positions=None,
+        key_last=None,
     ):
         """Build the step's rows, hand them to the other ranks, fill this rank's step
         buffers; return (input ids, positions, attention metadata, sampled rows, sampled
@@ -387,9 +392,11 @@ class ModelRunner:
         to that many sequences for the graph of that size. `prompt_rows`, the slices of
         the batch's prompt spans, go to the other ranks too: they run the LM head on them
         as well. `rope_positions`: the rows' rotary positions where they are not their
-        indices (an M-RoPE model's, shifted by an image's delta)."""
+        indices (an M-RoPE model's, shifted by an image's delta); `key_last`: per row,
+        the last key it sees where some see ahead (a Gemma 3 image's tokens)."""
         step, sampled = self.step_rows(batch, graph_size, prompt_rows)
         step.rope_positions = rope_positions
+        step.key_last = key_last
         if self.ranks is not None:
             self.ranks.send(step)
         return (*self.load(step), sampled)
@@ -455,6 +462,8 @@ class ModelRunner:
                 dev["slot_mapping"][:num_tokens],
                 self._workspace,
             )
+        if step.key_last is not None:  # a step with image rows that see ahead: rare, small
+            meta.key_last = torch.from_numpy(step.key_last).to(self.device)
         return (
             dev["input_ids"][:num_tokens],
             dev["positions"][:num_tokens],

@@ -16,6 +16,11 @@ preempted depend on how much each tenant was served. `fairness="fcfs"` (and the 
 policy) serve first come, first served instead. Under VTC one seat beyond max_num_seqs
 is kept for a tenant becoming active, so a newcomer does not wait for a seat.
 
+A vision model whose image tokens attend to each other (Gemma 3) has an image's tokens
+computed in one step: a chunk ends before an image it would cut, and a sequence whose
+next image does not fit what is left of the budget waits for a step with room (the
+engine refuses a budget below one image).
+
 A request under a LoRA adapter is admitted only with a device slot for its adapter
 (`adapters`, backend_gpu.lora's manager): a slot is pinned while a running sequence
 uses it, so a step never holds more distinct adapters than there are slots.
@@ -52,6 +57,14 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+
+def _whole_images(seq: Sequence, start: int, num_new: int) -> int:
+    """`num_new` tokens from index `start`, or fewer: a chunk never ends inside an image
+    whose tokens see each other (Gemma 3's; backend_gpu.multimodal); 0: not this step."""
+    if seq.images is None:
+        return num_new
+    return seq.images.chunk_end(start, start + num_new) - start
 
 
 class Scheduler:
@@ -132,6 +145,10 @@ class Scheduler:
                 seq.spec_token_ids = []
             del seq.spec_token_ids[budget - 1 :]
             num_new = min(num_new + len(seq.spec_token_ids), budget)
+            num_new = _whole_images(seq, seq.num_computed_tokens, num_new)
+            if num_new == 0:  # its next image waits for a budget that takes it whole
+                i += 1
+                continue
             while not bm.can_append_slots(seq, num_new):
                 if seq.spec_token_ids:  # drop the guesses before preempting anyone
                     num_new -= len(seq.spec_token_ids)
@@ -174,8 +191,9 @@ class Scheduler:
         num_new = len(seq) - (len(cached) + len(lower)) * bm.block_size
         if not self.chunked_prefill and num_new > budget:
             return None
-        num_new = min(num_new, budget)
-        if not bm.can_allocate(seq, cached, num_new, lower):
+        start = (len(cached) + len(lower)) * bm.block_size
+        num_new = _whole_images(seq, start, min(num_new, budget))
+        if num_new == 0 or not bm.can_allocate(seq, cached, num_new, lower):
             return None
         return cached, lower, num_new
 

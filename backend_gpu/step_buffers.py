@@ -157,3 +157,6 @@ class StepRows:
     # per row, its rotary position where that is not its index (an M-RoPE model's text
     # rows after an image: backend_gpu.multimodal); None: the indices
     rope_positions: np.ndarray | None = None
+    # per row, the index of the last key it attends to where some row sees past itself
+    # (a Gemma 3 image's tokens see the whole image: backend_gpu.multimodal); None: causal
+    key_last: np.ndarray | None = None

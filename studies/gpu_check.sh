@@ -18,7 +18,9 @@
 #    package: a wheel in .whl/; test_gpt_oss.py's MXFP4 gpt-oss against transformers and
 #    test_triton_mxfp4.py's kernel path at gpt-oss-120b's expert sizes;
 #    test_triton_mla.py's MLA kernel at DeepSeek-V3's widths; test_qwen2_5_vl.py's
-#    Qwen2.5-VL with images, decodes at the M-RoPE offset in CUDA graphs), at most TEST_S
+#    Qwen2.5-VL with images, decodes at the M-RoPE offset in CUDA graphs;
+#    test_gemma3_vision.py's Gemma 3 with images, an image's rows seeing ahead in the
+#    Triton prefill kernel), at most TEST_S
 #    seconds: OUTDIR/pytest.log,
 #    OUTDIR/pytest.xml;
 # 2. python -m studies.gpu_check (throughput of a random-weight Llama-3-8B-shaped model:
@@ -66,7 +68,7 @@ if wanted tests; then
         tests/backend_gpu/test_triton_lora.py tests/backend_gpu/test_triton_int4.py \
         tests/backend_gpu/test_quantized_checkpoints.py tests/backend_gpu/test_gpt_oss.py \
         tests/backend_gpu/test_triton_mxfp4.py tests/backend_gpu/test_triton_mla.py \
-        tests/backend_gpu/test_qwen2_5_vl.py 2>&1 |
+        tests/backend_gpu/test_qwen2_5_vl.py tests/backend_gpu/test_gemma3_vision.py 2>&1 |
         tee "$out/pytest.log"
     tests=${PIPESTATUS[0]}
     echo "gpu_check.sh: tests exited $tests" | tee -a "$out/pytest.log"

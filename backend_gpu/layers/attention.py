@@ -10,6 +10,8 @@ padded or masked, the small workspace stays in the CPU's cache between the gathe
 the matmuls, and SDPA's kernel is several times slower for a single query. A prefill
 chunk goes through SDPA with the causal (and sliding-window) mask its position calls
 for; a chunk that starts a sequence attends to its own fresh keys and skips the gather.
+Rows may see past themselves (`key_last`: a Gemma 3 image's tokens see their whole
+image, which the same chunk computes), on both paths.
 An FP8 cache holds K and V divided by the layer's scales; the reads fold them back into
 the query's scale and the attention output. Attention sinks (gpt-oss: a learned logit
 per query head in the softmax's denominator, attending to nothing) have no SDPA form, so
@@ -77,6 +79,9 @@ class AttentionMetadata:
     decodes: list[DecodeSpan] = field(default_factory=list)  # run one by one
     prefills: list[PrefillSpan] = field(default_factory=list)
     paged: PagedBatch | None = None  # set: the Triton kernels run instead of the spans above
+    # [T] per row, the index of the last key it sees where some row sees past itself (a
+    # Gemma 3 image's tokens see their whole image); None: causal. Prefill rows only.
+    key_last: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, g: int, window: int | None) -> torch.Tensor:
@@ -94,9 +99,12 @@ class AttentionMetadata:
         return self._masks[key]
 
     def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
-        """[q_len, ctx_len] causal (and windowed) mask of a chunk; None for plain causal."""
+        """[q_len, ctx_len] causal (and windowed) mask of a chunk, rows that see ahead
+        seeing up to key_last (the window bounds only earlier keys, as transformers'
+        Gemma 3 mask); None for plain causal."""
         span = self.prefills[i]
-        if window is None and span.start_pos == 0:
+        ahead = None if self.key_last is None else self.key_last[span.q_start : span.q_end]
+        if window is None and span.start_pos == 0 and ahead is None:
             return None
         key = (i, window)
         if key not in self._masks:
@@ -104,7 +112,8 @@ class AttentionMetadata:
             device = self.slot_mapping.device
             key_pos = torch.arange(span.start_pos + q_len, device=device)
             q_pos = torch.arange(span.start_pos, span.start_pos + q_len, device=device)[:, None]
-            mask = key_pos[None, :] <= q_pos
+            last = q_pos if ahead is None else ahead[:, None]
+            mask = key_pos[None, :] <= last
             if window is not None:
                 mask &= key_pos[None, :] > q_pos - window
             self._masks[key] = mask
@@ -242,6 +251,7 @@ def _kernel_attention(
         k_scale,
         v_scale,
         sinks,
+        meta.key_last,
     )
 
 

@@ -18,7 +18,8 @@ merge's (so the splits need not know of them).
   log-sum-exp.
 - Prefill, chunked prefill and speculative verification are one kernel: each
   sequence's new queries (cu_seqlens-style offsets) attend causally to its cached
-  context, their own keys included (already written to the cache).
+  context, their own keys included (already written to the cache); rows given a
+  `key_last` past themselves (a Gemma 3 image's tokens) see that far ahead.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _widen(x, dtype: tl.constexpr):
 def _attend(
     q,
     q_pos,
+    q_last,  # the last key position each row sees [M]: its own, or past it (key_last)
     row_ok,  # queries [M, D], their positions [M], which rows are real [M]
     k_cache,
     v_cache,
@@ -82,7 +84,7 @@ def _attend(
         # masked lanes read as 0: garbage there could be NaN, and 0 * NaN spoils the dots
         k = tl.load(k_cache + rows[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
         s = tl.dot(q, _widen(k, q.dtype), input_precision=PRECISION) * score_scale
-        ok = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        ok = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= q_last[:, None])
         if USE_WINDOW:
             ok &= key_pos[None, :] > q_pos[:, None] - window
         s = tl.where(ok, s, float("-inf"))
@@ -143,6 +145,7 @@ def _decode_split_kernel(
     q_pos = tl.zeros([ROWS], tl.int32) + ctx - 1
     acc, m_i, l_i = _attend(
         q,
+        q_pos,
         q_pos,
         row_ok,
         k_cache,
@@ -208,6 +211,7 @@ def _prefill_kernel(
     lens_ptr,
     q_starts_ptr,
     sinks_ptr,  # [heads] (HAS_SINKS)
+    key_last_ptr,  # [T] the last key position each row sees (HAS_KEY_LAST)
     score_scale,
     v_scale,
     window,
@@ -222,6 +226,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_KEY_LAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Program (sequence, query tile, KV head): BLOCK_Q new tokens x the group's heads as
@@ -247,9 +252,16 @@ def _prefill_kernel(
     mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     q_rows = (q_start + token) * stride_qt + heads * HEAD_DIM
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    q_pos = ctx - q_len + token
+    q_last = q_pos
+    if HAS_KEY_LAST:  # rows that see past themselves: the tile reads as far as they see
+        q_last = tl.load(key_last_ptr + q_start + token, mask=token < q_len, other=0).to(tl.int32)
+        q_last = tl.maximum(q_last, q_pos)
+        key_hi = tl.minimum(tl.maximum(key_hi, tl.max(q_last, 0) + 1), ctx)
     acc, m_i, l_i = _attend(
         q,
-        ctx - q_len + token,
+        q_pos,
+        q_last,
         row_ok,
         k_cache,
         v_cache,
@@ -363,11 +375,13 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,
+    key_last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, Hq, D]: sequence b's queries q[query_start_loc[b]:query_start_loc[b + 1]] are
     its last tokens of context_lens[b] (their keys already in the cache), each attending
     causally (and within the window) to its sequence's keys, read as in decode. sinks
-    [Hq]: a logit per query head in the softmax's denominator."""
+    [Hq]: a logit per query head in the softmax's denominator. key_last [T]: the last key
+    position each row sees, where some see past themselves (never past the context)."""
     block_size, group = _check(q, k_cache, v_cache)
     group_pad = triton.next_power_of_2(group)
     # short queries (speculative verification) get short tiles; a tile is >= MIN_DOT rows
@@ -384,6 +398,7 @@ def paged_prefill_attention(
         context_lens,
         query_start_loc,
         sinks if sinks is not None else out,
+        key_last if key_last is not None else query_start_loc,
         scale * k_scale * LOG2E,
         v_scale,
         sliding_window or 0,
@@ -398,6 +413,7 @@ def paged_prefill_attention(
         BLOCK_N=KEY_TILE,
         USE_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
+        HAS_KEY_LAST=key_last is not None,
         PRECISION=dot_precision(q.dtype),
     )
     return out

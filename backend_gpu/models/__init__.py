@@ -8,6 +8,7 @@ from torch import nn
 from backend_gpu.models.bert import BertModel
 from backend_gpu.models.deepseek_v3 import DeepseekV3ForCausalLM
 from backend_gpu.models.gemma3 import Gemma3ForCausalLM
+from backend_gpu.models.gemma3_vision import Gemma3VisionForConditionalGeneration
 from backend_gpu.models.gpt_oss import GptOssForCausalLM
 from backend_gpu.models.llama import LlamaEmbeddingModel, LlamaForCausalLM
 from backend_gpu.models.moe import MoEForCausalLM
@@ -22,8 +23,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    # Gemma 3 4B-27B as published: its text model (loader.text_model_name)
-    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+    # Gemma 3 4B-27B as published: its SigLIP tower and text model (images:
+    # backend_gpu.multimodal); its text model alone where images cannot go
+    "Gemma3ForConditionalGeneration": Gemma3VisionForConditionalGeneration,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

@@ -306,5 +306,11 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         weight = self.visual.patch_embed.proj.weight
         return self.visual(patches.to(weight.device, weight.dtype), grid)
 
+    def image_input_like(self, grid: tuple[int, int, int], device) -> torch.Tensor:
+        """Random patches of an image of `grid` (the memory profile encodes one)."""
+        t, h, w = grid
+        width = self.visual.patch_embed.proj.weight[0].numel()  # 3 x 2 x 14 x 14
+        return torch.randn(t * h * w, width, device=device)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return vocab_parallel.gather_logits(self.lm_head(hidden), self.model.vocab, self.model.tp)

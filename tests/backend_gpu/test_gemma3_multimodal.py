@@ -1,9 +1,10 @@
 """Gemma 3 as published (4B/12B/27B: Gemma3ForConditionalGeneration, a text model beside a
-SigLIP vision tower) served from those files, text only: greedy output equal to
-transformers' multimodal model on text prompts under chunked prefill, prefix caching and
-whole prefills, from the hub's tensor names and from transformers 4's; the vision tower
-never read; two ranks; FP8 weights; an unknown rope type refused naming the field; and
-kvgate plan of Gemma 3 4B counts its text model."""
+SigLIP vision tower) served from those files on text prompts: greedy output equal to
+transformers' multimodal model under chunked prefill, prefix caching and whole
+prefills, from the hub's tensor names and from transformers 4's; a text model reading
+none of the tower; two ranks (the text model alone); FP8 weights; an unknown rope type
+refused naming the field; and kvgate plan of Gemma 3 4B counting its text model and its
+tower (its images: test_gemma3_vision.py)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def test_greedy_matches_transformers(tiny_model_dir, setting):
 
 
 def test_the_vision_tower_is_not_read(tiny_model_dir):
+    """Not by a text model's read (Gemma3VisionForConditionalGeneration asks for it)."""
     path = tiny_model_dir("gemma3_mm")
     with safe_open(f"{path}/model.safetensors", framework="pt") as f:
         stored = list(f.keys())
@@ -123,11 +125,21 @@ GEMMA3_4B = {
         "sliding_window": 1024,
         "vocab_size": 262208,
     },
-    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+    "mm_tokens_per_image": 256,
 }
 
 
-def test_plan_of_gemma3_4b_counts_its_text_model(tmp_path):
+def test_plan_of_gemma3_4b_counts_its_text_model_and_tower(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA3_4B))
     device = PlanDevice("h100-80gb", 80 * GIB, 0)
@@ -136,6 +148,18 @@ def test_plan_of_gemma3_4b_counts_its_text_model(tmp_path):
     h, layers, vocab, head = 2560, 34, 262208, 256
     attention = h * (8 * head) * 2 + h * (4 * head) * 2 + 2 * head  # q, o; k, v; q/k norms
     per_layer = attention + 3 * h * 10240 + 4 * h  # the MLP; four norms
-    assert plan.parameters == layers * per_layer + vocab * h + h == 3_880_263_168
+    text = layers * per_layer + vocab * h + h
+    assert text == 3_880_263_168
+    # the SigLIP tower (patches, positions, 27 layers, the last norm) and the projector
+    v, inter = 1152, 4304
+    tower = (
+        3 * 14 * 14 * v + v + 64 * 64 * v + 27 * (4 * (v * v + v) + 2 * v * inter + inter + 5 * v)
+    )
+    assert plan.parameters == text + tower + 2 * v + v * h + v == 4_300_079_472
+    # two ranks serve its text alone: no tower, no image's activations
+    two = plan_memory(
+        str(path), device, PlanSettings(kv_cache_memory_bytes=GIB, tensor_parallel_size=2)
+    )
+    assert two.ranks[0].activation_bytes < plan.ranks[0].activation_bytes
     # every sixth layer global (Gemma 3's default pattern), the others a 1024 window
     assert plan.sliding_window == 1024 and plan.sliding_layers == layers - layers // 6
