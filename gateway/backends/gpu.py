@@ -154,14 +154,16 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
         vision = self._vision()
         if vision is None or not has_images(prompt):
             return await super().render_chat(model, prompt, tools, kwargs)
-        messages, images = with_image_markers(prompt)
-        token_ids = await super().render_chat(model, messages, tools, kwargs)
+        markers = vision.markers
+        messages, images = with_image_markers(prompt, markers.marker)
+        token_ids = await super().render_chat(model, messages, tools, kwargs, markers.expand)
         try:
             counts = [vision.processor.num_tokens(im.width, im.height) for im in images]
         except ValueError as exc:  # an aspect ratio past the processor's
             raise BadRequestError(str(exc)) from None
         pad_id = self.engine.engine.hf_config.image_token_id
-        return widen_placeholders(token_ids, pad_id, counts)
+        refused = markers.pad if markers.expansion is None else f"{markers.marker} or {markers.pad}"
+        return widen_placeholders(token_ids, pad_id, counts, refused)
 
     async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         check_model(req.model, self.model_id)

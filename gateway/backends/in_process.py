@@ -167,19 +167,26 @@ class InProcessBackend(ABC, Generic[E]):
         return await self.render_chat(model, prompt, tools, {})
 
     async def render_chat(
-        self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
+        self,
+        model: str,
+        prompt: PromptInput,
+        tools: list[dict] | None,
+        kwargs: dict,
+        expand: Callable[[str], str] | None = None,
     ) -> list[int]:
         """ChatTemplateBackend: `render` with the template's extra variables. Images
         are refused unless the model's card says it takes them (`vision`), in which case
-        the adapter renders them itself."""
+        the adapter renders them itself (`expand`: its change to the template's text
+        before the tokenizer, as the model's processor writes an image there)."""
         check_model(model, self.model_id)
         if not self.models()[0].vision:
             refuse_images(model, prompt)
         t = self._tokenization()
+        encode = t.encode if expand is None else (lambda text, bos: t.encode(expand(text), bos))
         return await render_off_loop(
             lambda p: render_prompt(
                 p,
-                t.encode,
+                encode,
                 t.chat_template,
                 t.architecture,
                 bos_token=t.bos_token,

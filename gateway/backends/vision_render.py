@@ -1,12 +1,16 @@
 """Chat messages with images into a vision model's prompt (the gpu backend's render):
-each image part becomes the model's placeholder run, <|vision_start|>, one
-<|image_pad|> per image token, <|vision_end|>, where the image stood among the text.
+each image part becomes the model's placeholder run where the image stood among the
+text: Qwen2.5-VL's <|vision_start|>, one <|image_pad|> per image token, <|vision_end|>;
+Gemma 3's "\n\n<start_of_image>", its soft tokens, "<end_of_image>\n\n".
 
-The chat template renders text: each image part is first written as the marker text
-(start, one pad, end) inside its message's text, the template and the tokenizer run as
-for any chat, and then the n-th pad token is widened to the n-th image's token count
-(the processor's, from its width and height). A pad token that the client wrote in its
-own text would pair with the wrong image, so a count that does not match is a 400.
+The chat template renders text: each image part is first written as the model's marker
+text inside its message's text (the engine's ImageMarkers: Qwen's start, one pad, end;
+Gemma's <start_of_image>, as its template writes an image), the template runs as for
+any chat, the marker becomes what the model's processor makes it in the template's text
+(Gemma's newlines and tokens around one pad), the tokenizer runs, and then the n-th pad
+token is widened to the n-th image's token count (the processor's, from its width and
+height). A pad or marker that the client wrote in its own text would pair with the
+wrong image, so a count that does not match is a 400.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vi
 IMAGE_MARKER = VISION_START + IMAGE_PAD + VISION_END
 
 
-def with_image_markers(messages: Messages) -> tuple[Messages, list[ImageInput]]:
-    """The messages with every content list joined into text (image parts as the
-    marker) and the images in prompt order."""
+def with_image_markers(
+    messages: Messages, marker: str = IMAGE_MARKER
+) -> tuple[Messages, list[ImageInput]]:
+    """The messages with every content list joined into text (image parts as `marker`)
+    and the images in prompt order."""
     images: list[ImageInput] = []
     out = []
     for message in messages:
@@ -33,7 +39,7 @@ def with_image_markers(messages: Messages) -> tuple[Messages, list[ImageInput]]:
         for part in content:
             if part.get("type") == "image":
                 images.append(part["image"])
-                text.append(IMAGE_MARKER)
+                text.append(marker)
             elif part.get("type") == "text":
                 text.append(part.get("text") or "")
             else:
@@ -42,14 +48,16 @@ def with_image_markers(messages: Messages) -> tuple[Messages, list[ImageInput]]:
     return out, images
 
 
-def widen_placeholders(token_ids: list[int], pad_id: int, counts: list[int]) -> list[int]:
+def widen_placeholders(
+    token_ids: list[int], pad_id: int, counts: list[int], marker: str = IMAGE_PAD
+) -> list[int]:
     """Each pad token of `token_ids` as counts[n] of them, n-th for n-th; a 400 when the
-    pads and the images do not pair up."""
+    pads and the images do not pair up (`marker`: what the text must not contain)."""
     found = token_ids.count(pad_id)
     if found != len(counts):
         raise BadRequestError(
             f"the prompt has {found} image placeholders for {len(counts)} images "
-            f"(its text must not contain {IMAGE_PAD})"
+            f"(its text must not contain {marker})"
         )
     out: list[int] = []
     images = iter(counts)
