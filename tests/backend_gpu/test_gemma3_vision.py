@@ -3,7 +3,7 @@ with save_pretrained and loaded from that directory): greedy output equal to tra
 with one and two images in the prompt (their soft tokens attending to each other both
 ways, the sliding layers' window shorter than an image), whole and in chunks (which never
 end inside an image), again from the prefix cache (hits ending inside an image) and the
-encoder cache; the image preprocessing equal to transformers' Gemma 3 image processor bit
+encoder cache, and under preemption; the image preprocessing equal to transformers' Gemma 3 image processor bit
 for bit; prefix caching by the image's content; the settings the vision path does not
 take serving the text model alone; a step budget below an image refused (kvgate plan
 counting the tower: test_gemma3_multimodal.py)."""
@@ -142,6 +142,16 @@ def test_greedy_matches_transformers(model_dir, prompts, references, setting):
     for out, (tokens, _) in zip(outs, prompts, strict=True):
         assert out.num_image_tokens == tokens.count(soft) > 0
     assert llm.stats().encoder_cache_hits > 0
+
+
+def test_greedy_under_preemption(model_dir, prompts, references):
+    """A pool of 8 blocks for the three prompts and their outputs: a preempted sequence
+    computes its images again, whole."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=8 * 12288, max_model_len=128)
+    assert llm.stats().num_blocks == 8
+    for out, (ref_ids, ref_logits) in zip(generate(llm, prompts), references, strict=True):
+        assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
+    assert llm.stats().preemptions > 0
 
 
 def test_chunks_end_before_an_image_they_would_cut(model_dir, prompts):
