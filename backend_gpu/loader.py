@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +35,7 @@ from backend_gpu.models.llama import head_dim_of
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage, prune_to_stage
 from backend_gpu.quantization.block_fp8 import BlockFp8Checkpoint, block_size_of
 from backend_gpu.quantized_checkpoint import QuantizedCheckpoint, tensor_names
-from backend_gpu.tp_shards import SKIP, CheckpointShards, ShardRead
+from backend_gpu.tp_shards import SKIP, CheckpointShards, FusedParts, ShardRead
 
 # checkpoint module name -> (our packed module name, shard)
 PACKED_MODULES = {
@@ -66,10 +66,6 @@ def text_model_name(name: str, vision: bool = False) -> str | None:
         if name.startswith(prefix):
             return ours + name[len(prefix) :]
     return name
-
-
-# a fused checkpoint tensor's name -> its parts (name, rows), in row order; None: unfused
-FusedParts = Callable[[str], list[tuple[str, int]] | None]
 
 
 @dataclass(frozen=True)
@@ -217,14 +213,16 @@ def build_model(
         extra = {"expert_parallel": True} if expert_parallel else {}
         model = cls(hf_config, tp, **extra).to(dtype)
     dropped = prune_to_stage(model, stage) if stage.count > 1 else []
+    fused = getattr(cls, "fused_checkpoint_tensors", None)  # Phi-3's qkv_proj, gate_up_proj
+    fused = fused and fused(hf_config)
     # before the model gets memory: its quantized layers get none of 16 bits
     quantized = blocks = None
     # a model that reads its checkpoint's quantization itself (gpt-oss's MXFP4 experts)
     if load_format != "dummy" and not getattr(model, "reads_own_quantization", False):
-        blocks = block_fp8_checkpoint(checkpoint.directory, dtype)  # widened as read
+        blocks = block_fp8_checkpoint(checkpoint.directory, dtype, fused)  # widened as read
         if blocks is None:
             quantized = QuantizedCheckpoint.of(
-                model, hf_config, checkpoint.directory, PACKED_MODULES, tp
+                model, hf_config, checkpoint.directory, PACKED_MODULES, tp, fused
             )
     # to_empty gives each module its own tensors: note which parameters are one
     shared: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -256,9 +254,10 @@ def build_model(
             shards = quantized.reads(shards)
         if blocks is not None:
             shards = blocks.reads(shards)
-        fused = getattr(cls, "fused_checkpoint_tensors", None)  # Phi-3's qkv_proj, gate_up_proj
+        if quantized is not None or blocks is not None:  # a quantized fused tensor: whole
+            fused = (quantized or blocks).fused_reads(fused)
         vision = getattr(cls, "reads_vision_tower", False)  # Gemma 3's tower and projector
-        weights = checkpoint.tensors(shards, tuple(dropped), fused and fused(hf_config), vision)
+        weights = checkpoint.tensors(shards, tuple(dropped), fused, vision)
         if hasattr(model, "checkpoint_weights"):  # a layout of its own (gpt-oss's experts)
             weights = model.checkpoint_weights(weights)
         if quantized is not None:
@@ -269,13 +268,16 @@ def build_model(
     return model
 
 
-def block_fp8_checkpoint(directory: str, dtype: torch.dtype) -> BlockFp8Checkpoint | None:
+def block_fp8_checkpoint(
+    directory: str, dtype: torch.dtype, fused: FusedParts | None = None
+) -> BlockFp8Checkpoint | None:
     """The widening of a block-wise FP8 checkpoint (DeepSeek-V3's); None for another."""
     block = block_size_of(directory)
     if block is None:
         return None
     names = (text_model_name(name) for name in tensor_names(directory))
-    return BlockFp8Checkpoint(block, dtype, [name for name in names if name is not None])
+    held = [name for name in names if name is not None]
+    return BlockFp8Checkpoint(block, dtype, held, fused)
 
 
 @torch.no_grad()

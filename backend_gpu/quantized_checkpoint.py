@@ -14,6 +14,12 @@ along different dimensions), and the placeholder is replaced by the final layer:
 PackedWeightLinear for INT4/INT8 in groups, QuantizedLinear for FP8 and INT8 per channel.
 Every other tensor goes on to the ordinary loader.
 
+A checkpoint that fuses a layer's parts in one tensor (Phi-3's qkv_proj and gate_up_proj,
+quantized so by its quantizer: one scale per tensor covers all three of q, k and v) is
+one checkpoint module feeding our fused layer whole: it is converted as one, and a
+tensor-parallel rank cuts each part's rows (the model's fused_checkpoint_tensors says
+which) out of it and joins them.
+
 A token table (the embedding, the LM head) quantized to packed INT4/INT8 is one
 PackedWeightLinear: the LM head as it is, the embedding through PackedEmbedding, which
 dequantizes only the rows it looks up. A tied table is held once for both roles, as
@@ -52,11 +58,18 @@ from backend_gpu.quantization.checkpoint_tensors import (
 from backend_gpu.quantization.packed import PackedWeight
 from backend_gpu.quantization.packed_shards import (
     cut_columns,
+    cut_parts,
     cut_rows,
     join_columns,
     pad_columns,
 )
-from backend_gpu.tp_shards import COLUMN_PARALLEL, ROW_PARALLEL, CheckpointShards, ShardRead
+from backend_gpu.tp_shards import (
+    COLUMN_PARALLEL,
+    ROW_PARALLEL,
+    CheckpointShards,
+    FusedParts,
+    ShardRead,
+)
 
 LINEAR_LEAVES = COLUMN_PARALLEL + ROW_PARALLEL
 # the token table's two roles, named alike in checkpoints and in our models
@@ -118,6 +131,8 @@ class Part:
     scheme: WeightScheme
     shape: tuple[int, int]  # (out, in), whole
     names: set[str]  # its tensors' names after the module's
+    # a fused checkpoint module's parts (module name, rows), in row order; [] unfused
+    splits: list[tuple[str, int]] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     weight: PackedWeight | EightBitWeight | None = None
     bias: torch.Tensor | None = None
@@ -144,12 +159,15 @@ class QuantizedCheckpoint:
         directory: str,
         packed_modules: dict[str, tuple[str, str]],
         tp: ParallelGroup,
+        fused: FusedParts | None = None,
     ) -> QuantizedCheckpoint | None:
-        """None where the checkpoint in `directory` is not pre-quantized."""
+        """None where the checkpoint in `directory` is not pre-quantized. `fused`: the
+        model's fused checkpoint tensors (the loader's)."""
         quant = read_checkpoint_quantization(directory)
         if quant is None:
             return None
-        return cls(model, hf_config, quant, tensor_names(directory), packed_modules, tp)
+        names = tensor_names(directory)
+        return cls(model, hf_config, quant, names, packed_modules, tp, fused)
 
     def __init__(
         self,
@@ -159,6 +177,7 @@ class QuantizedCheckpoint:
         names: Iterable[str],
         packed_modules: dict[str, tuple[str, str]],
         tp: ParallelGroup,
+        fused: FusedParts | None = None,
     ) -> None:
         self.quant = quant
         self.rank = tp.rank
@@ -187,6 +206,9 @@ class QuantizedCheckpoint:
                 if quantized:
                     self._add_table(model, hf_config, module, scheme, tensors, modules)
                 continue
+            splits = _fused_splits(fused, module)
+            if splits:  # a fused checkpoint tensor: its parts' layers say what it is
+                leaf = _leaf(splits[0][0])
             if leaf not in LINEAR_LEAVES or ".experts." in module:
                 if quantized:
                     raise ValueError(
@@ -211,9 +233,11 @@ class QuantizedCheckpoint:
             if layer is None:
                 layer = self.layers[path] = Layer(path, AwaitingWeights(target), [])
             scheme = quant.scheme_for(module)
-            part = Part(module, scheme, checkpoint_shape(hf_config, leaf), tensors)
-            layer.parts.append(part)
-            if shard is not None:  # the fused layer's parts in its shard order
+            shape = checkpoint_shape(hf_config, leaf)
+            if splits:
+                shape = (sum(rows for _, rows in splits), shape[1])
+            layer.parts.append(Part(module, scheme, shape, tensors, splits))
+            if shard is not None and not splits:  # the fused layer's parts in its shard order
                 order = list(layer.placeholder.shard_slices)
                 layer.parts.sort(key=lambda p: order.index(packed_modules[_leaf(p.module)][1]))
         for layer in self.layers.values():
@@ -280,7 +304,8 @@ class QuantizedCheckpoint:
 
     def _swap(self, model: nn.Module, layer: Layer, target: nn.Module) -> None:
         fused = isinstance(target, PackedLinear)
-        if fused and len(layer.parts) != len(target.shard_slices):
+        held = sum(len(p.splits) or 1 for p in layer.parts)
+        if fused and held != len(target.shard_slices):
             raise ValueError(
                 f"{', '.join(p.module for p in layer.parts)}: quantized in the checkpoint, "
                 "but not the other parts of the layer the engine fuses them into"
@@ -295,6 +320,13 @@ class QuantizedCheckpoint:
         if shards is None:
             return None
         return lambda name: None if name in self.part_of else shards(name)
+
+    def fused_reads(self, fused: FusedParts | None) -> FusedParts | None:
+        """`fused` for Checkpoint.tensors, except that a quantized fused tensor is read
+        whole: its layer converts it and cuts its parts (_convert)."""
+        if fused is None:
+            return None
+        return lambda name: None if name in self.part_of else fused(name)
 
     def weights(
         self,
@@ -325,7 +357,11 @@ class QuantizedCheckpoint:
         out_features, in_features = part.shape
         weight = convert_module(part.module, part.scheme, part.tensors, out_features, in_features)
         read = self.shards(f"{part.module}.weight") if self.shards is not None else None
-        if read is not None and read.dim == 0:
+        if part.splits and self.shards is not None:  # each part's rows, joined again
+            ranges = self._fused_ranges(part)
+            weight = cut_parts(weight, ranges, [name for name, _ in part.splits])
+            bias = None if bias is None else torch.cat([bias[lo:hi] for lo, hi in ranges])
+        elif read is not None and read.dim == 0:
             weight = cut_columns(weight, read.start, read.stop)
             bias = None if bias is None else bias[read.start : read.stop]
             if read.rows is not None:  # a token table's last rank: the vocabulary's padding
@@ -333,6 +369,17 @@ class QuantizedCheckpoint:
         elif read is not None:  # row-parallel: the bias is rank 0's (its placeholder's)
             weight = cut_rows(weight, read.start, read.stop, part.module)
         part.weight, part.bias, part.tensors = weight, bias, {}
+
+    def _fused_ranges(self, part: Part) -> list[tuple[int, int]]:
+        """This rank's rows [lo, hi) of each of a fused module's parts (column-parallel)."""
+        assert self.shards is not None
+        ranges, start = [], 0
+        for name, rows in part.splits:
+            read = self.shards(f"{name}.weight")
+            assert read is not None and read.dim == 0, (name, read)
+            ranges.append((start + read.start, start + read.stop))
+            start += rows
+        return ranges
 
     def _install(self, model: nn.Module, layer: Layer, dtype, device) -> None:
         names = [p.module for p in layer.parts]
@@ -367,6 +414,13 @@ class QuantizedCheckpoint:
             setattr(model.get_submodule(parent), leaf, role)
         for part in layer.parts:
             part.names, part.weight = set(), None  # done: its memory goes with the layer
+
+
+def _fused_splits(fused: FusedParts | None, module: str) -> list[tuple[str, int]]:
+    """Checkpoint module `module`'s parts (module name, rows) where the model reads it
+    as a fused tensor; [] for another."""
+    parts = fused(f"{module}.weight") if fused is not None else None
+    return [(name.rpartition(".")[0], rows) for name, rows in parts or ()]
 
 
 def _leaf(module: str) -> str:

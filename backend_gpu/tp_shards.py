@@ -11,10 +11,13 @@ part of each checkpoint tensor it therefore reads.
 - The embedding and the LM head are split over the vocabulary, padded to a multiple
   of the ranks (the padding rows are zeros, and their logits are cut after the gather).
 - Norms are replicated.
+- A checkpoint tensor holding several of ours (Phi-3's qkv_proj: q, k and v rows in
+  turn) is read as its parts, each cut as a tensor of its own name (FusedParts).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend_gpu.distributed import ParallelGroup
@@ -23,6 +26,8 @@ from backend_gpu.distributed import ParallelGroup
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+# a fused checkpoint tensor's name -> its parts (name, rows), in row order; None: unfused
+FusedParts = Callable[[str], list[tuple[str, int]] | None]
 
 
 def check_divisible(hf_config, size: int) -> None:

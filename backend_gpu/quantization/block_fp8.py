@@ -14,7 +14,9 @@ The engine widens each such weight as it streams in, tile by tile, to the model'
 then the 16-bit one, exactly. `quantization="fp8"` then holds it in the engine's FP8
 layout (per output channel, requantized from the widened values). A weight is read
 whole and cut for a tensor-parallel rank after widening (a rank's rows need not start
-on a tile). A config field this cannot honour is refused by name at start.
+on a tile). A fused weight (Phi-3's qkv_proj, gate_up_proj: one tiling over the parts)
+is widened whole, then split into its parts, each cut as a tensor of its name. A config
+field this cannot honour is refused by name at start.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from backend_gpu.tp_shards import SKIP, ShardRead
+from backend_gpu.tp_shards import SKIP, FusedParts, ShardRead
 
 FP8 = torch.float8_e4m3fn
 SCALE = "weight_scale_inv"
@@ -114,11 +116,37 @@ class BlockFp8Checkpoint:
     quantized weight and its scale read whole, `weights` yields each weight widened and
     cut to this rank's part, in place of the two."""
 
-    def __init__(self, block: tuple[int, int], dtype: torch.dtype, names: Iterable[str]) -> None:
-        """`names`: the checkpoint's tensor names (as the stream will name them)."""
+    def __init__(
+        self,
+        block: tuple[int, int],
+        dtype: torch.dtype,
+        names: Iterable[str],
+        fused: FusedParts | None = None,
+    ) -> None:
+        """`names`: the checkpoint's tensor names (as the stream will name them);
+        `fused`: the model's fused tensors (the loader's FusedParts)."""
         self.block = block
         self.dtype = dtype
         self.quantized = {n[: -len(SCALE)] + "weight" for n in names if n.endswith(SCALE)}
+        self.fused = fused
+
+    def fused_reads(self, fused: FusedParts | None) -> FusedParts | None:
+        """`fused` for the checkpoint's reads, except that an FP8 weight is read whole:
+        `weights` splits it after widening."""
+        if fused is None:
+            return None
+        return lambda name: None if name in self.quantized else fused(name)
+
+    def _parts(self, whole: str, widened: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A fused weight's parts, rows in order (or the weight itself)."""
+        parts = self.fused(whole) if self.fused is not None else None
+        if not parts:
+            return [(whole, widened)]
+        out, start = [], 0
+        for name, rows in parts:
+            out.append((name, widened[start : start + rows]))
+            start += rows
+        return out
 
     @staticmethod
     def _weight_name(name: str) -> str:
@@ -160,12 +188,13 @@ class BlockFp8Checkpoint:
                 widened = dequantize(pair["weight"], pair[SCALE], self.block, self.dtype)
             except ValueError as e:
                 raise ValueError(f"{whole}: {e}") from None
-            read = shards(whole) if shards is not None else None
-            if read is not None:
-                widened = widened.narrow(read.dim, read.start, read.stop - read.start)
-                if read.rows is not None and widened.shape[0] < read.rows:  # a token table's
-                    widened = F.pad(widened, (0, 0, 0, read.rows - widened.shape[0]))
-            yield whole, widened
+            for name, part in self._parts(whole, widened):
+                read = shards(name) if shards is not None else None
+                if read is not None:
+                    part = part.narrow(read.dim, read.start, read.stop - read.start)
+                    if read.rows is not None and part.shape[0] < read.rows:  # a token table's
+                        part = F.pad(part, (0, 0, 0, read.rows - part.shape[0]))
+                yield name, part
         if held:  # a scale whose weight never came (another stage's are never read)
             name = next(iter(held))
             raise ValueError(f"{name} is missing from the checkpoint beside its {SCALE}")

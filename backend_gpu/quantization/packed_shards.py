@@ -106,3 +106,9 @@ def join_columns(parts: list[PackedWeight | EightBitWeight], names: list[str]):
         zeros=torch.cat([p.zeros for p in parts], dim=1),
         out_features=sum(p.out_features for p in parts),
     )
+
+
+def cut_parts(w: PackedWeight | EightBitWeight, ranges: list[tuple[int, int]], names: list[str]):
+    """Output features [lo, hi) of each of `ranges` of `w`, joined in order: a fused
+    checkpoint module's parts (Phi-3's q, k and v) each cut to a rank's rows."""
+    return join_columns([cut_columns(w, lo, hi) for lo, hi in ranges], names)

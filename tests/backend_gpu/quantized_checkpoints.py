@@ -27,12 +27,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoint fuses q/k/v and gate/up: its quantizers quantize each fused tensor
+# as one layer (one scale per tensor for all its parts), as these writers do
+FUSED = ("qkv_proj", "gate_up_proj")
 # the layers that share an input, so GPTQ's act-order gives them one g_idx
 SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 
 
 def _linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
-    return [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]
+    return [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS + FUSED]
 
 
 def _random_biases(state: dict[str, torch.Tensor], gen: torch.Generator) -> None:

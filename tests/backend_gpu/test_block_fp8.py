@@ -5,7 +5,8 @@ float32 `weight_scale_inv` a tile, embeddings, norms and the router left as they
 The engine's greedy output equals transformers' on the dequantized weights, on one rank,
 on two (a rank's part cut after widening, inside a tile) and by expert parallel, its
 weights exactly those values; `quantization="fp8"` holds it in FP8; a config field or a
-tensor the engine cannot honour is refused by name."""
+tensor the engine cannot honour is refused by name. Qwen3's checkpoints in the format
+load too, and Phi-3's, whose q/k/v and gate/up are fused tensors."""
 
 from __future__ import annotations
 
@@ -132,6 +133,19 @@ def test_a_qwen3_checkpoint_in_tiles_equals_transformers(tiny_model_dir, tmp_pat
     write_quantization(Path(fp8_dir), written)
     llm = LLM(fp8_dir, max_num_batched_tokens=24)
     check(llm, hf_greedy(ref_dir, prompts(), MAX_NEW))
+
+
+def test_a_phi3_checkpoint_in_tiles_equals_transformers(tiny_model_dir, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj, one tiling over their parts: each widened
+    whole, then split into q/k/v and gate/up; on two ranks, each rank's rows of each."""
+    fp8_dir, ref_dir = write_block_fp8(tiny_model_dir("phi3_window"), tmp_path)
+    reference = hf_greedy(ref_dir, prompts(), MAX_NEW)
+    llm = LLM(fp8_dir, max_num_batched_tokens=24)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    dequantized = load_file(f"{ref_dir}/model.safetensors")
+    assert torch.equal(qkv, dequantized["model.layers.0.self_attn.qkv_proj.weight"])
+    check(llm, reference)
+    check(LLM(fp8_dir, tensor_parallel_size=2, max_num_batched_tokens=24), reference)
 
 
 def test_heads_split_over_two_ranks_equal_transformers(checkpoints, reference):

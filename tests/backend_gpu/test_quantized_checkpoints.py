@@ -42,6 +42,7 @@ FORMATS = {
     },
 }
 EIGHT_BIT_PER_CHANNEL = ("ct-fp8-dynamic", "ct-fp8-static-tensor", "ct-w8a8-int")
+PHI3_FORMATS = ("ct-fp8-dynamic", "ct-fp8-static-tensor", "gptq-4bit-asym-desc_act")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,9 @@ def assert_matches_reference(
 @pytest.mark.parametrize(
     ("arch", "fmt"),
     [("llama", fmt) for fmt in FORMATS]
-    + [("gemma3", "gptq-4bit-asym-desc_act"), ("qwen2", "awq-gemm-g32")],
+    + [("gemma3", "gptq-4bit-asym-desc_act"), ("qwen2", "awq-gemm-g32")]
+    # Phi-3's fused qkv_proj and gate_up_proj, each quantized whole
+    + [("phi3_window", fmt) for fmt in PHI3_FORMATS],
 )
 def test_each_format_computes_what_its_reference_dequantization_says(written, arch, fmt):
     path, reference_dir = written(arch, fmt)
@@ -156,6 +159,19 @@ def test_two_ranks_decode_what_one_does(written):
     assert two == one
 
 
+@pytest.mark.parametrize("fmt", ["ct-fp8-static-tensor", "gptq-4bit-asym-desc_act"])
+def test_two_ranks_cut_each_part_of_a_fused_quantized_tensor(written, fmt):
+    """Phi-3's qkv_proj read whole and cut to each rank's q, k and v rows: one scale
+    for the whole tensor (FP8), act-order's g_idx shared by its parts (GPTQ)."""
+    path, _ = written("phi3_window", fmt)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    one = [o.token_ids for o in LLM(path).generate(PROMPTS, params)]
+    two = LLM(path, tensor_parallel_size=2)
+    qkv = two.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.out_features == (64 + 32 + 32) // 2  # this rank's heads of q, k and v
+    assert [o.token_ids for o in two.generate(PROMPTS, params)] == one
+
+
 def test_two_ranks_split_a_quantized_table_over_the_vocabulary(written):
     path, _ = written("gemma3", "ct-w4a16-table")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
@@ -190,6 +206,7 @@ def _broken_copy(path: str, dst: str, edit_tensors=None, edit_config=None) -> st
 
 
 DOWN = "model.layers.1.mlp.down_proj"
+QKV = "model.layers.0.self_attn.qkv_proj"
 
 
 def _unquantize_down(tensors: dict) -> None:
@@ -240,6 +257,15 @@ BROKEN = {
         "gptq with checkpoint_format 'marlin'",
     ),
 }
+
+
+def test_a_fused_tensor_whose_scale_disagrees_fails_at_start_naming_it(written, tmp_path):
+    """One scale for each of q's rows alone is neither per channel of the fused tensor
+    nor per tensor."""
+    path, _ = written("phi3_window", "ct-fp8-dynamic")
+    edit = {"edit_tensors": lambda t: t.update({f"{QKV}.weight_scale": torch.ones(64, 1)})}
+    with pytest.raises(ValueError, match=f"{QKV}.weight_scale: torch.float32 \\(64, 1\\)"):
+        LLM(_broken_copy(path, str(tmp_path / "broken"), **edit))
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
