@@ -1,7 +1,8 @@
 """Engine settings: one llama.cpp context of `n_parallel` sequences, each with its own KV
 stream of `n_ctx // n_parallel` cells. With task "embed" the engine embeds instead of
 generating (backend_local.embed_worker): inputs of up to `n_ctx // n_parallel` tokens,
-pooled by `pooling` (None: the GGUF's own, else mean) and L2-normalized if `normalize`."""
+pooled by `pooling` (None: the GGUF's own, else mean) and L2-normalized if `normalize`.
+With `mmproj` a generating engine takes images (backend_local.vision)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class EngineConfig:
     # stay loaded, least recently used out
     enable_lora: bool = False
     max_loras: int = 4
+    # a vision projector GGUF (llama.cpp's --mmproj) for the model: requests may carry
+    # images (backend_local.vision); None: text only
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:
@@ -67,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.enable_lora and self.task == "embed":
             raise ValueError("enable_lora serves generation; an embedding engine has no adapters")
+        if self.mmproj is not None and self.task == "embed":
+            raise ValueError("mmproj serves images to a generator; an embedding engine takes none")
         if self.n_threads <= 0:
             self.n_threads = default_threads()
 

@@ -15,6 +15,10 @@ With `EngineConfig(enable_lora=True)` a request may name a GGUF LoRA adapter
 
 With `EngineConfig(task="embed")` the engine embeds instead (an EmbedWorker owns the
 context): `await engine.embed(EmbedRequest(...))`; `generate` is a BadRequestError.
+
+With `EngineConfig(mmproj=...)` (a vision projector GGUF) a request may carry images
+(`GenRequest.images`, each where a run of `engine.vision.placeholder` ids stands in its
+prompt: `engine.vision.tokenize` makes such prompts from text); backend_local.vision.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from backend_local.model import LlamaModel
 from backend_local.prefix_blocks import BlockEvent
 from backend_local.requests import Request, RequestOutput
 from backend_local.stats import EngineStats
+from backend_local.vision import Vision
 from backend_local.worker import Worker
+from engine_api.block_hash import KeySpan, image_key_spans
 from engine_api.errors import BadRequestError, LoraDisabledError, PromptTooLongError
 from engine_api.records import AdapterRef, EmbedRequest, EmbedResult, GenRequest, Progress
 from engine_api.sampling import SamplingParams
@@ -48,14 +54,17 @@ class LocalEngine:
         self.config = config
         self.model = LlamaModel(config.model_path, verbose=config.verbose)
         self.pooling: str | None = None  # an embedding engine's pooling
+        self.vision: Vision | None = None  # the model's vision projector (mmproj)
         try:
             if config.task == "embed":
                 self.pooling = config.pooling or self.model.own_pooling() or "mean"
                 self._worker: Worker | EmbedWorker = EmbedWorker(self.model, config, self.pooling)
             else:
-                self._worker = Worker(self.model, config)
+                if config.mmproj is not None:
+                    self.vision = Vision(self.model, config.mmproj, config.n_threads)
+                self._worker = Worker(self.model, config, self.vision)
         except BaseException:
-            self.model.close()
+            self._close()
             raise
         self._active: set[str] = set()
         self.grammars = llama_grammar_cache(self.model)
@@ -139,6 +148,7 @@ class LocalEngine:
         )
         request.adapter = req.adapter
         request.progress = progress
+        request.images, request.spans = req.images, self._image_spans(req)
         if params.structured is not None:  # compiled before the worker sees it
             request.grammar = self.grammars.matcher(params.structured)
         self._worker.submit(request)
@@ -160,6 +170,26 @@ class LocalEngine:
             if not finished:
                 self._worker.abort(request_id)
                 await _ended(queue)
+
+    def _image_spans(self, req: GenRequest) -> list[KeySpan]:
+        """Where the request's images lie in its prompt, keyed by their digests; a
+        BadRequestError where this engine cannot take them."""
+        if not req.images:
+            return []
+        if self.vision is None:
+            raise BadRequestError("this model takes no images (its engine has no mmproj)")
+        if req.adapter is not None or req.sampling.prompt_logprobs is not None:
+            raise BadRequestError(
+                "images are not served with a LoRA adapter or prompt_logprobs on this engine"
+            )
+        if any(not image.rgb for image in req.images):
+            raise BadRequestError("an image reached the engine without its pixels")
+        spans = image_key_spans(
+            req.prompt_token_ids, self.vision.placeholder, [image.digest for image in req.images]
+        )
+        if spans[-1][1] == len(req.prompt_token_ids):
+            raise BadRequestError("the prompt must end in text after its last image")
+        return spans
 
     def check_embed(self, req: EmbedRequest) -> None:
         """Raise BadRequestError (PromptTooLongError for an input past the context) if the
@@ -253,7 +283,12 @@ class LocalEngine:
     def shutdown(self, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the worker (finishing running requests first if `drain`) and free the model."""
         if self._worker.stop(drain, timeout):
-            self.model.close()
+            self._close()
+
+    def _close(self) -> None:
+        if self.vision is not None:
+            self.vision.close()
+        self.model.close()
 
     async def stop(self, drain: bool = True) -> None:
         await asyncio.to_thread(self.shutdown, drain)

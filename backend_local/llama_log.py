@@ -6,7 +6,8 @@ token ... probably a bug in the model", the SWA cache line) reached every user's
 while real errors were hidden. Here llama.cpp's errors are the `llama.cpp` logger's
 errors; its warnings are INFO, shown by `kvgate serve --verbose` (a new user's first screen
 stays the admin key); its info and debug lines are DEBUG. `verbose=True` (the local
-engine's option) prints everything, as llama.cpp would by itself.
+engine's option) prints everything, as llama.cpp would by itself. libmtmd (a vision
+projector's library) logs through the same callback.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def route_llama_log(verbose: bool) -> None:
     """Send llama.cpp's log through `_callback` (once per process; `verbose` may change)."""
     _State.verbose = verbose
     llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
+
+
+def route_mtmd_log() -> None:
+    """libmtmd's log (a vision projector's, backend_local.vision) the same way; it
+    loads libmtmd, so only an engine with a projector calls it."""
+    from llama_cpp import mtmd_cpp
+
+    mtmd_cpp.mtmd_log_set(_callback, ctypes.c_void_p(0))
+    mtmd_cpp.mtmd_helper_log_set(_callback, ctypes.c_void_p(0))
 
 
 def handle(level: int, text: str) -> None:

@@ -3,7 +3,7 @@
 llama.cpp has no blocks: a sequence can reuse any prefix of its cells. A prefix catalog
 (the gateway's router) keys caches by blocks, so the engine describes what its sequences
 hold as full blocks of BLOCK_SIZE tokens, chain-hashed exactly as backend_gpu keys its
-blocks (`engine_api.block_hash`).
+blocks (`engine_api.block_hash`), an image's blocks with its digest.
 
 A block is "stored" when the first sequence comes to hold it and "removed" when the last
 one lets go of it (its cells overwritten or dropped).
@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine_api.block_hash import adapter_root, block_salt, hash_blocks
+from engine_api.block_hash import KeySpan, adapter_root, block_salt, hash_blocks
 from engine_api.records import AdapterRef
 
 BLOCK_SIZE = 16
@@ -26,10 +26,13 @@ def block_hashes(
     salt: str | None,
     shared_prefix_len: int = 0,
     adapter: AdapterRef | None = None,
+    spans: list[KeySpan] | None = None,
 ) -> list[str]:
-    """Hex chain hashes of the full blocks of `token_ids`, computed under `adapter`."""
+    """Hex chain hashes of the full blocks of `token_ids`, computed under `adapter`,
+    with their images' digests (`spans`)."""
     root = adapter_root(adapter)
-    return [h.hex() for h in hash_blocks(token_ids, BLOCK_SIZE, salt, shared_prefix_len, root)]
+    hashes = hash_blocks(token_ids, BLOCK_SIZE, salt, shared_prefix_len, root, extra_keys=spans)
+    return [h.hex() for h in hashes]
 
 
 @dataclass

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend_local.sampling import TokenLogprob
+from engine_api.block_hash import KeySpan
+from engine_api.images import ImageInput
 from engine_api.records import AdapterRef, Progress
 from engine_api.sampling import SamplingParams
 
@@ -29,6 +31,7 @@ class RequestOutput:
     # token, None for the first (nothing comes before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    image_tokens: int = 0  # of prompt_tokens, the images' (placeholder runs)
 
 
 @dataclass
@@ -47,3 +50,7 @@ class Request:
     adapter: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
     # where its caller reads how much of the prompt is in cells (reused ones as cached)
     progress: Progress | None = None
+    # its images (backend_local.vision) and their placeholder runs in `prompt`, each
+    # keyed by its image's digest (engine_api.block_hash.image_key_spans), in order
+    images: list[ImageInput] = field(default_factory=list)
+    spans: list[KeySpan] = field(default_factory=list)

@@ -5,7 +5,9 @@ next request with the same prefix and the same cache salt starts from there inst
 computing them again. Cells are reused between requests with different salts only within
 a published prefix: tokens that both requests mark as shared (`shared_prefix_len`), and
 never between requests under different LoRA adapters (or one under an adapter and one
-under the base model): the adapter changes every cell.
+under the base model): the adapter changes every cell. An image's cells (its placeholder
+run, the same ids for every image of its size) are reused only for the same image (the
+same digest) and only whole.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from backend_local.requests import Request
 from backend_local.sampling import TokenLogprob
 from backend_local.text_stream import TextStream
+from engine_api.block_hash import KeySpan
 from engine_api.records import AdapterRef
 
 
@@ -46,6 +49,9 @@ class Slot:
     # None when it did not ask for them
     prompt_logprobs: list[TokenLogprob | None] | None = None
     adapter: AdapterRef | None = None  # the LoRA adapter `cached` was computed under
+    # the images of `cached` (and of its request's prompt beyond): placeholder runs with
+    # their images' digests (engine_api.block_hash.image_key_spans)
+    spans: list[KeySpan] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -67,20 +73,34 @@ class Placement:
     reuse: int  # prompt tokens to take from `source`
 
 
+def same_images_len(n: int, held: list[KeySpan], wanted: list[KeySpan]) -> int:
+    """`n` leading tokens cut before the first image that the two do not share whole
+    within them (another image, or text where the other has an image)."""
+    for span in sorted({*held, *wanted}):
+        start, end, _ = span
+        if start >= n:
+            break
+        if end > n or span not in held or span not in wanted:
+            return start
+    return n
+
+
 def reusable_len(
     slot: Slot,
     prompt: list[int],
     salt: str | None,
     shared_prefix_len: int,
     adapter: AdapterRef | None = None,
+    spans: list[KeySpan] | None = None,
 ) -> int:
     """Leading prompt tokens whose cells `slot` holds and the request may use: none
     under another adapter; all of a common prefix under the same salt; under another
     salt only the published prefix that both mark as shared, so a tenant's own tokens
-    are never reused by another."""
+    are never reused by another; up to the first image (`spans`, the request's) that
+    the slot's cells do not hold."""
     if slot.adapter != adapter:
         return 0
-    n = common_prefix_len(slot.cached, prompt)
+    n = same_images_len(common_prefix_len(slot.cached, prompt), slot.spans, spans or [])
     return n if slot.salt == salt else min(n, slot.shared_len, shared_prefix_len)
 
 
@@ -96,6 +116,7 @@ def place(
     shared_prefix_len: int = 0,
     reuse_cache: bool = True,
     adapter: AdapterRef | None = None,
+    spans: list[KeySpan] | None = None,
 ) -> Placement:
     """Pick a free slot for `prompt` and the slot holding its longest reusable prefix;
     without `reuse_cache` (a request that needs every prompt position computed, as for
@@ -104,7 +125,7 @@ def place(
     assert free, "place() needs a free slot"
     source, reuse = None, 0
     for s in slots if reuse_cache else []:
-        n = reusable_len(s, prompt, salt, shared_prefix_len, adapter)
+        n = reusable_len(s, prompt, salt, shared_prefix_len, adapter, spans)
         if n > reuse and min(n, len(prompt) - 1) >= s.floor:
             source, reuse = s, n
     # The last prompt token is always computed again: its logits give the first output token.

@@ -8,6 +8,8 @@ A request with prompt logprobs gets logits for every prompt token instead of the
 With a disk tier (kv_disk_tier.py) a prompt's prefix is restored from disk when the
 cells hold less of it, and saved there once computed. With LoRA adapters a step decodes
 the sequences of one adapter only, the adapters' groups taking turns (lora_groups.py).
+A prompt's images (a model with a vision projector, vision.py) are prefilled one at a
+time into their sequence before the step's batch, which then carries the text after them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from backend_local.sampling import build_sampler, logit_bias_arrays, token_logpr
 from backend_local.slots import Placement, Slot, place
 from backend_local.stats import EngineStats
 from backend_local.text_stream import TextStream
-from engine_api.errors import EngineDeadError
+from backend_local.vision import Vision
+from engine_api.errors import BadRequestError, EngineDeadError
 from engine_api.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -47,10 +50,11 @@ PROMPT_LOGPROBS_ROWS = 64
 
 
 class Worker(ContextThread[Request]):
-    def __init__(self, model: LlamaModel, config: EngineConfig) -> None:
+    def __init__(self, model: LlamaModel, config: EngineConfig, vision: Vision | None) -> None:
         super().__init__("llama-worker")
         self.model = model
         self.config = config
+        self.vision = vision
         self.ctx = model.new_context(config)
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
@@ -165,10 +169,12 @@ class Worker(ContextThread[Request]):
             # prompt logprobs need the logits of every prompt position: no cached cells
             scored = request.params.prompt_logprobs is not None
             salt, shared, adapter = request.cache_salt, request.shared_prefix_len, request.adapter
-            placement = place(self.slots, request.prompt, salt, shared, not scored, adapter)
+            placement = place(
+                self.slots, request.prompt, salt, shared, not scored, adapter, request.spans
+            )
             slot = placement.slot
-            hashes = []  # the prompt's block hashes, for the disk tier
-            if self.disk is not None and not scored:
+            hashes = []  # the prompt's block hashes, for the disk tier (never with images)
+            if self.disk is not None and not scored and not request.spans:
                 hashes = self.disk.prefix_hashes(request.prompt, salt, shared, adapter)
             reuse = self._take_prefix(placement, hashes, copied)
             self._plan_save(slot, hashes, reuse)
@@ -176,6 +182,7 @@ class Worker(ContextThread[Request]):
             slot.salt = request.cache_salt
             slot.adapter = adapter
             slot.shared_len = request.shared_prefix_len
+            slot.spans = request.spans
             self._sync_blocks(slot)
             slot.request = request
             slot.sampler = build_sampler(request.params, self.model.n_vocab)
@@ -266,6 +273,8 @@ class Worker(ContextThread[Request]):
         every_row = slot.prompt_logprobs is not None
         room = self.config.n_batch - n
         end = start + (min(room, PROMPT_LOGPROBS_ROWS) if every_row else room)
+        # an image ends a chunk: it is prefilled by itself (_prefill_images)
+        end = min([end, *(s for s, _, _ in slot.spans if s >= start)])
         # a state to save ends a chunk: it must hold exactly its prefix
         chunk = prompt[start : min(end, slot.save_at) if start < slot.save_at else end]
         for i, token in enumerate(chunk):
@@ -279,6 +288,9 @@ class Worker(ContextThread[Request]):
             return
         if self.lora is not None:
             busy = self.lora.this_turn(busy)
+        for slot in [s for s in busy if s.prefilling and s.request.images]:
+            self._prefill_images(slot)
+        busy = [s for s in busy if s.request is not None]  # an image may have failed one
         n = 0
         added: list[tuple[Slot, list[int]]] = []
         outputs: list[tuple[Slot, int]] = []  # slot, batch index of its logits
@@ -329,6 +341,30 @@ class Worker(ContextThread[Request]):
             self._score_prompt(slot, index, start, count)
         for slot, index in outputs:
             self._sample(slot, index)
+
+    def _prefill_images(self, slot: Slot) -> None:
+        """Prefill the images that come next in the slot's prompt, each into its
+        sequence by itself; a failure ends its request (its cells are dropped)."""
+        request = slot.request
+        for (start, end, _), image in zip(request.spans, request.images, strict=True):
+            if start != len(slot.cached):
+                continue
+            try:
+                chunk = self.vision.image_chunk(image, end - start, self.config.n_batch)
+            except BadRequestError as exc:
+                self._fail(slot, exc)
+                return
+            try:
+                rc = self.vision.prefill(self.ctx, chunk, start, slot.seq_id, self.config.n_batch)
+            finally:
+                self.vision.free_chunk(chunk)
+            if rc != 0:
+                self._fail(slot, DecodeError(f"libmtmd failed with status {rc} on an image"))
+                return
+            slot.cached.extend(request.prompt[start:end])
+            self.throughput.record(end - start, 0)
+            if request.progress is not None:
+                request.progress.advance(len(slot.cached), slot.reused)
 
     def _logits(self, index: int) -> np.ndarray:
         """The logits row of batch entry `index`: a view of llama.cpp's buffer, valid until
@@ -399,6 +435,7 @@ class Worker(ContextThread[Request]):
         last.prompt_tokens = len(request.prompt)
         last.completion_tokens = len(slot.output_ids)
         last.cached_tokens = slot.reused
+        last.image_tokens = sum(end - start for start, end, _ in request.spans)
         self._clear(slot)
         self._sync_blocks(slot)
         request.emit(last)
@@ -413,6 +450,7 @@ class Worker(ContextThread[Request]):
     def _drop_cells(self, slot: Slot) -> None:
         llama_cpp.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
         slot.cached = []
+        slot.spans = []
         slot.floor = 0
         self._sync_blocks(slot)
 
@@ -420,7 +458,7 @@ class Worker(ContextThread[Request]):
         """Report the slot's full blocks of cached tokens as they are now."""
         if self.ledger is None:
             return
-        blocks = block_hashes(slot.cached, slot.salt, slot.shared_len, slot.adapter)
+        blocks = block_hashes(slot.cached, slot.salt, slot.shared_len, slot.adapter, slot.spans)
         self.ledger.replace(slot.blocks, blocks, slot.salt, slot.shared_len)
         slot.blocks = blocks
 

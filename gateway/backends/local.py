@@ -10,11 +10,12 @@ this is an EmbeddingBackend: the card says so, `render` tokenizes text as llama-
 --embedding does (BOS and special tokens) and `embed` runs the request; chat messages and
 `generate` are a BadRequestError that says the model embeds.
 
-Images: its models take none (the card's `vision` is false: a chat with an image is a
-400). An entry's `mmproj` option (a GGUF's vision projector) is refused at start-up:
-llama-cpp-python 0.3.36 encodes images with libmtmd only inside its chat handlers
-(MTMDChatHandler, Qwen25VLChatHandler: one sequence through Llama.create_chat_completion),
-and this engine batches its own slots without them."""
+Images: with an entry's `mmproj` option (the GGUF's vision projector, as llama-server's
+--mmproj) the card says `vision` and a chat's images are rendered as llama-server does:
+each image part is libmtmd's media marker in the template's text, and libmtmd tokenizes
+that text with the images (backend_local.vision); each image stands in the prompt as a
+run of the engine's placeholder id, its blocks keyed by the image's digest. Without it
+the model takes none (a chat with an image is a 400)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from collections.abc import AsyncIterator, Callable
 from backend_local import EngineConfig, LocalEngine, ModelLoadError, RequestOutput
 from backend_local.engine import NOT_A_GENERATOR
 from backend_local.prefix_blocks import BLOCK_SIZE
-from engine_api.block_hash import adapter_root, hash_blocks
+from engine_api.block_hash import adapter_root, hash_blocks, image_key_spans
 from engine_api.errors import BackendError, BadRequestError
+from engine_api.images import ImageInput
 from engine_api.records import (
     EMBED,
     AdapterRef,
@@ -41,23 +43,18 @@ from engine_api.records import (
     Usage,
 )
 from gateway.backends.base import SPARE_SEATS
-from gateway.backends.common import check_model, render_off_loop
+from gateway.backends.common import check_model, has_images, render_off_loop, render_prompt
 from gateway.backends.generation_config import from_gguf
 from gateway.backends.in_process import InProcessBackend, Output, Tokenization
 from gateway.backends.spec import BackendSpec
+from gateway.backends.vision_render import with_image_markers
 
 ENGINE_OPTIONS = (
     *("n_ctx", "n_parallel", "n_batch", "n_threads", "verbose"),
     *("task", "pooling", "normalize"),
     *("kv_disk_path", "kv_disk_gb", "kv_tier_secret"),
     *("enable_lora", "max_loras"),
-)
-
-MMPROJ_REFUSED = (
-    "local backend {name!r}: option mmproj: kvgate's llama.cpp engine does not serve images "
-    "yet (llama-cpp-python's multimodal support is its single-sequence chat handlers, which "
-    "this batched engine does not use); serve the vision model on the gpu backend, or "
-    "remove mmproj"
+    "mmproj",
 )
 
 
@@ -66,8 +63,6 @@ class LocalBackend(InProcessBackend[LocalEngine]):
     engine_options = ENGINE_OPTIONS
 
     def __init__(self, spec: BackendSpec) -> None:
-        if "mmproj" in spec.options:
-            raise ValueError(MMPROJ_REFUSED.format(name=spec.name))
         super().__init__(spec)
         self._last_events: list[KVEvent] = []  # a stopped engine's last ones ("removed")
         # llama.cpp serves its slots first come, first served: the gateway queues fairly
@@ -101,7 +96,7 @@ class LocalBackend(InProcessBackend[LocalEngine]):
     def _card_fields(self) -> dict:
         engine = self.engine
         if engine.pooling is None:
-            return {}
+            return {"vision": engine.vision is not None}
         return {"task": EMBED, "embedding_size": engine.model.n_embd, "truncatable": False}
 
     async def render(
@@ -117,6 +112,37 @@ class LocalBackend(InProcessBackend[LocalEngine]):
         if prompt and all(type(t) is int for t in prompt):
             return list(prompt)
         raise BadRequestError(f"{NOT_A_GENERATOR} (it takes text or token ids, not messages)")
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The id each image's run is made of in a prompt (a worker's /v1/models tells
+        it, so a gateway keys an image's blocks as this engine does); None: no images."""
+        vision = self._engine.vision if self._engine is not None else None
+        return vision.placeholder if vision is not None else None
+
+    async def render_chat(
+        self, model: str, prompt: PromptInput, tools: list[dict] | None, kwargs: dict
+    ) -> list[int]:
+        """A chat with images on a model with a projector: the template's text with
+        libmtmd's marker for each image, tokenized by libmtmd with the images (a thread);
+        everything else as any backend renders it."""
+        vision = self._engine.vision if self._engine is not None else None
+        if vision is None or not has_images(prompt):
+            return await super().render_chat(model, prompt, tools, kwargs)
+        check_model(model, self.model_id)
+        messages, images = with_image_markers(prompt, vision.marker)
+        t = self._tokenization()
+        return await asyncio.to_thread(
+            render_prompt,
+            messages,
+            lambda text, add_bos: vision.tokenize(text, images, add_bos),
+            t.chat_template,
+            t.architecture,
+            t.bos_token,
+            t.eos_token,
+            tools,
+            kwargs,
+        )
 
     async def embed(self, req: EmbedRequest, progress: Progress | None = None) -> EmbedResult:
         check_model(req.model, self.model_id)
@@ -149,7 +175,12 @@ class LocalBackend(InProcessBackend[LocalEngine]):
     def _output(self, out: RequestOutput, req: GenRequest) -> Output:
         usage = None
         if out.finish_reason is not None:
-            usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            usage = Usage(
+                out.prompt_tokens,
+                out.completion_tokens,
+                out.cached_tokens,
+                image_tokens=out.image_tokens,
+            )
         return Output(
             out.token_ids,
             out.text,
@@ -166,9 +197,21 @@ class LocalBackend(InProcessBackend[LocalEngine]):
         cache_salt: str | None,
         shared_prefix_len: int = 0,
         adapter: AdapterRef | None = None,
+        images: list[ImageInput] | None = None,
     ) -> list[str]:
+        """The engine's keys: with `images`, their placeholder runs' blocks keyed by
+        their digests as the engine keys them (runs that do not pair with them: none,
+        the engine refuses the request)."""
+        keys = None
+        if images and self.image_token_id is not None:
+            try:
+                keys = image_key_spans(token_ids, self.image_token_id, [i.digest for i in images])
+            except BadRequestError:
+                return []
         root = adapter_root(adapter)
-        hashes = hash_blocks(token_ids, BLOCK_SIZE, cache_salt, shared_prefix_len, root)
+        hashes = hash_blocks(
+            token_ids, BLOCK_SIZE, cache_salt, shared_prefix_len, root, extra_keys=keys
+        )
         return [h.hex() for h in hashes]
 
     async def _check_adapter(self, ref: AdapterRef) -> None:

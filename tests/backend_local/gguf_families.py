@@ -98,8 +98,9 @@ def save_family(family: str, directory: str) -> str:
     return path
 
 
-def write_gguf(hf_dir: str, path: str) -> str:
-    """The float32 GGUF of the checkpoint in `hf_dir` (one of FAMILIES); its path."""
+def write_gguf(hf_dir: str, path: str, add_bos: bool = False) -> str:
+    """The float32 GGUF of the checkpoint in `hf_dir` (one of FAMILIES); its path.
+    `add_bos`: the vocabulary says a BOS token starts every text (Gemma's GGUFs do)."""
     config = AutoConfig.from_pretrained(hf_dir)
     text = getattr(config, "text_config", None) or config
     arch = {"qwen2_moe": "qwen2moe", "phi3": "phi3", "gemma3_text": "gemma3"}[text.model_type]
@@ -107,7 +108,7 @@ def write_gguf(hf_dir: str, path: str) -> str:
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _hyperparameters(writer, text, arch)
-    _vocabulary(writer, hf_dir)
+    _vocabulary(writer, hf_dir, add_bos)
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     names = gguf.get_tensor_name_map(model_arch, text.num_hidden_layers)
     for name, tensor in _tensors(hf_dir, text, arch):
@@ -156,13 +157,13 @@ def _hyperparameters(writer: gguf.GGUFWriter, c, arch: str) -> None:
         writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
 
 
-def _vocabulary(writer: gguf.GGUFWriter, hf_dir: str) -> None:
+def _vocabulary(writer: gguf.GGUFWriter, hf_dir: str, add_bos: bool) -> None:
     """The tokenizer as sentencepiece-style ("llama") pieces: ids as the checkpoint's,
     byte-fallback pieces as bytes, the specials as control tokens, the vocabulary's
-    unused rows padded."""
+    unused rows padded; its chat template, if it has one."""
     tok = PreTrainedTokenizerFast.from_pretrained(hf_dir)
     pieces = {i: t for t, i in tok.get_vocab().items()}
-    specials = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
+    specials = set(tok.all_special_ids)  # the unknown token is typed as such first
     tokens, scores, types = [], [], []
     for i in range(VOCAB):
         piece = pieces.get(i, f"<unused{i}>")
@@ -186,7 +187,9 @@ def _vocabulary(writer: gguf.GGUFWriter, hf_dir: str) -> None:
     writer.add_eos_token_id(tok.eos_token_id)
     writer.add_unk_token_id(tok.unk_token_id)
     writer.add_pad_token_id(tok.pad_token_id)
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
 
 
 def _tensors(hf_dir: str, c, arch: str):

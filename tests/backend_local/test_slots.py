@@ -65,3 +65,17 @@ def test_published_prefix_is_shared_across_salts_but_tenant_tokens_are_not():
     assert p.source is None and p.reuse == 0  # b does not mark it shared: nothing
     p = place(slots, [1, 2, 3, 4, 5, 6, 7], "a")
     assert p.reuse == 6  # the same tenant reuses everything
+
+
+def test_an_images_cells_serve_only_the_same_image_and_only_whole():
+    # text 1 2, an image at [2, 5) (placeholder 7), text 3 4
+    prompt = [1, 2, 7, 7, 7, 3, 4]
+    image_a, image_b = (2, 5, b"image:a"), (2, 5, b"image:b")
+    held = Slot(0, [1, 2, 7, 7, 7, 3, 4, 9], "t", 1.0, spans=[image_a])
+    assert place([held], prompt, "t", spans=[image_a]).reuse == 6  # all but the last
+    assert place([held], prompt, "t", spans=[image_b]).reuse == 2  # up to the image
+    assert place([held], prompt, "t").reuse == 2  # text ids where it held an image
+    cut = Slot(0, [1, 2, 7, 7], "t", 1.0, spans=[image_a])  # never part of an image
+    assert place([cut], prompt, "t", spans=[image_a]).reuse == 2
+    text = Slot(0, [1, 2, 7, 7, 7, 3], "t", 1.0)  # the same ids, as text
+    assert place([text], prompt, "t", spans=[image_a]).reuse == 2
