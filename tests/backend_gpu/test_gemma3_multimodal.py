@@ -2,9 +2,9 @@
 SigLIP vision tower) served from those files on text prompts: greedy output equal to
 transformers' multimodal model under chunked prefill, prefix caching and whole
 prefills, from the hub's tensor names and from transformers 4's; a text model reading
-none of the tower; two ranks (the text model alone); FP8 weights; an unknown rope type
-refused naming the field; and kvgate plan of Gemma 3 4B counting its text model and its
-tower (its images: test_gemma3_vision.py)."""
+none of the tower; two ranks and two pipeline stages (the text model alone); FP8
+weights; an unknown rope type refused naming the field; and kvgate plan of Gemma 3 4B
+counting its text model and its tower (its images: test_gemma3_vision.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from backend_gpu import LLM, SamplingParams
 from backend_gpu.loader import Checkpoint
 from backend_gpu.memory_plan import PlanDevice, PlanSettings, plan_memory
 from backend_gpu.models.gemma3 import Gemma3ForCausalLM
+from backend_gpu.pp_stages import MissingLayer
 from tests.backend_gpu.reference import forced_agreement
 from tests.backend_gpu.test_correctness import SETTINGS, check, mixed_prompts
 
@@ -84,6 +85,17 @@ def test_two_ranks_match_transformers(tiny_model_dir):
     llm = LLM(model_dir, tensor_parallel_size=2, max_num_batched_tokens=24)
     assert llm.engine.runner.attention_layers[0].num_heads == 2
     check(llm, model_dir)
+
+
+def test_two_pipeline_stages_match_transformers(tiny_model_dir):
+    """The multimodal checkpoint's text tensors read per stage: a windowed and the
+    global layer on stage 0 (another process), the other windowed one on the engine's."""
+    model_dir = tiny_model_dir("gemma3_mm")
+    llm = LLM(model_dir, pipeline_parallel_size=2, max_num_batched_tokens=24)
+    layers = llm.engine.runner.model.model.layers
+    assert isinstance(layers[1], MissingLayer) and layers[2].self_attn.window == 16
+    check(llm, model_dir)
+    llm.engine.close()
 
 
 def test_fp8_weights_agree_with_the_unquantized_model(tiny_model_dir):

@@ -4,7 +4,7 @@ layout and in MXFP4 as published (mxfp4_checkpoints.py): greedy output equal to
 transformers' (which loads the MXFP4 one dequantized, by its own Mxfp4Config) under
 chunked prefill, prefix caching and the other batching settings, over two ranks cut by
 tensor parallel and by expert parallel; each layer's router and experts equal to
-transformers' block; FP8 experts; what the engine cannot honour of a config refused by
+transformers' block; two pipeline stages; FP8 experts; what the engine cannot honour of a config refused by
 name; and on CUDA (skipped without one), the MXFP4 experts through their Triton kernel."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.layers.gpt_oss_moe import BiasedExperts, Mxfp4Experts
+from backend_gpu.pp_stages import MissingLayer
 from tests.backend_gpu.mxfp4_checkpoints import write_mxfp4_checkpoint
 from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
 from tests.backend_gpu.test_correctness import SETTINGS, mixed_prompts
@@ -149,6 +150,19 @@ def test_two_ranks_match_transformers(model_dir, check, fmt, expert_parallel):
     assert experts.shard.inter == (64 if expert_parallel else 32)
     assert experts.down_proj_bias is not None  # rank 0's
     check(llm, fmt, few_prompts())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_pipeline_stages_match_transformers(model_dir, check, fmt):
+    """Stage 0 (another process) holds the windowed layer, the engine's stage the full
+    one and the head, each with its own layer's cache and experts (MXFP4 read by the
+    stage that holds them); chunked prefill, then again from the prefix cache."""
+    llm = LLM(model_dir(fmt), pipeline_parallel_size=2, max_num_batched_tokens=24)
+    layers = llm.engine.runner.model.model.layers
+    assert isinstance(layers[0], MissingLayer) and layers[1].self_attn.window is None
+    check(llm, fmt, few_prompts())
+    assert check(llm, fmt, few_prompts())[-1].num_cached_tokens >= 32
+    llm.engine.close()
 
 
 def test_fp8_experts_agree_with_the_unquantized_model(model_dir):

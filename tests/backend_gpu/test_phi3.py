@@ -3,7 +3,8 @@ sliding window on every layer (Phi-3-mini-4k's shape) under chunked prefill, pre
 caching and whole prefills; with partial rotary and LongRoPE (Phi-4-mini's shape), the
 long factors for an engine whose context exceeds the original and the short ones for one
 that does not, cos and sin equal to transformers' tables; the fused qkv_proj and
-gate_up_proj tensors read as their parts, whole or a rank's; two ranks; FP8 weights; a
+gate_up_proj tensors read as their parts, whole or a rank's; two ranks; two pipeline
+stages; FP8 weights; a
 rope type Phi-3 does not have refused naming the field."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from backend_gpu import LLM, SamplingParams
 from backend_gpu.distributed import ParallelGroup
 from backend_gpu.loader import Checkpoint
 from backend_gpu.models.phi3 import Phi3ForCausalLM, Phi3RotaryEmbedding
+from backend_gpu.pp_stages import MissingLayer
 from backend_gpu.tp_shards import CheckpointShards
 from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
 from tests.backend_gpu.test_correctness import SETTINGS, check, mixed_prompts
@@ -134,6 +136,18 @@ def test_two_ranks_match_transformers(tiny_model_dir):
     attn = llm.engine.runner.attention_layers[0]
     assert attn.num_heads == 2 and attn.qkv_proj.weight.shape == (32 + 2 * 16, 64)
     greedy_matches(llm, model_dir, long_prompts())
+
+
+def test_two_pipeline_stages_match_transformers(tiny_model_dir):
+    """Each stage reads its own layer's fused tensors; the tied head's stage keeps the
+    embedding's table."""
+    model_dir = tiny_model_dir("phi3")
+    llm = LLM(model_dir, pipeline_parallel_size=2, max_num_batched_tokens=24)
+    model = llm.engine.runner.model
+    assert isinstance(model.model.layers[0], MissingLayer)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    greedy_matches(llm, model_dir, long_prompts())
+    llm.engine.close()
 
 
 def test_fp8_weights_agree_with_the_unquantized_model(tiny_model_dir):

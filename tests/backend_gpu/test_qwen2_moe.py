@@ -2,7 +2,8 @@
 prefill and prefix hits, top-k weights renormalized or not, dense layers by
 mlp_only_layers or decoder_sparse_step; each sparse block (router, routed experts, the
 shared expert and its sigmoid gate) computes transformers' block output; two ranks, the
-experts cut or whole (expert parallel), decode what transformers does; FP8 experts and
+experts cut or whole (expert parallel), and two pipeline stages decode what transformers
+does; FP8 experts and
 shared expert with the router and the gate left unquantized; the shared expert's
 checkpoint reads cut by its own size; kvgate plan counts the shared experts."""
 
@@ -25,6 +26,7 @@ from backend_gpu.expert_shards import (
 from backend_gpu.memory_plan import PlanDevice, PlanSettings, plan_memory
 from backend_gpu.models.llama import GatedMLP
 from backend_gpu.models.qwen2_moe import SharedExpertMoeBlock
+from backend_gpu.pp_stages import MissingLayer
 from backend_gpu.tp_shards import SKIP, ShardRead
 from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
 from tests.backend_gpu.test_correctness import mixed_prompts
@@ -118,6 +120,17 @@ def test_two_ranks_match_transformers(tiny_model_dir, check, expert_parallel):
     assert block.experts.gate_up_proj.shape[:2] == ((4, 64) if expert_parallel else (8, 32))
     assert block.shared_expert.down_proj.weight.shape == (64, 24)
     check(llm, "qwen2_moe")
+
+
+def test_two_pipeline_stages_match_transformers(tiny_model_dir, check):
+    """Three layers over two stages: stage 0 (another process) the sparse layer 0 and
+    the dense layer 1, the engine's stage the sparse layer 2 with its shared expert."""
+    llm = LLM(tiny_model_dir("qwen2_moe"), pipeline_parallel_size=2, max_num_batched_tokens=24)
+    layers = llm.engine.runner.model.model.layers
+    assert all(isinstance(layer, MissingLayer) for layer in layers[:2])
+    assert isinstance(layers[2].mlp, SharedExpertMoeBlock)
+    check(llm, "qwen2_moe")
+    llm.engine.close()
 
 
 def test_fp8_engine_agrees_with_the_unquantized_model(tiny_model_dir, engines):
