@@ -3,19 +3,23 @@ with save_pretrained and loaded from that directory): greedy output equal to tra
 with one and two images in the prompt (their soft tokens attending to each other both
 ways, the sliding layers' window shorter than an image), whole and in chunks (which never
 end inside an image), again from the prefix cache (hits ending inside an image) and the
-encoder cache, and under preemption; the image preprocessing equal to transformers'
+encoder cache, and under preemption; from the hub's and transformers 4's tensor names
+too; the image preprocessing equal to transformers'
 Gemma 3 image processor bit for bit; prefix caching by the image's content; the settings
 the vision path does not take serving the text model alone; a step budget below an image
 refused (kvgate plan counting the tower: test_gemma3_multimodal.py)."""
 
 from __future__ import annotations
 
+import shutil
 from importlib import resources
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
 from backend_gpu import LLM, SamplingParams
@@ -226,6 +230,31 @@ def test_a_prefix_hit_ending_inside_an_image(model_dir, tokenizer):
     out = llm.generate([second], GREEDY, images=[images])[0]
     assert start < out.num_cached_tokens < end
     assert out.token_ids == fresh.generate([second], GREEDY, images=[images])[0].token_ids
+
+
+def test_the_hubs_and_transformers_4s_tensor_names_load_alike(model_dir, prompts, tmp_path):
+    """The tower as the hub has it (vision_tower.vision_model.*) and as transformers 4
+    saved the whole model (model.vision_tower.vision_model.*,
+    model.multi_modal_projector.*, model.language_model.*): the same output."""
+    tokens, images = prompts[1]
+    want = LLM(model_dir).generate([tokens], GREEDY, images=[images])[0].token_ids
+    with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    hub = {
+        n.replace("vision_tower.", "vision_tower.vision_model.", 1): t for n, t in stored.items()
+    }
+    v4 = {
+        "model." + n.replace("language_model.model.", "language_model.", 1): t
+        for n, t in hub.items()
+    }
+    assert "model.vision_tower.vision_model.embeddings.patch_embedding.weight" in v4
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in v4
+    for name, tensors in (("hub", hub), ("v4", v4)):
+        path = tmp_path / name
+        shutil.copytree(model_dir, path)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        got = LLM(str(path)).generate([tokens], GREEDY, images=[images])[0].token_ids
+        assert got == want, name
 
 
 def photo(name: str) -> Image.Image:
