@@ -13,7 +13,8 @@ parameters are counted. Time: 16 concurrent requests of 32 prompt tokens and --t
 output tokens each, greedy, float32: the engine on the 16-bit and on the MXFP4 checkpoint
 (experts widened one at a time on the CPU) against transformers' continuous batching
 (what `generate_batch` drives) on the 16-bit one, timed after its set-up as the engine
-is after `LLM(...)`. Rounds interleave the arms, so a shared machine's noise hits each
+is after `LLM(...)`; and the engine on the 16-bit one with every expert's run multiplied
+as rows @ weight.T (SHORT_RUN 0, layers/gpt_oss_moe.py: the engine before issue 47.3). Rounds interleave the arms, so a shared machine's noise hits each
 alike; the best round counts. One torch thread by default (--threads).
 
 CUDA (`--device cuda`, studies/gpu_check.sh): one layer of gpt-oss-120b's experts (128
@@ -86,11 +87,19 @@ def workload(tokens: int) -> Workload:
     return Workload("gpt-oss", prompts, [tokens] * BATCH)
 
 
-def engine_rate(model: str, tokens: int) -> float:
+def engine_rate(model: str, tokens: int, short_run: int | None = None) -> float:
+    """`short_run`: the experts' SHORT_RUN for this arm (0: every run rows @ weight.T,
+    as before issue 47.3); None: the engine's own."""
     from backend_gpu import LLM
+    from backend_gpu.layers import gpt_oss_moe
 
-    llm = LLM(model, max_num_seqs=BATCH, enable_prefix_caching=False)
-    rate = run_workload(llm, workload(tokens), False)["output_tok_s"]
+    own = gpt_oss_moe.SHORT_RUN
+    gpt_oss_moe.SHORT_RUN = own if short_run is None else short_run
+    try:
+        llm = LLM(model, max_num_seqs=BATCH, enable_prefix_caching=False)
+        rate = run_workload(llm, workload(tokens), False)["output_tok_s"]
+    finally:
+        gpt_oss_moe.SHORT_RUN = own
     del llm
     gc.collect()
     return rate
@@ -145,6 +154,7 @@ def cpu_study(args) -> dict:
         for r in range(args.rounds):
             rates = {
                 "kvgate 16-bit": engine_rate(models["16-bit"], args.tokens),
+                "kvgate 16-bit, no short runs": engine_rate(models["16-bit"], args.tokens, 0),
                 "kvgate mxfp4": engine_rate(models["mxfp4"], args.tokens),
                 "transformers generate_batch": transformers_rate(models["16-bit"], args.tokens),
             }
