@@ -4,10 +4,10 @@ with one and two images in the prompt (their soft tokens attending to each other
 ways, the sliding layers' window shorter than an image), whole and in chunks (which never
 end inside an image), again from the prefix cache (hits ending inside an image) and the
 encoder cache, and under preemption; from the hub's and transformers 4's tensor names
-too; the image preprocessing equal to transformers'
-Gemma 3 image processor bit for bit; prefix caching by the image's content; the settings
-the vision path does not take serving the text model alone; a step budget below an image
-refused (kvgate plan counting the tower: test_gemma3_multimodal.py)."""
+too; the image preprocessing equal to transformers' Gemma 3 image processor bit for bit;
+prefix caching by the image's content; the settings the vision path does not take
+serving the text model alone; a step budget below an image refused (kvgate plan counting
+the tower: test_gemma3_multimodal.py)."""
 
 from __future__ import annotations
 
