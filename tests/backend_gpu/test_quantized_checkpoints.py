@@ -42,7 +42,13 @@ FORMATS = {
     },
 }
 EIGHT_BIT_PER_CHANNEL = ("ct-fp8-dynamic", "ct-fp8-static-tensor", "ct-w8a8-int")
-PHI3_FORMATS = ("ct-fp8-dynamic", "ct-fp8-static-tensor", "gptq-4bit-asym-desc_act")
+PHI3_FORMATS = (
+    "ct-fp8-dynamic",
+    "ct-fp8-static-tensor",
+    "ct-w8a8-int",
+    "gptq-4bit-asym-desc_act",
+    "awq-gemm-g32",
+)
 
 
 @pytest.fixture(scope="module")
