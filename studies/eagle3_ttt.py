@@ -92,10 +92,13 @@ class Eagle3TTT(nn.Module):
         self.lm_head = nn.Linear(h, cfg["draft_vocab_size"], bias=False)
         self.register_buffer("embed", embed, persistent=False)  # the target's, frozen
 
-    def forward(self, ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward(
+        self, ids: torch.Tensor, aux: torch.Tensor, steps: int, rows: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """ids [B, T] tokens, aux [B, T, 3H] the target's hidden states -> per step j the
         draft logits [B, T, draft vocab] at anchor t, predicting the target's choice at
-        t + j + 1 (token t + j + 1 read as input; ids past the end are padding)."""
+        t + j + 1 (token t + j + 1 read as input; ids past the end are padding). With
+        `rows` ([B, T] bool), the logits of those anchors only: [rows.sum(), vocab]."""
         m = self.midlayer
         b, t = ids.shape
         hidden = self.fc(aux)
@@ -120,7 +123,7 @@ class Eagle3TTT(nn.Module):
             o = o.transpose(1, 2).reshape(b, t, -1)
             x = hidden + m.self_attn.o_proj(o)
             hidden = x + m.mlp(m.post_attention_layernorm(x))
-            out.append(self.lm_head(self.norm(hidden)))
+            out.append(self.lm_head(self.norm(hidden if rows is None else hidden[rows])))
         return out
 
 

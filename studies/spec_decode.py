@@ -97,7 +97,7 @@ def prompt_ids(tokenizer, name: str) -> list[list[int]]:
         return [tokenizer.encode(text) for text in copy_prompts()]
     texts = QUESTIONS if name == "chat" else code_prompts()
     if getattr(tokenizer, "chat_template", None):
-        from studies.train_eagle3 import chat_ids
+        from studies.eagle3_corpus import chat_ids
 
         return [chat_ids(tokenizer, t) for t in texts]
     return [tokenizer.encode(f"Question: {t}\nAnswer:") for t in texts]

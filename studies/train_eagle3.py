@@ -4,22 +4,23 @@ write it in the published layout (no head can be downloaded here).
     python -m studies.train_eagle3 --model smollm2-135m-instruct --out heads/smollm2
     python -m studies.train_eagle3 --model gemma-3-270m --out heads/gemma3
 
-1. Prompts from the project's own docs (docs/*.md paragraphs) and code (studies/*.py
-   functions): for an instruct model, chat questions and code edits in its chat
-   template; for a base model, the paragraph's start to continue.
+1. Prompts from text the project ships (studies/eagle3_corpus.py): for an instruct
+   model, chat questions (the ShareGPT sample's, written ones, the docs' paragraphs to
+   explain) and code edits (the project's functions) in its chat template; for a base
+   model, the docs' paragraphs' start to continue.
 2. The target answers them (greedy, the engine): the head learns what the target says.
 3. The target (transformers, on the same files the engine reads) gives its hidden
    states at the three layers the head reads and its choice at every position.
 4. The head (studies/eagle3_ttt.py) trains with the training-time test for a bounded
-   time; lm_head and norm start from the target's own, over the draft vocabulary (the
-   target's most frequent choices). Progress is printed; loss and the step-by-step
-   accuracy (the acceptance length it implies at k = 3) go to --save-result.
+   time, its loss over the answers' positions (where the engine proposes); lm_head and
+   norm start from the target's own, over the draft vocabulary (the target's most
+   frequent choices). Progress is printed; loss and the step-by-step accuracy on
+   held-out answers (the acceptance length it implies at k = 3) go to --save-result.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import glob
 import json
 import random
@@ -30,68 +31,16 @@ import torch.nn.functional as F
 
 from backend_gpu.spec_decode.eagle3_config import default_aux_layers
 from bench.options import DefaultsHelpFormatter
+from studies.eagle3_corpus import prompts
 from studies.eagle3_ttt import Eagle3TTT, head_config, save_head
-
-CHAT_TASKS = [
-    "Explain this to a new user in a few sentences:\n\n{text}",
-    "Summarize the following in three bullet points:\n\n{text}",
-]
-CODE_TASKS = [
-    "Add a docstring to this function and return the whole function:\n\n```python\n{text}\n```",
-    "Rename the variables of this function to clearer names:\n\n```python\n{text}\n```",
-]
-
-
-def paragraphs(limit: int) -> list[str]:
-    """Prose paragraphs of docs/*.md (no tables, code or headings), 150-500 characters."""
-    found = []
-    for path in sorted(glob.glob("docs/*.md")):
-        with open(path) as f:
-            for block in f.read().split("\n\n"):
-                block = block.strip()
-                if 150 <= len(block) <= 500 and block[0].isalpha():
-                    found.append(block)
-    random.Random(0).shuffle(found)
-    return found[:limit]
-
-
-def functions(limit: int) -> list[str]:
-    """Short functions of studies/*.py, as written."""
-    found = []
-    for path in sorted(glob.glob("studies/*.py")):
-        with open(path) as f:
-            source = f.read()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.FunctionDef):
-                text = ast.get_source_segment(source, node) or ""
-                if 120 <= len(text) <= 450:
-                    found.append(text)
-    random.Random(1).shuffle(found)
-    return found[:limit]
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """A user turn in the model's chat template, ready for the answer."""
-    turn = [{"role": "user", "content": text}]
-    rendered = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(rendered, add_special_tokens=False)
-
-
-def prompts(tokenizer, count: int) -> list[list[int]]:
-    """Token ids of `count` prompts: chat and code tasks in the chat template when the
-    tokenizer has one, else the paragraphs' first half to continue."""
-    if getattr(tokenizer, "chat_template", None):
-        texts = [t.format(text=p) for p in paragraphs(count) for t in CHAT_TASKS[:1]]
-        texts += [t.format(text=c) for c in functions(count) for t in CODE_TASKS[:1]]
-        random.Random(2).shuffle(texts)
-        return [chat_ids(tokenizer, text) for text in texts[:count]]
-    return [tokenizer.encode(p[: len(p) // 3]) for p in paragraphs(count)]
+from studies.spec_decode import QUESTIONS
 
 
 def generate(path: str, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     from backend_gpu import LLM, SamplingParams
 
-    llm = LLM(path, max_num_seqs=16, max_model_len=1024)
+    # wide batches: on a CPU a decode step reads the weights once for every sequence
+    llm = LLM(path, max_num_seqs=64, max_model_len=1024)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outs = llm.generate(prompt_ids, params)
     return [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
@@ -146,15 +95,20 @@ def pad(rows: list[torch.Tensor], value) -> torch.Tensor:
     )
 
 
-def labels_of(choice: list[torch.Tensor], to_draft: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def labels_of(
+    choice: list[torch.Tensor], to_draft: torch.Tensor, steps: int, answers: list[int]
+) -> list[torch.Tensor]:
     """Per sequence [T, steps]: the draft id of the target's choice at t + j + 1, -100
-    where there is none or the draft vocabulary lacks it."""
+    where there is none, where the draft vocabulary lacks it, and at anchors t before
+    the answer's first proposal (answers[i]: the index of the first answer token; the
+    engine's first chain is proposed once it is sampled, at anchor answers[i] - 1)."""
     out = []
-    for c in choice:
+    for c, first in zip(choice, answers, strict=True):
         d = to_draft[c]
         lab = torch.full((c.shape[0], steps), -100, dtype=torch.long)
         for j in range(steps):
             lab[: max(0, c.shape[0] - j - 1), j] = d[j + 1 :]
+        lab[: max(0, first - 1)] = -100
         out.append(lab)
     return out
 
@@ -168,10 +122,12 @@ def train(head: Eagle3TTT, seqs, aux, labels, args) -> list[dict]:
     for step, pick in enumerate(batches(len(train_ids), min(args.batch, len(train_ids)), 0), 1):
         idx = [train_ids[i] for i in pick]
         ids = pad([torch.tensor(seqs[i]) for i in idx], 0)
-        logits = head(ids, pad([aux[i] for i in idx], 0.0), args.ttt_steps)
         lab = pad([labels[i] for i in idx], -100)
+        rows = (lab >= 0).any(-1)  # the LM head only where a step has a label
+        logits = head(ids, pad([aux[i] for i in idx], 0.0), args.ttt_steps, rows)
+        lab = lab[rows]
         loss = sum(
-            0.8**j * F.cross_entropy(lg.flatten(0, 1), lab[..., j].flatten(), ignore_index=-100)
+            0.8**j * F.cross_entropy(lg, lab[:, j], ignore_index=-100)
             for j, lg in enumerate(logits)
         )
         opt.zero_grad()
@@ -196,15 +152,15 @@ def train(head: Eagle3TTT, seqs, aux, labels, args) -> list[dict]:
 
 @torch.no_grad()
 def evaluate(head, seqs, aux, labels, held: list[int], steps: int) -> dict:
-    """On the held-out sequences: each step's top-1 accuracy and the acceptance length
-    a chain of 3 would have (1 + P(first right) + P(first two right) + ...)."""
+    """On the held-out sequences' answers: each step's top-1 accuracy and the
+    acceptance length a chain of 3 would have (1 + P(first right) + P(first two
+    right) + ...), over the anchors where all steps have a label."""
     right, chains, total = [0] * steps, [0] * steps, 0
     for i in held:
-        logits = head(torch.tensor([seqs[i]]), aux[i][None], steps)
-        lab = labels[i]
-        valid = (lab >= 0).all(-1)
-        ok = torch.stack([lg[0].argmax(-1) == lab[:, j] for j, lg in enumerate(logits)], -1)
-        ok = ok[valid]
+        valid = (labels[i] >= 0).all(-1)
+        logits = head(torch.tensor([seqs[i]]), aux[i][None], steps, valid[None])
+        lab = labels[i][valid]
+        ok = torch.stack([lg.argmax(-1) == lab[:, j] for j, lg in enumerate(logits)], -1)
         total += ok.shape[0]
         chain = ok.cumprod(-1)
         for j in range(steps):
@@ -227,7 +183,8 @@ def resolve(name: str) -> tuple[str, str]:
 
 
 def draft_vocabulary(choice: list[torch.Tensor], vocab: int, size: int) -> torch.Tensor:
-    """The target's `size` most frequent choices, ascending (SpecForge's rule)."""
+    """The target's `size` most frequent choices (in its answers), ascending
+    (SpecForge's rule)."""
     counts = torch.bincount(torch.cat(choice), minlength=vocab)
     size = min(size, vocab)
     return counts.topk(size).indices.sort().values
@@ -293,16 +250,19 @@ def main(argv: list[str] | None = None) -> dict:
     # prompts that leave room for the answer; short ones: the target's passes over the
     # prompts are most of the time before training on a CPU
     limit = min(target_config.max_position_embeddings - args.max_tokens, args.max_prompt)
-    prompt_ids = [ids for ids in prompts(tokenizer, 2 * args.prompts) if len(ids) <= limit]
+    made = prompts(tokenizer, 2 * args.prompts, QUESTIONS)
+    prompt_ids = [ids for ids in made if len(ids) <= limit]
     prompt_ids = prompt_ids[: args.prompts]
     print(f"[{time.perf_counter() - began:.0f} s] {len(prompt_ids)} prompts; the target answers")
     seqs = generate(path, prompt_ids, args.max_tokens)
     print(f"[{time.perf_counter() - began:.0f} s] {sum(map(len, seqs))} tokens; target features")
     aux, choice, embed, lm_head, norm, _ = features(hf_dir, seqs, layers)
-    draft_ids = draft_vocabulary(choice, target_config.vocab_size, args.draft_vocab)
+    answers = [len(ids) for ids in prompt_ids]
+    answered = [c[first - 1 :] for c, first in zip(choice, answers, strict=True)]
+    draft_ids = draft_vocabulary(answered, target_config.vocab_size, args.draft_vocab)
     to_draft = torch.full((target_config.vocab_size,), -100, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
-    labels = labels_of(choice, to_draft, args.ttt_steps)
+    labels = labels_of(choice, to_draft, args.ttt_steps, answers)
     cfg = head_config(target_config, len(draft_ids), layers, nested=True)
     head = Eagle3TTT(cfg, embed)
     with torch.no_grad():  # start from the target's own output layer

@@ -167,14 +167,13 @@ class Eagle3Proposer:
         while active:
             shadows = [self.states[seqs[i].request_id].shadow for i in active]
             batch = ScheduledBatch(shadows, [len(s) - s.num_computed_tokens for s in shadows])
-            self.head.set_hidden(rows)
-            step = self.runner.run(batch)
-            self.head.set_hidden(None)
+            # the runner's rows and metadata; every shadow ends here, so each one's last
+            # row is sampled: the head's output there proposes and feeds the next pass
+            input_ids, positions, meta, last, _ = self.runner.prepare(batch, None, [])
+            prenorm = self.head.layer_out(input_ids, positions, meta, rows)[last]
             for shadow, n in zip(shadows, batch.num_new_tokens, strict=True):
                 shadow.num_computed_tokens += n
-            ends = torch.tensor(batch.num_new_tokens).cumsum(0) - 1
-            prenorm = self.head.prenorm[ends.to(self.head.prenorm.device)]
-            tokens, q = sample_draft(step.logits, [seqs[i] for i in active], sampler)
+            tokens, q = self._draw(prenorm, [seqs[i] for i in active], sampler)
             for row, (i, shadow) in enumerate(zip(active, shadows, strict=True)):
                 shadow.token_ids.append(tokens[row])
                 drafts[i].append(tokens[row])
@@ -188,3 +187,13 @@ class Eagle3Proposer:
             for seq, p in zip(seqs, probs, strict=True)
         ]
         return drafts, q_out
+
+    def _draw(
+        self, prenorm: torch.Tensor, seqs: list[Sequence], sampler: Sampler
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """A pass's guesses from its last rows (before `norm`): all greedy, the argmax
+        over the draft vocabulary; else sample_draft over the target's vocabulary."""
+        if all(seq.params.greedy for seq in seqs):
+            return self.head.greedy_tokens(prenorm), None
+        logits = self.head.compute_logits(self.head.model.norm(prenorm)).float()
+        return sample_draft(logits, seqs, sampler)

@@ -8,9 +8,10 @@ vocabulary, `d2t` maps a draft id to the target's (target = draft + d2t[draft]),
 marks the target ids the draft vocabulary holds. A chain's later steps feed the layer's
 own output (before `norm`) back in place of the fused state.
 
-The head runs in a ModelRunner of its own (its KV cache paged like the target's): its
-forward takes the runner's (input ids, positions, metadata) and the hidden-state rows
-the proposer set with `set_hidden` before the step.
+The head runs in a ModelRunner of its own (its KV cache paged like the target's): a
+pass takes the runner's (input ids, positions, metadata) with the pass's hidden-state
+rows (layer_out); only the rows a pass proposes from go through `norm` and `lm_head`,
+and a greedy proposal is the argmax over the draft vocabulary alone.
 """
 
 from __future__ import annotations
@@ -103,25 +104,27 @@ class Eagle3Head(nn.Module):
         # loaded as parameters so that a missing or misshapen one is named at load
         self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.long), requires_grad=False)
         self.t2d = nn.Parameter(torch.zeros(config.vocab_size, dtype=torch.bool), False)
-        self.hidden_in: torch.Tensor | None = None
-        self.prenorm = torch.empty(0)  # the last step's layer output, before `norm`
         self._target_ids: torch.Tensor | None = None
 
-    def set_hidden(self, rows: torch.Tensor | None) -> None:
-        """The next step's hidden-state rows: [tokens, 3H] (the target's layers, fused
-        by fc) or [tokens, H] (the head's own output of the step before)."""
-        self.hidden_in = rows
-
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        """The runner's own steps (its memory profile's largest on CUDA) over zero
+        hidden rows; the proposer's passes call layer_out with theirs."""
+        hidden = self.model.fc.weight.new_zeros(input_ids.shape[0], 3 * self.hidden_size)
+        return self.model.norm(self.layer_out(input_ids, positions, meta, hidden))
+
+    def layer_out(self, input_ids, positions, meta, hidden: torch.Tensor) -> torch.Tensor:
+        """The midlayer's output before `norm` [tokens, H] over `hidden`: the target's
+        rows [tokens, 3H] (fused by fc) or the head's own output of the pass before."""
         m = self.model
-        embeds = m.embed_tokens(input_ids)
-        hidden = self.hidden_in
-        if hidden is None or hidden.shape[0] != input_ids.shape[0]:  # a profile's dummy step
-            hidden = embeds.new_zeros(input_ids.shape[0], 3 * self.hidden_size)
         if hidden.shape[-1] != self.hidden_size:
             hidden = m.fc(hidden)
-        self.prenorm = m.layers[0](positions, embeds, hidden, meta)
-        return m.norm(self.prenorm)
+        return m.layers[0](positions, m.embed_tokens(input_ids), hidden, meta)
+
+    def greedy_tokens(self, prenorm: torch.Tensor) -> list[int]:
+        """The argmax of each row's logits, as target ids: over the draft vocabulary
+        alone (compute_logits' -inf columns never win)."""
+        draft = self.lm_head(self.model.norm(prenorm)).argmax(dim=-1)
+        return (draft + self.d2t[draft]).tolist()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary: the draft vocabulary's at their target
