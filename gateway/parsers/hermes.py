@@ -33,12 +33,23 @@ class HermesParser(ToolParser):
         self.tail = ""  # the arguments' text that may be the outer object's close
 
     def feed(self, text: str) -> ParsedDelta:
-        if self.state == "args" and not self.buf and "<" not in text:
-            # the common case inside a call: more of its arguments
-            fragment = self._arguments(text)
-            if not fragment:
+        if not self.buf and "<" not in text:  # no `</tool_call>` can begin in it
+            state = self.state
+            if state == "args":  # the common case inside a call: more of its arguments
+                fragment = self._arguments(text)
+                if not fragment:
+                    return ParsedDelta()
+                delta = ToolCallDelta(self.calls - 1, None, None, fragment)
+                return ParsedDelta(tool_calls=[delta])
+            if state == "content" and not self.after_call:  # plain text: content
+                return ParsedDelta(content=text)
+            if state == "block" or (state == "head" and "{" not in text):
+                # more of a block's head (its arguments open with a `{`) or of a block
+                # read whole at its close: kept, as _head and _block would keep it
+                self.block += text
                 return ParsedDelta()
-            return ParsedDelta(tool_calls=[ToolCallDelta(self.calls - 1, None, None, fragment)])
+        elif self.holds(text, OPEN if self.state == "content" else CLOSE):
+            return ParsedDelta()
         return super().feed(text)
 
     def run(self, final: bool) -> None:

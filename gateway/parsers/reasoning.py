@@ -7,6 +7,11 @@ it: everything before `</think>` is reasoning, all of it when `</think>` never c
 so only an output that opens with `<think>` reasons; one that does not is all content
 (thinking was off, or the model chose not to). The content after `</think>` and the
 reasoning are stripped of the blank lines the models put around them.
+
+Where the reply may make tool calls, a tool-call parser (`then`) reads the content, so a
+call written after the reasoning is a call and `<tool_call>` inside `<think>` is only
+reasoning. Once the reasoning is over, `feed` is `then`'s own: a token of the answer or
+of a call's arguments passes one parser, not two (docs/PERF.md, issue 48).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ class ThinkParser(Buffered, OutputParser):
 
     reasons = True
 
-    def __init__(self, starts_inside: bool) -> None:
+    def __init__(self, starts_inside: bool, then: OutputParser | None = None) -> None:
         super().__init__()
         self.starts_inside = starts_inside
+        self.then = then  # the tool-call parser that reads the content, if any
         self.state = "start"
         self.in_reasoning = starts_inside
         self.trim = Trim()
@@ -46,11 +52,31 @@ class ThinkParser(Buffered, OutputParser):
             return ParsedDelta(self.trim.add(text))  # the common case: reasoning goes on
         if self.state == "content" and not self.lead:
             return ParsedDelta(content=text)
+        if self.state == "reasoning" and self.holds(text, CLOSE):
+            return ParsedDelta()
         self.buf += text
-        return self._run(final=False)
+        out = self._run(final=False)
+        if self.then is None:
+            return out
+        if self.done:  # the rest of the reply is the tool-call parser's alone
+            self.feed = self.then.feed  # type: ignore[method-assign]
+        return self._onward(out, final=False)
 
     def finish(self) -> ParsedDelta:
-        return self._run(final=True)
+        out = self._run(final=True)
+        self.in_reasoning = False
+        return out if self.then is None else self._onward(out, final=True)
+
+    def _onward(self, first: ParsedDelta, final: bool) -> ParsedDelta:
+        """The content read so far handed to `then`, after the reasoning."""
+        assert self.then is not None
+        if not first.content and not final:  # reasoning (or held text) only
+            return first
+        out = self.then.feed(first.content)
+        if final:
+            out.extend(self.then.finish())
+        out.reasoning = first.reasoning
+        return out
 
     def _run(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()

@@ -2,8 +2,8 @@
 tool-call parser.
 
 The two run in a line: the reasoning parser splits the text into reasoning and the rest,
-and the tool-call parser reads calls out of the rest, so a call written after the
-reasoning is a call and `<tool_call>` inside `<think>` is only reasoning. gpt-oss's
+and hands the rest to the tool-call parser (gateway.parsers.reasoning's `then`), so a call
+written after the reasoning is a call and `<tool_call>` inside `<think>` is only reasoning. gpt-oss's
 harmony format (`openai`) carries both in its channels, so it is one parser for both.
 """
 
@@ -50,46 +50,6 @@ class Passthrough(OutputParser):
         return ParsedDelta()
 
 
-class Chain(OutputParser):
-    """A reasoning parser in front of a tool-call parser."""
-
-    reasons = True
-
-    def __init__(self, reasoning: ThinkParser, tools: OutputParser) -> None:
-        self.reasoning, self.tools = reasoning, tools
-        self.in_reasoning = reasoning.in_reasoning  # a plain field: read twice a chunk
-        self.thought = False  # the reasoning is over: text goes straight to the tools
-
-    def feed(self, text: str) -> ParsedDelta:
-        if self.thought:
-            return self.tools.feed(text)
-        thinker = self.reasoning
-        first = thinker.feed(text)
-        if thinker.state == "reasoning":  # the common case: the reasoning goes on
-            self.in_reasoning = True
-            return first
-        self.in_reasoning = thinker.in_reasoning
-        self.thought = thinker.done
-        return self._then(first, final=False)
-
-    def reasoning_end(self) -> int:
-        return self.reasoning.reasoning_end()
-
-    def finish(self) -> ParsedDelta:
-        first = self.reasoning.finish()
-        self.in_reasoning = False
-        return self._then(first, final=True)
-
-    def _then(self, first: ParsedDelta, final: bool) -> ParsedDelta:
-        if not first.content and not final:  # reasoning (or held text) only
-            return first
-        out = self.tools.feed(first.content)
-        if final:
-            out.extend(self.tools.finish())
-        out.reasoning = first.reasoning
-        return out
-
-
 def _check(name: str | None, valid: tuple[str, ...], what: str) -> None:
     if name is not None and name not in valid:
         raise ValueError(f"unknown {what} parser {name!r}; valid: {', '.join(valid)}")
@@ -113,7 +73,8 @@ def output_parser(
     if reasoning == "openai" or tools == "openai":
         # harmony's channels: reasoning and calls come together; calls only where asked
         return HarmonyParser(tool_names if calls else frozenset())
-    tail: OutputParser = TOOLS[tools](tool_names, tool_params) if calls else Passthrough()
+    tail = TOOLS[tools](tool_names, tool_params) if calls else None
     if reasoning is None or not thinking:
-        return tail
-    return Chain(ThinkParser(starts_inside=reasoning == "deepseek_r1"), tail)
+        return Passthrough() if tail is None else tail
+    # the reasoning parser reads the content itself where no calls are read out of it
+    return ThinkParser(starts_inside=reasoning == "deepseek_r1", then=tail)

@@ -79,6 +79,18 @@ class Buffered:
         self.buf = self.buf[len(self.buf) - keep :]
         return out, None
 
+    def holds(self, text: str, marker: str) -> bool:
+        """Whether `text` only lengthens the start of `marker` the buffer holds, still
+        short of all of it: then it is kept, and `take` would hand out nothing and find
+        nothing (a marker that comes a token at a time costs one check a token)."""
+        if not self.buf:
+            return False
+        buf = self.buf + text
+        if len(buf) < len(marker) and marker.startswith(buf):
+            self.buf = buf
+            return True
+        return False
+
     def _take_one(self, marker: str, final: bool) -> tuple[str, str | None]:
         """`take` of one marker."""
         buf = self.buf

@@ -94,13 +94,12 @@ class ChoiceOutput:
         self.reasoning_tokens = 0
         self.ids: dict[int, str] = {}  # each call's index -> the id it was sent with
         self.dropped: set[int] = set()  # calls past the first without parallel_tool_calls
-        # the chunks' lengths and token counts, where the reasoning is one span at the
-        # start: its tokens are counted at the end (harmony's as they come)
+        # where the reasoning is one span at the start, its tokens are counted once its
+        # end is known, from the chunks (harmony's as they come)
         self.spans = self.parser is not None and self.parser.reasoning_end() is not None
         self.counting = self.spans and self.parser is not None and self.parser.reasons
-        self.lengths: list[int] = []
-        self.counts: list[int] = []
-        # a whole answer: its chunks, read at the end (harmony's parser reads them as they come)
+        # the chunks: a whole answer's, read at the end (harmony's parser reads them as
+        # they come); a stream's while its reasoning tokens are counted
         self.whole = whole
         self.at_once = whole and (self.parser is None or self.spans)
         self.chunks: list[GenChunk] = []
@@ -128,8 +127,7 @@ class ChoiceOutput:
         parser = self.parser
         if parser is not None:
             if self.counting:
-                self.lengths.append(len(text))
-                self.counts.append(len(chunk.token_ids) or (1 if text else 0))
+                self.chunks.append(chunk)
                 parsed = parser.feed(text)
                 if not parser.in_reasoning and parser.reasoning_end():
                     self._count()  # the reasoning is over: no more to count
@@ -180,8 +178,8 @@ class ChoiceOutput:
         """The reasoning tokens, once the reasoning's end is known."""
         assert self.parser is not None
         end = self.parser.reasoning_end() or 0
-        self.reasoning_tokens += _tokens_before(self.lengths, self.counts, end)
-        self.counting, self.lengths, self.counts = False, [], []
+        self.reasoning_tokens += _chunk_tokens_before(self.chunks, end)
+        self.counting, self.chunks = False, []
 
     def _finish_whole(self, reason: str | None) -> tuple[Piece, str | None]:
         """A whole answer's text read at once, then finished as a stream finishes (what
@@ -266,20 +264,8 @@ class ChoiceOutput:
         return self._piece(reasoning, "", deltas)
 
 
-def _tokens_before(lengths: list[int], counts: list[int], end: int) -> int:
-    """The tokens of the chunks (of these lengths and token counts) that begin before
-    character `end` of their text."""
-    total = at = 0
-    for length, n in zip(lengths, counts, strict=True):
-        if at >= end:
-            break
-        total += n
-        at += length
-    return total
-
-
 def _chunk_tokens_before(chunks: list[GenChunk], end: int) -> int:
-    """_tokens_before, of a whole answer's chunks."""
+    """The tokens of the chunks that begin before character `end` of their text."""
     total = at = 0
     for chunk in chunks:
         if at >= end:
