@@ -18,7 +18,7 @@ import openai
 import pytest
 from llama_cpp.llama_chat_format import MTMDChatHandler
 
-from engine_api.errors import BackendError
+from engine_api.errors import BackendError, BadRequestError
 from engine_api.images import ImageInput, image_input
 from engine_api.records import GenRequest
 from engine_api.sampling import SamplingParams
@@ -178,15 +178,25 @@ async def test_prefix_events_key_an_images_blocks_as_the_router_does(backend):
     assert not set(theirs[image_block:]) & stored
 
 
-async def test_a_prompt_whose_runs_do_not_fit_its_images_is_refused(backend):
+async def test_what_cannot_be_served_with_images_is_a_bad_request(backend):
     image = picture(6)[0]
     prompt = await backend.render_chat("tiny-vl", chat(image), None, {})
-    params = SamplingParams(temperature=0, max_tokens=2)
-    with pytest.raises(Exception, match="image placeholders for 2 images"):
-        async for _ in backend.generate(
-            GenRequest("x", "tiny-vl", prompt, params, images=[image] * 2)
-        ):
-            pass
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    at = prompt.index(backend.image_token_id)
+    refused = [  # (prompt, images, sampling, what the 400 says)
+        (prompt, [image] * 2, greedy, "image placeholders for 2 images"),
+        (prompt[: at + 4], [image], greedy, "must end in text after its last image"),
+        (prompt, [image], SamplingParams(max_tokens=2, prompt_logprobs=1), "prompt_logprobs"),
+    ]
+    for ids, images, params, says in refused:
+        with pytest.raises(BadRequestError, match=says):
+            async for _ in backend.generate(GenRequest("x", "tiny-vl", ids, params, images=images)):
+                pass
+    # a text that holds the image token itself, beside an image: which is the image's?
+    stray = chat(image)
+    stray[0]["content"][0]["text"] = "<image_soft_token> here: "
+    with pytest.raises(BadRequestError, match="holds the image placeholder token"):
+        await backend.render_chat("tiny-vl", stray, None, {})
 
 
 async def test_a_projector_that_cannot_serve_is_refused_at_start(files, tmp_path):
