@@ -100,8 +100,9 @@ def reusable_len(
     the slot's cells do not hold."""
     if slot.adapter != adapter:
         return 0
-    n = same_images_len(common_prefix_len(slot.cached, prompt), slot.spans, spans or [])
-    return n if slot.salt == salt else min(n, slot.shared_len, shared_prefix_len)
+    n = common_prefix_len(slot.cached, prompt)
+    n = n if slot.salt == salt else min(n, slot.shared_len, shared_prefix_len)
+    return same_images_len(n, slot.spans, spans or [])
 
 
 def runs(seq_ids: set[int]) -> int:

@@ -79,3 +79,6 @@ def test_an_images_cells_serve_only_the_same_image_and_only_whole():
     assert place([cut], prompt, "t", spans=[image_a]).reuse == 2
     text = Slot(0, [1, 2, 7, 7, 7, 3], "t", 1.0)  # the same ids, as text
     assert place([text], prompt, "t", spans=[image_a]).reuse == 2
+    # a published prefix that ends inside an image: reused up to the image only
+    other = Slot(0, [1, 2, 7, 7, 7, 3, 4, 9], "u", 1.0, shared_len=4, spans=[image_a])
+    assert place([other], prompt, "t", shared_prefix_len=4, spans=[image_a]).reuse == 2
