@@ -203,10 +203,12 @@ def format_plan(plan) -> str:
             f"and value ({full / latent:.1f}x)"
         )
     if plan.sliding_layers:
+        whole = plan.kv_bytes_per_token[s.kv_cache_dtype] * plan.max_model_len
         lines.append(
             f"windows    {plan.sliding_layers} of {plan.num_layers} layers slide over "
-            f"{plan.sliding_window} tokens: a window-aware cache would hold a "
-            f"{plan.max_model_len}-token sequence in {_gib(plan.kv_bytes_per_seq_windowed)}"
+            f"{plan.sliding_window} tokens, but kvgate caches them in full, as the blocks "
+            f"below count: a {plan.max_model_len}-token sequence takes {_gib(whole)} "
+            f"(a window-aware cache: {_gib(plan.kv_bytes_per_seq_windowed)})"
         )
     quant = s.quantization or s.dtype
     if plan.expert_bytes:  # the checkpoint's experts stay MXFP4 whatever the rest is in

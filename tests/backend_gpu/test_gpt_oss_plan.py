@@ -121,7 +121,12 @@ def test_the_command_says_so(config_path, capsys):
     assert "GptOssForCausalLM, 116.829B parameters" in out
     assert "mxfp4 60.77 GiB" in out
     assert "experts    MXFP4 as the checkpoint ships them, kept so: 56.80 GiB (0.27x" in out
-    assert "18 of 36 layers slide over 128 tokens" in out
+    # what the engine holds, and what a window-aware cache would: 9 GiB against 4.5
+    assert (
+        "18 of 36 layers slide over 128 tokens, but kvgate caches them in full, as the "
+        "blocks below count: a 131072-token sequence takes 9.00 GiB (a window-aware "
+        "cache: 4.50 GiB)"
+    ) in out
     assert "weights bfloat16, experts mxfp4" in out
 
 
