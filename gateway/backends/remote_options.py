@@ -85,6 +85,8 @@ class RemoteOptions:
             values[f.name] = v
         if "role" in values:
             check_role(values["role"], f"remote backend {spec.name!r}")
+        if "image_tokens" in values and not values.get("vision"):  # else it bounds nothing
+            raise ValueError(f"remote backend {spec.name!r}: image_tokens goes with vision = true")
         if "api_key_env" in values:
             values["api_key"] = _key_from_env(spec.name, values)
         if "url" not in values:

@@ -22,6 +22,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from gateway.backends import BackendSpec
+from gateway.backends.remote_options import RemoteOptions
 from tests.gateway.test_images import data_url, png
 from tests.gateway.test_remote_template_kwargs import TokenizingUpstream
 from tests.gateway.test_url_only_upstreams import BareUpstream
@@ -218,3 +219,17 @@ def _part(url: str) -> dict:
 
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"vision": "yes"}, "vision must be true or false, got 'yes'"),
+        ({"vision": True, "image_tokens": 0}, "image_tokens must be an integer > 0"),
+        ({"image_tokens": 256}, "image_tokens goes with vision = true"),
+    ],
+)
+def test_an_entrys_image_options_are_checked(options, said):
+    spec = BackendSpec("up", "remote", "vl", "", {"url": "http://127.0.0.1:9/v1"} | options)
+    with pytest.raises(ValueError, match=f"remote backend 'up': {said}"):
+        RemoteOptions.parse(spec)
