@@ -1,5 +1,6 @@
 """Images to a third-party upstream whose entry says `vision = true` (issue 52): real
-upstream servers on real sockets behind a gateway, with the official `openai`,
+upstream servers on real sockets behind a gateway (in the test's process, and a
+`kvgate serve` that reads the entry from its config file), with the official `openai`,
 `anthropic` and `ollama` clients as callers. Every API's image reaches the upstream's
 /v1/chat/completions as an OpenAI `image_url` data URL: the client's file as it came (a
 PNG, a JPEG), or a PNG of the pixels the gateway decoded where the file would read
@@ -11,9 +12,11 @@ test_images.py), and /tokenize cannot count an image chat there."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
+import sqlite3
 
 import anthropic
 import ollama
@@ -23,9 +26,10 @@ from PIL import Image, ImageOps
 
 from gateway.backends import BackendSpec
 from gateway.backends.remote_options import RemoteOptions
+from tests.conftest import start_gateway
 from tests.gateway.test_images import data_url, png
 from tests.gateway.test_remote_template_kwargs import TokenizingUpstream
-from tests.gateway.test_url_only_upstreams import BareUpstream
+from tests.gateway.test_url_only_upstreams import BareUpstream, url_only, wait_for_rows
 
 IMAGE_TOKENS = 500  # the entry's bound on one image's tokens
 ASK = {"type": "text", "text": "what is this"}
@@ -151,6 +155,29 @@ async def test_every_api_sends_the_upstream_data_urls_and_bills_its_usage(make_g
             options={"num_predict": 2},
         )
         assert up.sent_images() == [data_url(first)]
+
+
+async def test_a_served_gateway_reads_the_entry_from_its_config_file(tmp_path):
+    """`kvgate serve` with the entry in its TOML file: the image reaches the upstream and
+    the usage row in its database holds the upstream's counts, images too."""
+    async with VisionUpstream() as up:
+        config = url_only(up.url, "vl", vision=True, image_tokens=IMAGE_TOKENS)
+        gw = await asyncio.to_thread(start_gateway, tmp_path, config=config)
+        try:
+            tenant, key = await asyncio.to_thread(gw.tenant_key, "acme")
+            client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+            await client.chat.completions.create(
+                model="vl",
+                messages=[{"role": "user", "content": [ASK, _part(data_url(png()))]}],
+                max_tokens=2,
+            )
+            assert up.sent_images() == [data_url(png())]
+            rows = await asyncio.to_thread(wait_for_rows, tmp_path, tenant["id"], 1)
+            assert rows == [(300, 2, 200)]
+            db = sqlite3.connect(tmp_path / "kvgate.db")
+            assert db.execute("SELECT image_tokens FROM usage_records").fetchall() == [(200,)]
+        finally:
+            await asyncio.to_thread(gw.stop)
 
 
 async def test_the_quota_reserves_image_tokens_and_tokenize_cannot_count(make_gateway):
