@@ -276,12 +276,14 @@ class ModelRunner:
         indices in the batch, and the logprobs its prompt spans score (None without)."""
         # a vision model's M-RoPE positions, image rows and rows that see ahead
         # (backend_gpu.multimodal): 1D positions (shifted) where every row is text, else
-        # [3, T] and no graph
+        # [3, T]; a step with image rows runs eagerly (the graphs embed token ids only:
+        # an image's last token can be a one-row chunk, at plain positions on Gemma 3)
         vision = self.vision.step(batch) if self.vision is not None else None
         rope = vision.positions if vision is not None else None
         flat = rope is None or bool((rope[0] == rope[1]).all() and (rope[0] == rope[2]).all())
+        text = vision is None or vision.images is None
         graph_size = None
-        if self.graphs is not None and max(batch.num_new_tokens) == 1 and flat:
+        if self.graphs is not None and max(batch.num_new_tokens) == 1 and flat and text:
             graph_size = self.graphs.size_for(len(batch.seqs))
         spans = batch.prompt_spans
         prompt_rows = row_slices(spans, self.logit_rows)  # prepare hands them to the ranks
