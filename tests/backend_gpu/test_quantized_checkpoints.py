@@ -335,13 +335,21 @@ def test_packed_layers_on_cuda_run_the_int4_kernel_and_match_the_reference(writt
     assert llm.engine.runner.num_graph_steps > 0
 
 
-@pytest.mark.parametrize("fmt", ["gptq-4bit-asym-desc_act", "ct-fp8-dynamic"])
+@pytest.mark.parametrize(
+    ("arch", "fmt"),
+    [
+        ("llama", "gptq-4bit-asym-desc_act"),
+        ("llama", "ct-fp8-dynamic"),
+        ("phi3_window", "gptq-4bit-asym-desc_act"),
+        ("phi3_window", "ct-fp8-static-tensor"),
+    ],
+)
 @pytest.mark.cuda
 @needs_cuda
-def test_bfloat16_on_cuda_agrees_with_float32_on_the_cpu(written, fmt):
+def test_bfloat16_on_cuda_agrees_with_float32_on_the_cpu(written, arch, fmt):
     """The INT4 kernel, and FP8 weights on _scaled_mm with per-token activation scales
-    where the GPU has FP8 (W8A8)."""
-    path, _ = written("llama", fmt)
+    where the GPU has FP8 (W8A8); Phi-3's fused tensors quantized whole."""
+    path, _ = written(arch, fmt)
     refs = LLM(path).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
     llm = LLM(path, device="cuda", dtype="bfloat16", **POOL)
     if fmt == "ct-fp8-dynamic" and torch.cuda.get_device_capability() >= (8, 9):
