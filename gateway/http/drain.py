@@ -16,9 +16,9 @@ One Drain per server (the gateway's, a worker's), kept under the app key DRAIN.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -51,16 +51,11 @@ class Drain:
     def covers(self, request: web.Request) -> bool:
         return request.method == "POST" and request.path.startswith(self.paths)
 
-    @contextlib.contextmanager
-    def cuttable(self) -> Iterator[None]:
+    def cuttable(self) -> AbstractContextManager[None]:
         """Around the wait for a request's output: where the drain may cut it."""
         task = asyncio.current_task()
         assert task is not None
-        self._cuttable.add(task)
-        try:
-            yield
-        finally:
-            self._cuttable.discard(task)
+        return _Cuttable(self._cuttable, task)
 
     def was_cut(self) -> bool:
         """In a handler that caught CancelledError: True if the drain cancelled it (the
@@ -100,6 +95,22 @@ class Drain:
                 await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         finally:
             hurried.cancel()
+
+
+class _Cuttable:
+    """`Drain.cuttable`'s block: the task is cuttable while in it. A class, not a
+    generator: every request enters one (docs/PERF.md, issue 53)."""
+
+    __slots__ = ("tasks", "task")
+
+    def __init__(self, tasks: set[asyncio.Task], task: asyncio.Task) -> None:
+        self.tasks, self.task = tasks, task
+
+    def __enter__(self) -> None:
+        self.tasks.add(self.task)
+
+    def __exit__(self, *exc: object) -> None:
+        self.tasks.discard(self.task)
 
 
 DRAIN = web.AppKey("drain", Drain)

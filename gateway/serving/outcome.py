@@ -15,9 +15,8 @@ does not complete.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -86,24 +85,36 @@ async def finish_failed(job: Job, status: int, error: str, delivered: bool = Tru
         log.exception("usage row of %s not committed", job.request_id)
 
 
-@contextlib.asynccontextmanager
-async def whole_answer(job: Job) -> AsyncIterator[None]:
+class whole_answer:  # noqa: N801 (used as a function: `async with whole_answer(job)`)
     """Around reading a whole answer's output (nothing else: any error inside is the
     backend's): a failure is the client's error, and none of the output is billed, for
-    the client receives none of it."""
-    try:
-        with job.gw.drain.cuttable():
-            yield
-    except CLIENT_GONE:
-        if job.gw.drain.was_cut():  # the drain's deadline: nothing went out, retry elsewhere
-            await finish_failed(job, 503, CUT.message, delivered=False)
-            raise CUT from None
-        await job.finish(499, "abort")
-        raise
-    except Exception as e:
-        error = failure(job, e)
-        await finish_failed(job, error.status, error.message, delivered=False)
-        raise error from None
+    the client receives none of it. A class, not a generator: every whole answer enters
+    one (docs/PERF.md, issue 53)."""
+
+    __slots__ = ("job", "cut")
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.cut = job.gw.drain.cuttable()
+
+    async def __aenter__(self) -> None:
+        self.cut.__enter__()
+
+    async def __aexit__(self, kind: type[BaseException] | None, e: Any, tb: Any) -> None:
+        self.cut.__exit__(kind, e, tb)
+        if e is None:
+            return
+        job = self.job
+        if isinstance(e, CLIENT_GONE):
+            if job.gw.drain.was_cut():  # the drain's deadline: nothing went out, retry elsewhere
+                await finish_failed(job, 503, CUT.message, delivered=False)
+                raise CUT from None
+            await job.finish(499, "abort")
+            return  # raised on as it was
+        if isinstance(e, Exception):
+            error = failure(job, e)
+            await finish_failed(job, error.status, error.message, delivered=False)
+            raise error from None
 
 
 # an API's error event: (the error, whether it is the usage row that failed)
