@@ -23,6 +23,7 @@ from gateway.http.drain import Drain
 from gateway.observe.metrics import Metrics
 from gateway.observe.stats import TrafficStats
 from gateway.ondemand import ModelsDir
+from gateway.ondemand.shown import shown_stats
 from gateway.routing.adapters import AdapterRegistry
 from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.fair_queue import FairQueue
@@ -65,7 +66,10 @@ async def start_gateway(settings: Settings, drain: Drain | None = None) -> Gatew
         quota=quota,
         usage=usage,
         router=router,
-        metrics=Metrics(lambda: [with_queue(b.stats(), queues) for b in router.backends]),
+        # (read at scrape time, once `state` exists)
+        metrics=Metrics(
+            lambda: [with_queue(shown_stats(state, b), queues) for b in router.backends]
+        ),
         queues=queues,
         traffic=TrafficStats(),
         secret=secret,

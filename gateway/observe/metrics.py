@@ -33,6 +33,8 @@ KV_TRANSFER_COUNTERS = {
 # the KV tiers under an engine's cache: a backend reports a tier's counters in
 # BackendStats.extra as kv_<tier>_<key>, only for the tiers it has on
 KV_TIERS = ("host", "disk", "shared")
+# a BackendStats extra key: False while a models directory's model is not loaded
+LOADED = "loaded"
 _TIER_ERRORS = ("kv_tier_errors", "Failed writes or calls to a KV tier's store", False)
 # key -> (metric, help, whether a gauge: what the tier holds now; else a counter)
 KV_TIER_METRICS = {
@@ -160,6 +162,11 @@ class _BackendCollector(Collector):
             "healthy": GaugeMetricFamily(
                 "kvgate:backend_healthy", "1 when the backend serves", labels=["backend"]
             ),
+            "loaded": GaugeMetricFamily(
+                "kvgate:backend_loaded",
+                "0 while a models directory's model is not loaded (it loads on its first request)",
+                labels=["backend"],
+            ),
         }
         spec = {
             key: CounterMetricFamily(f"kvgate:{key}", doc, labels=["backend"])
@@ -176,6 +183,7 @@ class _BackendCollector(Collector):
             gauges["waiting"].add_metric([s.name], s.waiting)
             gauges["kv_usage"].add_metric([s.name], s.kv_usage)
             gauges["healthy"].add_metric([s.name], 1.0 if s.healthy else 0.0)
+            gauges["loaded"].add_metric([s.name], 1.0 if s.extra.get(LOADED, True) else 0.0)
             for key, counter in spec.items():
                 if key in s.extra:
                     counter.add_metric([s.name], s.extra[key])

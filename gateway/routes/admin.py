@@ -16,6 +16,7 @@ from gateway.batches.panel import panel_batches
 from gateway.http.errors import ApiError
 from gateway.http.util import json_response, parse_body, sse
 from gateway.observe.metrics import kv_tier_stats, kv_transfer_stats
+from gateway.ondemand.shown import is_loaded, shown_stats
 from gateway.routes import guards
 from gateway.schemas.admin import KeyCreate, KeyUpdate, Limits, TenantCreate, TenantUpdate
 from gateway.state import GW, GatewayState, with_queue
@@ -221,7 +222,7 @@ async def stats_stream(request: web.Request) -> web.StreamResponse:
 def _backends(gw: GatewayState) -> list[dict]:
     out = []
     for b in gw.backends:
-        s = b.stats()
+        s = shown_stats(gw, b)
         broken = gw.router.broken.get(b.name)
         out.append(
             {
@@ -229,6 +230,7 @@ def _backends(gw: GatewayState) -> list[dict]:
                 "type": gw.backend_types.get(b.name, ""),
                 "healthy": s.healthy and broken is None,
                 "error": broken,
+                "loaded": is_loaded(s),
                 "models": [m for m, bs in gw.router.serving.items() if b in bs],
                 "running": s.running,
                 "waiting": s.waiting,

@@ -127,6 +127,10 @@ class BackendInfo(Body):
     type: str
     healthy: bool
     error: str | None
+    loaded: bool = Field(
+        description="false while a models directory's model is not loaded (or still loading): "
+        "not a failure, it loads on its first request, and reads healthy meanwhile"
+    )
     models: list[str]
     running: int
     waiting: int

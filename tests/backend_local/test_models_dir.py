@@ -98,8 +98,8 @@ def test_models_max_unloads_the_least_recently_used(client):
 def test_a_load_runs_beside_the_event_loop(client, gateway):
     """The gateway answers while a model loads (the load is in a thread): /api/ps shows
     the load begun (a model is listed from its load's start) and then /admin/backends
-    its engine not up yet, two answers made inside the load. A stalled event loop would
-    answer neither until the load was done."""
+    its engine not loaded yet (and not a failure: healthy), two answers made inside the
+    load. A stalled event loop would answer neither until the load was done."""
     client.generate("smollm2-b", "", keep_alive=0)  # unloaded, whatever came before
     seen_inside = False
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -108,9 +108,35 @@ def test_a_load_runs_beside_the_event_loop(client, gateway):
             if "smollm2-b:latest" in loaded(client):
                 rows = httpx.get(f"{gateway.url}/admin/backends", headers=gateway.admin_headers)
                 (row,) = [b for b in rows.json()["data"] if b["name"] == "dir-smollm2-b"]
-                seen_inside = not row["healthy"]
+                seen_inside = not row["loaded"] and row["healthy"]
         assert load.result().load_duration > 0
     assert seen_inside
+
+
+def test_a_model_not_loaded_reads_as_available_not_failed(client, gateway):
+    """A directory's model not loaded is healthy with loaded false in /admin/backends,
+    kvgate:backend_healthy 1 and kvgate:backend_loaded 0 in /metrics; once loaded, 1 and
+    1; /health lists it as down neither way."""
+    client.generate("smollm2-b", "", keep_alive=0)  # unloaded, whatever came before
+    headers = gateway.admin_headers
+
+    def seen() -> tuple[dict, str]:
+        rows = httpx.get(f"{gateway.url}/admin/backends", headers=headers).json()["data"]
+        (row,) = [b for b in rows if b["name"] == "dir-smollm2-b"]
+        metrics = httpx.get(f"{gateway.url}/metrics", headers=headers).text
+        return row, metrics
+
+    row, metrics = seen()
+    assert row["healthy"] and not row["loaded"] and row["error"] is None
+    assert 'kvgate:backend_healthy{backend="dir-smollm2-b"} 1.0' in metrics
+    assert 'kvgate:backend_loaded{backend="dir-smollm2-b"} 0.0' in metrics
+    client.generate("smollm2-b", "Hi", raw=True, options=SHORT, keep_alive=-1)
+    row, metrics = seen()
+    assert row["healthy"] and row["loaded"]
+    assert 'kvgate:backend_loaded{backend="dir-smollm2-b"} 1.0' in metrics
+    health = httpx.get(f"{gateway.url}/health").json()
+    assert "dir-smollm2-b" not in str(health["down"])
+    client.generate("smollm2-b", "", keep_alive=0)
 
 
 def test_keep_alive_zero_unloads_and_a_negative_one_keeps(client):
