@@ -95,7 +95,9 @@ async def _server_statements(dsn: str, reset: bool = False) -> list[tuple[str, i
     for query, calls in kept:
         if "FROM batches" in query:
             continue
-        if query.startswith(("BEGIN", "ROLLBACK")):
+        # the poll goes through SQLAlchemy, whose BEGIN names the isolation level;
+        # the usage commit's own BEGIN (asyncpg's) is another statement
+        if query.startswith(("BEGIN ISOLATION LEVEL", "ROLLBACK")):
             calls -= polls
         if calls > 0:
             out.append((query, calls))
