@@ -57,9 +57,10 @@ def _skip(f: BinaryIO, kind: int) -> None:
         raise ValueError(f"unknown GGUF value type {kind}")
 
 
-def read_strings(path: str, keys: set[str]) -> dict[str, str]:
-    """The string values of those of `keys` the file's header holds; ValueError if it
-    is not a GGUF file or its header is malformed."""
+def read_strings(path: str, keys: set[str], max_keys: int | None = None) -> dict[str, str]:
+    """The string values of those of `keys` the file's header holds (among its first
+    `max_keys` keys, where given: a bound on what a file that is not trusted costs to
+    read); ValueError if it is not a GGUF file or its header is malformed."""
     found: dict[str, str] = {}
     with open(path, "rb") as f:
         if f.read(4) != MAGIC:
@@ -68,7 +69,8 @@ def read_strings(path: str, keys: set[str]) -> dict[str, str]:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported")
         _read(f, "<Q")  # the tensor count
-        for _ in range(_read(f, "<Q")):
+        count = _read(f, "<Q")
+        for _ in range(count if max_keys is None else min(count, max_keys)):
             if len(found) == len(keys):
                 break
             key = _string(f).decode("utf-8", "replace")

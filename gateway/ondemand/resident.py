@@ -263,7 +263,7 @@ class ModelsDir:
     async def delete(self, model: str) -> None:
         """The model's file removed, and the model with it (once its requests are done)."""
         entry = self._entry(model)
-        await asyncio.to_thread(files.delete, entry.found)
+        await asyncio.to_thread(files.delete, self.directory, entry.found)
         await self.rescan()
 
     def _entry(self, model: str) -> Entry:
@@ -320,12 +320,15 @@ class ModelsDir:
             log.warning("models directory: %s is served by the config already", found.name)
             return False
         reasoning, tools = self.parsers
+        options = dict(self.options[found.kind])
+        if found.mmproj is not None:  # its vision projector (scan pairs one only with a GGUF)
+            options["mmproj"] = found.mmproj
         spec = BackendSpec(
             f"dir-{found.name}",
             found.kind,
             found.path,
             found.name,
-            dict(self.options[found.kind]),
+            options,
             reasoning_parser=reasoning,
             tool_call_parser=tools,
         )
@@ -338,6 +341,7 @@ class ModelsDir:
         if found.kind == "local":  # its context before it loads: the engine's settings say it
             card = gw.router.cards[found.name]
             card.context_length = _llama_context(found.path, spec.options)
+            card.vision = found.mmproj is not None  # an image's chat may load it
         return True
 
     def _remove(self, entry: Entry) -> None:

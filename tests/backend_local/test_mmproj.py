@@ -25,7 +25,6 @@ from engine_api.sampling import SamplingParams
 from gateway.backends.local import LocalBackend
 from gateway.backends.spec import BackendSpec
 from tests.backend_gpu.tiny_qwen2_5_vl import scene
-from tests.backend_local.tiny_vision_gguf import write_vision_gguf
 from tests.conftest import start_gateway
 
 pytestmark = pytest.mark.slow
@@ -50,8 +49,8 @@ def chat(image: ImageInput) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> tuple[str, str]:
-    return write_vision_gguf(str(tmp_path_factory.mktemp("mmproj")))
+def files(vision_gguf) -> tuple[str, str]:
+    return vision_gguf
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ each loaded by its first request, at most one resident (--models-max 1: the leas
 recently used goes), keep_alive 0 unloading and a negative one keeping, /api/ps with
 each model's real expiry, a memory budget (0.2 GB) that Gemma's 250 MB file does not
 fit, and the directory's files changed by an admin's /api/copy and /api/delete (a
-tenant's key: 403) or by hand and a reload."""
+tenant's key: 403) or by hand and a reload. Then a directory of a vision model whose
+projector goes with it, by llama-server's router's layout and by name."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import ollama
+import openai
 import pytest
 
 from gateway.backends.default_model import INSTRUCT_MODEL_ID, default_model_path, model_path
@@ -250,3 +252,52 @@ def test_langchains_chat_ollama_calls_a_directory_model(gateway, client):
     answer = chat.invoke("Say hello.")
     assert answer.content.strip() and answer.response_metadata["model"] == "smollm2"
     assert answer.usage_metadata["output_tokens"] <= 4
+
+
+def test_a_vision_projector_goes_with_its_model(tmp_path_factory, vision_gguf):
+    """The tiny Gemma 3 vision model twice, its projector paired as llama-server's router
+    pairs one (a subdirectory of the model and `mmproj-F16.gguf`) and by name
+    (`NAME.gguf` beside `mmproj-NAME.gguf`): the projectors are listed as no model, both
+    models' cards say vision before they load, and each answers a chat's image (the
+    same greedy answer, its usage counting the image's tokens)."""
+    from tests.backend_local.test_mmproj import picture
+
+    text_model, mmproj = vision_gguf
+    directory = tmp_path_factory.mktemp("vision-models")
+    (directory / "tiny-vl").mkdir()
+    os.symlink(text_model, directory / "tiny-vl" / "tiny-gemma3-vision.gguf")
+    os.symlink(mmproj, directory / "tiny-vl" / "mmproj-F16.gguf")
+    os.symlink(text_model, directory / "tiny-vl2.gguf")
+    os.symlink(mmproj, directory / "mmproj-tiny-vl2.gguf")
+    args = ["--models-dir", str(directory), "--n-ctx", "512", "--n-parallel", "1"]
+    gw = start_gateway(tmp_path_factory.mktemp("serve-vision"), *args, "--n-threads", "1")
+    try:
+        _, key = gw.tenant_key("vision")
+        client = ollama.Client(host=gw.url, headers={"Authorization": f"Bearer {key}"})
+        assert sorted(m.model for m in client.list().models) == [
+            "tiny-vl2:latest",
+            "tiny-vl:latest",
+        ]
+        listed = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        assert {m.id: m.vision for m in listed.models.list().data} == {
+            "tiny-vl": True,
+            "tiny-vl2": True,
+        }
+        assert loaded(client) == []  # said before any load
+        assert "vision" in client.show("tiny-vl").capabilities  # (it loads the model)
+        url = picture(1)[1]
+        parts = [{"type": "text", "text": "A picture: "}]
+        parts += [{"type": "image_url", "image_url": {"url": url}}]
+        answers = []
+        for model in ("tiny-vl", "tiny-vl2"):
+            reply = listed.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": parts}],
+                max_tokens=6,
+                temperature=0,
+            )
+            assert reply.usage.prompt_tokens_details.image_tokens == 4
+            answers.append(reply.choices[0].message.content)
+        assert answers[0] == answers[1]
+    finally:
+        gw.stop()
