@@ -13,7 +13,8 @@ batched decodes of the others. The pieces:
 - `image_chunk` (the worker, at prefill): one image's chunk, preprocessed by libmtmd,
   checked against its run's length.
 - `prefill` (the worker): the chunk encoded by the projector and decoded into the
-  sequence at its position.
+  sequence at its position; `prefill_next` does both for the images next in a slot's
+  prompt (the worker's prefill step, kept here beside libmtmd's calls).
 
 Only models whose image tokens take one position each: libmtmd's M-RoPE models
 (Qwen2-VL and its kind) lay an image over fewer positions than tokens, which this
@@ -33,11 +34,13 @@ from contextlib import contextmanager
 import llama_cpp
 from llama_cpp import mtmd_cpp
 
-from backend_local.errors import ModelLoadError
+from backend_local.errors import DecodeError, ModelLoadError
 from backend_local.llama_log import route_mtmd_log
 from backend_local.model import LlamaModel
+from backend_local.slots import Slot
 from engine_api.errors import BadRequestError
 from engine_api.images import ImageInput
+from engine_api.throughput import Throughput
 
 # a vocabulary's own image token, where it has one, stands for an image's tokens in the
 # prompt's ids (Gemma 3, Qwen-VL, LLaVA, Pixtral); else the vocabulary's last id
@@ -151,6 +154,27 @@ class Vision:
         if rc == 0 and new_n_past.value != n_past + mtmd_cpp.mtmd_input_chunk_get_n_tokens(chunk):
             return -1  # positions past its tokens: an M-RoPE chunk, refused at load
         return rc
+
+    def prefill_next(self, lctx, slot: Slot, n_batch: int, throughput: Throughput) -> None:
+        """Prefill the images that come next in the slot's prompt, each into its
+        sequence by itself, its run's ids then in the slot's cells; BadRequestError (an
+        image libmtmd cannot take as its run says) or DecodeError (its prefill failed),
+        for the worker to end the request with."""
+        request = slot.request
+        for (start, end, _), image in zip(request.spans, request.images, strict=True):
+            if start != len(slot.cached):
+                continue
+            chunk = self.image_chunk(image, end - start, n_batch)
+            try:
+                rc = self.prefill(lctx, chunk, start, slot.seq_id, n_batch)
+            finally:
+                self.free_chunk(chunk)
+            if rc != 0:
+                raise DecodeError(f"libmtmd failed with status {rc} on an image")
+            slot.cached.extend(request.prompt[start:end])
+            throughput.record(end - start, 0)
+            if request.progress is not None:
+                request.progress.advance(len(slot.cached), slot.reused)
 
     @contextmanager
     def _chunks(self, text: str, images: list[ImageInput], add_special: bool) -> Iterator[list]:

@@ -3,8 +3,9 @@
 Each step: take new requests and aborts from the inbox, give free sequences to waiting
 requests (reusing cached prefixes), then build one llama_batch holding the next token of
 every generating sequence followed by prompt chunks of the prefilling ones (up to n_batch
-tokens), decode it, and sample each sequence that produced logits with its own sampler.
-A request with prompt logprobs gets logits for every prompt token instead of the last.
+tokens), decode it, and sample each sequence that produced logits with its own sampler
+(outputs.py). A request with prompt logprobs gets logits for every prompt token instead
+of the last.
 With a disk tier (kv_disk_tier.py) a prompt's prefix is restored from disk when the
 cells hold less of it, and saved there once computed. With LoRA adapters a step decodes
 the sequences of one adapter only, the adapters' groups taking turns (lora_groups.py).
@@ -15,12 +16,10 @@ time into their sequence before the step's batch, which then carries the text af
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 
 import llama_cpp
-import numpy as np
 
 from backend_local.config import EngineConfig
 from backend_local.context_thread import ContextThread
@@ -30,9 +29,10 @@ from backend_local.kv_disk_tier import DiskTier
 from backend_local.lora import AdapterCache
 from backend_local.lora_groups import LoraGroups
 from backend_local.model import LlamaModel
+from backend_local.outputs import sample, score_prompt
 from backend_local.prefix_blocks import BLOCK_SIZE, BlockLedger, block_hashes
 from backend_local.requests import Request, RequestOutput
-from backend_local.sampling import build_sampler, logit_bias_arrays, token_logprob
+from backend_local.sampling import build_sampler, logit_bias_arrays
 from backend_local.slots import Placement, Slot, place
 from backend_local.stats import EngineStats
 from backend_local.text_stream import TextStream
@@ -338,94 +338,23 @@ class Worker(ContextThread[Request]):
                     self._sync_blocks(slot)
         self.throughput.record(n - n_gen, len(outputs))
         for slot, index, start, count in scored:
-            self._score_prompt(slot, index, start, count)
+            score_prompt(self.ctx, self.model.n_vocab, slot, index, start, count)
         for slot, index in outputs:
             self._sample(slot, index)
 
     def _prefill_images(self, slot: Slot) -> None:
-        """Prefill the images that come next in the slot's prompt, each into its
-        sequence by itself; a failure ends its request (its cells are dropped)."""
-        request = slot.request
-        for (start, end, _), image in zip(request.spans, request.images, strict=True):
-            if start != len(slot.cached):
-                continue
-            try:
-                chunk = self.vision.image_chunk(image, end - start, self.config.n_batch)
-            except BadRequestError as exc:
-                self._fail(slot, exc)
-                return
-            try:
-                rc = self.vision.prefill(self.ctx, chunk, start, slot.seq_id, self.config.n_batch)
-            finally:
-                self.vision.free_chunk(chunk)
-            if rc != 0:
-                self._fail(slot, DecodeError(f"libmtmd failed with status {rc} on an image"))
-                return
-            slot.cached.extend(request.prompt[start:end])
-            self.throughput.record(end - start, 0)
-            if request.progress is not None:
-                request.progress.advance(len(slot.cached), slot.reused)
-
-    def _logits(self, index: int) -> np.ndarray:
-        """The logits row of batch entry `index`: a view of llama.cpp's buffer, valid until
-        the next decode."""
-        logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
-        return np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))
-
-    def _score_prompt(self, slot: Slot, index: int, start: int, count: int) -> None:
-        """Add the prompt logprobs of the slot's chunk just decoded: `count` rows from batch
-        entry `index`, for prompt positions from `start`. The row of position p scores token
-        p + 1; the last position's row scores nothing: it gives the first output token."""
-        prompt, top_n = slot.request.prompt, slot.request.params.prompt_logprobs
-        for i in range(min(count, len(prompt) - 1 - start)):
-            row = self._logits(index + i)  # read only: no copy
-            slot.prompt_logprobs.append(token_logprob(row, prompt[start + i + 1], top_n))
+        """The images next in the slot's prompt prefilled (Vision.prefill_next); a
+        failure ends its request (its cells are dropped)."""
+        try:
+            self.vision.prefill_next(self.ctx, slot, self.config.n_batch, self.throughput)
+        except (BadRequestError, DecodeError) as exc:
+            self._fail(slot, exc)
 
     def _sample(self, slot: Slot, index: int) -> None:
-        request = slot.request
-        params = request.params
-        row = self._logits(index)
-        # the model's own distribution, before what follows changes the row in place
-        raw = row.copy() if params.logprobs is not None else row
-        if slot.logit_bias is not None:  # the chain and the argmax both read the row
-            row[slot.logit_bias[0]] += slot.logit_bias[1]
-        if params.ignore_eos or len(slot.output_ids) < params.min_tokens:
-            row[self.model.eog_ids] = -math.inf
-        if slot.grammar is not None:  # the chain samples from what the grammar allows
-            self.grammar_mask.apply(row, slot.grammar)
-        if slot.sampler is None:  # plain greedy
-            token = int(row.argmax())
-        else:
-            token = llama_cpp.llama_sampler_sample(slot.sampler, self.ctx, index)
-        if slot.grammar is not None:
-            accepted = slot.grammar.consume_token(token)
-            assert accepted, slot.grammar.get_error()  # the mask allowed only such tokens
-        slot.output_ids.append(token)
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = [token_logprob(raw, token, params.logprobs)]
-        finish = stop = None
-        if self.model.is_eog(token) or token in params.stop_token_ids:
-            finish, text = "stop", slot.stream.flush()
-        else:
-            text, stop = slot.stream.add(self.model.piece(token, not params.skip_special_tokens))
-            if stop is not None:
-                finish = "stop"
-            elif len(slot.output_ids) >= params.max_tokens:
-                finish, text = "length", text + slot.stream.flush()
-        output = RequestOutput(
-            request.request_id,
-            [token],
-            text,
-            finish,
-            logprobs=logprobs,
-            prompt_logprobs=slot.prompt_logprobs,
-            stop_sequence=stop,
-        )
-        slot.prompt_logprobs = None  # the first output carries them
-        if finish is None:
-            slot.next_token = token
-            request.emit(output)
+        output = sample(self.ctx, self.model, self.grammar_mask, slot, index)
+        if output.finish_reason is None:
+            slot.next_token = output.token_ids[0]
+            slot.request.emit(output)
         else:
             self._release(slot, output)
 
