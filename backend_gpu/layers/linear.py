@@ -162,7 +162,11 @@ class QuantizedLinear(nn.Module):
         if self.w8a8:
             return fp8.w8a8_linear(x, self.weight, self.weight_scale, self.bias)
         # 8-bit values are exact in any float dtype; the row scale applies per output column
-        out = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+        weight, scale = self.weight, self.weight_scale
+        if weight.dtype == fp8.FP8 and x.device.type == "cpu":
+            # widened times a power of two, which the scale takes back: the same products
+            weight, scale = fp8.widen_scaled(weight), scale * (1 / fp8.WIDEN_SCALE)
+        out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
     split = PackedLinear.split

@@ -28,6 +28,23 @@ PROMPTS = [[5, 9, 30, 41, 7], [100, 3, 77], [12] * 20, [250, 251, 252, 253, 254,
 WEIGHT_TOLERANCE = {"fp8": 2**-4, "int8": 0.5 / 127}
 
 
+def test_the_cpus_fp8_widening_gives_torchs_values_and_products():
+    """fp8.widen_scaled (the CPU's vectorized widening, the quantizer's and a weight-only
+    layer's) gives every finite E4M3 code torch's own value, and a layer the products of
+    torch's widening bit for bit, in both float dtypes the CPU serves."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    want = codes.to(torch.float32)
+    finite = ~want.isnan()
+    assert int(finite.sum()) == 254
+    assert torch.equal(fp8.widened(codes)[finite], want[finite])
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = QuantizedLinear.of(nn.Linear(64, 96).to(dtype), "fp8")
+        x = torch.randn(5, 64, dtype=dtype)
+        plain = nn.functional.linear(x, layer.weight.to(dtype)) * layer.weight_scale.to(dtype)
+        assert torch.equal(layer(x), plain + layer.bias)
+
+
 @pytest.mark.parametrize("method", ["fp8", "int8"])
 def test_per_channel_weights_within_tolerance(method):
     torch.manual_seed(0)
