@@ -128,7 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
     path = model_path(args.model)
     spec = {"method": "eagle3", "model": args.eagle3} if args.eagle3 else {"method": "ngram"}
     spec["num_speculative_tokens"] = args.k
-    engines = {"plain": LLM(path), spec["method"]: LLM(path, speculative_config=spec)}
+    # a short context and a set cache: the free memory of a shared machine varies
+    opts = {"max_model_len": 1024, "kv_cache_memory_bytes": 96 << 20}
+    engines = {
+        "plain": LLM(path, **opts),
+        spec["method"]: LLM(path, **opts, speculative_config=spec),
+    }
     prompts = prompt_ids(engines["plain"].tokenizer, "chat")[: args.prompts]
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for llm in engines.values():
