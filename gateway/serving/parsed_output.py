@@ -104,6 +104,9 @@ class ChoiceOutput:
         self.at_once = whole and (self.parser is None or self.spans)
         self.chunks: list[GenChunk] = []
         self.passed = Piece()  # an upstream's own parse, as it came
+        # no parser and no tools: a chunk's text is its content as it is (a stream may
+        # pass such a chunk on without feeding it here; its finish still comes here)
+        self.plain = self.parser is None and plan.mode == "none"
 
     def feed(self, chunk: GenChunk) -> Piece:
         piece = self._text(chunk)
