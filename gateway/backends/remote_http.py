@@ -201,6 +201,17 @@ class UpstreamClient:
         log.warning("%s: %s %s: %r", self.label, url, what, e)
         return BackendError(f"{self.label} {what} ({type(e).__name__})")
 
+    async def post_ok(self, url: str, body: Any) -> aiohttp.ClientResponse:
+        """The 200 response of POST `url` (the caller reads or closes it); any other
+        status is `raise_for`'s error, its response closed."""
+        resp = await self.request("POST", url, body)
+        if resp.status != 200:
+            try:
+                await self.raise_for(resp)
+            finally:
+                resp.close()
+        return resp
+
     async def raise_for(self, resp: aiohttp.ClientResponse, relay: bool = False) -> NoReturn:
         """The engine error for a non-2xx answer: 400s are the client's, told by status
         alone (a context error is rebuilt with its numbers), or with `relay` (a kvgate

@@ -111,12 +111,7 @@ async def open_completion(
         takes_ids = False
     as_ids = takes_ids is not False or prompt_text is None
     prompt = req.prompt_token_ids if as_ids else prompt_text(req.prompt_token_ids)
-    resp = await client.request("POST", url, completion_body(req, model, prompt))
-    if resp.status != 200:
-        try:
-            await client.raise_for(resp)
-        finally:
-            resp.close()
+    resp = await client.post_ok(url, completion_body(req, model, prompt))
     return resp, as_ids
 
 
@@ -130,13 +125,7 @@ async def open_text_completion(
     url = client.endpoint.base + "/completions"
     if not isinstance(prompt, str):
         body, url = chat_body(body, prompt, kwargs), client.endpoint.base + "/chat/completions"
-    resp = await client.request("POST", url, body)
-    if resp.status != 200:
-        try:
-            await client.raise_for(resp)
-        finally:
-            resp.close()
-    return resp
+    return await client.post_ok(url, body)
 
 
 async def completion_chunks(

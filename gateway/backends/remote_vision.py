@@ -68,13 +68,7 @@ async def open_image_chat(
     messages, kwargs = carried(req.prompt_token_ids)
     body = chat_body(completion_body(req, model, ""), messages, kwargs)  # type: ignore[arg-type]
     data = await asyncio.to_thread(_with_images, body, req.images)  # megabytes of base64
-    resp = await client.request("POST", client.endpoint.base + "/chat/completions", data)
-    if resp.status != 200:
-        try:
-            await client.raise_for(resp)
-        finally:
-            resp.close()
-    return resp
+    return await client.post_ok(client.endpoint.base + "/chat/completions", data)
 
 
 def _with_images(body: dict[str, Any], images: list[ImageInput]) -> bytes:
