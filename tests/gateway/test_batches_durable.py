@@ -5,6 +5,7 @@ usage row committed twice (a line run again after a crash) is one row."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import signal
@@ -259,3 +260,17 @@ async def test_one_gateway_runs_a_batch_until_its_lease_lapses(db) -> None:
     assert not await store.claim(db, batch.id, "gw-b", 149.0, 30.0)
     assert await store.claim(db, batch.id, "gw-b", 151.0, 30.0)  # gw-a's lease lapsed
     assert not await store.claim(db, batch.id, "gw-a", 152.0, 30.0)
+
+
+async def test_a_line_that_leaves_the_running_set_during_the_read_is_not_started_again(db):
+    """The runner reads the pending lines while a running line's task writes its answer
+    and leaves the running set: the line, still pending when the read began, is not
+    handed out again (it was: a line run twice, billed once)."""
+    tenant = await TenantService(db).create_tenant("acme", {}, "test")
+    lines = [InputLine(c, "/v1/completions", {}) for c in ("a", "b", "c")]
+    batch = await store.create(db, tenant["id"], "key_1", "/v1/completions", "f", "24h", {}, lines)
+    running = {0}
+    read = asyncio.create_task(store.pending(db, batch.id, running, 2))
+    await asyncio.sleep(0)  # the read has begun: it waits on the database
+    running.discard(0)  # line 0's task ended while the read was under way
+    assert [line.custom_id for line in await read] == ["b", "c"]
