@@ -1,13 +1,26 @@
-"""Prometheus metrics, named after vLLM's where the meaning is the same."""
+"""Prometheus metrics, named after vLLM's where the meaning is the same.
+
+Every finished request counts itself in about ten series. prometheus_client's own
+`inc` and `observe` take a lock and check their labels on every call (1.1 and 2.8 us,
+docs/PERF.md, issue 53); the series a request counts in are `LoopCounter` and
+`LoopHistogram`: prometheus_client's metrics (the same names, labels, samples and
+exposition) whose children count in plain floats, for they are only counted on the
+event loop's thread.
+"""
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from gateway.backends import BackendStats
 
@@ -56,67 +69,131 @@ _TPOT_UNDER_1S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0
 _TPOT_BUCKETS = (*_TPOT_UNDER_1S, 1.0, 2.5)
 
 
+class LoopCounter(Counter):
+    """A Counter whose children count in a plain float: counted on the event loop only
+    (no lock), read at scrape time. Its samples are Counter's (`_total`, `_created`)."""
+
+    def _metric_init(self) -> None:
+        self._total = 0.0
+        self._created = time.time()
+
+    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
+        if amount < 0 or exemplar is not None:
+            raise ValueError("a LoopCounter counts non-negative amounts, without exemplars")
+        try:
+            self._total += amount
+        except AttributeError:
+            self._raise_if_not_observable()  # the parent of labelled children: Counter's error
+            raise
+
+    def _child_samples(self) -> Iterable[Sample]:
+        total = Sample("_total", {}, self._total, None, None)
+        if not _created_series():
+            return (total,)
+        return (total, Sample("_created", {}, self._created, None, None))
+
+
+class LoopHistogram(Histogram):
+    """A Histogram whose children count in a list of ints and a float sum: observed on
+    the event loop only (no lock), read at scrape time. Its samples are Histogram's
+    (cumulative `_bucket`s, `_count`, `_sum`, `_created`)."""
+
+    def _metric_init(self) -> None:
+        self._counts = [0] * len(self._upper_bounds)
+        self._total = 0.0
+        self._created = time.time()
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        if exemplar is not None:
+            raise ValueError("a LoopHistogram keeps no exemplars")
+        try:
+            self._total += amount
+        except AttributeError:
+            self._raise_if_not_observable()  # the parent of labelled children
+            raise
+        # the first bucket whose upper bound is at least the amount, as Histogram's
+        self._counts[bisect.bisect_left(self._upper_bounds, amount)] += 1
+
+    def _child_samples(self) -> Iterable[Sample]:
+        samples, acc = [], 0.0
+        for bound, count in zip(self._upper_bounds, self._counts, strict=True):
+            acc += count
+            samples.append(Sample("_bucket", {"le": floatToGoString(bound)}, acc, None, None))
+        samples.append(Sample("_count", {}, acc, None, None))
+        if self._upper_bounds[0] >= 0:
+            samples.append(Sample("_sum", {}, self._total, None, None))
+        if _created_series():
+            samples.append(Sample("_created", {}, self._created, None, None))
+        return tuple(samples)
+
+
+def _created_series() -> bool:
+    """Whether prometheus_client writes `_created` samples (its
+    PROMETHEUS_DISABLE_CREATED_SERIES, or disable_created_metrics(), turn them off)."""
+    return getattr(prometheus_metrics, "_use_created", True)
+
+
 class Metrics:
     def __init__(self, backend_stats: Callable[[], Iterable[BackendStats]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "kvgate:requests", "Finished requests", ["tenant", "model", "status"], registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "kvgate:time_to_first_token_seconds",
             "Time to first token",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.tpot = Histogram(
+        self.tpot = LoopHistogram(
             "kvgate:time_per_output_token_seconds",
             "Time per output token after the first",
             ["model"],
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
-        self.e2e = Histogram(
+        self.e2e = LoopHistogram(
             "kvgate:e2e_request_latency_seconds",
             "End-to-end request latency",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = LoopCounter(
             "kvgate:prompt_tokens", "Prompt tokens processed", ["tenant", "model"], registry=r
         )
-        self.generation_tokens = Counter(
+        self.generation_tokens = LoopCounter(
             "kvgate:generation_tokens", "Tokens generated", ["tenant", "model"], registry=r
         )
-        self.image_tokens = Counter(
+        self.image_tokens = LoopCounter(
             "kvgate:image_tokens",
             "Of the prompt tokens, images' placeholder tokens (as the engine counted them)",
             ["tenant", "model"],
             registry=r,
         )
         # vLLM's prefix_cache_queries/hits, per tenant; a hit token is a prefill token saved
-        self.prefix_queries = Counter(
+        self.prefix_queries = LoopCounter(
             "kvgate:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
             ["tenant", "model"],
             registry=r,
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = LoopCounter(
             "kvgate:prefix_cache_hits",
             "Prompt tokens served from the prefix cache (not computed)",
             ["tenant", "model"],
             registry=r,
         )
-        self.spend = Counter(
+        self.spend = LoopCounter(
             "kvgate:spend_usd",
             "What requests cost at their model's price (US dollars), once their usage row is "
             "committed",
             ["tenant", "model"],
             registry=r,
         )
-        self.quota_rejections = Counter(
+        self.quota_rejections = LoopCounter(
             "kvgate:quota_rejections", "Requests refused with 429", ["tenant", "limit"], registry=r
         )
         self.prefill_jobs = Counter(
