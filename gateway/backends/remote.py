@@ -11,23 +11,8 @@ server, llama.cpp's llama-server, vLLM, SGLang).
 The URL alone is enough: what the upstream does not tell is discovered at start
 (remote_discovery.py: its model id, context length and tokenizer endpoint) and logged;
 where it tells nothing, prompts go as text and quotas are reserved from a bound
-(remote_text.py). Options, each winning over what is discovered: api_key (a worker's
-token, or a third-party server's key), upstream_model (default: `model` if the upstream
-serves it, else the one model it serves), context_length (else the upstream's, else
-assumed), tokenizer (an HF tokenizer directory or a GGUF file: exact quotas for an
-upstream that cannot render chats into token ids for the gateway), connect_timeout_s
-(5), read_timeout_s (60, between bytes), first_token_timeout_s (120: from sending a
-request to its first output), request_timeout_s (1800: a whole request),
-max_response_bytes (64 MiB: a stream or an answer), health_interval_s (2),
-start_timeout_s (30: how long `start` waits for the upstream to tell what it is, or
-with context_length set for its first health check; one that does not answer is down
-until it does), max_in_flight (requests let through at once, plus under VTC one spare
-for a tenant with nothing in flight; the rest wait in the gateway's fair queue: for an
-upstream that serves in arrival order), task ("embed": an embedding model, served at
-/v1/embeddings through remote_embed.py; a kvgate worker's /v1/models says it), role
-(prefill, decode or both: a kvgate worker's part in prefill and decode on different
-workers, gateway/serving/prefill_apart.py; default: what the worker says, else both),
-vision and image_tokens (a third-party upstream's model takes images: remote_vision.py).
+(remote_text.py). The options, each winning over what is discovered, and their
+defaults are remote_options.py's.
 `kvgate worker` (gateway/worker/) serves the other side of this HTTP contract.
 
 A worker renders, generates and reports its prefix cache natively (engine_api records
@@ -56,7 +41,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine_api.block_hash import adapter_root, hash_blocks, image_key_spans
 from engine_api.errors import BackendError, BadRequestError
 from engine_api.images import ImageInput
 from engine_api.records import (
@@ -85,7 +69,12 @@ from gateway.backends.kv_transfer import BOTH
 from gateway.backends.remote_discovery import ASSUMED_CONTEXT_LENGTH, LLAMA_SERVER, VLLM
 from gateway.backends.remote_embed import embed_upstream, task_option
 from gateway.backends.remote_health import Monitor
-from gateway.backends.remote_http import Endpoint, UpstreamClient, UpstreamUnreachable
+from gateway.backends.remote_http import (
+    Endpoint,
+    UpstreamClient,
+    UpstreamUnreachable,
+    within_deadlines,
+)
 from gateway.backends.remote_openai import (
     completion_chunks,
     open_completion,
@@ -96,12 +85,13 @@ from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.backends.remote_sent import SentBlocks
 from gateway.backends.remote_text import IMAGES_MARK, carried_prompt, marked, text_bound
 from gateway.backends.remote_tokenize import count as count_upstream
+from gateway.backends.remote_tokenize import detokenize as upstream_detokenize
 from gateway.backends.remote_tokenize import tokenize as upstream_tokenize
 from gateway.backends.remote_tokenizer import RemoteTokenizer, load_tokenizer
 from gateway.backends.remote_vision import image_chat, open_image_chat
 from gateway.backends.remote_worker import check_adapter as worker_check_adapter
 from gateway.backends.remote_worker import remove_adapter as worker_remove_adapter
-from gateway.backends.remote_worker import worker_stream
+from gateway.backends.remote_worker import worker_block_hashes, worker_stream
 from gateway.backends.spec import BackendSpec
 
 log = logging.getLogger("kvgate.remote")
@@ -351,26 +341,18 @@ class RemoteBackend:
                     f"the upstream of model {model!r} does not detokenize for the gateway"
                 )
             return text
-        body: dict[str, Any] = {"model": self.upstream_model, "tokens": token_ids}
-        if skip_special_tokens:  # vLLM's /detokenize has no such field: it would keep them
-            if not self._is_worker:
-                raise BadRequestError(
-                    f"the upstream of model {model!r} cannot skip special tokens: its "
-                    "/detokenize keeps them (the entry's options.tokenizer would skip them)"
-                )
-            body["skip_special_tokens"] = True
+        if skip_special_tokens and not self._is_worker:  # vLLM's /detokenize keeps them
+            raise BadRequestError(
+                f"the upstream of model {model!r} cannot skip special tokens: its "
+                "/detokenize keeps them (the entry's options.tokenizer would skip them)"
+            )
         try:
-            url = self.client.endpoint.root + "/detokenize"
-            data = await self.client.json("POST", url, body, relay=self._is_worker)
+            return await upstream_detokenize(
+                self.client, self.upstream_model, token_ids, skip_special_tokens, self._is_worker
+            )
         except BackendError as e:
             self._failed(e)
             raise
-        # vLLM's and a worker's answer say `prompt`, llama-server's `content` (either may
-        # be "": the text of a BOS alone)
-        text = data.get("prompt", data.get("content")) if isinstance(data, dict) else None
-        if not isinstance(text, str):
-            raise BackendError(f"{self.label} sent an invalid /detokenize answer")
-        return text
 
     async def check_structured(self, model: str, structured: StructuredOutput) -> None:
         """A worker's engine compiles the constraint when the request comes (a schema
@@ -400,7 +382,10 @@ class RemoteBackend:
                 stream = worker_stream(self.client, upstream_req, progress)
             else:
                 stream = self._completions(upstream_req, progress)
-            timed = self._in_time(stream)
+            opts = self.opts
+            timed = within_deadlines(
+                stream, self.label, opts.first_token_timeout_s, opts.request_timeout_s
+            )
             async with contextlib.aclosing(timed):
                 async for chunk in timed:
                     self.monitor.progress()
@@ -440,28 +425,6 @@ class RemoteBackend:
             raise
         finally:
             self._inflight -= 1
-
-    async def _in_time(self, stream: AsyncIterator[GenChunk]) -> AsyncIterator[GenChunk]:
-        """`stream` within first_token_timeout_s to its first chunk and request_timeout_s
-        in all (the read timeout alone is defeated by a byte now and then)."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        end = start + self.opts.request_timeout_s
-        deadline = min(end, start + self.opts.first_token_timeout_s)
-        async with contextlib.aclosing(stream):
-            while True:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        chunk = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    what, limit = ("in all", self.opts.request_timeout_s)
-                    if deadline < end:
-                        what, limit = ("to its first output", self.opts.first_token_timeout_s)
-                    raise BackendError(f"{self.label} timed out ({limit:g} s {what})") from None
-                deadline = end
-                yield chunk
 
     async def count_prompt(self, model: str, token_ids: list[int]) -> int | None:
         check_model(model, self.model_id)
@@ -539,19 +502,11 @@ class RemoteBackend:
         worker = info.worker if info else None
         if info is not None and worker is None:
             return [] if adapter else self.sent.hashes(token_ids, cache_salt, shared_prefix_len)
-        if worker is None or not worker.prefix_events or not worker.block_size:
+        if worker is None:
             return []
-        keys = None
-        if images and worker.image_token_id is not None:
-            try:
-                digests = [im.digest for im in images]
-                keys = image_key_spans(token_ids, worker.image_token_id, digests)
-            except BadRequestError:  # placeholders that do not pair: the worker refuses it
-                return []
-        root = adapter_root(adapter)
-        size = worker.block_size
-        hashes = hash_blocks(token_ids, size, cache_salt, shared_prefix_len, root, extra_keys=keys)
-        return [h.hex() for h in hashes]
+        return worker_block_hashes(
+            worker, token_ids, cache_salt, shared_prefix_len, adapter, images
+        )
 
     def kv_events(self) -> list[KVEvent]:
         return self.monitor.events.take() + self.sent.take()

@@ -323,3 +323,28 @@ def stream_error(obj: dict[str, Any], label: str) -> BackendError | None:
         return None
     log.warning("%s: error in a stream: %r", label, str(error)[:2000])
     return BackendError(f"{label} failed mid-stream")
+
+
+async def within_deadlines(
+    stream: AsyncIterator[Any], label: str, first_token_timeout_s: float, request_timeout_s: float
+) -> AsyncIterator[Any]:
+    """`stream` within first_token_timeout_s to its first item and request_timeout_s in
+    all (the read timeout alone is defeated by a byte now and then)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    end = start + request_timeout_s
+    deadline = min(end, start + first_token_timeout_s)
+    async with contextlib.aclosing(stream):
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                what, limit = ("in all", request_timeout_s)
+                if deadline < end:
+                    what, limit = ("to its first output", first_token_timeout_s)
+                raise BackendError(f"{label} timed out ({limit:g} s {what})") from None
+            deadline = end
+            yield item

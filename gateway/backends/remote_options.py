@@ -18,7 +18,18 @@ from gateway.backends.spec import BackendSpec
 
 @dataclass(frozen=True)
 class RemoteOptions:
-    """One replica's options (`urls` already split into one `url` each)."""
+    """One replica's options (`urls` already split into one `url` each), each winning
+    over what the upstream tells at start: api_key (a worker's token, or a third-party
+    server's key), upstream_model (default: the entry's `model` if the upstream serves
+    it, else the one model it serves), context_length (else the upstream's, else
+    assumed), tokenizer (an HF tokenizer directory or a GGUF file: exact quotas for an
+    upstream that cannot render chats into token ids for the gateway), read_timeout_s
+    (between bytes), first_token_timeout_s (from sending a request to its first output),
+    request_timeout_s (a whole request), max_response_bytes (a stream or an answer),
+    start_timeout_s (how long `start` waits for the upstream to tell what it is, or with
+    context_length set for its first health check; one that does not answer is down
+    until it does), max_in_flight (plus, under VTC, one spare for a tenant with nothing
+    in flight)."""
 
     url: str
     api_key: str | None = None

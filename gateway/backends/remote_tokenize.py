@@ -111,3 +111,24 @@ async def count(
         n = len(tokens)
     ok = isinstance(n, int) and not isinstance(n, bool)
     return max(n - overhead, 0) if ok else None
+
+
+async def detokenize(
+    client: UpstreamClient,
+    model: str,
+    token_ids: list[int],
+    skip_special_tokens: bool,
+    is_worker: bool,
+) -> str:
+    """The upstream's /detokenize (vLLM's shape, which a worker serves; only a worker
+    takes skip_special_tokens)."""
+    body: dict[str, Any] = {"model": model, "tokens": token_ids}
+    if skip_special_tokens:
+        body["skip_special_tokens"] = True
+    data = await client.json("POST", client.endpoint.root + "/detokenize", body, relay=is_worker)
+    # vLLM's and a worker's answer say `prompt`, llama-server's `content` (either may
+    # be "": the text of a BOS alone)
+    text = data.get("prompt", data.get("content")) if isinstance(data, dict) else None
+    if not isinstance(text, str):
+        raise BackendError(f"{client.label} sent an invalid /detokenize answer")
+    return text

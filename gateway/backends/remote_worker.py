@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from engine_api.errors import BackendError
+from engine_api.block_hash import adapter_root, hash_blocks, image_key_spans
+from engine_api.errors import BackendError, BadRequestError
+from engine_api.images import ImageInput
 from engine_api.records import (
     KV_MEDIA,
     AdapterRef,
@@ -203,3 +205,29 @@ class WorkerEvents:
                 self.held.discard((e.medium, e.block_hash))
             self._pending.append(dataclasses.replace(e, replica=self.replica))
         self.epoch, self.seq = r["epoch"], r["seq"]
+
+
+def worker_block_hashes(
+    worker: WorkerInfo,
+    token_ids: list[int],
+    cache_salt: str | None,
+    shared_prefix_len: int,
+    adapter: AdapterRef | None,
+    images: list[ImageInput] | None,
+) -> list[str]:
+    """As the worker's engine keys its cache: under the adapter's chain root, an image's
+    placeholder blocks keyed by its digest; none where it sends no prefix events."""
+    if not worker.prefix_events or not worker.block_size:
+        return []
+    keys = None
+    if images and worker.image_token_id is not None:
+        try:
+            digests = [im.digest for im in images]
+            keys = image_key_spans(token_ids, worker.image_token_id, digests)
+        except BadRequestError:  # placeholders that do not pair: the worker refuses it
+            return []
+    root = adapter_root(adapter)
+    hashes = hash_blocks(
+        token_ids, worker.block_size, cache_salt, shared_prefix_len, root, extra_keys=keys
+    )
+    return [h.hex() for h in hashes]
