@@ -19,6 +19,7 @@ from gateway.http.traced import traced_requests
 from gateway.http.util import SETTINGS, json_response
 from gateway.lifecycle import start_gateway, stop_gateway
 from gateway.observe.tracing import Tracing, trace_export
+from gateway.ondemand.shown import shown_stats
 from gateway.routes import adapters as adapter_api
 from gateway.routes import admin as admin_api
 from gateway.routes import audit as audit_api
@@ -59,8 +60,10 @@ async def ready(request: web.Request) -> web.Response:
     """Readiness: 503 while no backend can serve, and from the first moment of a drain
     (a load balancer stops sending here while the requests in flight finish)."""
     gw = request.app[GW]
-    states = {b.name: b.stats().healthy and b.name not in gw.router.broken for b in gw.backends}
-    # a models directory serves, its models loaded on their first request
+    # a models directory's model not loaded is available (loaded by its first request)
+    states = {
+        b.name: shown_stats(gw, b).healthy and b.name not in gw.router.broken for b in gw.backends
+    }
     serves = any(states.values()) or gw.models_dir is not None
     ok = serves and not gw.drain.draining
     body = {"ready": ok, "draining": gw.drain.draining, "backends": states}

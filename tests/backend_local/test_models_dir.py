@@ -118,7 +118,7 @@ def test_a_load_runs_beside_the_event_loop(client, gateway):
 def test_a_model_not_loaded_reads_as_available_not_failed(client, gateway):
     """A directory's model not loaded is healthy with loaded false in /admin/backends,
     kvgate:backend_healthy 1 and kvgate:backend_loaded 0 in /metrics; once loaded, 1 and
-    1; /health lists it as down neither way."""
+    1; /health lists it as down neither way, /ready's map as up."""
     client.generate("smollm2-b", "", keep_alive=0)  # unloaded, whatever came before
     headers = gateway.admin_headers
 
@@ -130,6 +130,8 @@ def test_a_model_not_loaded_reads_as_available_not_failed(client, gateway):
 
     row, metrics = seen()
     assert row["healthy"] and not row["loaded"] and row["error"] is None
+    ready = httpx.get(f"{gateway.url}/ready").json()
+    assert ready["ready"] and ready["backends"]["dir-smollm2-b"] is True
     assert 'kvgate:backend_healthy{backend="dir-smollm2-b"} 1.0' in metrics
     assert 'kvgate:backend_loaded{backend="dir-smollm2-b"} 0.0' in metrics
     client.generate("smollm2-b", "Hi", raw=True, options=SHORT, keep_alive=-1)
