@@ -35,6 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, fields
 
 from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.pool import PoolProxiedConnection
 
 from gateway.db import Database
 from gateway.tenancy.quota.limits import Settlement
@@ -122,6 +123,8 @@ class UsageRecorder:
         self._copying: asyncio.Task[bool] | None = None  # the PASSIVE checkpoint
         self._restart_at = 0.0
         self.wal_restarts = 0
+        # SQLite: the connection the commits write through, checked out once
+        self._sqlite: PoolProxiedConnection | None = None
 
     def start(self) -> None:
         self._stopping = False
@@ -138,6 +141,7 @@ class UsageRecorder:
         await self._flush_kept()
         if self._copying is not None:
             await self._copying
+        self._release_sqlite()
 
     def submit(self, row: UsageRow) -> asyncio.Future[None]:
         """Queue `row`; the future resolves once it is committed, or fails with
@@ -344,18 +348,31 @@ class UsageRecorder:
 
     def _commit_sync(self, values: list[tuple], daily: list[dict]) -> None:
         # The plain sqlite3 cursor: SQLAlchemy's per-statement work would be most of a
-        # small batch's cost, and this thread holds the GIL the event loop needs.
-        assert self.db.sync_engine is not None
-        raw = self.db.sync_engine.raw_connection()
+        # small batch's cost, and this thread holds the GIL the event loop needs. The
+        # connection is the recorder's own, kept between commits (one commit at a time):
+        # a pool checkout and return cost 21 us a commit (docs/PERF.md, issue 53).
+        raw = self._sqlite
+        if raw is None:
+            assert self.db.sync_engine is not None
+            raw = self._sqlite = self.db.sync_engine.raw_connection()
         try:
             cur = raw.cursor()
             cur.executemany(_SQLITE_USAGE_INSERT, values)
             cur.executemany(_SQLITE_DAILY_UPSERT, daily)
             raw.commit()
         except BaseException:
-            raw.rollback()
+            # a failed commit gives its connection back: the next takes a fresh one
+            self._sqlite = None
+            try:
+                raw.rollback()
+            finally:
+                raw.close()
             raise
-        finally:
+
+    def _release_sqlite(self) -> None:
+        """The recorder's SQLite connection back to its pool (at stop)."""
+        if self._sqlite is not None:
+            raw, self._sqlite = self._sqlite, None
             raw.close()
 
     def _daily_totals(self, rows: list[UsageRow]) -> list[dict]:
