@@ -1,16 +1,19 @@
-"""Greedy reference outputs from transformers, the token-for-token comparison, and the
-teacher-forced agreement of two engines."""
+"""Greedy reference outputs from transformers, the token-for-token comparison, the
+teacher-forced agreement of two engines, and the per-architecture checks the model
+families' test modules share (a greedy checker, an engine per architecture, a sparse
+block's router seen from transformers)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from backend_gpu import LLM
 from engine_api.sampling import SamplingParams
 
 # Two tokens whose logits are this close may swap places under a different (but
@@ -90,3 +93,58 @@ def forced_agreement(llm, prompts: list, refs: list) -> float:
     params = SamplingParams(temperature=0, max_tokens=1)
     got = [o.token_ids[0] for o in llm.generate(prefixes, params)]
     return sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
+
+
+def greedy_checker(
+    model_dir: Callable[[str], str], prompts: list[list[int]], params: SamplingParams
+) -> Callable:
+    """check(llm, arch): the engine's greedy outputs over `prompts` equal transformers'
+    (its reference computed once per arch); returns the engine's outputs."""
+    refs: dict[str, list] = {}
+
+    def check(llm, arch: str) -> list:
+        if arch not in refs:
+            refs[arch] = hf_greedy(model_dir(arch), prompts, params.max_tokens)
+        outs = llm.generate(prompts, params)
+        for out, (ref_ids, ref_logits) in zip(outs, refs[arch], strict=True):
+            assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
+        return outs
+
+    return check
+
+
+def chunked_engines(model_dir: Callable[[str], str]) -> Callable:
+    """get(arch): one engine per architecture, made on first use, whose small chunks
+    prefill the prompts in pieces."""
+    made: dict[str, LLM] = {}
+
+    def get(arch: str) -> LLM:
+        if arch not in made:
+            made[arch] = LLM(model_dir(arch), max_num_batched_tokens=24)
+        return made[arch]
+
+    return get
+
+
+def hf_sparse_blocks(model_dir: str, prompt: list[int]) -> list[dict]:
+    """Per sparse layer of transformers' model over `prompt` (a layer whose mlp has a
+    `gate`): the block's input, the router's output and the block's output."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seen: list[dict] = []
+    hooks = []
+    for layer in model.model.layers:
+        block = layer.mlp
+        if not hasattr(block, "gate"):
+            continue
+        record: dict = {}
+        seen.append(record)
+        hooks.append(block.register_forward_pre_hook(lambda m, a, r=record: r.update(x=a[0])))
+        hooks.append(block.register_forward_hook(lambda m, a, out, r=record: r.update(out=out)))
+        hooks.append(
+            block.gate.register_forward_hook(lambda m, a, out, r=record: r.update(gate=out))
+        )
+    with torch.inference_mode():
+        model(torch.tensor([prompt]))
+    for hook in hooks:
+        hook.remove()
+    return seen

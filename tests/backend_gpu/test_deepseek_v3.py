@@ -16,13 +16,19 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.layers.linear import QuantizedLinear
 from backend_gpu.memory import kv_shape_of
 from backend_gpu.models.deepseek_v3 import DeepseekV3ForCausalLM, LatentProjection
-from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
+from tests.backend_gpu.reference import (
+    assert_greedy_matches,
+    chunked_engines,
+    forced_agreement,
+    greedy_checker,
+    hf_sparse_blocks,
+)
 from tests.backend_gpu.test_correctness import mixed_prompts
 from tests.backend_gpu.test_quantization import weights_of
 from tests.backend_gpu.test_tensor_parallel import reference
@@ -43,29 +49,12 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def check(tiny_model_dir):
     """check(llm, arch): greedy outputs equal transformers' (computed once per arch)."""
-    refs: dict[str, list] = {}
-
-    def run(llm: LLM, arch: str) -> list:
-        if arch not in refs:
-            refs[arch] = hf_greedy(tiny_model_dir(arch), prompts(), MAX_NEW)
-        outs = llm.generate(prompts(), GREEDY)
-        for out, (ref_ids, ref_logits) in zip(outs, refs[arch], strict=True):
-            assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
-        return outs
-
-    return run
+    return greedy_checker(tiny_model_dir, prompts(), GREEDY)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    made: dict[str, LLM] = {}
-
-    def get(arch: str) -> LLM:
-        if arch not in made:  # small chunks: prompts are prefilled in pieces
-            made[arch] = LLM(tiny_model_dir(arch), max_num_batched_tokens=24)
-        return made[arch]
-
-    return get
+    return chunked_engines(tiny_model_dir)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -111,34 +100,10 @@ def test_the_cache_holds_one_latent_row_per_token_and_layer(engines):
     assert per_token / (LAYERS * 4 * (32 + 24) * 4) == pytest.approx(48 / 224)
 
 
-def hf_router_blocks(model_dir: str, prompt: list[int]) -> list[dict]:
-    """Per sparse layer of transformers' model over `prompt`: the block's input and
-    output and its router's (logits, weights, experts)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seen: list[dict] = []
-    hooks = []
-    for layer in model.model.layers:
-        block = layer.mlp
-        if not hasattr(block, "gate"):
-            continue
-        record: dict = {}
-        seen.append(record)
-        hooks.append(block.register_forward_pre_hook(lambda m, a, r=record: r.update(x=a[0])))
-        hooks.append(block.register_forward_hook(lambda m, a, out, r=record: r.update(out=out)))
-        hooks.append(
-            block.gate.register_forward_hook(lambda m, a, out, r=record: r.update(gate=out))
-        )
-    with torch.inference_mode():
-        model(torch.tensor([prompt]))
-    for hook in hooks:
-        hook.remove()
-    return seen
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_router_picks_transformers_experts(tiny_model_dir, engines, arch):
     prompt = mixed_prompts()[4]
-    hf = hf_router_blocks(tiny_model_dir(arch), prompt)
+    hf = hf_sparse_blocks(tiny_model_dir(arch), prompt)
     ours = [layer.mlp for layer in engines(arch).engine.runner.model.model.layers]
     ours = [block for block in ours if hasattr(block, "experts")]
     assert len(ours) == len(hf) == (2 if arch == "deepseek_v3" else 3)  # first dense or not

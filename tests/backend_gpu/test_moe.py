@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.distributed import ParallelGroup
@@ -25,11 +24,17 @@ from gateway.backends.gpu import ENGINE_OPTIONS
 from gateway.cli.main import build_parser
 from gateway.config import load_settings
 from gateway.worker import cli as worker_cli
-from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
+from tests.backend_gpu.reference import (
+    chunked_engines,
+    forced_agreement,
+    greedy_checker,
+    hf_sparse_blocks,
+)
 from tests.backend_gpu.test_correctness import mixed_prompts
 
 ARCHS = ["mixtral", "qwen3_moe"]
 MAX_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def prompts() -> list[list[int]]:
@@ -40,30 +45,12 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def check(tiny_model_dir):
     """check(llm, arch): greedy outputs equal transformers' (computed once per arch)."""
-    refs: dict[str, list] = {}
-
-    def run(llm: LLM, arch: str) -> list:
-        if arch not in refs:
-            refs[arch] = hf_greedy(tiny_model_dir(arch), prompts(), MAX_NEW)
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-        outs = llm.generate(prompts(), params)
-        for out, (ref_ids, ref_logits) in zip(outs, refs[arch], strict=True):
-            assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
-        return outs
-
-    return run
+    return greedy_checker(tiny_model_dir, prompts(), GREEDY)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    made: dict[str, LLM] = {}
-
-    def get(arch: str) -> LLM:
-        if arch not in made:  # small chunks: prompts are prefilled in pieces
-            made[arch] = LLM(tiny_model_dir(arch), max_num_batched_tokens=24)
-        return made[arch]
-
-    return get
+    return chunked_engines(tiny_model_dir)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -72,30 +59,6 @@ def test_greedy_matches_transformers(engines, check, arch):
     check(llm, arch)
     outs = check(llm, arch)  # again: the prompts' full blocks are cached
     assert llm.stats().prefix_hits > 0 and outs[-1].num_cached_tokens >= 32
-
-
-def hf_sparse_blocks(model_dir: str, prompt: list[int]) -> list[dict]:
-    """Per sparse layer of transformers' model over `prompt`: the block's input, the
-    router's (logits, weights, experts) and the block's output."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seen: list[dict] = []
-    hooks = []
-    for layer in model.model.layers:
-        block = layer.mlp
-        if not hasattr(block, "gate"):
-            continue
-        record: dict = {}
-        seen.append(record)
-        hooks.append(block.register_forward_pre_hook(lambda m, a, r=record: r.update(x=a[0])))
-        hooks.append(block.register_forward_hook(lambda m, a, out, r=record: r.update(out=out)))
-        hooks.append(
-            block.gate.register_forward_hook(lambda m, a, out, r=record: r.update(gate=out))
-        )
-    with torch.inference_mode():
-        model(torch.tensor([prompt]))
-    for hook in hooks:
-        hook.remove()
-    return seen
 
 
 @pytest.mark.parametrize("arch", ARCHS)

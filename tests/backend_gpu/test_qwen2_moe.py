@@ -28,43 +28,31 @@ from backend_gpu.models.llama import GatedMLP
 from backend_gpu.models.qwen2_moe import SharedExpertMoeBlock
 from backend_gpu.pp_stages import MissingLayer
 from backend_gpu.tp_shards import SKIP, ShardRead
-from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
+from tests.backend_gpu.reference import (
+    chunked_engines,
+    forced_agreement,
+    greedy_checker,
+    hf_sparse_blocks,
+)
 from tests.backend_gpu.test_correctness import mixed_prompts
-from tests.backend_gpu.test_moe import hf_sparse_blocks, prompts
+from tests.backend_gpu.test_moe import prompts
 
 ARCHS = ["qwen2_moe", "qwen2_moe_norm"]
 SPARSE = {"qwen2_moe": [0, 2], "qwen2_moe_norm": [1]}  # the other layers dense
 MAX_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
 def check(tiny_model_dir):
     """check(llm, arch): greedy outputs equal transformers' (computed once per arch)."""
-    refs: dict[str, list] = {}
-
-    def run(llm: LLM, arch: str) -> list:
-        if arch not in refs:
-            refs[arch] = hf_greedy(tiny_model_dir(arch), prompts(), MAX_NEW)
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-        outs = llm.generate(prompts(), params)
-        for out, (ref_ids, ref_logits) in zip(outs, refs[arch], strict=True):
-            assert_greedy_matches(out.token_ids, ref_ids, ref_logits)
-        return outs
-
-    return run
+    return greedy_checker(tiny_model_dir, prompts(), GREEDY)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    made: dict[str, LLM] = {}
-
-    def get(arch: str) -> LLM:
-        if arch not in made:  # small chunks: prompts are prefilled in pieces
-            made[arch] = LLM(tiny_model_dir(arch), max_num_batched_tokens=24)
-        return made[arch]
-
-    return get
+    return chunked_engines(tiny_model_dir)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
