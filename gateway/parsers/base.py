@@ -8,7 +8,7 @@ the whole text; the only text a parser holds back is what could still become a m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -23,13 +23,25 @@ class ToolCallDelta:
     arguments: str  # a fragment of the call's JSON arguments text (may be "")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ParsedDelta:
-    """What a piece of generated text turned out to be."""
+    """What a piece of generated text turned out to be. Its own `__init__`, and the hot
+    paths call it positionally: a parser makes one a token, and a dataclass's with a
+    default factory, called by keyword, costs about 1.7x as much."""
 
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str
+    content: str
+    tool_calls: list[ToolCallDelta]
+
+    def __init__(
+        self,
+        reasoning: str = "",
+        content: str = "",
+        tool_calls: list[ToolCallDelta] | None = None,
+    ) -> None:
+        self.reasoning = reasoning
+        self.content = content
+        self.tool_calls = [] if tool_calls is None else tool_calls
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)

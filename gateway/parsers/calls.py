@@ -60,7 +60,7 @@ class ToolParser(Buffered, OutputParser):
                 if c in text:
                     break
             else:  # the common case, a token of plain text: no call can begin in it
-                return ParsedDelta(content=text)
+                return ParsedDelta("", text)
         self.buf += text
         return self._flush(final=False)
 

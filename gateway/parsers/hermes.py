@@ -40,9 +40,9 @@ class HermesParser(ToolParser):
                 if not fragment:
                     return ParsedDelta()
                 delta = ToolCallDelta(self.calls - 1, None, None, fragment)
-                return ParsedDelta(tool_calls=[delta])
+                return ParsedDelta("", "", [delta])
             if state == "content" and not self.after_call:  # plain text: content
-                return ParsedDelta(content=text)
+                return ParsedDelta("", text)
             if state == "block" or (state == "head" and "{" not in text):
                 # more of a block's head (its arguments open with a `{`) or of a block
                 # read whole at its close: kept, as _head and _block would keep it
@@ -72,7 +72,7 @@ class HermesParser(ToolParser):
         # the new text has none, the block read so far is not read again
         head = HEAD.match(self.block) if "{" in text else None
         if head is not None:
-            name = json.loads(head.group(1))
+            name = _name(head.group(1))
             if self.allowed(name):
                 self.buf = self.block[head.end() :] + (marker or "") + self.buf
                 self.call(name)
@@ -119,3 +119,11 @@ class HermesParser(ToolParser):
             self.content(OPEN + self.block + (marker or ""))
         self.state, self.block = "content", ""
         return marker is not None
+
+
+def _name(quoted: str) -> str:
+    """A call's name from its JSON string: as it is written where no escape or control
+    character can be in it (json.loads, the other case, costs about 1 us)."""
+    if "\\" not in quoted and quoted.isprintable():
+        return quoted[1:-1]
+    return json.loads(quoted)

@@ -51,7 +51,7 @@ class ThinkParser(Buffered, OutputParser):
         if self.state == "reasoning" and not self.buf and "<" not in text:
             return ParsedDelta(self.trim.add(text))  # the common case: reasoning goes on
         if self.state == "content" and not self.lead:
-            return ParsedDelta(content=text)
+            return ParsedDelta("", text)
         if self.state == "reasoning" and self.holds(text, CLOSE):
             return ParsedDelta()
         self.buf += text
@@ -70,11 +70,14 @@ class ThinkParser(Buffered, OutputParser):
     def _onward(self, first: ParsedDelta, final: bool) -> ParsedDelta:
         """The content read so far handed to `then`, after the reasoning."""
         assert self.then is not None
-        if not first.content and not final:  # reasoning (or held text) only
-            return first
-        out = self.then.feed(first.content)
-        if final:
-            out.extend(self.then.finish())
+        if not first.content:  # reasoning (or held text) only
+            if not final:
+                return first
+            out = self.then.finish()  # feeding it "" first would change nothing
+        else:
+            out = self.then.feed(first.content)
+            if final:
+                out.extend(self.then.finish())
         out.reasoning = first.reasoning
         return out
 

@@ -44,7 +44,7 @@ class Passthrough(OutputParser):
     """Everything is content."""
 
     def feed(self, text: str) -> ParsedDelta:
-        return ParsedDelta(content=text)
+        return ParsedDelta("", text)
 
     def finish(self) -> ParsedDelta:
         return ParsedDelta()

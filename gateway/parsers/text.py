@@ -9,7 +9,7 @@ same: a decision is made only on text that no later text can change.
 
 from __future__ import annotations
 
-import secrets
+import os
 from collections.abc import Sequence
 
 
@@ -47,7 +47,8 @@ def is_prefix(text: str, *markers: str) -> bool:
 
 
 def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+    """A call's id: secrets.token_hex's bytes (os.urandom), without its two calls' cost."""
+    return "call_" + os.urandom(12).hex()
 
 
 class Buffered:
