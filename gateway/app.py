@@ -13,8 +13,8 @@ from gateway.backends import Backend
 from gateway.batches import BATCHES
 from gateway.batches.start import start_batches
 from gateway.config import ConfigSource, Settings
-from gateway.http.drain import DRAIN, Drain, drain_guard
-from gateway.http.middleware import openai_errors, refuse_control_characters
+from gateway.http.drain import DRAIN, Drain
+from gateway.http.middleware import gateway_requests
 from gateway.http.traced import traced_requests
 from gateway.http.util import SETTINGS, json_response
 from gateway.lifecycle import start_gateway, stop_gateway
@@ -95,7 +95,7 @@ def create_app(settings: Settings, source: ConfigSource | None = None) -> web.Ap
     """The gateway's app; `source`, how `settings` were read, lets it reload them."""
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[openai_errors, refuse_control_characters, drain_guard],
+        middlewares=[gateway_requests],  # errors, control characters, the drain
     )
     app[SETTINGS] = settings
     export = trace_export(settings.otlp_traces_endpoint, "kvgate")

@@ -51,6 +51,18 @@ class Drain:
     def covers(self, request: web.Request) -> bool:
         return request.method == "POST" and request.path.startswith(self.paths)
 
+    def admit(self, request: web.Request) -> asyncio.Task | None:
+        """A request's start: SHUTTING_DOWN while draining, else its task, counted in
+        `running` until the caller discards it; None for work the drain does not cover."""
+        if not self.covers(request):
+            return None
+        if self.draining:
+            raise SHUTTING_DOWN
+        task = asyncio.current_task()
+        assert task is not None
+        self.running.add(task)
+        return task
+
     def cuttable(self) -> AbstractContextManager[None]:
         """Around the wait for a request's output: where the drain may cut it."""
         task = asyncio.current_task()
@@ -120,13 +132,9 @@ DRAIN = web.AppKey("drain", Drain)
 async def drain_guard(request: web.Request, handler) -> web.StreamResponse:
     """New work is refused while draining; the work in flight is counted until it ends."""
     drain = request.app[DRAIN]
-    if not drain.covers(request):
+    task = drain.admit(request)
+    if task is None:
         return await handler(request)
-    if drain.draining:
-        raise SHUTTING_DOWN
-    task = asyncio.current_task()
-    assert task is not None
-    drain.running.add(task)
     try:
         return await handler(request)
     finally:
