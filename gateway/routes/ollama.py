@@ -190,6 +190,8 @@ class _Reply:
 
     def _held(self, piece: Piece) -> Piece:
         """Calls are sent whole, at the end, as Ollama sends them."""
+        if not piece.calls:  # most chunks: nothing to hold
+            return piece
         self.calls.add(Piece(calls=piece.calls))
         return Piece(piece.reasoning, piece.content)
 

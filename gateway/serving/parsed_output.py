@@ -44,20 +44,31 @@ from gateway.serving.tool_calls import ToolPlan, think_first, tool_call
 DEFAULT_TOOL_PARSER = "hermes"
 
 
-@dataclass
+@dataclass(slots=True, init=False)
 class Piece:
     """What a stretch of one choice's output is: reasoning, content, and tool-call deltas
-    in OpenAI's `delta.tool_calls` shape (a delta with an `id` opens a call)."""
+    in OpenAI's `delta.tool_calls` shape (a delta with an `id` opens a call). Its own
+    `__init__`: a stream makes one a chunk, and a dataclass's with a default factory,
+    called by keyword, costs about 1.5x as much."""
 
-    reasoning: str = ""
-    content: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str
+    content: str
+    calls: list[dict[str, Any]]
+
+    def __init__(
+        self, reasoning: str = "", content: str = "", calls: list[dict[str, Any]] | None = None
+    ) -> None:
+        self.reasoning = reasoning
+        self.content = content
+        self.calls = [] if calls is None else calls
 
     def chars(self) -> int:
         """What encoding it costs: past outcome.LARGE_CALL_CHARS it is encoded off the loop
         (a required call's whole array comes as one Piece)."""
-        calls = sum(len(c["function"].get("arguments", "")) for c in self.calls)
-        return len(self.reasoning) + len(self.content) + calls
+        chars = len(self.reasoning) + len(self.content)
+        for call in self.calls:
+            chars += len(call["function"].get("arguments", ""))
+        return chars
 
     def extend(self, other: Piece) -> Piece:
         self.reasoning += other.reasoning
@@ -104,15 +115,26 @@ class ChoiceOutput:
         self.at_once = whole and (self.parser is None or self.spans)
         self.chunks: list[GenChunk] = []
         self.passed = Piece()  # an upstream's own parse, as it came
-        # no parser and no tools: a chunk's text is its content as it is (a stream may
-        # pass such a chunk on without feeding it here; its finish still comes here)
-        self.plain = self.parser is None and plan.mode == "none"
+        if self.parser is None and plan.mode == "none":
+            # no parser and no tools: a chunk's text is its content as it is
+            self.feed = self._plain  # type: ignore[method-assign]
 
     def feed(self, chunk: GenChunk) -> Piece:
+        """A streamed chunk's Piece (a new one each time: callers may keep them)."""
         piece = self._text(chunk)
         if type(chunk) is ParsedChunk:  # an upstream's own parse (backends.remote_parsed)
             return self._passed(chunk).extend(piece)
         return piece
+
+    def _plain(self, chunk: GenChunk) -> Piece:
+        """`feed` without a parser or tools: the text is the content (docs/PERF.md, issue
+        48: the general path costs about twice as much a chunk), but for an upstream's
+        parsed chunk."""
+        if type(chunk) is ParsedChunk:
+            return ChoiceOutput.feed(self, chunk)
+        text = chunk.text
+        self.chars += len(text)
+        return Piece("", text)
 
     def take(self, chunk: GenChunk) -> None:
         """A chunk of a whole answer: kept, to be read at `finish`."""
@@ -238,15 +260,17 @@ class ChoiceOutput:
 
     def _piece(self, reasoning: str, content: str, deltas: list[ToolCallDelta]) -> Piece:
         calls = []
+        ids = self.ids
         for d in deltas:
-            if d.index in self.dropped or (d.index not in self.ids and not self._may_call()):
-                self.dropped.add(d.index)
-                continue
-            if d.index not in self.ids:
-                self.ids[d.index] = call_id = d.id or "call_" + os.urandom(12).hex()
-                calls.append({"index": d.index, **tool_call(d.name or "", d.arguments, call_id)})
-            elif d.arguments:
-                calls.append({"index": d.index, "function": {"arguments": d.arguments}})
+            index = d.index
+            if index in ids:  # more of an open call's arguments: the common delta
+                if d.arguments:
+                    calls.append({"index": index, "function": {"arguments": d.arguments}})
+            elif index in self.dropped or not self._may_call():
+                self.dropped.add(index)
+            else:
+                ids[index] = call_id = d.id or "call_" + os.urandom(12).hex()
+                calls.append({"index": index, **tool_call(d.name or "", d.arguments, call_id)})
         return Piece(reasoning, content, calls)
 
     def _may_call(self) -> bool:
