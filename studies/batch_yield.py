@@ -12,8 +12,10 @@ or `local` (llama.cpp on the default GGUF, `n_parallel = 2`, one thread).
 The fake backend and llama.cpp have no priority scheduler: a line that holds a slot is
 not preempted, so an interactive request waits at most for a slot to free, and shares
 the steps of the lines already running (the gateway's queue serves it first and the
-runner starts no line while one waits or runs there). On the gpu engine the line gives
-its slot up at once.
+runner starts no line while one waits or runs there). On the gpu engine an interactive
+request whose tenant has nothing running takes the scheduler's spare seat (VTC) and runs
+beside both lines; any other gets a seat from a line, preempted (the JSON counts the
+engine's preemptions in each phase).
 The engines' answers are of fixed length (`ignore_eos`).
 
     .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from studies.harness import start_gateway, tenant_key, toml_backend
+from studies.harness import admin, start_gateway, tenant_key, toml_backend
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -122,6 +124,11 @@ async def ordinary(http: httpx.AsyncClient, key: str, args: argparse.Namespace) 
     return await asyncio.gather(*(one(http, key, args.max_tokens) for _ in range(args.lines)))
 
 
+def preemptions(url: str) -> int:
+    """The engines' preemptions so far (a backend that preempts nothing counts 0)."""
+    return sum(b["preemptions"] for b in admin(url, "GET", "/admin/backends")["data"])
+
+
 async def phases(url: str, args: argparse.Namespace) -> dict:
     fg = tenant_key(url, "interactive")
     limits = httpx.Limits(max_connections=args.lines + 8)
@@ -141,18 +148,22 @@ async def phases(url: str, args: argparse.Namespace) -> dict:
         tokens = sum(n for _, n in answers)
         # interactive beside a running batch
         bg = tenant_key(url, "batch-beside")
+        before = preemptions(url)
         batch_id = await submit_batch(http, bg, args)
         beside_batch = await interactive(http, fg, args)
         # whether the batch still ran when the last interactive request ended
         auth = {"Authorization": f"Bearer {bg}"}
         batch_throughout = (await http.get(f"/v1/batches/{batch_id}", headers=auth)).json()
         await batch_done(http, bg, batch_id)
+        preempted = {"beside_batch": preemptions(url) - before}
+        before = preemptions(url)
         # interactive beside the same lines as ordinary requests
         flood = asyncio.ensure_future(ordinary(http, tenant_key(url, "ordinary-beside"), args))
         await asyncio.sleep(0.05)
         beside_ordinary = await interactive(http, fg, args)
         flood_throughout = not flood.done()
         await flood
+        preempted["beside_ordinary"] = preemptions(url) - before
     return {
         "interactive_median_s": {
             "alone": alone, "beside_batch": beside_batch, "beside_ordinary": beside_ordinary,
@@ -161,6 +172,9 @@ async def phases(url: str, args: argparse.Namespace) -> dict:
             "batch": batch_throughout["status"] == "in_progress",
             "ordinary": flood_throughout,
         },
+        # the engine's preemptions over each phase: under VTC an interactive request of a
+        # tenant with nothing running takes its spare seat and displaces no line
+        "preemptions": preempted,
         "beside_batch_vs_alone": beside_batch / alone,
         "beside_ordinary_vs_alone": beside_ordinary / alone,
         "batch_tokens_per_s": tokens / batch_s,
