@@ -1,16 +1,23 @@
-"""gpt-oss's experts on the CPU at decode: an expert's short run of rows multiplied as
-rows @ weight.T against (weight @ rows.T).T, the weight the GEMM's left operand
-(layers/gpt_oss_moe.py's SHORT_RUN).
+"""gpt-oss's experts on the CPU at decode, where each expert gets a few rows: the two
+forms of an expert's product, one expert layer of the engine against transformers', and
+an MXFP4 expert's widening against the product it feeds (layers/gpt_oss_moe.py).
 
     python -m studies.gpt_oss_short_runs [--out OUTDIR]
 
-Two parts, in one torch thread, each arm interleaved with the other round by round so a
-loaded machine's noise hits both alike; each figure is the median of --rounds:
+In one torch thread, the arms of each part interleaved round by round so a loaded
+machine's noise hits them alike; each figure is the median of --rounds, in CPU seconds
+of the thread (time.thread_time: what the arm ran, not the time other processes took
+the core from it):
 - products: 16 experts' gate/up (1024 x 512) and down (512 x 512) at 1, 2, 3, 4, 6, 8
-  and 16 rows an expert, each form alone, in float32 and in bfloat16;
+  and 16 rows an expert, rows @ weight.T (the engine's) against (weight @ rows.T).T (the
+  weight the GEMM's left operand, the engine's at up to 6 rows in float32 from issue
+  47.3 to 47.4), in float32 and in bfloat16;
 - layer: one expert layer of studies.gpt_oss_throughput's model (16 experts of 512, top
-  4, hidden 512) at a decode step of 16 tokens, `per_expert` with SHORT_RUN 0 (every run
-  rows @ weight.T, the engine before) against its SHORT_RUN; outputs compared.
+  4, hidden 512) at a decode step of 16 tokens, float32: the engine's `per_expert`
+  against transformers' GptOssExperts (its model's own experts implementation) on the
+  same weights; outputs compared;
+- widen: one MXFP4 expert's gate/up (1024 x 512) widened to float32
+  (quantization/mxfp4.dequantize) against its product at 4 rows.
 OUTDIR/gpt_oss_short_runs.json holds the figures.
 """
 
@@ -25,8 +32,8 @@ from pathlib import Path
 import torch
 
 from backend_gpu.expert_shards import ExpertShard
-from backend_gpu.layers import gpt_oss_moe
 from backend_gpu.layers.gpt_oss_moe import BiasedExperts, ClampedSwiGLU, per_expert
+from backend_gpu.quantization import mxfp4
 from bench.options import DefaultsHelpFormatter
 from studies.harness import device_environment
 
@@ -35,15 +42,15 @@ ROWS = (1, 2, 3, 4, 6, 8, 16)
 
 
 def interleaved(arms: dict, rounds: int) -> dict[str, float]:
-    """Median seconds of each arm's call, the arms taking turns each round."""
+    """Median CPU seconds of each arm's call, the arms taking turns each round."""
     for call in arms.values():
         call()  # once untimed
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(rounds):
         for name, call in arms.items():
-            start = time.perf_counter()
+            start = time.thread_time()
             call()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(time.thread_time() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -67,38 +74,84 @@ def products(rounds: int, dtype: torch.dtype) -> list[dict]:
             s = interleaved({"rows @ weight.T": packed, "(weight @ rows.T).T": left}, rounds)
             kind = str(dtype).removeprefix("torch.")
             out.append({"projection": name, "dtype": kind, "rows": rows, "seconds": s})
-            ratio = s["rows @ weight.T"] / s["(weight @ rows.T).T"]
-            print(f"{name} {n}x{k} {kind}, {rows} rows an expert: {ratio:.2f}x", flush=True)
+            ratio = s["(weight @ rows.T).T"] / s["rows @ weight.T"]
+            print(
+                f"{name} {n}x{k} {kind}, {rows} rows an expert: rows @ weight.T {ratio:.2f}x "
+                "the speed of (weight @ rows.T).T",
+                flush=True,
+            )
     return out
 
 
 def layer(rounds: int) -> dict:
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
     torch.manual_seed(0)
+    config = GptOssConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=1,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        vocab_size=256,
+    )
+    theirs = AutoModelForCausalLM.from_config(config, dtype=torch.float32).model.layers[0]
+    theirs = theirs.mlp.experts.eval()
     shard = ExpertShard(EXPERTS, 0, EXPERTS, 0, INTER, False)
-    experts = BiasedExperts(HIDDEN, shard, ClampedSwiGLU(1.702, 7.0), down_bias=True)
-    for param in experts.parameters():
+    ours = BiasedExperts(
+        HIDDEN, shard, ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit), True
+    )
+    for param in theirs.parameters():
         torch.nn.init.normal_(param, std=0.05)
+    # transformers' experts are [E, inputs, outputs], the engine's [E, outputs, inputs]
+    ours.gate_up_proj.copy_(theirs.gate_up_proj.transpose(1, 2))
+    ours.down_proj.copy_(theirs.down_proj.transpose(1, 2))
+    ours.gate_up_proj_bias.copy_(theirs.gate_up_proj_bias)
+    ours.down_proj_bias.copy_(theirs.down_proj_bias)
     x = torch.randn(TOKENS, HIDDEN)
     ids = torch.rand(TOKENS, EXPERTS).topk(TOP_K, dim=-1).indices
     weights = torch.rand(TOKENS, TOP_K).softmax(-1)
-    short = gpt_oss_moe.SHORT_RUN
-
-    def run(threshold: int) -> torch.Tensor:
-        gpt_oss_moe.SHORT_RUN = threshold
-        try:
-            return per_expert(experts, x, weights, ids)
-        finally:
-            gpt_oss_moe.SHORT_RUN = short
-
-    diff = (run(0) - run(short)).abs().max().item()
-    s = interleaved({"before": lambda: run(0), "after": lambda: run(short)}, rounds)
+    arms = {
+        "transformers": lambda: theirs(x, ids, weights),
+        "kvgate": lambda: per_expert(ours, x, weights, ids),
+    }
+    diff = (arms["transformers"]() - arms["kvgate"]()).abs().max().item()
+    s = interleaved(arms, rounds)
     runs = torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()
+    implementation = theirs.config._experts_implementation
     print(
-        f"one layer, {TOKENS} tokens (runs {runs}): before {s['before'] * 1e3:.2f} ms, "
-        f"after {s['after'] * 1e3:.2f} ms: {s['before'] / s['after']:.2f}x; "
-        f"outputs differ by {diff:.1e}"
+        f"one layer, {TOKENS} tokens (runs {runs}): transformers ({implementation}) "
+        f"{s['transformers'] * 1e3:.2f} ms, kvgate {s['kvgate'] * 1e3:.2f} ms: "
+        f"{s['transformers'] / s['kvgate']:.2f}x; outputs differ by {diff:.1e}"
     )
-    return {"runs": runs, "seconds": s, "short_run": short, "max_difference": diff}
+    return {
+        "runs": runs,
+        "seconds": s,
+        "transformers_experts_implementation": implementation,
+        "max_difference": diff,
+    }
+
+
+def widen(rounds: int) -> dict:
+    """One MXFP4 gate/up matrix widened to float32 against its product at 4 rows."""
+    gen = torch.Generator().manual_seed(0)
+    blocks_shape, scales_shape = mxfp4.packed_shapes(1, 2 * INTER, HIDDEN)
+    blocks = torch.randint(0, 256, blocks_shape[1:], dtype=torch.uint8, generator=gen)
+    scales = torch.randint(118, 122, scales_shape[1:], dtype=torch.uint8, generator=gen)
+    weight = mxfp4.dequantize(blocks, scales, torch.float32)
+    rows = torch.randn(4, HIDDEN, generator=gen)
+    s = interleaved(
+        {
+            "widen": lambda: mxfp4.dequantize(blocks, scales, torch.float32),
+            "product": lambda: rows @ weight.t(),
+        },
+        rounds,
+    )
+    print(
+        f"an MXFP4 gate/up {2 * INTER}x{HIDDEN} widened in {s['widen'] * 1e3:.3f} ms, "
+        f"its product at 4 rows {s['product'] * 1e3:.3f} ms"
+    )
+    return {"seconds": s}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -111,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     with torch.inference_mode():
         forms = [*products(args.rounds, torch.float32), *products(args.rounds, torch.bfloat16)]
-        result = {"products": forms, "layer": layer(args.rounds)}
+        result = {"products": forms, "layer": layer(args.rounds), "widen": widen(args.rounds)}
     result = {"env": device_environment("cpu"), "args": vars(args)} | result
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

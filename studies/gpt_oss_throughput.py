@@ -13,9 +13,11 @@ parameters are counted. Time: 16 concurrent requests of 32 prompt tokens and --t
 output tokens each, greedy, float32: the engine on the 16-bit and on the MXFP4 checkpoint
 (experts widened one at a time on the CPU) against transformers' continuous batching
 (what `generate_batch` drives) on the 16-bit one, timed after its set-up as the engine
-is after `LLM(...)`; and the engine on the 16-bit one with every expert's run multiplied
-as rows @ weight.T (SHORT_RUN 0, layers/gpt_oss_moe.py: the engine before issue 47.3). Rounds interleave the arms, so a shared machine's noise hits each
-alike; the best round counts. One torch thread by default (--threads).
+is after `LLM(...)`. Rounds interleave the arms, so a shared machine's noise hits each
+alike; the best round counts. Beside each round's tok/s, the process's CPU time per
+output token (time.process_time, transformers' generation thread included): what the
+arm itself ran, which a loaded machine moves far less than the wall clock (the least
+round counts). One torch thread by default (--threads).
 
 CUDA (`--device cuda`, studies/gpu_check.sh): one layer of gpt-oss-120b's experts (128
 of 2880, hidden 2880, top 4) at 16, 256 and 2048 tokens, the experts' kernel path over
@@ -87,34 +89,30 @@ def workload(tokens: int) -> Workload:
     return Workload("gpt-oss", prompts, [tokens] * BATCH)
 
 
-def engine_rate(model: str, tokens: int, short_run: int | None = None) -> float:
-    """`short_run`: the experts' SHORT_RUN for this arm (0: every run rows @ weight.T,
-    as before issue 47.3); None: the engine's own."""
+def engine_rate(model: str, tokens: int) -> tuple[float, float]:
+    """(output tok/s, the process's CPU ms per output token)."""
     from backend_gpu import LLM
-    from backend_gpu.layers import gpt_oss_moe
 
-    own = gpt_oss_moe.SHORT_RUN
-    gpt_oss_moe.SHORT_RUN = own if short_run is None else short_run
-    try:
-        llm = LLM(model, max_num_seqs=BATCH, enable_prefix_caching=False)
-        rate = run_workload(llm, workload(tokens), False)["output_tok_s"]
-    finally:
-        gpt_oss_moe.SHORT_RUN = own
+    llm = LLM(model, max_num_seqs=BATCH, enable_prefix_caching=False)
+    cpu = time.process_time()
+    result = run_workload(llm, workload(tokens), False)
+    cpu_ms = (time.process_time() - cpu) * 1e3 / result["output_tokens"]
     del llm
     gc.collect()
-    return rate
+    return result["output_tok_s"], cpu_ms
 
 
-def transformers_rate(model_dir: str, tokens: int) -> float:
+def transformers_rate(model_dir: str, tokens: int) -> tuple[float, float]:
     """transformers' continuous batching manager (what generate_batch drives), timed
-    from the first request added to the last finished."""
+    from the first request added to the last finished: (output tok/s, the process's
+    CPU ms per output token, its generation thread's included)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     work = workload(tokens)
     with model.continuous_batching_context_manager(generation_config=config, block=True) as cb:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for prompt, n in zip(work.prompts, work.max_tokens, strict=True):
             cb.add_request(prompt, max_new_tokens=n)
         generated = done = 0
@@ -125,11 +123,11 @@ def transformers_rate(model_dir: str, tokens: int) -> float:
                 done += 1
             elif result is None and not cb.is_running():
                 raise RuntimeError("transformers' continuous batching stopped early")
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert generated == sum(work.max_tokens), generated
     del model
     gc.collect()
-    return generated / seconds
+    return generated / seconds, cpu * 1e3 / generated
 
 
 def expert_bytes(model: str) -> dict:
@@ -148,20 +146,33 @@ def expert_bytes(model: str) -> dict:
 
 def cpu_study(args) -> dict:
     rounds: list[dict] = []
+    cpu_rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         models = write_models(Path(tmp))
         sizes = {fmt: expert_bytes(path) for fmt, path in models.items()}
         for r in range(args.rounds):
-            rates = {
+            timed = {
                 "kvgate 16-bit": engine_rate(models["16-bit"], args.tokens),
-                "kvgate 16-bit, no short runs": engine_rate(models["16-bit"], args.tokens, 0),
                 "kvgate mxfp4": engine_rate(models["mxfp4"], args.tokens),
                 "transformers generate_batch": transformers_rate(models["16-bit"], args.tokens),
             }
-            rounds.append(rates)
-            print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in rates.items()))
+            rounds.append({name: rate for name, (rate, _) in timed.items()})
+            cpu_rounds.append({name: cpu for name, (_, cpu) in timed.items()})
+            print(
+                f"round {r + 1}: "
+                + ", ".join(
+                    f"{k} {v:.1f} tok/s ({c:.2f} CPU ms/token)" for k, (v, c) in timed.items()
+                )
+            )
     best = {name: max(r[name] for r in rounds) for name in rounds[0]}
-    return {"bytes": sizes, "rounds": rounds, "best": best}
+    least_cpu = {name: min(r[name] for r in cpu_rounds) for name in cpu_rounds[0]}
+    return {
+        "bytes": sizes,
+        "rounds": rounds,
+        "best": best,
+        "cpu_ms_per_token_rounds": cpu_rounds,
+        "least_cpu_ms_per_token": least_cpu,
+    }
 
 
 def cuda_layer(packed: bool):
@@ -227,11 +238,17 @@ def report(result: dict) -> None:
         f"{sizes['16-bit']['experts'] / 2**20:.1f} MiB: {ratio:.3f}x (goal <= 0.3x); "
         f"all weights {whole:.3f}x"
     )
-    best = result["best"]
-    base = best["transformers generate_batch"]
-    print("\n| arm | output tok/s (best round) | vs transformers |\n|---|---:|---:|")
+    best, cpu = result["best"], result["least_cpu_ms_per_token"]
+    base, base_cpu = best["transformers generate_batch"], cpu["transformers generate_batch"]
+    print(
+        "\n| arm | output tok/s (best round) | vs transformers | CPU ms/token (least) "
+        "| vs transformers |\n|---|---:|---:|---:|---:|"
+    )
     for name, rate in best.items():
-        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x |")
+        print(
+            f"| {name} | {rate:.1f} | {rate / base:.2f}x | {cpu[name]:.2f} "
+            f"| {base_cpu / cpu[name]:.2f}x |"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:

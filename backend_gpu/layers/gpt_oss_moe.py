@@ -11,9 +11,10 @@ loader, quantize_model and kvgate plan treat it as the other models' experts), a
 Mxfp4Experts, the published checkpoints' MXFP4 kept packed (quantization/mxfp4.py).
 
 Both run a step's (token, expert) pairs sorted by expert, as layers/moe.py does. The
-CPU: a matmul per expert over its run into one buffer of all runs, the biases and the
-activation once over it; an MXFP4 expert's matrix widened for its one matmul (its
-16-bit copy lives for that matmul alone). CUDA: two grouped GEMM launches for all experts
+CPU: an addmm per expert over its run (its bias the addmm's input) into one buffer of
+all runs, the activation once over it, each pair's output weighted and added into its
+token's row; an MXFP4 expert's matrix widened for its one matmul (its 16-bit copy lives
+for that matmul alone). CUDA: two grouped GEMM launches for all experts
 (triton_moe.py's, or triton_mxfp4.py's decoding MXFP4 in registers), the biases and the
 activation in torch between them, no host sync, so decodes stay in CUDA graphs.
 """
@@ -31,7 +32,6 @@ from backend_gpu.layers.moe import FusedExperts, local_expert_ids
 from backend_gpu.quantization import mxfp4
 
 STACKED = ("gate_up_proj", "gate_up_proj", "down_proj")  # one tensor for all experts
-SHORT_RUN = 6  # an expert's run of rows up to which the CPU multiplies weight @ rows.T
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,10 @@ class ClampedSwiGLU:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """[..., 2I] interleaved gate/up -> [..., I]."""
         gate = h[..., ::2].clamp(max=self.limit)
-        up = h[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        up = h[..., 1::2].clamp(min=-self.limit, max=self.limit).add_(1)
+        # (up + 1) * (gate * sigmoid(gate * alpha)), the products' order aside (the same
+        # values): the temporaries reused, each op a contiguous pass
+        return gate.mul(self.alpha).sigmoid_().mul_(gate).mul_(up)
 
 
 class GptOssRouter(nn.Module):
@@ -173,40 +175,36 @@ def expert_mlps(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) -
     return per_expert(experts, x, weights, ids)
 
 
-@torch.no_grad()  # inference only: the products are written into one buffer (out=)
+@torch.no_grad()  # inference only: the products are written into buffers (out=)
 def per_expert(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) -> torch.Tensor:
-    """The torch path: the pairs sorted by expert, a matmul per expert over its run (an
-    expert no token chose is never read, nor widened), each written into one buffer of
-    all the runs, so the biases and the activation are one op each over every pair
-    rather than one per expert (the bias added after the product, as transformers
-    does); an MXFP4 expert's two matrices are never widened at once."""
+    """The torch path: the pairs sorted by expert, one addmm per expert over its run
+    (its bias the addmm's input: an expert no token chose is never read, nor widened),
+    each into one buffer of all the runs, so the activation is one op over every pair;
+    each pair's output scaled by its routing weight and added into its token's row
+    (index_add_, in expert order as transformers' eager experts add them); an MXFP4
+    expert's two matrices are never widened at once."""
     tokens, k = ids.shape
     count = experts.shard.count
     local = local_expert_ids(experts, ids).flatten()
     order = local.argsort(stable=True)
     runs = torch.bincount(local, minlength=count + 1).tolist()[:count]
     held = sum(runs)
-    out = x.new_zeros(tokens * k, x.shape[-1])
+    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)
     if held:
         pairs = order[:held]  # the pairs on this rank's experts, by expert
-        chosen = local[pairs]
-        h = _runs(experts, "gate_up", x[pairs // k], runs)
-        h += experts.gate_up_proj_bias[chosen]
+        rows = pairs // k
+        h = _runs(experts, "gate_up", x.index_select(0, rows), runs)
         y = _runs(experts, "down", experts.activation(h), runs)
-        if experts.down_proj_bias is not None:
-            y += experts.down_proj_bias[chosen]
-        out[pairs] = y
-    return (out.view(tokens, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+        out.index_add_(0, rows, y.float().mul_(weights.flatten()[pairs, None]))
+    return out.to(x.dtype)
 
 
 def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> torch.Tensor:
-    """Each run of `rows` times its expert's `which` weight, into one [rows, out] tensor;
-    an MXFP4 expert is widened for its one matmul. A float32 run of at most SHORT_RUN
-    rows (a decode's: a few tokens an expert) is computed as (weight @ rows.T).T, the
-    weight the GEMM's left operand: on this CPU, at 2 to 6 rows an expert, 1.0x-2.0x
-    faster than rows @ weight.T for gate/up and 1.3x-9.9x for down over three runs,
-    about even at 8 rows, slower at 16, and slower in bfloat16 (PERF.md, "gpt-oss
-    decode: short runs")."""
+    """Each run of `rows` times its expert's `which` weight plus its bias, into one
+    [rows, out] tensor (rows @ weight.T: on this CPU faster than (weight @ rows.T).T at
+    a decode's few rows an expert, PERF.md "gpt-oss decode: the experts' step"); an
+    MXFP4 expert is widened for its one matmul."""
+    biases = getattr(experts, f"{which}_proj_bias")
     out, start = None, 0
     for e, run in enumerate(runs):
         if not run:
@@ -214,11 +212,11 @@ def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> 
         weight = experts.expert_weight(e, which, rows.dtype)
         if out is None:
             out = rows.new_empty(rows.shape[0], weight.shape[0])
-        part = rows[start : start + run]
-        if run <= SHORT_RUN and part.dtype == torch.float32:
-            out[start : start + run] = torch.mm(weight, part.t()).t()
+        part, into = rows[start : start + run], out[start : start + run]
+        if biases is None:
+            torch.mm(part, weight.t(), out=into)
         else:
-            torch.mm(part, weight.t(), out=out[start : start + run])
+            torch.addmm(biases[e], part, weight.t(), out=into)
         start += run
     return out
 

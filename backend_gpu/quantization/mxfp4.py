@@ -29,26 +29,30 @@ EXPERTS_MODULE = "model.layers.0.mlp.experts"  # what modules_to_not_convert mus
 
 
 @functools.cache
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """([256] int64: the bits of the two float32 values a byte holds, the low nibble's
-    first; [256] float32: the power of two of each E8M0 byte)."""
+def _table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256 * 256]: at scale byte * 256 + block byte, the two values that block byte
+    holds under that scale (the low nibble's first) in `dtype`, as one integer word of
+    their bits (512 KiB in float32: it stays in a core's cache)."""
     codes = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float32)
     pairs = torch.stack([codes.repeat(16), codes.repeat_interleave(16)], dim=1)
     powers = torch.exp2(torch.arange(256, dtype=torch.float32) - SCALE_BIAS)
-    return pairs.view(torch.int64).view(256).to(device), powers.to(device)
+    values = (powers.view(256, 1, 1) * pairs).to(dtype)  # a code times a power of two
+    word = {2: torch.int32, 4: torch.int64}[values.element_size()]
+    return values.view(word).view(-1).to(device)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., rows, groups * 32] in `dtype` of blocks [..., rows, groups, 16] and scales
     [..., rows, groups]; a code times its power of two is exact in any float dtype (as
-    transformers' ldexp, for the scales checkpoints hold). Two lookups in small tables,
-    a byte's pair of values as one 64-bit word (about 9x faster on a CPU than indexing
-    a [256, 2] table), then one multiply in place."""
-    pairs, powers = _tables(blocks.device)
-    values = pairs.index_select(0, blocks.reshape(-1).long()).view(torch.float32)
-    values = values.view(*scales.shape, GROUP)
-    values.mul_(powers.index_select(0, scales.reshape(-1).long()).view(*scales.shape, 1))
-    return values.flatten(-2).to(dtype)
+    transformers' ldexp, for the scales checkpoints hold). One lookup a byte in a table
+    of every (scale, byte) pair's two values as one word, in `dtype`: no multiply nor
+    cast after it (faster on a CPU than a byte's lookup, a scale's multiply and a cast:
+    PERF.md, "gpt-oss decode: the experts' step"). Other dtypes go through float32."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return dequantize(blocks, scales, torch.float32).to(dtype)
+    index = (scales.to(torch.int32) << 8).unsqueeze(-1) + blocks  # int32 [..., groups, 16]
+    values = _table(blocks.device, dtype).index_select(0, index.view(-1)).view(dtype)
+    return values.view(*scales.shape[:-1], -1)
 
 
 def packed_shapes(experts: int, rows: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
