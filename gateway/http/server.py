@@ -43,16 +43,27 @@ class GatewayProtocol(RequestHandler):
 
     The deadline runs from the connection's start, and on a kept-alive connection from
     the first byte of the next request (the idle time before it is the keep-alive
-    timeout's), until the request's headers are complete.
+    timeout's), until the request's headers are complete. One timer a connection, not one
+    a request: a request's start only notes the time, and a timer that finds the wait it
+    was armed for over arms itself again for the wait in progress, if any (a timer armed
+    and cancelled a request cost about 1.5 us; docs/PERF.md, issue 53).
     """
 
-    __slots__ = ("_server", "_event_loop", "_header_timer", "_awaiting_headers", "_counted")
+    __slots__ = (
+        "_server",
+        "_event_loop",
+        "_header_timer",
+        "_header_wait_since",
+        "_awaiting_headers",
+        "_counted",
+    )
 
     def __init__(self, server: GatewayServer, *, loop: asyncio.AbstractEventLoop, **kwargs: Any):
         super().__init__(server, loop=loop, **kwargs)
         self._server = server
         self._event_loop = loop
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_wait_since: float | None = None  # loop time of this wait's first byte
         self._awaiting_headers = True
         self._counted = False
 
@@ -64,7 +75,7 @@ class GatewayProtocol(RequestHandler):
         server.open_connections += 1
         self._counted = True
         super().connection_made(transport)
-        self._arm_header_timer()
+        self._headers_awaited()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_header_timer()
@@ -74,14 +85,14 @@ class GatewayProtocol(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._awaiting_headers and self._header_timer is None and data:
-            self._arm_header_timer()  # the first byte of a request on a kept-alive connection
+        if self._awaiting_headers and self._header_wait_since is None and data:
+            self._headers_awaited()  # the first byte of a request on a kept-alive connection
         super().data_received(data)
 
     def headers_received(self) -> None:
         """A request's headers are complete: its body has `body_timeout_s` (parse_body)."""
         self._awaiting_headers = False
-        self._cancel_header_timer()
+        self._header_wait_since = None  # the timer, if armed, finds no wait and lapses
 
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -120,10 +131,14 @@ class GatewayProtocol(RequestHandler):
         resp.force_close()
         return resp
 
-    def _arm_header_timer(self) -> None:
+    def _headers_awaited(self) -> None:
+        """A wait for headers begins now; a timer is armed unless one already is (for an
+        earlier wait, so it fires sooner than this one's deadline)."""
         timeout = self._server.settings.header_timeout_s
         if timeout > 0:
-            self._header_timer = self._event_loop.call_later(timeout, self._headers_late)
+            self._header_wait_since = self._event_loop.time()
+            if self._header_timer is None:
+                self._header_timer = self._event_loop.call_later(timeout, self._headers_late)
 
     def _cancel_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -132,7 +147,13 @@ class GatewayProtocol(RequestHandler):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if self._awaiting_headers:
+        since = self._header_wait_since
+        if not self._awaiting_headers or since is None:
+            return  # the wait it was armed for is over, and no other has begun
+        left = since + self._server.settings.header_timeout_s - self._event_loop.time()
+        if left > 0:  # armed for an earlier wait: this one's deadline is later
+            self._header_timer = self._event_loop.call_later(left, self._headers_late)
+        else:
             self.force_close()
 
 

@@ -234,6 +234,22 @@ async def test_half_sent_headers_after_a_kept_alive_response_are_closed(target):
     writer.close()
 
 
+async def test_headers_that_keep_arriving_in_time_are_never_cut(target):
+    """One timer a connection: one armed for an earlier request fires while later ones
+    send their headers in two parts, each well inside header_timeout_s (0.5 s), for 1.2 s
+    in all; it must wait on for each one's own deadline, not close the connection."""
+    reader, writer = await _connect(target)
+    whole = _request("GET", "/health")
+    for _ in range(8):
+        await _send(writer, whole[:10])
+        await asyncio.sleep(0.15)
+        await _send(writer, whole[10:])
+        assert (await _response(reader))[0] == 200
+    await _send(writer, whole[:10])  # and a request that stops half-way is still cut
+    assert await _closed(reader) == b""
+    writer.close()
+
+
 async def test_a_body_that_stops_half_way_gets_408(target):
     reader, writer = await _connect(target)
     head = _request(
