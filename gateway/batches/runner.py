@@ -21,6 +21,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ LOWEST_PRIORITY = 2**31 - 1  # vLLM's priority: lower first; a batch line is las
 POLL_S = 0.5  # how often the runner looks again while nothing wakes it
 PRINCIPAL_TTL_S = 5.0  # a batch's key is read again this often (a revocation stops it)
 LEASE_S = 30.0  # a batch's runner holds it this long; renewed at half of it
+READ_AHEAD = 32  # pending lines read from the database at once (each read costs the loop)
 _END_TIME = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}
 _END_TIME |= {"failed": "failed_at"}
 
@@ -64,6 +66,7 @@ class BatchRunner:
         self._principals: dict[str, tuple[Principal | None, float]] = {}
         self.leases: dict[str, float] = {}  # batch id -> until when this gateway runs it
         self.held: dict[str, Batch] = {}  # the batches this gateway runs, as last read
+        self.ahead: dict[str, deque[BatchLine]] = {}  # batch id -> pending lines read, unstarted
         self.reread = True  # the next turn reads the batches (a route woke it)
         self.read_at = 0.0
 
@@ -112,6 +115,8 @@ class BatchRunner:
             batches = await store.active(self.gw.db)
             self.held = {b.id: b for b in batches if await self._hold(b)}
             self.read_at = now
+            for gone in self.ahead.keys() - self.held.keys():  # another gateway's now
+                del self.ahead[gone]
         for batch in list(self.held.values()):
             await self._advance(batch)
 
@@ -133,14 +138,14 @@ class BatchRunner:
             b.status = "in_progress"
         end = "completed"
         if b.status == "cancelling":
-            await store.close_rest(db, b.id, store.CANCELLED, flying)
+            await self._close_rest(b.id, store.CANCELLED, flying)
             end = "cancelled"
         elif b.status == "in_progress":
             if time.time() >= b.expires_at:
-                await store.close_rest(db, b.id, store.EXPIRED, flying)
+                await self._close_rest(b.id, store.EXPIRED, flying)
                 end = "expired"
             elif b.id in self.stopped:
-                await store.close_rest(db, b.id, store.FAILED, flying)
+                await self._close_rest(b.id, store.FAILED, flying)
                 end = "failed"
             else:
                 await self._start_lines(b, flying)
@@ -157,11 +162,22 @@ class BatchRunner:
             self.stopped[b.id] = {"code": "key_unavailable", "message": "The batch's API key "
                                   "was revoked or has expired."}  # fmt: skip
             return
-        for line in await store.pending(self.gw.db, b.id, flying, room):
+        ahead = self.ahead.setdefault(b.id, deque())
+        if len(ahead) < room:  # read ahead: a line's end then starts the next unread
+            skip = flying | {line.line for line in ahead}
+            ahead += await store.pending(self.gw.db, b.id, skip, max(room, READ_AHEAD))
+        for _ in range(min(room, len(ahead))):
+            line = ahead.popleft()
             flying.add(line.line)
             task = asyncio.create_task(self._run_line(b, principal, line))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+
+    async def _close_rest(self, batch_id: str, state: str, flying: set[int]) -> None:
+        """The batch's pending lines but those running closed unrun (its lines read ahead
+        among them)."""
+        self.ahead.pop(batch_id, None)
+        await store.close_rest(self.gw.db, batch_id, state, flying)
 
     async def _run_line(self, b: Batch, principal: Principal, line: BatchLine) -> None:
         try:
@@ -226,6 +242,7 @@ class BatchRunner:
         self._principals.pop(b.id, None)
         self.leases.pop(b.id, None)
         self.held.pop(b.id, None)
+        self.ahead.pop(b.id, None)
         log.info("batch %s %s", b.id, end)
 
 

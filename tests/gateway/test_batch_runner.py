@@ -11,13 +11,23 @@ from types import SimpleNamespace
 import pytest
 
 from engine_api.records import BackendStats
+from gateway.batches import store
+from gateway.batches.files import FileStore
+from gateway.batches.jsonl import InputLine
 from gateway.batches.prices import batch_price
-from gateway.batches.runner import LOWEST_PRIORITY, budgets_only, interactive_waiting
+from gateway.batches.runner import (
+    LOWEST_PRIORITY,
+    BatchRunner,
+    LineAnswer,
+    budgets_only,
+    interactive_waiting,
+)
 from gateway.config import Settings
 from gateway.db import Database, migrate
 from gateway.routing.fair_queue import FairQueue
 from gateway.tenancy.quota import MemoryQuotaStore, QuotaExceeded, QuotaLimits
 from gateway.tenancy.quota.postgres import PostgresQuotaStore
+from gateway.tenancy.tenants import TenantService
 from tests.conftest import PG_URL
 
 NOW = 1_800_000_000.0 + 5  # 5 s into a minute
@@ -133,3 +143,58 @@ def test_the_batch_price_is_half_unless_configured() -> None:
     assert half.output == (full.output + 1) // 2  # an odd picodollar rounds up
     assert batch_price(gw, "n") == settings.batch_prices["n"]  # type: ignore[arg-type]
     assert batch_price(gw, "free").output == 0  # type: ignore[arg-type]
+
+
+async def test_lines_read_ahead_run_once_in_order_and_close_unrun_on_cancel(
+    tmp_path, monkeypatch
+) -> None:
+    """The runner reads a batch's pending lines ahead (one read for many lines' starts):
+    each line runs once, in file order; cancelled, the lines read ahead close unrun."""
+    db = Database(f"sqlite+aiosqlite:///{tmp_path / 'runner.db'}")
+    await migrate(db)
+    tenants = TenantService(db)
+    tenant = await tenants.create_tenant("acme", {}, "test")
+    key, _ = await tenants.create_key(tenant["id"])
+    files = FileStore(db, tmp_path / "files")
+    files.open()
+    settings = SimpleNamespace(batch_in_flight=2, instance="gw-a")
+    gw = _gw([], {})
+    gw.db, gw.settings = db, settings
+    ran: list[str] = []
+    hold = asyncio.Event()
+    reads = 0
+
+    async def execute(gw, principal, endpoint, body, tag) -> LineAnswer:
+        ran.append(tag[1])
+        if len(ran) > 10:  # the 11th and 12th lines wait while the batch is cancelled
+            await hold.wait()
+        return LineAnswer(200, "r", {"ok": True})
+
+    async def counted(*args, **kwargs):
+        nonlocal reads
+        reads += 1
+        return await pending(*args, **kwargs)
+
+    pending = store.pending
+    monkeypatch.setattr(store, "pending", counted)
+    lines = [InputLine(f"l{i}", "/v1/completions", {}) for i in range(40)]
+    batch = await store.create(
+        db, tenant["id"], key["id"], "/v1/completions", "f", "24h", {}, lines
+    )
+    runner = BatchRunner(gw, files, execute)
+    runner.start()
+    try:
+        while len(ran) < 12:
+            await asyncio.sleep(0.01)
+        assert await store.cancel(db, batch.id)
+        runner.wake()
+        while (await store.get(db, batch.id)).status != "cancelled":
+            hold.set()
+            await asyncio.sleep(0.01)
+        states = [row.state for row in await store.lines(db, batch.id)]
+    finally:
+        await runner.stop(5)
+        await db.close()
+    assert ran == [f"l{i}" for i in range(12)]  # once each, in order, none after the cancel
+    assert reads == 1  # 12 lines started from one read of 32
+    assert states == [store.DONE] * 12 + [store.CANCELLED] * 28
