@@ -78,9 +78,16 @@ class Piece:
 
 
 class ChoiceOutput:
-    """One choice: chunks in, Pieces out; `finish` flushes what the parser held."""
+    """One choice: chunks in, Pieces out; `finish` flushes what the parser held.
 
-    def __init__(self, plan: ToolPlan, parsers: Parsers, whole: bool = False) -> None:
+    `refill`: the Piece `feed` returns, where it holds no call, is the output's own,
+    refilled by the next `feed`: for a stream that encodes each Piece before it feeds the
+    next (choice_outputs'), as a new Piece a chunk costs about 150 ns; a caller that keeps
+    its Pieces leaves it off."""
+
+    def __init__(
+        self, plan: ToolPlan, parsers: Parsers, whole: bool = False, refill: bool = False
+    ) -> None:
         self.plan = plan
         self.parser: OutputParser | None = None
         # a forced call's text is read by the reasoning parser alone, if any (its content
@@ -115,26 +122,31 @@ class ChoiceOutput:
         self.at_once = whole and (self.parser is None or self.spans)
         self.chunks: list[GenChunk] = []
         self.passed = Piece()  # an upstream's own parse, as it came
+        self.own = Piece() if refill else None
         if self.parser is None and plan.mode == "none":
             # no parser and no tools: a chunk's text is its content as it is
             self.feed = self._plain  # type: ignore[method-assign]
 
     def feed(self, chunk: GenChunk) -> Piece:
-        """A streamed chunk's Piece (a new one each time: callers may keep them)."""
+        """A streamed chunk's Piece (the output's own where it refills one)."""
         piece = self._text(chunk)
         if type(chunk) is ParsedChunk:  # an upstream's own parse (backends.remote_parsed)
             return self._passed(chunk).extend(piece)
         return piece
 
     def _plain(self, chunk: GenChunk) -> Piece:
-        """`feed` without a parser or tools: the text is the content (docs/PERF.md, issue
-        48: the general path costs about twice as much a chunk), but for an upstream's
+        """`feed` without a parser or tools: the text is the content (the general path
+        costs about 4x as much a chunk: docs/PERF.md, issue 48), but for an upstream's
         parsed chunk."""
         if type(chunk) is ParsedChunk:
             return ChoiceOutput.feed(self, chunk)
         text = chunk.text
         self.chars += len(text)
-        return Piece("", text)
+        own = self.own
+        if own is None:
+            return Piece("", text)
+        own.content = text  # its reasoning and calls stay empty: no parser, no tools
+        return own
 
     def take(self, chunk: GenChunk) -> None:
         """A chunk of a whole answer: kept, to be read at `finish`."""
@@ -167,7 +179,11 @@ class ChoiceOutput:
                 return self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
             if self.forced:
                 return self._forced(parsed.reasoning, parsed.content)
-            return Piece(parsed.reasoning, parsed.content)
+            own = self.own
+            if own is None:
+                return Piece(parsed.reasoning, parsed.content)
+            own.reasoning, own.content, own.calls = parsed.reasoning, parsed.content, []
+            return own
         if self.plan.mode == "named":
             return self._named(text)
         if self.plan.mode == "required":
@@ -340,9 +356,10 @@ class Whole:
 
 def choice_outputs(job: Job, whole: bool = False) -> list[ChoiceOutput]:
     """One ChoiceOutput per choice of a chat Job, with its backend's parsers; `whole`: an
-    answer sent whole, its chunks given to `take` and read at `finish`."""
+    answer sent whole, its chunks given to `take` and read at `finish`; else a stream's,
+    which refill their Pieces (every stream encodes a chunk's before the next)."""
     parsers = parsers_of(job.gw, job.backend)
-    return [ChoiceOutput(job.tools, parsers, whole) for _ in range(job.num_choices)]
+    return [ChoiceOutput(job.tools, parsers, whole, not whole) for _ in range(job.num_choices)]
 
 
 def reasoning_tokens(outputs: list[ChoiceOutput], completion_tokens: int) -> int:
