@@ -16,10 +16,12 @@ runner starts no line while one waits or runs there). On the gpu engine an inter
 request whose tenant has nothing running takes the scheduler's spare seat (VTC) and runs
 beside both lines; any other gets a seat from a line, preempted (the JSON counts the
 engine's preemptions in each phase).
-The engines' answers are of fixed length (`ignore_eos`).
+The engines' answers are of fixed length (`ignore_eos`). `--rounds N` runs every phase N
+times in turn and reports the medians, each ratio taken within its round: on a shared
+machine a phase of a few seconds moves with the other jobs more than with the batch.
 
     .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json
-    .venv/bin/python -m studies.batch_yield --backend gpu --lines 48 --out docs/perf/batch_yield_gpu.json
+    .venv/bin/python -m studies.batch_yield --backend gpu --lines 48 --interactive 20 --rounds 3 --out docs/perf/batch_yield_gpu_rounds1.json
     python3 -m studies.batch_yield --backend gpu --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --heads 16 --kv-cache-mib 4096 --lines 48 --interactive 20
     .venv/bin/python -m studies.batch_yield --backend local --lines 40 --interactive 10 --max-tokens 8 --out docs/perf/batch_yield_local.json
 """
@@ -130,40 +132,68 @@ def preemptions(url: str) -> int:
 
 
 async def phases(url: str, args: argparse.Namespace) -> dict:
+    """Every phase, `--rounds` times in turn; with more than one round, the medians of its
+    figures (ratios taken within each round), the rounds' competition all through, the
+    preemptions summed, and each round under `rounds`."""
     fg = tenant_key(url, "interactive")
     limits = httpx.Limits(max_connections=args.lines + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await interactive(http, fg, args)  # warm-up
-        alone = await interactive(http, fg, args)
-        # the batch's throughput, the server otherwise idle
-        bg = tenant_key(url, "batch-idle")
-        start = time.perf_counter()
-        done = await batch_done(http, bg, await submit_batch(http, bg, args))
-        batch_s = time.perf_counter() - start
-        assert done["request_counts"]["completed"] == args.lines, done
-        # the same lines as ordinary requests at full concurrency
-        start = time.perf_counter()
-        answers = await ordinary(http, tenant_key(url, "ordinary-idle"), args)
-        ordinary_s = time.perf_counter() - start
-        tokens = sum(n for _, n in answers)
-        # interactive beside a running batch
-        bg = tenant_key(url, "batch-beside")
-        before = preemptions(url)
-        batch_id = await submit_batch(http, bg, args)
-        beside_batch = await interactive(http, fg, args)
-        # whether the batch still ran when the last interactive request ended
-        auth = {"Authorization": f"Bearer {bg}"}
-        batch_throughout = (await http.get(f"/v1/batches/{batch_id}", headers=auth)).json()
-        await batch_done(http, bg, batch_id)
-        preempted = {"beside_batch": preemptions(url) - before}
-        before = preemptions(url)
-        # interactive beside the same lines as ordinary requests
-        flood = asyncio.ensure_future(ordinary(http, tenant_key(url, "ordinary-beside"), args))
-        await asyncio.sleep(0.05)
-        beside_ordinary = await interactive(http, fg, args)
-        flood_throughout = not flood.done()
-        await flood
-        preempted["beside_ordinary"] = preemptions(url) - before
+        rounds = [await one_round(http, url, fg, args, f"-{r}") for r in range(args.rounds)]
+    if len(rounds) == 1:
+        return rounds[0]
+    return merged(rounds) | {"rounds": rounds}
+
+
+def merged(rounds: list[dict]) -> dict:
+    out: dict = {}
+    for key, first in rounds[0].items():
+        values = [r[key] for r in rounds]
+        if isinstance(first, dict):
+            out[key] = merged(values)
+        elif isinstance(first, bool):
+            out[key] = all(values)
+        elif isinstance(first, int):
+            out[key] = sum(values)
+        else:
+            out[key] = statistics.median(values)
+    return out
+
+
+async def one_round(
+    http: httpx.AsyncClient, url: str, fg: str, args: argparse.Namespace, tag: str
+) -> dict:
+    """The phases once, against tenants of their own (named with `tag`) but `fg`'s."""
+    alone = await interactive(http, fg, args)
+    # the batch's throughput, the server otherwise idle
+    bg = tenant_key(url, "batch-idle" + tag)
+    start = time.perf_counter()
+    done = await batch_done(http, bg, await submit_batch(http, bg, args))
+    batch_s = time.perf_counter() - start
+    assert done["request_counts"]["completed"] == args.lines, done
+    # the same lines as ordinary requests at full concurrency
+    start = time.perf_counter()
+    answers = await ordinary(http, tenant_key(url, "ordinary-idle" + tag), args)
+    ordinary_s = time.perf_counter() - start
+    tokens = sum(n for _, n in answers)
+    # interactive beside a running batch
+    bg = tenant_key(url, "batch-beside" + tag)
+    before = preemptions(url)
+    batch_id = await submit_batch(http, bg, args)
+    beside_batch = await interactive(http, fg, args)
+    # whether the batch still ran when the last interactive request ended
+    auth = {"Authorization": f"Bearer {bg}"}
+    batch_throughout = (await http.get(f"/v1/batches/{batch_id}", headers=auth)).json()
+    await batch_done(http, bg, batch_id)
+    preempted = {"beside_batch": preemptions(url) - before}
+    before = preemptions(url)
+    # interactive beside the same lines as ordinary requests
+    flood = asyncio.ensure_future(ordinary(http, tenant_key(url, "ordinary-beside" + tag), args))
+    await asyncio.sleep(0.05)
+    beside_ordinary = await interactive(http, fg, args)
+    flood_throughout = not flood.done()
+    await flood
+    preempted["beside_ordinary"] = preemptions(url) - before
     return {
         "interactive_median_s": {
             "alone": alone, "beside_batch": beside_batch, "beside_ordinary": beside_ordinary,
@@ -188,6 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lines", type=int, default=160, help="lines in the batch")
     p.add_argument("--interactive", type=int, default=30, help="interactive requests a phase")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=1, help="every phase this many times, in turn")
     p.add_argument("--ttft-ms", type=int, default=20)
     p.add_argument("--tokens-per-second", type=float, default=400)
     p.add_argument("--batch-in-flight", type=int, default=4)
