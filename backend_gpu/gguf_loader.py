@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from filelock import FileLock
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -70,6 +71,16 @@ def convert_gguf(path: str) -> str:
     if os.path.exists(os.path.join(target, "config.json")):  # renamed into place whole
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    # one conversion of a file at a time: a second process (a tensor-parallel rank, a
+    # second engine, a test worker) waits for the first's and loads what it wrote. The OS
+    # drops the lock of a process that dies, so a crashed conversion blocks nobody.
+    with FileLock(f"{target}.lock"):
+        if not os.path.exists(os.path.join(target, "config.json")):
+            _convert(path, target)
+    return target
+
+
+def _convert(path: str, target: str) -> None:
     work = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
     try:
         with tqdm(total=3, desc=f"converting {os.path.basename(path)}", unit="stage") as bar:
@@ -81,7 +92,6 @@ def convert_gguf(path: str) -> str:
         os.replace(work, target)  # atomic: a half-written cache is never found
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return target
 
 
 def _save_config_and_tokenizer(path: str, out_dir: str):
