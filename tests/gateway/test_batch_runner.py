@@ -1,7 +1,8 @@
 """The batch runner's rules (issue 50) on their own: no line starts while an interactive
 request waits at a replica, or waits or runs at a gateway queue; lines keep the budgets but not the rates, and take
 nothing from the minute's windows or the slots (both quota stores); the batch price is
-half the model's unless the config names one."""
+half the model's unless the config names one; lines read ahead run once, in order, and
+close unrun when the batch is cancelled."""
 
 from __future__ import annotations
 
