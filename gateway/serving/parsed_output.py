@@ -80,7 +80,7 @@ class Piece:
 class ChoiceOutput:
     """One choice: chunks in, Pieces out; `finish` flushes what the parser held.
 
-    `refill`: the Piece `feed` returns, where it holds no call, is the output's own,
+    `refill`: the Piece `feed` returns, but for a forced call's, is the output's own,
     refilled by the next `feed`: for a stream that encodes each Piece before it feeds the
     next (choice_outputs'), as a new Piece a chunk costs about 150 ns; a caller that keeps
     its Pieces leaves it off."""
@@ -176,13 +176,15 @@ class ChoiceOutput:
                 if was or parser.in_reasoning:
                     self.reasoning_tokens += len(chunk.token_ids) or (1 if text else 0)
             if parsed.tool_calls:
-                return self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
-            if self.forced:
+                calls = self._calls(parsed.tool_calls)
+            elif self.forced:
                 return self._forced(parsed.reasoning, parsed.content)
+            else:
+                calls = []
             own = self.own
             if own is None:
-                return Piece(parsed.reasoning, parsed.content)
-            own.reasoning, own.content, own.calls = parsed.reasoning, parsed.content, []
+                return Piece(parsed.reasoning, parsed.content, calls)
+            own.reasoning, own.content, own.calls = parsed.reasoning, parsed.content, calls
             return own
         if self.plan.mode == "named":
             return self._named(text)
@@ -275,6 +277,11 @@ class ChoiceOutput:
         return Piece(calls=[{"index": 0, "function": {"arguments": text}}] if text else [])
 
     def _piece(self, reasoning: str, content: str, deltas: list[ToolCallDelta]) -> Piece:
+        return Piece(reasoning, content, self._calls(deltas))
+
+    def _calls(self, deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        """The parser's call deltas in OpenAI's shape (an id opens a call), but for the
+        calls past the first where parallel_tool_calls is off."""
         calls = []
         ids = self.ids
         for d in deltas:
@@ -287,7 +294,7 @@ class ChoiceOutput:
             else:
                 ids[index] = call_id = d.id or "call_" + os.urandom(12).hex()
                 calls.append({"index": index, **tool_call(d.name or "", d.arguments, call_id)})
-        return Piece(reasoning, content, calls)
+        return calls
 
     def _may_call(self) -> bool:
         return self.plan.parallel or not self.ids
