@@ -12,9 +12,12 @@ from tests.requests import req
 BATCH, INTERACTIVE = 5, 0  # priorities: lower first
 
 
-def _submit(sim: Sim, name: str, priority: int, prompt_len: int = 8, max_tokens: int = 8):
+def _submit(
+    sim: Sim, name: str, priority: int, prompt_len: int = 8, max_tokens: int = 8, tenant: str = ""
+):
     tokens = [hash((name, i)) % 30_000 + 1000 for i in range(prompt_len)]
-    seq = Sequence(req(name, tokens, SamplingParams(max_tokens=max_tokens), None, priority))
+    params = SamplingParams(max_tokens=max_tokens)
+    seq = Sequence(req(name, tokens, params, None, priority, tenant_id=tenant))
     sim.sched.add(seq)
     sim.live.append(seq)
     return seq
@@ -44,6 +47,30 @@ def test_a_better_priority_takes_a_seat_when_the_sequence_limit_binds():
     order = _run(sim)
     assert order[0] == "urgent" and sorted(order) == ["b0", "b1", "urgent"]
     assert sim.bm.num_free_blocks == sim.num_blocks
+
+
+def test_an_idle_tenants_request_takes_the_spare_seat_beside_the_batch():
+    """Under VTC an interactive request whose tenant has nothing running takes the seat kept
+    for a newcomer, beside both running batch lines: none is displaced, so none is
+    recomputed (studies.batch_yield's case; PERF.md). The tenant's second request at once
+    gets no spare seat: the lines give theirs up to bring the engine back to its limit."""
+    sim = Sim(fairness="vtc", max_num_seqs=2)
+    lines = [_submit(sim, f"b{i}", BATCH, max_tokens=30, tenant="batch") for i in range(4)]
+    sim.step()
+    sim.step()
+    running = [s for s in lines if s.status is SequenceStatus.RUNNING]
+    assert len(running) == 2
+    urgent = _submit(sim, "urgent", INTERACTIVE, max_tokens=8, tenant="web")
+    step = sim.step()
+    assert urgent in step.seqs and all(s in step.seqs for s in running)
+    assert sim.sched.num_preemptions == 0
+    second = _submit(sim, "second", INTERACTIVE, max_tokens=8, tenant="web")
+    step = sim.step()
+    assert second in step.seqs and sim.sched.running == [urgent, second]
+    assert sim.sched.num_preemptions == 2
+    assert all(s.status is SequenceStatus.WAITING for s in lines)
+    order = _run(sim)
+    assert order[:2] == ["urgent", "second"] and sorted(order[2:]) == ["b0", "b1", "b2", "b3"]
 
 
 def test_a_better_priority_takes_blocks_when_the_kv_pool_binds():
