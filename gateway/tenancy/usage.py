@@ -26,21 +26,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import operator
-import sqlite3
 import time
-from collections import defaultdict
-from dataclasses import dataclass, fields
 
 import asyncpg
-from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.pool import PoolProxiedConnection
 
 from gateway.db import Database
-from gateway.tenancy.quota.limits import Settlement
 from gateway.tenancy.quota.postgres import apply_settlements
+from gateway.tenancy.usage_rows import (
+    DAILY_COLUMNS,
+    PG_DAILY_UPSERT,
+    PG_USAGE_INSERT,
+    SQLITE_DAILY_UPSERT,
+    SQLITE_USAGE_INSERT,
+    UsageRow,
+    billed_before,
+    daily_totals,
+    row_fault,
+    row_values,
+)
 
 log = logging.getLogger("kvgate.usage")
 
@@ -49,7 +54,6 @@ INLINE_COMMIT_ROWS = 32
 # (commits wait too); after one that could not finish, the next is tried this much later.
 RESTART_BUSY_MS = 100
 RESTART_RETRY_S = 1.0
-_ROW_FAULTS = (DataError, IntegrityError, sqlite3.DataError, sqlite3.IntegrityError)
 
 
 class UsageUnavailable(Exception):
@@ -60,40 +64,6 @@ class UsageUnavailable(Exception):
 
     def __init__(self) -> None:
         super().__init__(self.MESSAGE)
-
-
-@dataclass
-class UsageRow:
-    request_id: str
-    tenant_id: str
-    key_id: str
-    model: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    ttft_ms: float | None
-    latency_ms: float
-    status: int
-    finish_reason: str | None
-    user: str | None = None
-    created_at: float = 0.0
-    counted_by: str = "engine"
-    spend_nano_usd: int = 0  # at the model's price (gateway.tenancy.quota.prices)
-    batch_id: str | None = None  # a Batch API line's batch and custom_id (gateway/batches)
-    custom_id: str | None = None
-    image_tokens: int = 0  # of prompt_tokens, those of its images
-    # the request's quota settlement on PostgreSQL: committed with the row, not a column
-    settlement: Settlement | None = None
-
-    @property
-    def day(self) -> str:
-        return _utc_day(int(self.created_at // 86400))
-
-
-@functools.lru_cache(maxsize=4)
-def _utc_day(day: int) -> str:
-    """The date of a UTC day number (each row's, once a day rather than once a row)."""
-    return time.strftime("%Y-%m-%d", time.gmtime(day * 86400))
 
 
 Waiter = tuple[UsageRow, asyncio.Future[None]]
@@ -200,9 +170,9 @@ class UsageRecorder:
     async def _isolate(self, batch: list[Waiter]) -> None:
         for i, (row, fut) in enumerate(batch):
             error = await self._commit_alone(row)
-            if error is None or _billed_before(row, error):
+            if error is None or billed_before(row, error):
                 self._committed([(row, fut)])
-            elif _row_fault(error):
+            elif row_fault(error):
                 self._keep([(row, fut)], error)
             else:  # the database is unavailable: keep the rest untried
                 self._keep(batch[i:], error)
@@ -214,7 +184,7 @@ class UsageRecorder:
             await self._commit([row])
             return None
         except Exception as e:
-            if row.user is None or not _row_fault(e):
+            if row.user is None or not row_fault(e):
                 return e
             log.warning(
                 "usage row %s failed (%s); committing it without its user field", row.request_id, e
@@ -270,7 +240,7 @@ class UsageRecorder:
             if error is None:
                 self.kept.remove(row)
                 self._count_retried(1)
-            elif not _row_fault(error):
+            elif not row_fault(error):
                 # still down; this row goes last, so one that always fails holds up no other
                 self.kept.remove(row)
                 self.kept.append(row)
@@ -298,8 +268,8 @@ class UsageRecorder:
 
     async def _commit(self, rows: list[UsageRow]) -> None:
         # Core statements on a bare connection: executemany, no ORM unit of work.
-        daily = self._daily_totals(rows)
-        values = [_row_values(r) for r in rows]  # a tuple in _USAGE_COLUMNS' order
+        daily = daily_totals(rows)
+        values = [row_values(r) for r in rows]  # a tuple in USAGE_COLUMNS' order
         if self.db.sync_engine is not None:
             # A small batch costs less than the two thread switches that would hide it;
             # a large one goes to a worker thread so the event loop keeps serving.
@@ -316,9 +286,9 @@ class UsageRecorder:
             async with conn.transaction():
                 if settlements:  # first: counter rows are locked before any other row
                     await apply_settlements(conn, settlements)
-                await conn.executemany(_PG_USAGE_INSERT, values)
+                await conn.executemany(PG_USAGE_INSERT, values)
                 await conn.executemany(
-                    _PG_DAILY_UPSERT, [[d[c] for c in _DAILY_COLUMNS] for d in daily]
+                    PG_DAILY_UPSERT, [[d[c] for c in DAILY_COLUMNS] for d in daily]
                 )
         except BaseException:
             await self._release_postgres()  # the next commit takes a fresh one
@@ -380,8 +350,8 @@ class UsageRecorder:
             raw = self._sqlite = self.db.sync_engine.raw_connection()
         try:
             cur = raw.cursor()
-            cur.executemany(_SQLITE_USAGE_INSERT, values)
-            cur.executemany(_SQLITE_DAILY_UPSERT, daily)
+            cur.executemany(SQLITE_USAGE_INSERT, values)
+            cur.executemany(SQLITE_DAILY_UPSERT, daily)
             raw.commit()
         except BaseException:
             # a failed commit gives its connection back: the next takes a fresh one
@@ -397,79 +367,3 @@ class UsageRecorder:
         if self._sqlite is not None:
             raw, self._sqlite = self._sqlite, None
             raw.close()
-
-    def _daily_totals(self, rows: list[UsageRow]) -> list[dict]:
-        totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0, 0])
-        for r in rows:
-            t = totals[(r.tenant_id, r.day, r.model)]
-            t[0] += 1
-            t[1] += r.prompt_tokens
-            t[2] += r.completion_tokens
-            t[3] += r.cached_tokens
-            t[4] += r.spend_nano_usd
-            t[5] += r.image_tokens
-        # sorted: concurrent writers (several gateways) lock daily rows in one order
-        return [
-            {
-                "tenant_id": tenant,
-                "day": day,
-                "model": model,
-                **dict(zip(_DAILY_COUNTS, counts, strict=True)),
-            }
-            for (tenant, day, model), counts in sorted(totals.items())
-        ]
-
-
-def _billed_before(row: UsageRow, e: Exception) -> bool:
-    """A batch line run again after a crash whose row was committed before it: unique by
-    batch and custom_id, it is billed once (gateway/batches)."""
-    return row.batch_id is not None and any(
-        name in str(e) for name in ("ux_usage_records_batch_line", "usage_records.batch_id")
-    )
-
-
-def _row_fault(e: Exception) -> bool:
-    """Whether the error is about one row's values, so the other rows may still commit:
-    SQLSTATE class 22 (data) or 23 (integrity), from asyncpg itself or wrapped by
-    SQLAlchemy as a plain DBAPIError."""
-    if isinstance(e, _ROW_FAULTS):
-        return True
-    sqlstate = getattr(e, "sqlstate", None) or getattr(getattr(e, "orig", None), "sqlstate", None)
-    return isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23")
-
-
-_USAGE_COLUMNS = [f.name for f in fields(UsageRow) if f.name != "settlement"]
-_row_values = operator.attrgetter(*_USAGE_COLUMNS)
-_DAILY_COUNTS = (
-    "requests",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "spend_nano_usd",
-    "image_tokens",
-)
-_DAILY_COLUMNS = ("tenant_id", "day", "model", *_DAILY_COUNTS)
-
-
-def _insert(table: str, columns: tuple[str, ...] | list[str], marks: list[str]) -> str:
-    quoted = ", ".join(f'"{c}"' for c in columns)  # `user` is a keyword in PostgreSQL
-    return f"INSERT INTO {table} ({quoted}) VALUES ({', '.join(marks)})"
-
-
-def _daily_upsert(marks: list[str]) -> str:
-    """The same upsert on SQLite and PostgreSQL: one prepared statement, executemany."""
-    added = ", ".join(f"{c} = daily_usage.{c} + excluded.{c}" for c in _DAILY_COUNTS)
-    return (
-        _insert("daily_usage", _DAILY_COLUMNS, marks)
-        + f" ON CONFLICT (tenant_id, day, model) DO UPDATE SET {added}"
-    )
-
-
-# SQLite's cursor takes the rows' values by position (?) and the daily totals by name
-# (from their dicts), asyncpg both by number
-_SQLITE_USAGE_INSERT = _insert("usage_records", _USAGE_COLUMNS, ["?"] * len(_USAGE_COLUMNS))
-_SQLITE_DAILY_UPSERT = _daily_upsert([":" + c for c in _DAILY_COLUMNS])
-_PG_USAGE_INSERT = _insert(
-    "usage_records", _USAGE_COLUMNS, [f"${i + 1}" for i in range(len(_USAGE_COLUMNS))]
-)
-_PG_DAILY_UPSERT = _daily_upsert([f"${i + 1}" for i in range(len(_DAILY_COLUMNS))])
