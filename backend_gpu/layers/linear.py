@@ -36,12 +36,20 @@ class PackedLinear(nn.Linear):
         return list(out.split(sizes, dim=-1))
 
 
+# Rows up to which the CPU's LM head is `linear` (PERF.md, issue 49): MKL's float32
+# product streams the weight once for up to 3 rows (1.15x one row's time at 3) and packs
+# it from 4 rows on (2.3x at 4); (weight @ x.T) costs about 2.9x one row's from 2 rows to
+# 16, so `linear` is as fast or faster up to 5 rows and (weight @ x.T) from 8
+# (torch 2.13's MKL, one thread, CPU time, 49k x 576 and 262k x 640 heads alike).
+CPU_LINEAR_HEAD_ROWS = 5
+
+
 def vocab_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ weight [vocab, in].T. On the CPU as (weight @ x.T).T: the BLAS then
-    packs the few rows of x instead of the whole vocabulary-sized weight, about 3x faster
-    for the 5 rows a speculative verify samples on Gemma's 262k x 640 head (PERF.md).
-    The copy back to row-major is cheap beside it and keeps the sampler's reads dense."""
-    if x.device.type == "cpu":
+    """x [rows, in] @ weight [vocab, in].T. On the CPU past CPU_LINEAR_HEAD_ROWS rows as
+    (weight @ x.T).T: the BLAS then packs the few rows of x instead of the whole
+    vocabulary-sized weight. The copy back to row-major is cheap beside it and keeps the
+    sampler's reads dense."""
+    if x.device.type == "cpu" and x.shape[0] > CPU_LINEAR_HEAD_ROWS:
         return torch.mm(weight, x.t()).t().contiguous()
     return F.linear(x, weight)
 
