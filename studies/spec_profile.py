@@ -6,7 +6,9 @@ wrapping them for this process only.
 
 The same chat prompts (studies/spec_decode.py's) run one at a time on a plain engine
 and a speculating one, in turn, greedy with ignore_eos; per engine step (prefills
-included) it prints the milliseconds of: the proposal (for a head: its passes' step
+included) it prints the milliseconds of, in wall time and in this thread's CPU time
+(the engine runs in the caller's thread; with one torch thread its CPU time is what the
+step costs without the waits a loaded machine adds): the proposal (for a head: its passes' step
 rows and metadata, its layer, its draw; the rest is the proposer's bookkeeping), the
 target's step rows and metadata, its model, its LM head, the sampler or the
 verification, and the rest of the engine's step (the scheduler, appending tokens,
@@ -43,8 +45,9 @@ PARTS = [
 
 
 def wrap(sink: dict, module: str, cls: str, method: str, labels: dict):
-    """Time `cls.method` into `sink["to"][label]` (the engine running now's), the label
-    by whose runner it is; returns what puts the method back."""
+    """Time `cls.method` into `sink["to"]` (the engine running now's wall and CPU
+    seconds by label), the label by whose runner it is; returns what puts the method
+    back."""
     owner = getattr(importlib.import_module(module), cls)
     inner = getattr(owner, method)
 
@@ -54,11 +57,13 @@ def wrap(sink: dict, module: str, cls: str, method: str, labels: dict):
         label = labels.get("any") or labels.get(role)
         if label is None or sink["to"] is None:
             return inner(obj, *args, **kwargs)
-        start = time.perf_counter()
+        wall, cpu = sink["to"]
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return inner(obj, *args, **kwargs)
         finally:
-            sink["to"][label] += time.perf_counter() - start
+            wall[label] += time.perf_counter() - start
+            cpu[label] += time.thread_time() - start_cpu
 
     setattr(owner, method, timed)
     return lambda: setattr(owner, method, inner)
@@ -71,26 +76,26 @@ def measure(engines: dict, prompts: list[list[int]], max_tokens: int, sink: dict
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     seconds = {name: collections.defaultdict(float) for name in engines}
+    cpu = {name: collections.defaultdict(float) for name in engines}
     wall = dict.fromkeys(engines, 0.0)
     was = {name: llm.stats() for name, llm in engines.items()}
     for i, prompt in enumerate(prompts):
         order = list(engines.items())
         for name, llm in order if i % 2 == 0 else order[::-1]:
-            sink["to"] = seconds[name]
+            sink["to"] = seconds[name], cpu[name]
             start = time.perf_counter()
             llm.generate([prompt], params)
             wall[name] += time.perf_counter() - start
     sink["to"] = None
+    tokens = len(prompts) * max_tokens
     return {
-        name: summary(llm.stats(), was[name], seconds[name], wall[name], len(prompts) * max_tokens)
+        name: summary(llm.stats(), was[name], seconds[name], cpu[name], wall[name], tokens)
         for name, llm in engines.items()
     }
 
 
-def summary(now, was, seconds: dict[str, float], wall: float, tokens: int) -> dict:
-    steps = now.num_steps - was.num_steps
-    drafts = now.num_drafts - was.num_drafts
-    accepted = now.num_accepted_tokens - was.num_accepted_tokens
+def per_step(seconds: dict[str, float], steps: int) -> dict[str, float]:
+    """Milliseconds per engine step by part, the parts' remainders named."""
     ms = {label: 0.0 for *_, labels in PARTS for label in labels.values()}
     ms.update({k: 1000 * s / steps for k, s in seconds.items()})
     ms["target: model"] -= ms["target: LM head"]
@@ -98,11 +103,19 @@ def summary(now, was, seconds: dict[str, float], wall: float, tokens: int) -> di
     ms["propose: the rest"] = ms["propose"] - head
     target = sum(v for k, v in ms.items() if k.startswith("target"))
     ms["engine: the rest"] = ms["engine step"] - ms["propose"] - target - ms["sample / verify"]
+    return {k: round(v, 2) for k, v in ms.items()}
+
+
+def summary(now, was, seconds: dict, cpu: dict, wall: float, tokens: int) -> dict:
+    steps = now.num_steps - was.num_steps
+    drafts = now.num_drafts - was.num_drafts
+    accepted = now.num_accepted_tokens - was.num_accepted_tokens
     return {
         "tok_s": tokens / wall,
         "steps": steps,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
-        "ms_per_step": {k: round(v, 2) for k, v in ms.items()},
+        "ms_per_step": per_step(seconds, steps),
+        "cpu_ms_per_step": per_step(cpu, steps),
     }
 
 
@@ -146,10 +159,15 @@ def main(argv: list[str] | None = None) -> dict:
         for restore in restores[::-1]:
             restore()
     labels = sorted({k for r in result.values() for k in r["ms_per_step"]})
-    print("| ms per engine step | " + " | ".join(result) + " |")
-    print("|---|" + "---:|" * len(result))
+    names = [f"{n} {kind}" for kind in ("wall", "CPU") for n in result]
+    print("| ms per engine step | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
     for label in labels:
-        row = [f"{r['ms_per_step'].get(label, 0.0):.2f}" for r in result.values()]
+        row = [
+            f"{r[key].get(label, 0.0):.2f}"
+            for key in ("ms_per_step", "cpu_ms_per_step")
+            for r in result.values()
+        ]
         print(f"| {label} | " + " | ".join(row) + " |")
     for name, r in result.items():
         length = r["acceptance_length"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import random
 import time
 
@@ -113,7 +114,9 @@ def labels_of(
     return out
 
 
-def train(head: Eagle3TTT, seqs, aux, labels, args) -> list[dict]:
+def train(head: Eagle3TTT, seqs, aux, labels, args, checkpoint) -> list[dict]:
+    """Trains until the budget or --max-steps; at every evaluation `checkpoint(curve)`
+    writes the head as it is (a long run stopped early leaves its last one)."""
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     curve: list[dict] = []
     start = time.perf_counter()
@@ -145,6 +148,7 @@ def train(head: Eagle3TTT, seqs, aux, labels, args) -> list[dict]:
                 f"held-out accuracy by step {point['accuracy']} "
                 f"acceptance length at k=3 {point['acceptance_length']:.2f}"
             )
+            checkpoint(curve)
         if done:
             return curve
     return curve
@@ -269,8 +273,13 @@ def main(argv: list[str] | None = None) -> dict:
         head.lm_head.weight.copy_(lm_head[draft_ids])
         head.norm.weight.copy_(norm)
     print(f"[{time.perf_counter() - began:.0f} s] training for {args.budget_s:.0f} s")
-    curve = train(head, seqs, aux, labels, args)
-    save_head(args.out, head, draft_ids, target_config.vocab_size)
+
+    def checkpoint(curve: list[dict]) -> None:
+        save_head(args.out, head, draft_ids, target_config.vocab_size)
+        with open(os.path.join(args.out, "curve.json"), "w") as f:
+            json.dump(curve, f, indent=1)
+
+    curve = train(head, seqs, aux, labels, args, checkpoint)
     result = {
         "model": args.model,
         "head": args.out,

@@ -25,6 +25,8 @@ def test_the_head_and_the_verify_are_timed_and_the_engine_restored(tmp_path):
         assert plain[part] == 0 and eagle[part] > 0
     for part in ("target: model", "target: LM head", "sample / verify", "engine step"):
         assert plain[part] > 0 and eagle[part] > 0
+    for r in result.values():  # this thread's CPU time: within the wall time it took
+        assert 0 < r["cpu_ms_per_step"]["engine step"] <= r["ms_per_step"]["engine step"] + 0.01
     assert result["plain"]["acceptance_length"] is None
     assert 1 <= result["eagle3"]["acceptance_length"] <= 4
     assert LLMEngine.step is step and ModelRunner.prepare is prepare
