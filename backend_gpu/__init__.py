@@ -12,7 +12,7 @@ from engine_api.records import AdapterRef
 from engine_api.sampling import SamplingParams
 
 _EXPORTS = {
-    "LLM": "backend_gpu.engine",
+    "LLM": "backend_gpu.llm",
     "LLMEngine": "backend_gpu.engine",
     "AsyncLLM": "backend_gpu.async_engine",
     "EngineStats": "backend_gpu.outputs",

@@ -1,4 +1,7 @@
-"""The engine loop: admit requests, schedule a step, run it, sample, detokenize."""
+"""The engine loop: admit requests, schedule a step, run it, sample, detokenize.
+
+The stop checks and each step's outputs are request_outputs.py's; offline use (LLM),
+llm.py's."""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import math
 import os
 
 import torch
-from tqdm.auto import tqdm
 
 from backend_gpu.block_manager import BlockManager, KVCacheEvent
 from backend_gpu.config import EngineConfig
@@ -18,9 +20,10 @@ from backend_gpu.lora import BaseShapes, LoRAManager
 from backend_gpu.multimodal import ImagePrompt, check_vision_settings
 from backend_gpu.outputs import EngineStats, RequestOutput
 from backend_gpu.prompt_logprobs import record_prompt_logprobs
+from backend_gpu.request_outputs import append_tokens, eos_token_ids, request_output
 from backend_gpu.sampler import Sampler
 from backend_gpu.scheduler import Scheduler
-from backend_gpu.sequence import Logprob, Sequence, SequenceStatus
+from backend_gpu.sequence import Sequence, SequenceStatus
 from backend_gpu.spec_decode.speculator import Speculator
 from backend_gpu.tp_ranks import start_runner
 from engine_api.block_hash import adapter_root, hash_blocks
@@ -30,21 +33,8 @@ from engine_api.errors import (
     LoraDisabledError,
     PromptTooLongError,
 )
-from engine_api.images import ImageInput
 from engine_api.records import AdapterRef, GenRequest, Progress
-from engine_api.sampling import SamplingParams
 from engine_api.throughput import Throughput
-
-
-def eos_token_ids(model_dir_or_config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (model_dir_or_config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
-    return ids
 
 
 def _is_weight(value: object) -> bool:
@@ -350,74 +340,25 @@ class LLMEngine:
         return self.speculator.sample(logits, seqs, self.sampler)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
-        """Append tokens one by one until one stops the request; return those appended
-        and the finish reason."""
-        emitted: list[int] = []
-        reason = None
-        for token in tokens:
-            seq.token_ids.append(token)
-            emitted.append(token)
-            if seq.grammar is not None:
-                # the mask allowed only tokens it accepts: a refusal is a bug to see
-                accepted = seq.grammar.consume_token(token)
-                assert accepted, seq.grammar.get_error()
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                break
+        """append_tokens' (those appended and the finish reason); accepted proposals'
+        KV counts as computed and their full blocks are cached."""
+        emitted, reason = append_tokens(
+            seq, tokens, self.detokenizers[seq.request_id], self.eos_token_ids, self.max_model_len
+        )
         if len(emitted) > 1:  # accepted proposals: their KV was computed while verifying
             seq.num_computed_tokens = min(seq.num_computed_tokens + len(emitted) - 1, len(seq) - 1)
             self.block_manager.cache_full_blocks(seq)
         return emitted, reason
 
-    def _check_stop(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        ending = seq.num_output_tokens >= p.min_tokens
-        if ending and token in p.stop_token_ids:
-            seq.stop_reason = token  # a stop token is not text, special tokens kept or not
-            return "stop"
-        if ending and not p.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        stop_string = self.detokenizers[seq.request_id].add([token])
-        if ending and stop_string is not None:
-            seq.stop_reason = stop_string
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
-
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        detok = self.detokenizers[seq.request_id]
-        finished = seq.is_finished
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=detok.output_text,
-            new_token_ids=new_tokens,
-            text_delta=detok.take_delta(finished),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=list(seq.logprobs),
-            prompt_logprobs=self._prompt_logprobs(seq, new_tokens),
-            num_image_tokens=seq.images.num_image_tokens if seq.images is not None else 0,
-        )
-        if finished:
+        out = request_output(seq, self.detokenizers[seq.request_id], new_tokens)
+        if seq.is_finished:
             del self.seqs[seq.request_id]
             del self.detokenizers[seq.request_id]
             self.sampler.forget(seq.request_id)
             if self.speculator is not None:
                 self.speculator.forget(seq.request_id)
         return out
-
-    def _prompt_logprobs(self, seq: Sequence, new_tokens: list[int]) -> list[Logprob | None] | None:
-        """The prompt logprobs asked for, on the request's first output with tokens
-        (the step that ends the prefill has recorded them all), None first; else None."""
-        first = bool(new_tokens) and len(new_tokens) == seq.num_output_tokens
-        if seq.params.prompt_logprobs is None or not first:  # an abort before it: none
-            return None
-        assert not seq.prompt_logprobs_pending
-        return [None, *seq.prompt_logprobs]
 
     def _record_step(self, num_tokens: int) -> None:
         s = self.stats_
@@ -454,61 +395,3 @@ class LLMEngine:
         s.waiting += len(self.lora_waiting)
         s.tenants = self.scheduler.tenant_stats()  # a new dict: the copy below shares it
         return EngineStats(**vars(s))
-
-
-class LLM:
-    """Offline use: a list of prompts in, their outputs out (vLLM's `LLM`)."""
-
-    def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self._next_id = 0
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: str | list[int] | list[str | list[int]],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = False,
-        adapter: AdapterRef | None = None,
-        images: list[list[ImageInput]] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt, under LoRA `adapter` if given (enable_lora);
-        `images`: each prompt's images, in its placeholders' order (a vision model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        ids = []
-        images = images or [[] for _ in prompts]
-        try:
-            for prompt, params, pictures in zip(prompts, sampling_params, images, strict=True):
-                ids.append(str(self._next_id))
-                self._next_id += 1
-                prompt_ids = self.engine.tokenize(prompt)
-                self.engine.add_request(
-                    GenRequest(ids[-1], "", prompt_ids, params, adapter=adapter, images=pictures)
-                )
-        except Exception:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        prompt_logprobs: dict[str, list[Logprob | None]] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.prompt_logprobs is not None:  # the first output's: kept for the last
-                        prompt_logprobs[out.request_id] = out.prompt_logprobs
-                    if out.finished:
-                        out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
-                        finished[out.request_id] = out
-                        bar.update(1)
-        return [finished[i] for i in ids]
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_gpu.engine import LLM, LLMEngine
+from backend_gpu.engine import LLMEngine
+from backend_gpu.llm import LLM
 from engine_api.records import AdapterRef, GenRequest
 from engine_api.sampling import SamplingParams
 from tests.backend_gpu.lora_adapters import peft_greedy, save_random_adapter

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend_gpu.async_engine import AsyncLLM
-from backend_gpu.engine import LLM
 from backend_gpu.layers.triton_lora import lora_expand_ref, lora_shrink_ref
+from backend_gpu.llm import LLM
 from backend_gpu.lora.ops import (
     Batched,
     SlotsOnHost,
