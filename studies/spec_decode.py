@@ -103,10 +103,13 @@ def prompt_ids(tokenizer, name: str) -> list[list[int]]:
     return [tokenizer.encode(f"Question: {t}\nAnswer:") for t in texts]
 
 
-def timed(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
-    start = time.perf_counter()
+def timed(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float, float]:
+    """The outputs, the wall seconds and this thread's CPU seconds (the engine runs in
+    the caller's thread: with --threads 1, what the run cost without a loaded machine's
+    waits for a core)."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
     outs = llm.generate(prompts, params)
-    return [o.token_ids for o in outs], time.perf_counter() - start
+    return [o.token_ids for o in outs], time.perf_counter() - start, time.thread_time() - start_cpu
 
 
 def measure(engines: dict, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
@@ -117,13 +120,15 @@ def measure(engines: dict, prompts: list[list[int]], batch: int, max_tokens: int
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     before = {name: llm.stats() for name, llm in engines.items()}
     seconds = dict.fromkeys(engines, 0.0)
+    cpu = dict.fromkeys(engines, 0.0)
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     for i, group in enumerate(tqdm(groups, desc=f"batch {batch}")):
         order = list(engines.items())
         results = {}
         for name, llm in order if i % 2 == 0 else order[::-1]:
-            results[name], elapsed = timed(llm, group, params)
+            results[name], elapsed, elapsed_cpu = timed(llm, group, params)
             seconds[name] += elapsed
+            cpu[name] += elapsed_cpu
         for name, tokens in results.items():
             assert tokens == results["plain"], f"group {i}: {name} differs from plain"
     tokens = len(prompts) * max_tokens
@@ -136,6 +141,8 @@ def measure(engines: dict, prompts: list[list[int]], batch: int, max_tokens: int
         out[name] = {
             "tok_s": tokens / seconds[name],
             "vs_plain": seconds["plain"] / seconds[name],
+            "cpu_tok_s": tokens / cpu[name],
+            "cpu_vs_plain": cpu["plain"] / cpu[name],
             "acceptance_rate": accepted / proposed if proposed else None,
             "acceptance_length": 1 + accepted / drafts if drafts else None,
             "steps": after.num_steps - was.num_steps,
@@ -144,15 +151,19 @@ def measure(engines: dict, prompts: list[list[int]], batch: int, max_tokens: int
 
 
 def report(runs: list[dict]) -> None:
-    print("| prompts | batch | engine | output tok/s | vs plain | acceptance | length |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(
+        "| prompts | batch | engine | output tok/s | vs plain | tok/s of CPU | vs plain (CPU) "
+        "| acceptance | length |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for run in runs:
         for name, r in run["engines"].items():
             rate = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
             length = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
             print(
                 f"| {run['prompts']} | {run['batch']} | {name} | {r['tok_s']:.2f} | "
-                f"{r['vs_plain']:.2f}x | {rate} | {length} |"
+                f"{r['vs_plain']:.2f}x | {r['cpu_tok_s']:.2f} | {r['cpu_vs_plain']:.2f}x | "
+                f"{rate} | {length} |"
             )
 
 
