@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Iterator
 from typing import NoReturn
@@ -51,6 +50,7 @@ from gateway.serving.echo import echoes
 from gateway.serving.images import ImageLimits, chat_images
 from gateway.serving.job import Job
 from gateway.serving.parser_choice import parsers_of
+from gateway.serving.request_ids import time_ordered_hex
 from gateway.serving.sampling import keep_markers, sampling, structured_output
 from gateway.serving.token_plan import TokenPlan, check_spend, plan_tokens
 from gateway.serving.tool_calls import ToolPlan
@@ -114,7 +114,7 @@ async def _prepare(
     backend, block_hashes, shared_lens = await _place(
         gw, served, candidates, renderer, prompts, salt, reservation, adapter, images
     )
-    request_id = (id_prefix or ("chatcmpl-" if chat else "cmpl-")) + os.urandom(12).hex()
+    request_id = (id_prefix or ("chatcmpl-" if chat else "cmpl-")) + time_ordered_hex()
     requests = _requests(
         request_id, body, principal, plan, prompts, salt, shared_lens, structured, card, images
     )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -58,6 +57,7 @@ from gateway.serving.admission import (
     tenant_of,
 )
 from gateway.serving.outcome import CLIENT_GONE, off_loop_if
+from gateway.serving.request_ids import time_ordered_hex
 from gateway.serving.token_plan import EMBED_COST, check_input_tokens, check_spend
 from gateway.serving.traces import embedding_attributes
 from gateway.state import GatewayState
@@ -186,7 +186,7 @@ class _Call:
     user: str | None
     price: Price
     batch: tuple[str, str] | None  # a Batch API line's (batch id, custom_id)
-    request_id: str = field(default_factory=lambda: "embd-" + os.urandom(12).hex())
+    request_id: str = field(default_factory=lambda: "embd-" + time_ordered_hex())
     started: float = field(default_factory=time.perf_counter)
     counted_by: str = "engine"
     # the tokens of the inputs the replica called last has pooled (it fills this): what
