@@ -136,7 +136,7 @@ class ChoiceOutput:
 
     def _plain(self, chunk: GenChunk) -> Piece:
         """`feed` without a parser or tools: the text is the content (the general path
-        costs about 4x as much a chunk: docs/PERF.md, issue 48), but for an upstream's
+        costs 3 to 4x as much a chunk: docs/PERF.md, issue 48), but for an upstream's
         parsed chunk."""
         if type(chunk) is ParsedChunk:
             return ChoiceOutput.feed(self, chunk)
