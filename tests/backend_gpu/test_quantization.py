@@ -19,6 +19,7 @@ from backend_gpu.quantization.fp8 import FP8
 from gateway.backends import build_backend
 from gateway.cli import main as kvgate_main
 from gateway.config import load_settings
+from tests.backend_gpu.conftest import GEMMA3_270M_GROUP
 from tests.backend_gpu.reference import forced_agreement
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -255,20 +256,19 @@ def test_bad_values_are_rejected(options, error):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a cold start converts the GGUF first (cached afterwards)
-def test_gemma3_270m_fp8_greedy_agrees_with_the_unquantized_model():
+@GEMMA3_270M_GROUP
+def test_gemma3_270m_fp8_greedy_agrees_with_the_unquantized_model(gemma3_270m):
     from gateway.backends.default_model import default_model_path
 
-    path = default_model_path()
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    # float32 (bfloat16 matmuls are slow on CPUs without AVX512-BF16), a small KV cache
-    # and a max_model_len it holds (28 blocks of 16 tokens in float32, 112 in FP8)
-    ref = LLM(path, kv_cache_memory_bytes=16 << 20, max_model_len=448)
+    # the reference: float32 (bfloat16 matmuls are slow on CPUs without AVX512-BF16)
+    ref = gemma3_270m
     prompt_ids = [ref.tokenizer.encode(p) for p in prompts]
     refs, ref_bytes = ref.generate(prompt_ids, params), ref.engine.runner.weight_bytes
-    del ref
+    # the same small KV cache, which holds 112 blocks of 16 tokens in FP8
     llm = LLM(
-        path,
+        default_model_path(),
         kv_cache_memory_bytes=16 << 20,
         max_model_len=1024,  # the whole calibration text (482 tokens) fits
         quantization="fp8",

@@ -17,6 +17,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.spec_decode.ngram import NgramProposer
 from backend_gpu.spec_decode.rejection_sampler import accept_greedy, accept_sampled
 from engine_api.block_hash import hash_blocks
+from tests.backend_gpu.conftest import GEMMA3_270M_GROUP
 from tests.backend_gpu.tiny_models import SENTENCES
 from tests.requests import req
 
@@ -387,14 +388,14 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_gemma3_270m_ngram_greedy_equals_plain():
+@GEMMA3_270M_GROUP
+def test_gemma3_270m_ngram_greedy_equals_plain(gemma3_270m):
     from gateway.backends.default_model import default_model_path
 
-    path = default_model_path()
+    plain = gemma3_270m
     # a short context: the KV budget comes from free memory, which a busy machine lacks
     opts = {"max_num_batched_tokens": 256, "max_model_len": 512}
-    plain = LLM(path, **opts)
-    spec = LLM(path, **opts, speculative_config=ngram(k=4, low=2, high=4))
+    spec = LLM(default_model_path(), **opts, speculative_config=ngram(k=4, low=2, high=4))
     text = "The quick brown fox jumps over the lazy dog. " * 2
     prompt = plain.tokenizer.encode(f"Repeat this text exactly: {text}\nText: {text}\nText:")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

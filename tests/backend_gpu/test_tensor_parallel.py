@@ -26,6 +26,7 @@ from gateway.backends import BackendError, BackendSpec, GenRequest, build_backen
 from gateway.config import load_settings
 from gateway.worker import cli as worker_cli
 from gateway.worker_pool.placement import place_workers
+from tests.backend_gpu.conftest import GEMMA3_270M_GROUP
 from tests.backend_gpu.reference import assert_greedy_matches
 from tests.backend_gpu.tiny_models import SENTENCES, build_tokenizer, save_tiny_model
 from tests.gateway.test_worker import start_worker
@@ -282,18 +283,17 @@ def test_a_worker_whose_rank_dies_exits_for_its_supervisor_to_restart(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a cold start converts the GGUF first (cached afterwards)
-def test_gemma3_270m_gguf_over_two_ranks_decodes_what_one_does():
+@GEMMA3_270M_GROUP
+def test_gemma3_270m_gguf_over_two_ranks_decodes_what_one_does(gemma3_270m):
     """The real default model: GGUF read per tensor and per rank, its one KV head
     replicated, its 262k vocabulary split."""
     from gateway.backends.default_model import default_model_path
 
-    path = str(default_model_path())
-    options = {"kv_cache_memory_bytes": 16 << 20, "max_model_len": 448}
-    one = LLM(path, **options)
+    one = gemma3_270m
     prompt_ids = [one.tokenizer.encode(p) for p in ("The capital of France is", "def f(n):")]
     refs = reference(one, prompt_ids)
-    del one
-    two = LLM(path, tensor_parallel_size=2, **options)
+    options = {"kv_cache_memory_bytes": 16 << 20, "max_model_len": 448}  # as the one rank's
+    two = LLM(str(default_model_path()), tensor_parallel_size=2, **options)
     assert two.engine.runner.kv_shape == (1, 256)
     assert_same_greedy(two, refs, prompt_ids)
 
