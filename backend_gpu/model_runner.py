@@ -8,10 +8,11 @@ many blocks (profiling the activations on CUDA), the runner allocates them.
 
 Under tensor parallelism every rank has a runner over its part of the model
 (tp_shards.py) and of the KV cache (its KV heads, the same block ids on every rank).
-Rank 0's runner builds each step's rows from the scheduled sequences and hands them to
-the other ranks (tp_ranks.py) before running them itself; the others run what they are
-handed (execute). The ranks agree at start on the number of blocks (the least any
-rank's memory holds) and on the FP8 cache's scales (those of the whole layer).
+Rank 0's runner builds each step's rows from the scheduled sequences (rank_handoff.py)
+and hands them to the other ranks (tp_ranks.py) before running them itself; the others
+run what they are handed (execute). The ranks agree at start on the number of blocks
+(the least any rank's memory holds) and on the FP8 cache's scales (those of the whole
+layer).
 Under pipeline parallelism a runner holds one stage's layers and their KV cache
 (pp_stages.py); pp_runner.py runs the stages.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -51,37 +51,15 @@ from backend_gpu.quantization import KV_CACHE_DTYPES
 from backend_gpu.quantization.fp8 import FP8, check_fp8_kv_cache
 from backend_gpu.quantization.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from backend_gpu.quantization.model import quantize_model
+from backend_gpu.rank_handoff import LoRASlot, OtherRanks, StepRows, step_rows
 from backend_gpu.scheduler import ScheduledBatch
 from backend_gpu.span_metadata import span_metadata
 from backend_gpu.spec_decode.aux_states import AuxStates
 from backend_gpu.spec_decode.eagle3_config import aux_layers_of
-from backend_gpu.step_buffers import Capacity, StepBuffers, StepRows
+from backend_gpu.step_buffers import Capacity, StepBuffers
 from backend_gpu.tp_shards import CheckpointShards
-from engine_api.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
-
-
-class OtherRanks(Protocol):
-    """Rank 0's handle on the other tensor-parallel ranks (tp_ranks.RankProcesses, which
-    starts runners: a protocol here, so that the runner never imports what starts it)."""
-
-    def send(self, step: StepRows | LoRASlot | list[StepRows]) -> None: ...
-
-    def check(self) -> None: ...
-
-    def failure(self, exc: BaseException) -> EngineDeadError: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class LoRASlot:
-    """Rank 0 to the other ranks, between steps: put `weights` in LoRA slot `slot` (None:
-    clear it); each rank keeps its own share (LoRAStacks)."""
-
-    slot: int
-    weights: AdapterWeights | None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -396,50 +374,14 @@ class ModelRunner:
         as well. `rope_positions`: the rows' rotary positions where they are not their
         indices (an M-RoPE model's, shifted by an image's delta); `key_last`: per row,
         the last key it sees where some see ahead (a Gemma 3 image's tokens)."""
-        step, sampled = self.step_rows(batch, graph_size, prompt_rows)
+        step, sampled = step_rows(
+            batch, graph_size, prompt_rows, self.scratch_slot, self.lora is not None
+        )
         step.rope_positions = rope_positions
         step.key_last = key_last
         if self.ranks is not None:
             self.ranks.send(step)
         return (*self.load(step), sampled)
-
-    def step_rows(
-        self,
-        batch: ScheduledBatch,
-        graph_size: int | None,
-        prompt_rows: list[tuple[int, int]],
-    ) -> tuple[StepRows, list[int]]:
-        """The step's rows and the sampled sequences' indices in the batch."""
-        ids: list[int] = []
-        ends: list[int] = []
-        rows: list[int] = []
-        sampled: list[int] = []
-        q_end = 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            end = seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[seq.num_computed_tokens : end])
-            ids.extend(seq.spec_token_ids)  # the scheduler kept only those it scheduled
-            q_end += n
-            ends.append(end)
-            num_spec = len(seq.spec_token_ids)
-            if end == len(seq) + num_spec:
-                sampled.append(i)
-                # a sequence verifying k proposed tokens samples at its last k + 1 positions
-                rows.extend(range(q_end - 1 - num_spec, q_end))
-        tables = [s.block_table for s in batch.seqs]
-        step = StepRows(
-            ids,
-            list(batch.num_new_tokens),
-            ends,
-            tables,
-            rows,
-            graph_size or len(batch.seqs),
-            self.scratch_slot,
-            graph_size is not None,
-            prompt_rows,
-            [s.lora_slot for s in batch.seqs] if self.lora is not None else [],
-        )
-        return step, sampled
 
     def load(self, step: StepRows):
         """Fill the step buffers with `step`; return (input ids, positions, attention

@@ -23,8 +23,8 @@ import torch
 from backend_gpu.model_runner import ModelRunner, StepOutput
 from backend_gpu.pp_stages import stage_forward
 from backend_gpu.prompt_logprobs import PromptLogprobs, prompt_targets, row_slices
+from backend_gpu.rank_handoff import StepRows, step_rows
 from backend_gpu.scheduler import ScheduledBatch
-from backend_gpu.step_buffers import StepRows
 
 
 def micro_batches(batch: ScheduledBatch, n: int) -> list[tuple[ScheduledBatch, int]]:
@@ -67,7 +67,7 @@ class PipelineRunner(ModelRunner):
             ids, top_n = prompt_targets(batch.seqs, spans)
             targets = (torch.tensor(ids, device=self.device), top_n)
         parts = [
-            (*self.step_rows(part, None, prompt_rows), first)
+            (*step_rows(part, None, prompt_rows, self.scratch_slot, self.lora is not None), first)
             for part, first in micro_batches(batch, self.stage.count)
         ]
         logits: list[torch.Tensor] = []

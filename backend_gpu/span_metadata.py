@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from backend_gpu.layers.attention import AttentionMetadata, DecodeGroup, DecodeSpan, PrefillSpan
-from backend_gpu.step_buffers import StepRows
+from backend_gpu.rank_handoff import StepRows
 
 # a decode joins the current group while its context is at least this share of the
 # group's longest; below, padding it would cost more than one more attention call

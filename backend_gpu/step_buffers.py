@@ -14,12 +14,13 @@ normally passed it long before).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from backend_gpu.layers.attention import AttentionMetadata, PagedBatch
+from backend_gpu.rank_handoff import StepRows
 
 # a row per token (int64: the index ops take it); a row per sequence (int32: the
 # kernels' type; query_start_loc has one more); block tables are [sequences, width]
@@ -134,29 +135,3 @@ class StepBuffers:
             buf["slot_mapping"][num_seqs:padded] = step.scratch_slot
             buf["context_lens"][num_seqs:padded] = 0
             buf["query_start_loc"][num_seqs + 1 : padded + 1] = num_tokens
-
-
-@dataclass
-class StepRows:
-    """One step's inputs as Python lists, before they go into the buffers: what rank 0
-    hands the other tensor-parallel ranks each step."""
-
-    token_ids: list[int]
-    num_new: list[int]  # per sequence, tokens computed this step
-    ends: list[int]  # per sequence, its context length after this step
-    tables: list[list[int]]  # per sequence, its block table
-    sample_rows: list[int]  # rows whose logits are sampled
-    padded_seqs: int  # sequences the step runs as (>= len(num_new); CUDA graphs pad)
-    scratch_slot: int  # where padding sequences write their key and value
-    graph: bool = False  # a decode run by the CUDA graph of padded_seqs sequences
-    # row ranges whose logits score prompt logprobs (backend_gpu.prompt_logprobs): every
-    # rank runs the LM head on them too, as the logits' gather is collective
-    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
-    # per sequence, its LoRA adapter's slot (-1: none; backend_gpu.lora); empty: none at all
-    lora_slots: list[int] = field(default_factory=list)
-    # per row, its rotary position where that is not its index (an M-RoPE model's text
-    # rows after an image: backend_gpu.multimodal); None: the indices
-    rope_positions: np.ndarray | None = None
-    # per row, the index of the last key it attends to where some row sees past itself
-    # (a Gemma 3 image's tokens see the whole image: backend_gpu.multimodal); None: causal
-    key_last: np.ndarray | None = None

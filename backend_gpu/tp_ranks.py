@@ -2,7 +2,7 @@
 sampler, its shard of the model); ranks 1..N-1 are spawned here, each loading only its
 own shard, and then only run the model on the steps rank 0 hands them.
 
-Each step's rows (step_buffers.StepRows: token ids, block tables, lengths, sampled rows)
+Each step's rows (rank_handoff.StepRows: token ids, block tables, lengths, sampled rows)
 go from rank 0 down one pipe per rank, as nano-vllm's shared-memory broadcast and vLLM's
 message queue do; the model's own traffic (all-reduces, the logits' gather) goes over
 the torch.distributed group (distributed.py). A rank only ever waits on its pipe or on
@@ -36,10 +36,10 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.distributed import SINGLE, ParallelGroup, join_group, rank_device
 from backend_gpu.expert_shards import MoEConfig, check_experts_divisible
 from backend_gpu.loader import Checkpoint
-from backend_gpu.model_runner import LoRASlot, ModelRunner
+from backend_gpu.model_runner import ModelRunner
 from backend_gpu.pp_runner import PipelineRunner
 from backend_gpu.pp_stages import WHOLE_MODEL, Stage, check_stages, stage_of_rank
-from backend_gpu.step_buffers import StepRows
+from backend_gpu.rank_handoff import LoRASlot, StepRows
 from backend_gpu.tp_shards import check_divisible
 from engine_api.errors import EngineDeadError
 
