@@ -14,7 +14,7 @@ from gateway.batches.jsonl import check_lines
 from gateway.http.errors import ApiError
 from gateway.http.util import invalid, json_response, parse_body
 from gateway.schemas.batches import BatchCreate, BatchListQuery, batch_object
-from gateway.serving.admission import tenant_of
+from gateway.serving.model_access import tenant_of
 from gateway.state import GW
 
 MAX_NAMED = 5  # lines of another endpoint a refusal names

@@ -15,7 +15,7 @@ from gateway.batches.jsonl import check_lines
 from gateway.http.errors import ApiError
 from gateway.http.util import invalid, json_response
 from gateway.schemas.files import PURPOSES, FileListQuery, file_object
-from gateway.serving.admission import tenant_of
+from gateway.serving.model_access import tenant_of
 from gateway.state import GW
 
 MAX_FILENAME = 255

@@ -19,9 +19,10 @@ from gateway.http.errors import ApiError, anthropic_error
 from gateway.http.util import json_response, parse_body
 from gateway.schemas.messages import CountTokensRequest, MessagesRequest
 from gateway.serving import messages_stream as ms
-from gateway.serving.admission import model_card, prepare, rendered_tokens
+from gateway.serving.admission import prepare
 from gateway.serving.counted import counted
 from gateway.serving.job import Job
+from gateway.serving.model_access import model_card
 from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
     SSE_HEADERS,
@@ -31,6 +32,7 @@ from gateway.serving.outcome import (
     whole_answer,
 )
 from gateway.serving.parsed_output import Whole, choice_outputs
+from gateway.serving.rendering import rendered_tokens
 from gateway.state import GW
 
 

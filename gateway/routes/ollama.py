@@ -38,9 +38,10 @@ from gateway.schemas.ollama import (
     held_for,
     served_name,
 )
-from gateway.serving.admission import model_card, prepare, tenant_of
+from gateway.serving.admission import prepare
 from gateway.serving.embedding import embed
 from gateway.serving.job import Job
+from gateway.serving.model_access import model_card, tenant_of
 from gateway.serving.ollama_models import describe
 from gateway.serving.outcome import (
     LARGE_CALL_CHARS,

@@ -42,10 +42,11 @@ from gateway.schemas.openai_format import (
     response_body,
     usage_chunk,
 )
-from gateway.serving.admission import model_card, prepare, rendered_tokens, served_model
+from gateway.serving.admission import prepare
 from gateway.serving.counted import counted
 from gateway.serving.echo import Echo
 from gateway.serving.job import Job
+from gateway.serving.model_access import model_card, served_model
 from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
     SSE_HEADERS,
@@ -56,6 +57,7 @@ from gateway.serving.outcome import (
 )
 from gateway.serving.parsed_output import Whole, choice_outputs, reasoning_tokens
 from gateway.serving.parser_choice import parsers_of_card
+from gateway.serving.rendering import rendered_tokens
 from gateway.state import GW, GatewayState
 
 log = logging.getLogger("kvgate")

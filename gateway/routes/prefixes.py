@@ -35,7 +35,7 @@ from gateway.http.util import json_response, parse_body
 from gateway.routes import guards
 from gateway.routing.pins import Pin, PinCapExceeded, PinCaps
 from gateway.schemas.admin import AdminPinCreate, PinCreate
-from gateway.serving.admission import require_task
+from gateway.serving.model_access import require_task
 from gateway.serving.token_plan import PIN_COST, check_spend
 from gateway.state import GW, GatewayState
 from gateway.tenancy.auth import Principal

@@ -46,17 +46,11 @@ from gateway.http.errors import ApiError
 from gateway.http.util import json_bytes
 from gateway.observe.stats import Finished
 from gateway.observe.tracing import step
-from gateway.ondemand import DEFAULT, held
 from gateway.schemas.embeddings import EmbeddingRequest, embedding_body
-from gateway.serving.admission import (
-    admit,
-    model_card,
-    render_on_a_replica,
-    require_task,
-    served_model,
-    tenant_of,
-)
+from gateway.serving.admission import admit
+from gateway.serving.model_access import loaded, model_card, require_task, tenant_of
 from gateway.serving.outcome import CLIENT_GONE, off_loop_if
+from gateway.serving.rendering import render_on_a_replica
 from gateway.serving.request_ids import time_ordered_hex
 from gateway.serving.token_plan import EMBED_COST, check_input_tokens, check_spend
 from gateway.serving.traces import embedding_attributes
@@ -95,9 +89,7 @@ async def embed(
     for a refused request, and a failed one settles what it took). A Batch API line's
     (`batch`: its batch id and custom_id) is priced at `price`, the batch price. A models
     directory's model is loaded first and held to the end (gateway.ondemand)."""
-    tenant_of(principal)  # a 404 or 403 before anything loads
-    model_card(gw, principal, body.model)
-    async with held(gw, served_model(gw, principal, body.model), DEFAULT):
+    async with loaded(gw, principal, body.model):
         return await _embed(gw, principal, body, batch, price)
 
 
