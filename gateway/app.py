@@ -12,7 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.backends import Backend
 from gateway.batches import BATCHES
 from gateway.batches.start import start_batches
-from gateway.config import ConfigSource, Settings
+from gateway.config import Settings
+from gateway.config_load import ConfigSource
 from gateway.http.drain import DRAIN, Drain
 from gateway.http.middleware import gateway_requests
 from gateway.http.traced import traced_requests

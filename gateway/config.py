@@ -1,31 +1,30 @@
-"""Settings from one TOML file, `KVGATE_*` environment variables and CLI flags
-(later sources win)."""
+"""The settings table: every setting a gateway has, its default, what it is for, and the
+checks on its value and on how settings combine; and from them the backend entries to
+serve. Where the values come from (a TOML file, `KVGATE_*` variables, flags) is
+gateway.config_load's; what a backend entry is given besides (the engine settings'
+backend types, LoRA, the KV tiers' secret) gateway.config_backends'.
+"""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import tomllib
 import typing
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.backends import BackendSpec, replica_count
 from gateway.backends.default_model import starter_backends
-from gateway.backends.generation_config import checked
-from gateway.backends.spec import LoraModule, parse_lora_modules
-from gateway.config_check import (
-    ConfigError,
-    check_parsers,
-    check_types,
-    keep_alive_s,
-    table,
-    text,
+from gateway.backends.spec import parse_lora_modules
+from gateway.config_backends import (
+    ENGINE_SETTINGS,
+    check_engine_settings,
+    check_no_kv_tier_secret,
+    pick_backend_type,
+    with_lora,
 )
+from gateway.config_check import ConfigError, check_parsers, check_types, keep_alive_s, table
 from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
-from gateway.observe.tracing import trace_export
 from gateway.tenancy.quota.prices import FREE, Price, parse_prices
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"
@@ -160,6 +159,20 @@ class Settings:
         self.prices = parse_prices(table(self.prices, "prices"))
         self.batch_prices = parse_prices(table(self.batch_prices, "batch_prices"))
         self.instance = self.instance or f"{socket.gethostname()}:{self.port}"
+        self._check_identity()
+        self._check_serving()
+        check_parsers(self.reasoning_parser, self.tool_call_parser, "")
+        for spec in self.backends:
+            replica_count(spec)  # a bad `replicas` is a configuration error, found here
+            check_parsers(spec.reasoning_parser, spec.tool_call_parser, f"backend {spec.name!r}: ")
+            check_no_kv_tier_secret(spec.options, f"backend {spec.name!r}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(
+                f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}"
+            )
+
+    def _check_identity(self) -> None:
+        """The instance's name and the secrets' lengths."""
         if "/" in self.instance or len(self.instance) > MAX_INSTANCE_CHARS:
             raise ValueError(
                 f"instance must be at most {MAX_INSTANCE_CHARS} characters without '/', "
@@ -177,6 +190,10 @@ class Settings:
                 f"kv_tier_secret must be at least {MIN_ADMIN_KEY_CHARS} characters; leave it "
                 "unset to have one generated into the database"
             )
+
+    def _check_serving(self) -> None:
+        """The bounds of how requests are served: fairness, draining, workers and
+        replicas, the models directory, images, files and batches, prefill apart."""
         if self.fairness not in (None, "vtc", "fcfs"):
             raise ValueError(f"fairness must be vtc or fcfs, got {self.fairness!r}")
         if not 0 <= self.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:
@@ -205,15 +222,6 @@ class Settings:
             )
         if self.prefill_threshold < 1 or self.prefill_timeout_s <= 0:
             raise ValueError("prefill_threshold must be >= 1 and prefill_timeout_s > 0")
-        check_parsers(self.reasoning_parser, self.tool_call_parser, "")
-        for spec in self.backends:
-            replica_count(spec)  # a bad `replicas` is a configuration error, found here
-            check_parsers(spec.reasoning_parser, spec.tool_call_parser, f"backend {spec.name!r}: ")
-            check_no_kv_tier_secret(spec.options, f"backend {spec.name!r}")
-        if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(
-                f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}"
-            )
 
     def _check_images(self) -> None:
         for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
@@ -280,7 +288,7 @@ class Settings:
         kind = pick_backend_type() if self.backend in ("", "auto") else self.backend
         if starter and kind in ("gpu", "local") and self._bare(engine_options):
             return starter_backends(kind, self.fairness)
-        _check_engine_settings(engine_options, kind)
+        check_engine_settings(engine_options, kind)
         options = {"replicas": self.replicas} if self.replicas != 1 else {}
         options |= engine_options
         if self.fairness is not None and kind == "gpu":  # the engine's own scheduler
@@ -309,272 +317,3 @@ class Settings:
 
 
 SETTING_TYPES = typing.get_type_hints(Settings)
-
-
-def with_lora(spec: BackendSpec, modules: list[LoraModule]) -> BackendSpec:
-    """The spec serving `modules`: an engine given adapters has LoRA enabled."""
-    options = spec.options
-    if modules and spec.type in ("gpu", "local"):
-        options = {"enable_lora": True} | options
-    return replace(spec, options=options, lora_modules=modules)
-
-
-def check_no_kv_tier_secret(options: dict[str, Any], where: str) -> None:
-    """The KV tiers' secret is one for all engines, and kept off command lines: never
-    an engine option."""
-    if "kv_tier_secret" in options:
-        raise ValueError(
-            f"{where}: kv_tier_secret is not an engine option; set it once in [server] "
-            "(or KVGATE_KV_TIER_SECRET)"
-        )
-
-
-def with_kv_tier_secret(spec: BackendSpec, secret: str | None) -> BackendSpec:
-    """The spec of an in-process engine (gpu, local) given the KV tiers' secret."""
-    if secret is None or spec.type not in KV_TIER_ENGINES:
-        return spec
-    return replace(spec, options=spec.options | {"kv_tier_secret": secret})
-
-
-KV_TIER_ENGINES = ("gpu", "local")  # the engines that store KV blocks below their caches
-
-# the engine settings above and the backend types that take each
-ENGINE_SETTINGS: dict[str, tuple[str, ...]] = {
-    "quantization": ("gpu",),
-    "kv_cache_dtype": ("gpu",),
-    "max_model_len": ("gpu",),
-    "max_num_seqs": ("gpu",),
-    "gpu_memory_utilization": ("gpu",),
-    "device": ("gpu",),
-    "dtype": ("gpu",),
-    "tensor_parallel_size": ("gpu",),
-    "enable_expert_parallel": ("gpu",),
-    "pipeline_parallel_size": ("gpu",),
-    "kv_offload_gb": ("gpu",),
-    "kv_disk_path": ("gpu", "local"),
-    "kv_disk_gb": ("gpu", "local"),
-    "kv_shared_url": ("gpu",),
-    "n_ctx": ("local",),
-    "n_parallel": ("local",),
-    "n_threads": ("local",),
-    "enable_lora": ("gpu", "local"),
-    "max_loras": ("gpu", "local"),
-    "max_lora_rank": ("gpu",),
-    "max_cpu_loras": ("gpu",),
-}
-
-
-def _check_engine_settings(engine_options: dict[str, Any], kind: str) -> None:
-    """A setting the chosen backend does not take is an error, not silently dropped."""
-    errors = []
-    for needed in sorted(set(ENGINE_SETTINGS.values())):
-        wrong = sorted(
-            n for n in engine_options if ENGINE_SETTINGS[n] == needed and kind not in needed
-        )
-        if not wrong:
-            continue
-        hint = ""
-        if kind == "local" and {"quantization", "kv_cache_dtype"} & set(wrong):
-            hint = " (llama.cpp runs the quantization of its GGUF file: pick a quantized GGUF)"
-        errors.append(f"{wrong} need the {' or '.join(needed)} backend, not {kind!r}{hint}")
-    if errors:
-        raise ValueError("; ".join(errors))
-
-
-_ENV_FIELDS = {
-    "host": str,
-    "port": int,
-    "database_url": str,
-    "database_schema": str,
-    "sqlite_wal_limit_bytes": int,
-    "instance": str,
-    "admin_key": str,
-    "secret": str,
-    "kv_tier_secret": str,
-    "max_body_bytes": int,
-    "key_cache_ttl_s": float,
-    "metrics_auth": lambda v: v.lower() in ("1", "true", "yes"),
-    "metrics_token": str,
-    "otlp_traces_endpoint": str,
-    "max_connections": int,
-    "header_timeout_s": float,
-    "body_timeout_s": float,
-    "keepalive_timeout_s": float,
-    "drain_timeout_s": float,
-    "max_pins_per_tenant": int,
-    "max_pin_tokens_per_tenant": int,
-    "backend": str,
-    "model": str,
-    "served_model_name": str,
-    "replicas": int,
-    "workers": int,
-    "router_policy": str,
-    "prefill_workers": int,
-    "prefill_threshold": int,
-    "prefill_timeout_s": float,
-    "quantization": str,
-    "kv_cache_dtype": str,
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "gpu_memory_utilization": float,
-    "tensor_parallel_size": int,
-    "enable_expert_parallel": lambda v: v.lower() in ("1", "true", "yes"),
-    "pipeline_parallel_size": int,
-    "kv_offload_gb": float,
-    "kv_disk_path": str,
-    "kv_disk_gb": float,
-    "kv_shared_url": str,
-    "n_ctx": int,
-    "n_parallel": int,
-    "n_threads": int,
-    "enable_lora": lambda v: v.lower() in ("1", "true", "yes"),
-    "max_loras": int,
-    "max_lora_rank": int,
-    "max_cpu_loras": int,
-    "lora_modules": lambda v: v.split(),
-    "fairness": str,
-    "reasoning_parser": str,
-    "tool_call_parser": str,
-    "files_dir": str,
-    "max_file_bytes": int,
-    "max_file_lines": int,
-    "batch_in_flight": int,
-    "max_image_bytes": int,
-    "max_image_pixels": int,
-    "max_images_per_request": int,
-    "allowed_image_hosts": lambda v: v.replace(",", " ").split(),
-    "image_fetch_timeout_s": float,
-    "models_dir": str,
-    "models_max": int,
-    "models_memory_gb": float,
-    "keep_alive": str,
-}
-
-
-@dataclass(frozen=True)
-class ConfigSource:
-    """Where a gateway's settings came from, so that a reload (SIGHUP, POST
-    /admin/reload) reads them the same way: the config file again, under the same
-    KVGATE_* variables and command-line flags."""
-
-    config_file: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    def load(self) -> Settings:
-        settings = load_settings(self.config_file, self.overrides, require_backends=True)
-        settings.resolved_backends()  # a setting the chosen backend lacks is an error here
-        return settings
-
-
-# what names the backends to serve; a config file with none of them serves nothing
-BACKEND_CHOICES = frozenset({"backends", "backend", "model", "served_model_name", "models_dir"})
-
-
-def load_settings(
-    config_file: str | os.PathLike | None = None,
-    overrides: dict[str, Any] | None = None,
-    environ: dict[str, str] | None = None,
-    require_backends: bool = False,
-) -> Settings:
-    """The settings, later sources winning; ConfigError (a ValueError) naming the key
-    that does not validate. `require_backends` (a gateway's, at start and on a reload):
-    a config file must name what it serves (a [[backends]] entry, or `backend`, `model`
-    by any source): one with none (its entries deleted, say) must not quietly serve the
-    default model in their place."""
-    environ = dict(os.environ) if environ is None else environ
-    values: dict[str, Any] = {}
-    config_file = config_file or environ.get("KVGATE_CONFIG")
-    if config_file:
-        values.update(_read_toml(Path(config_file)))
-    for name, cast in _ENV_FIELDS.items():
-        env_name = "KVGATE_" + name.upper()
-        if environ.get(env_name):
-            try:
-                values[name] = cast(environ[env_name])
-            except ValueError:
-                raise ConfigError(name, f"{env_name} is not valid: {environ[env_name]!r}") from None
-    for name, value in (overrides or {}).items():
-        if value is not None:
-            values[name] = value
-    known = {f.name for f in fields(Settings)}
-    unknown = set(values) - known
-    if unknown:
-        raise ConfigError(min(unknown), f"unknown settings: {sorted(unknown)}")
-    if require_backends and config_file and not BACKEND_CHOICES & set(values):
-        raise ConfigError(
-            "backends",
-            f"{config_file} has no [[backends]] entry: add one, or ask for the default model "
-            'with backend = "auto" in [server] (or KVGATE_BACKEND, --backend)',
-        )
-    settings = Settings(**values)
-    # an OTEL_* trace export kvgate cannot send is a configuration error, found here
-    trace_export(settings.otlp_traces_endpoint, "kvgate", environ)
-    return settings
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    with path.open("rb") as f:
-        data = tomllib.load(f)
-    values: dict[str, Any] = dict(table(data.get("server", {}), "server"))
-    entries = data.get("backends", [])
-    if not isinstance(entries, list):
-        raise ConfigError("backends", f"backends must be [[backends]] tables, got {entries!r}")
-    specs = [_backend_entry(path, i, entry) for i, entry in enumerate(entries)]
-    if specs:
-        values["backends"] = specs
-        values.setdefault("backend", "")
-    if "prices" in data:
-        values["prices"] = table(data["prices"], "prices")  # each model's: by Settings
-    if "batch_prices" in data:
-        values["batch_prices"] = table(data["batch_prices"], "batch_prices")
-    return values
-
-
-def _backend_entry(path: Path, i: int, entry: Any) -> BackendSpec:
-    """One [[backends]] table as a BackendSpec, each field of its type."""
-    entry = dict(table(entry, f"backends[{i}]"))
-    for needed in ("name", "type"):
-        if needed not in entry:
-            raise ConfigError(f"backends[{i}]", f"{path}: each [[backends]] entry needs {needed!r}")
-    name = text(entry.pop("name"), f"backends[{i}].name", required=True)
-    key = f"backends.{name}"
-    kind = text(entry.pop("type"), f"{key}.type", required=True)
-    model = text(entry.pop("model", ""), f"{key}.model")
-    served = text(entry.pop("served_model_name", ""), f"{key}.served_model_name")
-    options = table(entry.pop("options", {}), f"{key}.options") | entry
-    modules = parse_lora_modules(options.pop("lora_modules", []), f"{path}: backend {name!r}")
-    parsers = {
-        field: text(options.pop(field), f"{key}.{field}") or None
-        for field in ("reasoning_parser", "tool_call_parser")
-        if field in options
-    }
-    generation = table(options.pop("generation_config", {}), f"{key}.generation_config")
-    try:
-        overrides = checked(generation, f"{key}.generation_config")
-    except ValueError as e:
-        raise ConfigError(f"{key}.generation_config", str(e)) from None
-    spec = BackendSpec(name, kind, model, served, options, **parsers, generation_config=overrides)
-    return with_lora(spec, modules)
-
-
-def pick_backend_type() -> str:
-    """gpu when CUDA is there, else llama.cpp, else the fake backend (the caller says so)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available() and _importable("gateway.backends.gpu"):
-            return "gpu"
-    except ImportError:
-        pass
-    if _importable("llama_cpp") and _importable("gateway.backends.local"):
-        return "local"
-    return "fake"
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.backends import Backend, BackendSpec, ModelCard, build_backends
-from gateway.config import Settings, with_kv_tier_secret
+from gateway.config import Settings
+from gateway.config_backends import with_kv_tier_secret
 from gateway.db import Database, migrate
 from gateway.db.tables import ServerSetting
 from gateway.http.drain import Drain

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from gateway.backends import Backend, BackendSpec
-from gateway.config import ENGINE_SETTINGS, Settings
+from gateway.config import Settings
+from gateway.config_backends import ENGINE_SETTINGS
 from gateway.config_check import ConfigError
 from gateway.lifecycle import Started, add_entry_adapters, route, start_entries
 from gateway.ondemand import ModelsDir

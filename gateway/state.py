@@ -13,7 +13,8 @@ from weakref import WeakKeyDictionary
 from aiohttp import web
 
 from gateway.backends import Backend, BackendStats
-from gateway.config import ConfigSource, Settings
+from gateway.config import Settings
+from gateway.config_load import ConfigSource
 from gateway.db import Database
 from gateway.http.drain import Drain
 from gateway.http.errors import ApiError

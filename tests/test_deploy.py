@@ -29,7 +29,7 @@ from sqlalchemy import text
 
 from gateway.backends.default_model import PACKAGED_MODELS
 from gateway.backends.remote_options import RemoteOptions, replica_specs
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.db import Database, migrate
 from gateway.db.engine import alembic_config
 from tests.conftest import PG_URL

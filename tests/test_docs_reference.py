@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from gateway.config import _ENV_FIELDS, Settings
+from gateway.config import Settings
+from gateway.config_load import _ENV_FIELDS
 from gateway.routes.openapi import build_document
 from tools import reference_config
 from tools.reference_cli import cli_reference, command_paths

@@ -1,7 +1,7 @@
 """The settings table of the docs (docs/reference/configuration.md), generated at every
-`make docs` from gateway.config's Settings, its KVGATE_* variables and `kvgate serve`'s
-flags: a setting's flag says what it does (its help); a setting with no flag says it
-here, in FLAGLESS. A setting with neither, or a flag of `kvgate serve` that sets no
+`make docs` from gateway.config's Settings, gateway.config_load's KVGATE_* variables and
+`kvgate serve`'s flags: a setting's flag says what it does (its help); a setting with no
+flag says it here, in FLAGLESS. A setting with neither, or a flag of `kvgate serve` that sets no
 setting, fails the build, so the table cannot drift.
 """
 
@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from gateway.config import _ENV_FIELDS, Settings
+from gateway.config import Settings
+from gateway.config_load import _ENV_FIELDS
 from tools.reference_cli import _subcommands
 
 # the settings `kvgate serve` takes no flag for: what each sets

@@ -11,7 +11,8 @@ from gateway.cli import admin as cli_admin
 from gateway.cli import plan as cli_plan
 from gateway.cli.output import print_rows
 from gateway.cli.parsing import Parser
-from gateway.config import ConfigSource, Settings, load_settings
+from gateway.config import Settings
+from gateway.config_load import ConfigSource, load_settings
 from gateway.worker import cli as worker_cli
 
 _DELEGATED = {

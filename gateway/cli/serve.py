@@ -14,7 +14,8 @@ import sys
 from aiohttp import web
 
 from gateway.app import create_app
-from gateway.config import ConfigSource, Settings
+from gateway.config import Settings
+from gateway.config_load import ConfigSource
 from gateway.http.drain import until_signalled
 from gateway.http.server import GatewayRunner
 from gateway.reload import reload_on_signal

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backends import Backend, BackendSpec, build_backend
-from gateway.config import Settings, with_kv_tier_secret
+from gateway.config import Settings
+from gateway.config_backends import with_kv_tier_secret
 from gateway.config_check import keep_alive_s
 from gateway.http.errors import ApiError
 from gateway.ondemand import files

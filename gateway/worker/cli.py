@@ -19,12 +19,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from gateway.config import (
-    ENGINE_SETTINGS,
-    check_no_kv_tier_secret,
-    load_settings,
-    with_kv_tier_secret,
-)
+from gateway.config_backends import ENGINE_SETTINGS, check_no_kv_tier_secret, with_kv_tier_secret
+from gateway.config_load import load_settings
 from gateway.worker_pool.supervisor import READY_LINE
 
 ENGINE_CHOICES = ["auto", "fake", "gpu", "local"]

@@ -10,7 +10,7 @@ from engine_api.sampling import SamplingParams
 from gateway.backends import build_backend
 from gateway.cli import build_parser
 from gateway.cli import main as kvgate_main
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.worker import cli as worker_cli
 
 

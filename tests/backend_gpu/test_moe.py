@@ -22,7 +22,7 @@ from backend_gpu.layers.moe import FusedExperts, grouped_experts, loop_over_expe
 from backend_gpu.tp_shards import SKIP, ShardRead
 from gateway.backends.gpu import ENGINE_OPTIONS
 from gateway.cli.main import build_parser
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.worker import cli as worker_cli
 from tests.backend_gpu.reference import (
     chunked_engines,

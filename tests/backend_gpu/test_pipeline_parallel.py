@@ -26,7 +26,7 @@ from backend_gpu.pp_stages import WHOLE_MODEL, MissingLayer, Stage
 from backend_gpu.scheduler import ScheduledBatch
 from engine_api.errors import EngineDeadError
 from gateway.backends import BackendSpec
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.worker import cli as worker_cli
 from gateway.worker_pool.placement import place_workers
 from tests.backend_gpu.test_tensor_parallel import assert_same_greedy, prompts, reference

@@ -18,7 +18,7 @@ from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8
 from backend_gpu.quantization.fp8 import FP8
 from gateway.backends import build_backend
 from gateway.cli import main as kvgate_main
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from tests.backend_gpu.conftest import GEMMA3_270M_GROUP
 from tests.backend_gpu.reference import forced_agreement
 

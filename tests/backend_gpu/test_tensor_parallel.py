@@ -23,7 +23,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.tp_shards import check_divisible
 from engine_api.errors import EngineDeadError
 from gateway.backends import BackendError, BackendSpec, GenRequest, build_backend
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.worker import cli as worker_cli
 from gateway.worker_pool.placement import place_workers
 from tests.backend_gpu.conftest import GEMMA3_270M_GROUP

@@ -17,7 +17,7 @@ from gateway.backends import BackendSpec, BackendStats
 from gateway.backends.spec import LoraModule
 from gateway.cli import main as cli_main
 from gateway.cli.main import build_parser
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.db import AuditLog, LoraAdapter
 from gateway.routing.router import Router
 from gateway.worker.cli import LORA_DEFAULTS

@@ -16,7 +16,7 @@ from sqlalchemy import select, text
 
 from gateway.app import create_app
 from gateway.cli import main as kvgate
-from gateway.config import ConfigSource
+from gateway.config_load import ConfigSource
 from gateway.db import ApiKey, Database, migrate
 from gateway.http.server import GatewayTestServer
 from gateway.reload import SIGNAL_ACTOR, reload_on_signal

@@ -17,7 +17,8 @@ from sqlalchemy import select
 
 from gateway.app import create_app
 from gateway.backends import BackendSpec, KVEvent
-from gateway.config import Settings, load_settings
+from gateway.config import Settings
+from gateway.config_load import load_settings
 from gateway.db import PrefixBlock
 from gateway.http.server import GatewayTestServer
 from gateway.lifecycle import start_gateway, stop_gateway

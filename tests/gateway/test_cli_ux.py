@@ -20,7 +20,7 @@ import pytest
 from gateway.backends import build_backend
 from gateway.cli import build_parser
 from gateway.cli import main as kvgate
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.db import Database
 from gateway.routing.fair_queue import SPARE_SEATS
 from gateway.tenancy.quota.prices import Price

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import SQLITE_WAL_LIMIT_BYTES, load_settings
+from gateway.config import SQLITE_WAL_LIMIT_BYTES
+from gateway.config_load import load_settings
 
 
 def test_toml_env_and_flags_layer(tmp_path):

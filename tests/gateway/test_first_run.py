@@ -25,7 +25,8 @@ from gateway.backends.default_model import (
 )
 from gateway.cli import main as kvgate
 from gateway.cli.chat import ChatError, RemoteChat, Sampling
-from gateway.config import load_settings, pick_backend_type
+from gateway.config_backends import pick_backend_type
+from gateway.config_load import load_settings
 from tests.conftest import ADMIN_KEY, free_port, start_gateway
 
 MISSING = "path/that/does/not/exist.gguf"

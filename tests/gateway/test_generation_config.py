@@ -10,8 +10,8 @@ import pytest
 
 from gateway.backends.default_model import INSTRUCT_MODEL_ID, packaged_sampling
 from gateway.backends.generation_config import checked, from_gguf, from_hf_dir
-from gateway.config import load_settings
 from gateway.config_check import ConfigError
+from gateway.config_load import load_settings
 from gateway.schemas.messages import MessagesRequest
 from gateway.schemas.responses_api import ResponseCreateRequest
 from tests.conftest import start_gateway

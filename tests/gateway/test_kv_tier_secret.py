@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from gateway.backends import BackendSpec
-from gateway.config import Settings, load_settings
+from gateway.config import Settings
+from gateway.config_load import load_settings
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.conftest import PG_URL
 from tests.gateway.test_prefixes import cached, eventually

@@ -17,7 +17,7 @@ from engine_api.block_hash import hash_blocks
 from engine_api.records import BackendStats, KVEvent
 from gateway.backends.remote_worker import WorkerEvents, parse_stats
 from gateway.cli import build_parser
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.observe.metrics import Metrics, kv_tier_stats
 from gateway.routing.catalog import PrefixCatalog
 from gateway.worker import cli as worker_cli

@@ -27,7 +27,8 @@ from gateway.backends.kv_transfer import pack_records, role_of, unpack_records
 from gateway.backends.remote_options import RemoteOptions
 from gateway.backends.remote_worker import parse_stats
 from gateway.cli import build_parser
-from gateway.config import Settings, load_settings
+from gateway.config import Settings
+from gateway.config_load import load_settings
 from gateway.observe.metrics import Metrics
 from tests.backend_gpu.tiny_models import save_tiny_model
 from tests.gateway.test_worker import gen_body, http, start_worker

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import load_settings
 from gateway.config_check import ConfigError
+from gateway.config_load import load_settings
 from tests.conftest import ADMIN_KEY, LiveGateway, free_port, start_gateway
 
 THOUGHT = "The user wants the weather in Oslo."

@@ -11,7 +11,8 @@ from openai import AsyncOpenAI
 
 from gateway.backends import BackendSpec, BackendStats, KVEvent, build_backends
 from gateway.cli import build_parser
-from gateway.config import Settings, load_settings
+from gateway.config import Settings
+from gateway.config_load import load_settings
 from gateway.routing.catalog import PrefixCatalog
 from gateway.routing.router import Candidate, Router
 from gateway.routing.salts import tenant_cache_salt

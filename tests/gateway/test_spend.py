@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 from sqlalchemy import select, text
 
 from gateway.backends import BackendSpec
-from gateway.config import load_settings
+from gateway.config_load import load_settings
 from gateway.db import Database, UsageRecord, migrate
 from gateway.tenancy.quota.prices import Price, to_nanos
 from tests.conftest import PG_URL

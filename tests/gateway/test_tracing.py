@@ -310,7 +310,7 @@ async def test_the_standard_sampler_variables_choose_the_traces(
 
 
 def test_the_config_file_turns_tracing_on(tmp_path: Path) -> None:
-    from gateway.config import load_settings
+    from gateway.config_load import load_settings
 
     cfg = tmp_path / "kvgate.toml"
     cfg.write_text('[server]\notlp_traces_endpoint = "http://collector:4318/v1/traces"\n')
