@@ -12,7 +12,9 @@ import jsonschema_rs
 import pytest
 import schemathesis
 
-from gateway.routes.openapi import EXAMPLES, REF, REQUEST_MODELS, build_document
+from gateway.routes.openapi import build_document
+from gateway.routes.openapi_requests import EXAMPLES, REQUEST_MODELS
+from gateway.routes.openapi_routes import REF
 from tests.conftest import ADMIN_KEY
 
 
