@@ -126,22 +126,29 @@ def chunked_engines(model_dir: Callable[[str], str]) -> Callable:
     return get
 
 
-def hf_sparse_blocks(model_dir: str, prompt: list[int]) -> list[dict]:
+def hf_sparse_blocks(
+    model_dir: str, prompt: list[int], router: str = "gate", **load_kwargs
+) -> list[dict]:
     """Per sparse layer of transformers' model over `prompt` (a layer whose mlp has a
-    `gate`): the block's input, the router's output and the block's output."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    `router`, the router's attribute name: Mixtral's and DeepSeek's `gate`, gpt-oss's
+    `router`): the block's input `x`, the router's output under `router`'s name and the
+    block's output `out`."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs)
+    model.eval()
     seen: list[dict] = []
     hooks = []
     for layer in model.model.layers:
         block = layer.mlp
-        if not hasattr(block, "gate"):
+        if not hasattr(block, router):
             continue
         record: dict = {}
         seen.append(record)
         hooks.append(block.register_forward_pre_hook(lambda m, a, r=record: r.update(x=a[0])))
         hooks.append(block.register_forward_hook(lambda m, a, out, r=record: r.update(out=out)))
         hooks.append(
-            block.gate.register_forward_hook(lambda m, a, out, r=record: r.update(gate=out))
+            getattr(block, router).register_forward_hook(
+                lambda m, a, out, r=record: r.update({router: out})
+            )
         )
     with torch.inference_mode():
         model(torch.tensor([prompt]))

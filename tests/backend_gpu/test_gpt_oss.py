@@ -14,13 +14,18 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Mxfp4Config
+from transformers import Mxfp4Config
 
 from backend_gpu import LLM, SamplingParams
 from backend_gpu.layers.gpt_oss_moe import BiasedExperts, Mxfp4Experts
 from backend_gpu.pp_stages import MissingLayer
 from tests.backend_gpu.mxfp4_checkpoints import write_mxfp4_checkpoint
-from tests.backend_gpu.reference import assert_greedy_matches, forced_agreement, hf_greedy
+from tests.backend_gpu.reference import (
+    assert_greedy_matches,
+    forced_agreement,
+    hf_greedy,
+    hf_sparse_blocks,
+)
 from tests.backend_gpu.test_correctness import SETTINGS, mixed_prompts
 
 FORMATS = ["16-bit", "mxfp4"]
@@ -91,33 +96,9 @@ def test_greedy_matches_transformers(model_dir, check, fmt, setting):
         assert llm.stats().prefix_hits > 0 and outs[-1].num_cached_tokens >= 32
 
 
-def hf_blocks(model_dir: str, fmt: str, prompt: list[int]) -> list[dict]:
-    """Per layer of transformers' model over `prompt`: the MoE block's input, the
-    router's (logits, weights, experts) and the block's output."""
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, **hf_kwargs(fmt)
-    ).eval()
-    seen: list[dict] = []
-    hooks = []
-    for layer in model.model.layers:
-        record: dict = {}
-        seen.append(record)
-        block = layer.mlp
-        hooks.append(block.register_forward_pre_hook(lambda m, a, r=record: r.update(x=a[0])))
-        hooks.append(block.register_forward_hook(lambda m, a, out, r=record: r.update(out=out)))
-        hooks.append(
-            block.router.register_forward_hook(lambda m, a, out, r=record: r.update(router=out))
-        )
-    with torch.inference_mode():
-        model(torch.tensor([prompt]))
-    for hook in hooks:
-        hook.remove()
-    return seen
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_router_and_experts_equal_transformers(model_dir, fmt):
-    hf = hf_blocks(model_dir(fmt), fmt, mixed_prompts()[4])
+    hf = hf_sparse_blocks(model_dir(fmt), mixed_prompts()[4], "router", **hf_kwargs(fmt))
     llm = LLM(model_dir(fmt))
     for layer, ref in zip(llm.engine.runner.model.model.layers, hf, strict=True):
         block = layer.mlp
