@@ -6,7 +6,8 @@
 
 Greedy with ignore_eos: the same requests run on engines loaded side by side, plain,
 n-gram (`speculative_config={"method": "ngram", ...}`) and, with --eagle3, an EAGLE-3
-head (`{"method": "eagle3", "model": HEAD, ...}`), alternating which goes first. The
+head (`{"method": "eagle3", "model": HEAD, ...}`; with --confidence, one more per
+`draft_confidence_threshold`), alternating which goes first. The
 outputs must be identical (asserted). Prompt sets: `copy` (repeat a given text, or
 repeat it with an edit: what n-gram lookup is for), `chat` (questions) and `code`
 (code edits), in the model's chat template when it has one; each at every --batch
@@ -173,6 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--model", default="default", help="GGUF/HF path, a packaged name or 'default'")
     p.add_argument("--eagle3", help="an EAGLE-3 head's directory: measured beside n-gram")
+    p.add_argument(
+        "--confidence",
+        nargs="+",
+        type=float,
+        default=[],
+        help="with --eagle3, one more EAGLE-3 engine at each draft_confidence_threshold",
+    )
     p.add_argument("--sets", nargs="+", default=["copy"], choices=["copy", "chat", "code"])
     p.add_argument("--batch", nargs="+", type=int, default=[1])
     p.add_argument("--device", default="cpu")
@@ -201,11 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         }
     }
     if args.eagle3:
-        configs["eagle3"] = {
-            "method": "eagle3",
-            "model": args.eagle3,
-            "num_speculative_tokens": args.k,
-        }
+        eagle = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.k}
+        configs["eagle3"] = eagle
+        for threshold in args.confidence:
+            configs[f"eagle3@{threshold:g}"] = eagle | {"draft_confidence_threshold": threshold}
     common = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch))
     engines = {"plain": LLM(path, **common)}
     engines.update({name: LLM(path, **common, speculative_config=c) for name, c in configs.items()})

@@ -36,15 +36,37 @@ from studies.eagle3_corpus import prompts
 from studies.eagle3_ttt import Eagle3TTT, head_config, save_head
 from studies.spec_decode import QUESTIONS
 
+POOL = 1536  # prompts made before the --prompts that fit are taken
 
-def generate(path: str, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+
+def generate(
+    path: str, prompt_ids: list[list[int]], max_tokens: int, cache: str | None = None
+) -> list[list[int]]:
+    """The prompts with the target's greedy answers, 128 prompts a call (progress, and
+    with `cache` a JSON file of the answers so far: a run stopped or repeated with the
+    same prompts and --max-tokens generates only what it lacks)."""
     from backend_gpu import LLM, SamplingParams
 
-    # wide batches: on a CPU a decode step reads the weights once for every sequence
-    llm = LLM(path, max_num_seqs=64, max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    outs = llm.generate(prompt_ids, params)
-    return [p + o.token_ids for p, o in zip(prompt_ids, outs, strict=True)]
+    done: dict[str, list[int]] = {}
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            done = json.load(f)
+    key = lambda ids: f"{max_tokens}:" + ",".join(map(str, ids))  # noqa: E731
+    todo = [ids for ids in prompt_ids if key(ids) not in done]
+    start = time.perf_counter()
+    if todo:
+        # wide batches: on a CPU a decode step reads the weights once for every sequence
+        llm = LLM(path, max_num_seqs=64, max_model_len=1024)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        for i in range(0, len(todo), 128):
+            group = todo[i : i + 128]
+            for ids, out in zip(group, llm.generate(group, params), strict=True):
+                done[key(ids)] = out.token_ids
+            print(f"  answered {i + len(group)}/{len(todo)} ({time.perf_counter() - start:.0f} s)")
+            if cache:
+                with open(cache, "w") as f:
+                    json.dump(done, f)
+    return [ids + done[key(ids)] for ids in prompt_ids]
 
 
 @torch.inference_mode()
@@ -64,14 +86,23 @@ def features(hf_dir: str, seqs: list[list[int]], layers: list[int]):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     model.float().eval()
-    aux, choice = [], []
+    aux: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    choice: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     start = time.perf_counter()
-    for i, ids in enumerate(seqs):
-        out = model(torch.tensor([ids]), output_hidden_states=True)
-        aux.append(torch.cat([out.hidden_states[j][0] for j in layers], dim=-1))
-        choice.append(out.logits[0].argmax(-1))
-        if (i + 1) % 16 == 0 or i + 1 == len(seqs):
-            print(f"  target features {i + 1}/{len(seqs)} ({time.perf_counter() - start:.0f} s)")
+    # 8 sequences of like length a pass, padded at the end: causal attention keeps
+    # the padding out of every real position
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for n in range(0, len(order), 8):
+        group = order[n : n + 8]
+        ids = pad([torch.tensor(seqs[i]) for i in group], 0)
+        out = model(ids, output_hidden_states=True)
+        for row, i in enumerate(group):
+            t = len(seqs[i])
+            aux[i] = torch.cat([out.hidden_states[j][row, :t] for j in layers], dim=-1)
+            choice[i] = out.logits[row, :t].argmax(-1)
+        if (n // 8 + 1) % 8 == 0 or n + 8 >= len(order):
+            done = min(n + 8, len(order))
+            print(f"  target features {done}/{len(seqs)} ({time.perf_counter() - start:.0f} s)")
     norm = model.model.norm.weight.detach().float().clone()
     if model.config.model_type.startswith("gemma"):  # Gemma stores w - 1
         norm += 1
@@ -114,9 +145,10 @@ def labels_of(
     return out
 
 
-def train(head: Eagle3TTT, seqs, aux, labels, args, checkpoint) -> list[dict]:
-    """Trains until the budget or --max-steps; at every evaluation `checkpoint(curve)`
-    writes the head as it is (a long run stopped early leaves its last one)."""
+def train(head: Eagle3TTT, seqs, aux, labels, scored, args, checkpoint) -> list[dict]:
+    """Trains on `labels` until the budget or --max-steps, scores the held-out
+    sequences' `scored` labels; at every evaluation `checkpoint(curve)` writes the head
+    as it is (a long run stopped early leaves its last one)."""
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     curve: list[dict] = []
     start = time.perf_counter()
@@ -141,7 +173,7 @@ def train(head: Eagle3TTT, seqs, aux, labels, args, checkpoint) -> list[dict]:
         done = elapsed >= args.budget_s or (args.max_steps and step >= args.max_steps)
         if step % args.eval_every == 0 or done:
             point = {"step": step, "seconds": round(elapsed, 1), "loss": float(loss.detach())}
-            point.update(evaluate(head, seqs, aux, labels, held, args.ttt_steps))
+            point.update(evaluate(head, seqs, aux, scored, held, args.ttt_steps))
             curve.append(point)
             print(
                 f"  step {step} {elapsed:.0f}/{args.budget_s} s loss {point['loss']:.3f} "
@@ -235,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--held-out", type=int, default=8, help="sequences scored, not trained on")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--prompt-loss", action="store_true", help="train on the prompts' positions too")
+    p.add_argument("--answers", help="JSON file caching the target's answers (read, extended)")
     p.add_argument("--save-result", help="append this run's figures to this JSON file")
     p.add_argument("--plot", help="write the loss and acceptance curves of --save-result here")
     args = p.parse_args(argv)
@@ -254,11 +288,13 @@ def main(argv: list[str] | None = None) -> dict:
     # prompts that leave room for the answer; short ones: the target's passes over the
     # prompts are most of the time before training on a CPU
     limit = min(target_config.max_position_embeddings - args.max_tokens, args.max_prompt)
-    made = prompts(tokenizer, 2 * args.prompts, QUESTIONS)
+    # drawn from a pool of one size, so that the first N are the same prompts whatever
+    # --prompts is (up to about 700): the --answers cache serves a shorter run
+    made = prompts(tokenizer, max(2 * args.prompts, POOL), QUESTIONS)
     prompt_ids = [ids for ids in made if len(ids) <= limit]
     prompt_ids = prompt_ids[: args.prompts]
     print(f"[{time.perf_counter() - began:.0f} s] {len(prompt_ids)} prompts; the target answers")
-    seqs = generate(path, prompt_ids, args.max_tokens)
+    seqs = generate(path, prompt_ids, args.max_tokens, args.answers)
     print(f"[{time.perf_counter() - began:.0f} s] {sum(map(len, seqs))} tokens; target features")
     aux, choice, embed, lm_head, norm, _ = features(hf_dir, seqs, layers)
     answers = [len(ids) for ids in prompt_ids]
@@ -267,6 +303,9 @@ def main(argv: list[str] | None = None) -> dict:
     to_draft = torch.full((target_config.vocab_size,), -100, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     labels = labels_of(choice, to_draft, args.ttt_steps, answers)
+    # the prompts' positions too: the target's choices over text it did not write,
+    # more to learn from at no cost of generation (scored on the answers alone)
+    taught = labels_of(choice, to_draft, args.ttt_steps, [1] * len(seqs))
     cfg = head_config(target_config, len(draft_ids), layers, nested=True)
     head = Eagle3TTT(cfg, embed)
     with torch.no_grad():  # start from the target's own output layer
@@ -279,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(os.path.join(args.out, "curve.json"), "w") as f:
             json.dump(curve, f, indent=1)
 
-    curve = train(head, seqs, aux, labels, args, checkpoint)
+    curve = train(head, seqs, aux, taught if args.prompt_loss else labels, labels, args, checkpoint)
     result = {
         "model": args.model,
         "head": args.out,

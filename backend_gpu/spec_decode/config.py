@@ -17,6 +17,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None  # ngram: longest suffix looked up
     # draft: a model sharing the target's tokenizer; eagle3: an EAGLE-3 head's directory
     model: str | os.PathLike | None = None
+    # eagle3: the chain goes on only while the head's probability of all its guesses so
+    # far is at least this (dynamic speculation: a verify pays no rows for guesses the
+    # head itself doubts); None: always k guesses
+    draft_confidence_threshold: float | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
@@ -43,6 +47,14 @@ class SpeculativeConfig:
                 f"speculative_config num_speculative_tokens must be 1 to "
                 f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
             )
+        threshold = self.draft_confidence_threshold
+        if threshold is not None:
+            if self.method != "eagle3":
+                raise ValueError("draft_confidence_threshold is for the 'eagle3' method")
+            if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+                raise ValueError(f"draft_confidence_threshold must be a number, got {threshold!r}")
+            if not 0 <= threshold < 1:
+                raise ValueError(f"draft_confidence_threshold must be in [0, 1), got {threshold}")
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("speculative method 'ngram' takes no 'model'")

@@ -77,6 +77,7 @@ class Eagle3Proposer:
         self.layout = layout
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, False)
         self.max_model_len = config.context_len(target_config)
+        self.threshold = spec.draft_confidence_threshold or 0.0
         self.states: dict[str, HeadState] = {}
         self.aux: AuxStates | None = None  # the target runner's, once it exists
 
@@ -143,8 +144,12 @@ class Eagle3Proposer:
         self, seqs: list[Sequence], ks: list[int], sampler: Sampler
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per sequence up to k tokens and, for sampled requests, the head's
-        distributions q [len(draft), V] they were drawn from."""
+        distributions q [len(draft), V] they were drawn from. A chain stops early once
+        the head's probability of its guesses so far is under the threshold: whether a
+        guess is drawn depends on the guesses before it alone, so the verifier's
+        sampled output keeps the target's distribution."""
         drafts: list[list[int]] = [[] for _ in seqs]
+        sure = [1.0] * len(seqs)  # the head's probability of each chain so far
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active: list[int] = []
         hidden: list[torch.Tensor] = []
@@ -173,13 +178,18 @@ class Eagle3Proposer:
             prenorm = self.head.layer_out(input_ids, positions, meta, rows)[last]
             for shadow, n in zip(shadows, batch.num_new_tokens, strict=True):
                 shadow.num_computed_tokens += n
-            tokens, q = self._draw(prenorm, [seqs[i] for i in active], sampler)
+            tokens, chance, q = self._draw(prenorm, [seqs[i] for i in active], sampler)
             for row, (i, shadow) in enumerate(zip(active, shadows, strict=True)):
                 shadow.token_ids.append(tokens[row])
                 drafts[i].append(tokens[row])
+                sure[i] *= chance[row]
                 if q is not None:
                     probs[i].append(q[row])
-            going = [row for row, i in enumerate(active) if len(drafts[i]) < ks[i]]
+            going = [
+                row
+                for row, i in enumerate(active)
+                if len(drafts[i]) < ks[i] and sure[i] >= self.threshold
+            ]
             active = [active[row] for row in going]
             rows = prenorm[going]
         q_out = [
@@ -190,10 +200,14 @@ class Eagle3Proposer:
 
     def _draw(
         self, prenorm: torch.Tensor, seqs: list[Sequence], sampler: Sampler
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """A pass's guesses from its last rows (before `norm`): all greedy, the argmax
-        over the draft vocabulary; else sample_draft over the target's vocabulary."""
+    ) -> tuple[list[int], list[float], torch.Tensor | None]:
+        """A pass's guesses from its last rows (before `norm`) and the head's own
+        probability of each (its softmax): all greedy, the argmax over the draft
+        vocabulary; else sample_draft over the target's vocabulary."""
         if all(seq.params.greedy for seq in seqs):
-            return self.head.greedy_tokens(prenorm), None
+            return *self.head.greedy_tokens(prenorm), None
         logits = self.head.compute_logits(self.head.model.norm(prenorm)).float()
-        return sample_draft(logits, seqs, sampler)
+        tokens, q = sample_draft(logits, seqs, sampler)
+        picked = torch.tensor(tokens, device=logits.device)[:, None]
+        chance = logits.log_softmax(dim=-1).gather(-1, picked)[:, 0].exp()
+        return tokens, chance.tolist(), q

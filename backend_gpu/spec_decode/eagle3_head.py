@@ -120,11 +120,14 @@ class Eagle3Head(nn.Module):
             hidden = m.fc(hidden)
         return m.layers[0](positions, m.embed_tokens(input_ids), hidden, meta)
 
-    def greedy_tokens(self, prenorm: torch.Tensor) -> list[int]:
-        """The argmax of each row's logits, as target ids: over the draft vocabulary
-        alone (compute_logits' -inf columns never win)."""
-        draft = self.lm_head(self.model.norm(prenorm)).argmax(dim=-1)
-        return (draft + self.d2t[draft]).tolist()
+    def greedy_tokens(self, prenorm: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The argmax of each row's logits, as target ids (over the draft vocabulary
+        alone: compute_logits' -inf columns never win), and the head's probability of
+        it."""
+        logits = self.lm_head(self.model.norm(prenorm)).float()
+        best, draft = logits.max(dim=-1)
+        chance = (best - logits.logsumexp(dim=-1)).exp()
+        return (draft + self.d2t[draft]).tolist(), chance.tolist()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary: the draft vocabulary's at their target

@@ -61,6 +61,19 @@ def test_eagle3_needs_a_head():
         EngineConfig(model="unused", speculative_config=spec)
 
 
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"draft_confidence_threshold": 1.0}, r"in \[0, 1\), got 1.0"),
+        ({"draft_confidence_threshold": "high"}, "must be a number"),
+        ({"method": "ngram", "model": None, "draft_confidence_threshold": 0.5}, "'eagle3' method"),
+    ],
+)
+def test_bad_confidence_thresholds_are_refused(change, error):
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(model="unused", speculative_config=eagle3("x") | change)
+
+
 def _drop(name):
     return lambda t: {k: v for k, v in t.items() if k != name}
 
@@ -171,6 +184,29 @@ def test_greedy_output_equals_plain_greedy(tiny_model_dir, tmp_path, arch):
     assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
     assert stats.prefix_hits > 0
     assert_head_blocks_back(spec)
+
+
+def test_a_chain_stops_at_the_heads_doubt(llama_head):
+    """A random head is never sure of a guess (its probabilities spread over the whole
+    vocabulary): under a confidence threshold each chain is its first guess alone,
+    without one k guesses; greedy output is plain's either way, sampled requests run."""
+    target, head = llama_head
+    plain = LLM(target)
+    prompts = copy_prompts(plain.tokenizer)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    for threshold in (None, 0.5):
+        config = eagle3(head) | {"draft_confidence_threshold": threshold}
+        spec = LLM(target, speculative_config=config)
+        assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == want
+        stats = spec.stats()
+        assert stats.num_drafts > 0
+        if threshold is None:  # k = 3, less near max_tokens
+            assert stats.num_draft_tokens > 2.5 * stats.num_drafts
+        else:
+            assert stats.num_draft_tokens == stats.num_drafts
+        sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+        assert all(len(o.token_ids) == 12 for o in spec.generate(prompts, sampled))
+        assert_head_blocks_back(spec)
 
 
 def test_the_head_reads_the_targets_hidden_states(llama_head):
@@ -303,15 +339,18 @@ def test_preemption_and_abort_give_every_block_back(llama_head):
 
 def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir, tmp_path):
     """studies/train_eagle3 for three steps on the tiny Llama: the target answers the
-    docs' prompts, the head trains and is written as published; the engine loads it."""
+    docs' prompts (kept in --answers), the head trains and is written as published;
+    the engine loads it."""
     from studies import train_eagle3
 
     target = tiny_model_dir("llama")
     head = str(tmp_path / "head")
     args = ["--model", target, "--out", head, "--prompts", "6", "--max-tokens", "8"]
     args += ["--max-steps", "3", "--batch", "2", "--eval-every", "1", "--held-out", "2"]
-    result = train_eagle3.main([*args, "--draft-vocab", "100"])
+    answers = tmp_path / "answers.json"
+    result = train_eagle3.main([*args, "--draft-vocab", "100", "--answers", str(answers)])
     assert [p["step"] for p in result["curve"]] == [1, 2, 3]
+    assert len(json.loads(answers.read_text())) == result["sequences"]
     assert all(p["loss"] > 0 and 1 <= p["acceptance_length"] <= 4 for p in result["curve"])
     stored = load_file(f"{head}/model.safetensors")
     assert stored["lm_head.weight"].shape == (result["draft_vocab_size"], 64)
