@@ -11,16 +11,17 @@ loader, quantize_model and kvgate plan treat it as the other models' experts), a
 Mxfp4Experts, the published checkpoints' MXFP4 kept packed (quantization/mxfp4.py).
 
 Both run a step's (token, expert) pairs sorted by expert, as layers/moe.py does. The
-CPU: an addmm per expert over its run (its bias the addmm's input) into one buffer of
-all runs, the activation once over it, each pair's output weighted and added into its
-token's row; an MXFP4 expert's matrix widened for its one matmul (its 16-bit copy lives
-for that matmul alone). CUDA: two grouped GEMM launches for all experts
+CPU: an addmm per expert over its run (its bias the addmm's input), weight @ run.T into
+the run's columns of one transposed buffer of all runs, the activation once over it,
+each pair's output weighted and added into its token's row; an MXFP4 expert's matrix
+widened for its one matmul (its 16-bit copy lives for that matmul alone). CUDA: two grouped GEMM launches for all experts
 (triton_moe.py's, or triton_mxfp4.py's decoding MXFP4 in registers), the biases and the
 activation in torch between them, no host sync, so decodes stay in CUDA graphs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +85,13 @@ class BiasedExperts(FusedExperts):
         """Stacked: one tensor per projection (and bias) for all of this rank's experts."""
         return [f"{prefix}.{name}" for name, _ in self.named_parameters()]
 
-    def expert_weight(self, e: int, which: str, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e's `which` ("gate_up" or "down") in `dtype`, 8-bit widened by its row
-        scales."""
-        return _widened(
-            getattr(self, f"{which}_proj")[e], getattr(self, f"{which}_scale"), e, dtype
-        )
+    def expert_weights(self, which: str, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+        """e -> expert e's `which` ("gate_up" or "down") in `dtype`, 8-bit widened by its
+        row scales."""
+        weight, scale = getattr(self, f"{which}_proj"), getattr(self, f"{which}_scale")
+        if scale is None and weight.dtype == dtype:  # the experts' views, made at once
+            return weight.unbind(0).__getitem__
+        return lambda e: _widened(weight[e], scale, e, dtype)
 
     def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
         from backend_gpu.layers.triton_moe import grouped_gemm
@@ -128,13 +130,13 @@ class Mxfp4Experts(nn.Module):
             nn.Parameter(torch.empty(shard.count, hidden_size)) if down_bias else None
         )
 
-    def expert_weight(self, e: int, which: str, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e's `which` ("gate_up" or "down") widened to `dtype`."""
+    def expert_weights(self, which: str, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+        """e -> expert e's `which` ("gate_up" or "down") widened to `dtype`."""
         blocks, scales = (
             getattr(self, f"{which}_proj_blocks"),
             getattr(self, f"{which}_proj_scales"),
         )
-        return mxfp4.dequantize(blocks[e], scales[e], dtype)
+        return lambda e: mxfp4.dequantize(blocks[e], scales[e], dtype)
 
     def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
         from backend_gpu.layers.triton_mxfp4 import mxfp4_grouped_gemm
@@ -194,29 +196,37 @@ def per_expert(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) ->
         pairs = order[:held]  # the pairs on this rank's experts, by expert
         rows = pairs // k
         h = _runs(experts, "gate_up", x.index_select(0, rows), runs)
-        y = _runs(experts, "down", experts.activation(h), runs)
+        # the activation over [pairs, 2I] (a view of h's columns); down's runs want its
+        # rows contiguous (_runs)
+        act = experts.activation(h.t()).contiguous()
+        y = _runs(experts, "down", act, runs).t()
         out.index_add_(0, rows, y.float().mul_(weights.flatten()[pairs, None]))
     return out.to(x.dtype)
 
 
 def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> torch.Tensor:
-    """Each run of `rows` times its expert's `which` weight plus its bias, into one
-    [rows, out] tensor (rows @ weight.T: on this CPU faster than (weight @ rows.T).T at
-    a decode's few rows an expert, PERF.md "gpt-oss decode: the experts' step"); an
-    MXFP4 expert is widened for its one matmul."""
+    """[out, rows], transposed: each run of `rows` ([rows, in], contiguous) times its
+    expert's `which` weight plus its bias, as weight @ run.T into the run's columns.
+    At a decode's few rows an expert this form streams each weight once (the BLAS
+    call's small side is the run): with the experts' weights past the CPU's cache, as
+    every decode step reads them, it takes 0.6-0.7x the time of run @ weight.T at 2 to 5
+    rows, about 0.9x at 6 to 8 and the same from 16 (PERF.md "gpt-oss decode: the
+    weights from memory"). An MXFP4 expert is widened for its one matmul."""
+    weights = experts.expert_weights(which, rows.dtype)
     biases = getattr(experts, f"{which}_proj_bias")
+    biases = None if biases is None else biases.unsqueeze(-1).unbind(0)  # [out, 1] each
     out, start = None, 0
     for e, run in enumerate(runs):
         if not run:
             continue
-        weight = experts.expert_weight(e, which, rows.dtype)
+        weight = weights(e)
         if out is None:
-            out = rows.new_empty(rows.shape[0], weight.shape[0])
-        part, into = rows[start : start + run], out[start : start + run]
+            out = rows.new_empty(weight.shape[0], rows.shape[0])
+        part, into = rows[start : start + run].t(), out[:, start : start + run]
         if biases is None:
-            torch.mm(part, weight.t(), out=into)
+            torch.mm(weight, part, out=into)
         else:
-            torch.addmm(biases[e], part, weight.t(), out=into)
+            torch.addmm(biases[e], weight, part, out=into)
         start += run
     return out
 
