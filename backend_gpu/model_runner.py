@@ -405,6 +405,7 @@ class ModelRunner:
                 dev["block_tables"],
                 dev["slot_mapping"][:num_tokens],
                 self._workspace,
+                getattr(self.model, "decode_groups_on_one_thread", False),
             )
         if step.key_last is not None:  # a step with image rows that see ahead: rare, small
             meta.key_last = torch.from_numpy(step.key_last).to(self.device)

@@ -37,19 +37,26 @@ def span_metadata(
     block_tables: torch.Tensor,
     slot_mapping: torch.Tensor,
     workspace: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    groups_on_one_thread: bool = False,
 ) -> AttentionMetadata:
     """The torch attention's metadata of `step`: decodes in padded groups (or one by one)
     and prefill chunks, each with its blocks (rows of the device's `block_tables`), and
-    workspaces to gather them into (`workspace(num_blocks)` gives K's and V's)."""
+    workspaces to gather them into (`workspace(num_blocks)` gives K's and V's).
+    `groups_on_one_thread`: the model's attention computes a padded group with its own
+    matmuls, not SDPA (attention sinks), which on one thread beats one by one."""
     bs = block_size
     device = block_tables.device
     ends = step.ends
     q_ends = list(itertools.accumulate(step.num_new))
     decodes = [i for i, n in enumerate(step.num_new) if n == 1]
     prefills = [i for i, n in enumerate(step.num_new) if n > 1]
-    # one thread on a CPU: decodes one by one, measured faster there (no padding, a
-    # cache-sized workspace); else padded groups, whose SDPA spreads over threads
+    # one thread on a CPU: decodes one by one, measured faster there than SDPA's single
+    # query (no padding, a cache-sized workspace); else padded groups, whose SDPA spreads
+    # over threads. Attention with sinks takes its groups through two batched matmuls:
+    # one call a layer instead of one a sequence (PERF.md "gpt-oss decode: the weights
+    # from memory")
     one_by_one = device.type == "cpu" and torch.get_num_threads() == 1
+    one_by_one = one_by_one and not groups_on_one_thread
     groups = [] if one_by_one else group_decodes(decodes, ends)
     gathered = [len(g) * -(-ends[g[0]] // bs) for g in groups]
     gathered += [-(-end // bs) for end in ends]
@@ -67,6 +74,7 @@ def span_metadata(
                 rows=torch.tensor([q_ends[i] - 1 for i in group], device=device),
                 block_ids=block_tables[group, :num_blocks].flatten(),
                 lens=torch.tensor([ends[i] for i in group], device=device),
+                shortest=min(ends[i] for i in group),
             )
         )
     if one_by_one:

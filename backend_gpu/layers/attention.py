@@ -49,6 +49,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] rows of the one-token queries in the flat batch
     block_ids: torch.Tensor  # [B * max_blocks] block tables, padded
     lens: torch.Tensor  # [B] context lengths
+    shortest: int = 0  # the least of lens: a sliding window skips the blocks before its
 
 
 @dataclass
@@ -282,11 +283,15 @@ def paged_attention(
     for g, group in enumerate(meta.decode_groups):
         batch = group.rows.numel()
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [B, H, 1, D]
-        kd = _gather(k_cache, group.block_ids, meta.k_workspace, bs)
-        vd = _gather(v_cache, group.block_ids, meta.v_workspace, bs)
+        # a sliding window reads from the first block the shortest member's reaches into
+        skip = 0 if window is None else max(0, group.shortest - window) // bs
+        blocks = group.block_ids.view(batch, -1)[:, skip:].flatten()
+        kd = _gather(k_cache, blocks, meta.k_workspace, bs)
+        vd = _gather(v_cache, blocks, meta.v_workspace, bs)
         kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
-        od = _sdpa(qd, kd, vd, meta.decode_mask(g, window), cached_scale, sinks)
+        mask = meta.decode_mask(g, window)[..., skip * bs :]
+        od = _sdpa(qd, kd, vd, mask, cached_scale, sinks)
         out.index_copy_(0, group.rows, _unscale(od.squeeze(2), v_scale))
     q_scaled = q * cached_scale if meta.decodes else q
     for d in meta.decodes:

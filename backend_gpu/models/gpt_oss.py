@@ -178,6 +178,10 @@ class GptOssDecoderLayer(nn.Module):
 class GptOssForCausalLM(LlamaForCausalLM):
     """`expert_parallel`: each rank holds whole experts."""
 
+    # its sinks' attention runs a padded decode group as batched matmuls, not SDPA: on
+    # one CPU thread faster than a call per sequence (span_metadata)
+    decode_groups_on_one_thread = True
+
     def __init__(self, config, tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
         check_config(config)
         moe = MoEConfig.of(config)

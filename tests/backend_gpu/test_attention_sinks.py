@@ -76,6 +76,7 @@ def torch_path(batch: Batch, window: int | None, sinks, grouped: bool = False) -
                 rows=torch.tensor([r for r, _, _ in decodes]),
                 block_ids=torch.cat([t.long() for _, _, t in decodes]),
                 lens=torch.tensor([n for _, n, _ in decodes]),
+                shortest=min(n for _, n, _ in decodes),
             )
         )
     scales = dict(k_scale=batch.k_scale, v_scale=batch.v_scale)
@@ -126,6 +127,20 @@ def test_torch_path_decodes_equal_transformers(group, window, grouped):
     torch.testing.assert_close(torch_path(batch, window, sinks, grouped), want)
     # the sinks take a share: without them the output differs
     assert not torch.allclose(torch_path(batch, window, None, grouped), want, atol=1e-3)
+
+
+def test_grouped_decodes_read_only_their_windows_blocks():
+    """A padded group under a sliding window reads from the first block its shortest
+    member's window reaches: the blocks before it (NaN here, which a read would spread
+    through the values' matmul) are never gathered."""
+    lengths = (40, 50, 70)
+    batch = make_batch([(n - 1, 1) for n in lengths], 8, seed=3)
+    sinks = sinks_for(batch.q.shape[1])
+    want = transformers_reference(batch, 5, sinks)
+    skipped = (min(lengths) - 5) // BLOCK
+    for table in batch.tables.long():
+        batch.v_cache[table[:skipped]] = float("nan")
+    torch.testing.assert_close(torch_path(batch, 5, sinks, grouped=True), want)
 
 
 @pytest.mark.parametrize("group", [2, 8])

@@ -17,6 +17,7 @@ import torch
 from transformers import Mxfp4Config
 
 from backend_gpu import LLM, SamplingParams
+from backend_gpu.layers import attention
 from backend_gpu.layers.gpt_oss_moe import BiasedExperts, Mxfp4Experts
 from backend_gpu.pp_stages import MissingLayer
 from tests.backend_gpu.mxfp4_checkpoints import write_mxfp4_checkpoint
@@ -94,6 +95,20 @@ def test_greedy_matches_transformers(model_dir, check, fmt, setting):
     outs = check(llm, fmt, mixed_prompts())  # again: the prompts' full blocks are cached
     if llm.engine.config.enable_prefix_caching:
         assert llm.stats().prefix_hits > 0 and outs[-1].num_cached_tokens >= 32
+
+
+def test_one_thread_decodes_in_padded_groups(model_dir, check, monkeypatch):
+    """On one CPU thread the sinks' attention takes decodes as padded groups (batched
+    matmuls, one call a layer), never one sequence at a time; greedy still equal."""
+    calls = []
+    monkeypatch.setattr(attention, "_decode_attention", lambda *args: calls.append(args))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        check(LLM(model_dir("16-bit")), "16-bit", mixed_prompts())
+    finally:
+        torch.set_num_threads(threads)
+    assert not calls
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
