@@ -40,7 +40,11 @@ POOL = 1536  # prompts made before the --prompts that fit are taken
 
 
 def generate(
-    path: str, prompt_ids: list[list[int]], max_tokens: int, cache: str | None = None
+    path: str,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    cache: str | None = None,
+    ignore_eos: bool = False,
 ) -> list[list[int]]:
     """The prompts with the target's greedy answers, 128 prompts a call (progress, and
     with `cache` a JSON file of the answers so far: a run stopped or repeated with the
@@ -51,13 +55,13 @@ def generate(
     if cache and os.path.exists(cache):
         with open(cache) as f:
             done = json.load(f)
-    key = lambda ids: f"{max_tokens}:" + ",".join(map(str, ids))  # noqa: E731
+    key = lambda ids: f"{max_tokens}{'e' * ignore_eos}:" + ",".join(map(str, ids))  # noqa: E731
     todo = [ids for ids in prompt_ids if key(ids) not in done]
     start = time.perf_counter()
     if todo:
         # wide batches: on a CPU a decode step reads the weights once for every sequence
         llm = LLM(path, max_num_seqs=64, max_model_len=1024)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         for i in range(0, len(todo), 128):
             group = todo[i : i + 128]
             for ids, out in zip(group, llm.generate(group, params), strict=True):

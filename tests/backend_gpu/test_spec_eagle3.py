@@ -366,6 +366,22 @@ def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir,
     assert_head_blocks_back(spec)
 
 
+def test_the_offline_score_applies_the_engines_stopping_rule(llama_head):
+    """studies/eagle3_score on the tiny Llama: a random head is never sure, so under a
+    threshold every chain is its first guess (2 rows a verify), without one k guesses
+    (4 rows); what it accepts is at most what it proposes."""
+    from studies import eagle3_score
+
+    target, head = llama_head
+    args = ["--model", target, "--head", head, "--sets", "chat", "--max-tokens", "8"]
+    result = eagle3_score.main([*args, "--k", "3", "--confidence", "0.5"])
+    rows = result["sets"]["chat"]
+    assert rows["0"]["verify_rows"] == 4.0 and rows["0.5"]["verify_rows"] == 2.0
+    for r in rows.values():
+        assert 1 <= r["acceptance_length"] <= r["verify_rows"]
+    assert rows["0.5"]["accuracy"] == rows["0"]["accuracy"]
+
+
 def test_the_gpu_steps_study_runs_on_a_tiny_shape(tmp_path):
     """studies/eagle3_gpu (a gpu_check.sh step) on the CPU: a random head of the
     target's shape written and loaded, both engines' step times per batch."""
