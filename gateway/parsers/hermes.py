@@ -36,7 +36,11 @@ class HermesParser(ToolParser):
         if not self.buf and "<" not in text:  # no `</tool_call>` can begin in it
             state = self.state
             if state == "args":  # the common case inside a call: more of its arguments
-                fragment = self._arguments(text)
+                last = text[-1:]
+                if self.tail or last == "}" or last.isspace():
+                    fragment = self._arguments(text)
+                else:  # nothing held and nothing to hold: what _arguments would give
+                    fragment = text
                 if not fragment:
                     return ParsedDelta()
                 delta = ToolCallDelta(self.calls - 1, None, None, fragment)

@@ -49,7 +49,10 @@ class ThinkParser(Buffered, OutputParser):
     def feed(self, text: str) -> ParsedDelta:
         self.fed += len(text)
         if self.state == "reasoning" and not self.buf and "<" not in text:
-            return ParsedDelta(self.trim.add(text))  # the common case: reasoning goes on
+            trim = self.trim  # the common case: reasoning goes on
+            if trim.started and not trim.ws and not text[-1:].isspace():
+                return ParsedDelta(text)  # what trim.add would give, without its call
+            return ParsedDelta(trim.add(text))
         if self.state == "content" and not self.lead:
             return ParsedDelta("", text)
         if self.state == "reasoning" and self.holds(text, CLOSE):
