@@ -134,7 +134,9 @@ class BatchRunner:
     async def _advance(self, b: Batch) -> None:
         db, flying = self.gw.db, self.running.setdefault(b.id, set())
         if b.status == "validating":
-            await store.set_status(db, b.id, "in_progress", in_progress_at=time.time())
+            if not await store.start(db, b.id, time.time()):
+                self.reread = True  # cancelled since it was read: the next turn sees it
+                return
             b.status = "in_progress"
         end = "completed"
         if b.status == "cancelling":

@@ -1,7 +1,12 @@
 """Batches and their lines in the database: every change of a batch's state is a
 transaction, so a gateway killed at any point resumes each batch where its rows say.
 A line's answer and the batch's counts change together, and only from pending: a line
-answered twice (run again after a crash) counts once."""
+answered twice (run again after a crash) counts once.
+
+What a batch's every line or poll does (`get`, `pending`, `answer`, ...) is a prepared
+Core statement through gateway.batches.writes, on SQLite on the event loop's thread, and
+comes back as detached rows of the ORM's classes: the ORM's session through aiosqlite
+cost the loop 1.2 to 1.8 ms of CPU a call, beside the engine (docs/PERF.md, issue 50)."""
 
 from __future__ import annotations
 
@@ -10,10 +15,21 @@ import secrets
 import time
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, or_, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    bindparam,
+    func,
+    insert,
+    inspect,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 
 from gateway.batches.jsonl import InputLine
-from gateway.batches.writes import write
+from gateway.batches.writes import read, write
 from gateway.db import Database
 from gateway.db.batch_tables import Batch, BatchLine
 
@@ -57,7 +73,7 @@ async def create(
     ]  # fmt: skip
 
     def insert_all(conn: Connection) -> None:
-        conn.execute(insert(Batch), [values])
+        conn.execute(insert(Batch).values(values))  # by attribute: `batch_metadata`
         for start in range(0, len(rows), INSERT_ROWS):
             conn.execute(insert(BatchLine), rows[start : start + INSERT_ROWS])
 
@@ -65,13 +81,37 @@ async def create(
     return Batch(**values)
 
 
+def _columns(model: type) -> list:
+    """Every column of `model`, named as its attribute (Batch.batch_metadata is the column
+    `metadata`), so that a row builds the model's object: `model(**row._mapping)`."""
+    return [prop.columns[0].label(prop.key) for prop in inspect(model).column_attrs]
+
+
+_BATCH, _LINE = select(*_columns(Batch)), select(*_columns(BatchLine))
+_GET = _BATCH.where(Batch.id == bindparam("batch"))
+_ACTIVE = _BATCH.where(Batch.status.in_(ACTIVE)).order_by(Batch.created_at)
+_OF_BATCH = BatchLine.batch_id == bindparam("batch")
+_LINES = _LINE.where(_OF_BATCH).order_by(BatchLine.line)
+_PENDING = _LINE.where(_OF_BATCH, BatchLine.state == PENDING).order_by(BatchLine.line)
+_PENDING = _PENDING.limit(bindparam("n", type_=Integer))
+_PENDING_COUNT = select(func.count()).where(_OF_BATCH, BatchLine.state == PENDING)
+_ANSWER = (
+    update(BatchLine)
+    .where(_OF_BATCH, BatchLine.line == bindparam("at"), BatchLine.state == PENDING)
+    .values(state=bindparam("new_state"), result=bindparam("new_result"))
+)
+_COUNT = {
+    state: update(Batch).where(Batch.id == bindparam("batch")).values({c.key: c + 1})
+    for state, c in ((DONE, Batch.completed), (FAILED, Batch.failed))
+}
+
+
 async def get(db: Database, batch_id: str, tenant_id: str | None = None) -> Batch | None:
     """The batch; None where `tenant_id` is given and it is another tenant's."""
-    async with db.session() as s:
-        row = await s.get(Batch, batch_id)
+    row = await read(db, lambda conn: conn.execute(_GET, {"batch": batch_id}).first())
     if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
         return None
-    return row
+    return Batch(**row._mapping)
 
 
 async def page(
@@ -115,14 +155,24 @@ async def claim(db: Database, batch_id: str, runner: str, now: float, lease_s: f
 
 
 async def active(db: Database) -> list[Batch]:
-    async with db.session() as s:
-        q = select(Batch).where(Batch.status.in_(ACTIVE)).order_by(Batch.created_at)
-        return list((await s.scalars(q)).all())
+    rows = await read(db, lambda conn: conn.execute(_ACTIVE).all())
+    return [Batch(**row._mapping) for row in rows]
 
 
 async def set_status(db: Database, batch_id: str, status: str, **values: Any) -> None:
     stmt = update(Batch).where(Batch.id == batch_id).values(status=status, **values)
     await write(db, lambda conn: conn.execute(stmt))
+
+
+async def start(db: Database, batch_id: str, now: float) -> bool:
+    """Validating to in progress; False: it is not validating now (cancelled since the
+    runner read it, which must not undo the cancel)."""
+    stmt = (
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status == "validating")
+        .values(status="in_progress", in_progress_at=now)
+    )
+    return bool(await write(db, lambda conn: conn.execute(stmt).rowcount))
 
 
 async def pending(db: Database, batch_id: str, skip: set[int], limit: int) -> list[BatchLine]:
@@ -133,28 +183,22 @@ async def pending(db: Database, batch_id: str, skip: set[int], limit: int) -> li
     that write sees it pending; skipping by the set after the read ran such lines twice
     (54 runs for 48 lines in studies.batch_yield on the gpu engine)."""
     skip = set(skip)
-    q = select(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.state == PENDING)
-    q = q.order_by(BatchLine.line).limit(limit + len(skip))
-    async with db.session() as s:
-        rows = (await s.scalars(q)).all()
-    return [r for r in rows if r.line not in skip][:limit]
+    values = {"batch": batch_id, "n": limit + len(skip)}
+    rows = await read(db, lambda conn: conn.execute(_PENDING, values).all())
+    return [BatchLine(**r._mapping) for r in rows if r.line not in skip][:limit]
 
 
 async def answer(db: Database, batch_id: str, line: int, state: str, result: dict) -> None:
-    """A line's answer and the batch's count, together, once."""
-    mark = (
-        update(BatchLine)
-        .where(BatchLine.batch_id == batch_id, BatchLine.line == line, BatchLine.state == PENDING)
-        .values(state=state, result=json.dumps(result))
-    )
-    count = Batch.completed if state == DONE else Batch.failed
-    add = update(Batch).where(Batch.id == batch_id).values({count.key: count + 1})
+    """A line's answer and the batch's count, together, once; on SQLite on this thread
+    (one small transaction, written as soon as the line ends: a gateway killed after its
+    usage row's commit loses no more answers than before)."""
+    mark = {"batch": batch_id, "at": line, "new_state": state, "new_result": json.dumps(result)}
 
     def both(conn: Connection) -> None:
-        if conn.execute(mark).rowcount:
-            conn.execute(add)
+        if conn.execute(_ANSWER, mark).rowcount:
+            conn.execute(_COUNT[state], {"batch": batch_id})
 
-    await write(db, both)
+    await write(db, both, inline=True)
 
 
 async def close_rest(db: Database, batch_id: str, state: str, skip: set[int]) -> int:
@@ -175,12 +219,10 @@ async def close_rest(db: Database, batch_id: str, state: str, skip: set[int]) ->
 
 
 async def pending_count(db: Database, batch_id: str) -> int:
-    q = select(func.count()).where(BatchLine.batch_id == batch_id, BatchLine.state == PENDING)
-    async with db.session() as s:
-        return int((await s.execute(q)).scalar_one())
+    values = {"batch": batch_id}
+    return int(await read(db, lambda conn: conn.execute(_PENDING_COUNT, values).scalar_one()))
 
 
 async def lines(db: Database, batch_id: str) -> list[BatchLine]:
-    q = select(BatchLine).where(BatchLine.batch_id == batch_id).order_by(BatchLine.line)
-    async with db.session() as s:
-        return list((await s.scalars(q)).all())
+    rows = await read(db, lambda conn: conn.execute(_LINES, {"batch": batch_id}).all())
+    return [BatchLine(**row._mapping) for row in rows]
