@@ -91,6 +91,12 @@ def test_batch_yield_step_asks_for_the_engine_on_cuda(tmp_path):
     assert model["num_key_value_heads"] == 2
 
 
+def test_transformers_on_a_cpu_gets_a_cache_the_size_of_the_requests():
+    """Not 90% of the host's memory, as transformers sizes it from a GPU's."""
+    config = gpu_check.cpu_batching_config([([5] * 40, 6), ([5] * 3, 2), ([5] * 300, 8)])
+    assert (config.num_blocks, config.max_batch_tokens) == (3 * 2, 343)  # pages of 256
+
+
 @pytest.mark.timeout(600)
 def test_every_part_runs_on_a_tiny_shape(tmp_path):
     """kvgate in both precisions and transformers' continuous batching on the same
