@@ -9,9 +9,12 @@ machine's noise hits them alike; each figure is the median of --rounds, in CPU s
 of the thread (time.thread_time: what the arm ran, not the time other processes took
 the core from it):
 - products: 16 experts' gate/up (1024 x 512) and down (512 x 512) at 1, 2, 3, 4, 6, 8
-  and 16 rows an expert, rows @ weight.T (the engine's) against (weight @ rows.T).T (the
-  weight the GEMM's left operand, the engine's at up to 6 rows in float32 from issue
-  47.3 to 47.4), in float32 and in bfloat16;
+  and 16 rows an expert, rows @ weight.T (the engine's in issue 47.4) against
+  (weight @ rows.T).T (the weight the GEMM's left operand; the engine's from issue 47.5,
+  written straight into a transposed buffer), in float32 and in bfloat16. These 16
+  experts' 48 MiB mostly stay in the CPU's 32 MiB L3 round after round, where a decode
+  step streams every layer's experts from memory, which reverses the float32 ranking
+  (PERF.md "gpt-oss decode: the weights from memory");
 - layer: one expert layer of studies.gpt_oss_throughput's model (16 experts of 512, top
   4, hidden 512) at a decode step of 16 tokens, float32: the engine's `per_expert`
   against transformers' GptOssExperts (its model's own experts implementation) on the
