@@ -10,8 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.backends import Backend
-from gateway.batches import BATCHES
-from gateway.batches.start import start_batches
+from gateway.batches.start import BATCHES, start_batches
 from gateway.config import Settings
 from gateway.config_load import ConfigSource
 from gateway.http.drain import DRAIN, Drain

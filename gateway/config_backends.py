@@ -87,16 +87,26 @@ def check_engine_settings(engine_options: dict[str, Any], kind: str) -> None:
 
 def pick_backend_type() -> str:
     """gpu when CUDA is there, else llama.cpp, else the fake backend (the caller says so)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available() and _importable("gateway.backends.gpu"):
-            return "gpu"
-    except ImportError:
-        pass
+    if _cuda_available() and _importable("gateway.backends.gpu"):
+        return "gpu"
     if _importable("llama_cpp") and _importable("gateway.backends.local"):
         return "local"
     return "fake"
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees CUDA. A CPU build of torch (its version says `+cpu`) has none,
+    which its metadata tells without importing torch: about 2 CPU-s of an `auto` start on
+    a CPU whose engines are all llama.cpp's (`--model x.gguf`, `kvgate worker`)."""
+    import importlib.metadata
+
+    try:
+        if importlib.metadata.version("torch").endswith("+cpu"):
+            return False
+        import torch
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        return False
+    return torch.cuda.is_available()
 
 
 def _importable(module: str) -> bool:

@@ -31,7 +31,7 @@ from gateway.backends.default_model import PACKAGED_MODELS
 from gateway.backends.remote_options import RemoteOptions, replica_specs
 from gateway.config_load import load_settings
 from gateway.db import Database, migrate
-from gateway.db.engine import alembic_config
+from gateway.db.schema_upgrade import alembic_config
 from tests.conftest import PG_URL
 
 ROOT = Path(__file__).resolve().parents[1]

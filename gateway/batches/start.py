@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from gateway.batches import Batches
+from dataclasses import dataclass
+
+from aiohttp import web
+
 from gateway.batches.files import FileStore, files_dir
 from gateway.batches.runner import BatchRunner, Execute
 from gateway.state import GatewayState
+
+
+@dataclass
+class Batches:
+    files: FileStore
+    runner: BatchRunner
+
+
+BATCHES = web.AppKey("batches", Batches)
 
 
 def start_batches(gw: GatewayState, execute: Execute) -> Batches:

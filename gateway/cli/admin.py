@@ -1,5 +1,5 @@
 """`kvgate tenants|keys|usage|audit|db`: administration straight on the database;
-`kvgate prefixes` asks a running gateway (its prefix catalog lives in memory).
+`kvgate prefixes` asks a running gateway (its prefix catalog lives in memory: gateway.cli.prefixes).
 
 They work with or without a running gateway; every running gateway on the database sees
 a key or tenant change (a revocation above all) within gateway.tenancy.auth.EPOCH_CHECK_S.
@@ -14,9 +14,6 @@ import sys
 import time
 from typing import Any
 
-import aiohttp
-from pydantic import ValidationError
-
 from gateway.batches.usage import batch_usage
 from gateway.cli import audit as cli_audit
 from gateway.cli import batches as cli_batches
@@ -24,7 +21,6 @@ from gateway.cli.audit import cli_actor
 from gateway.cli.output import cell, print_rows
 from gateway.config import Settings
 from gateway.db import Database, migrate
-from gateway.schemas.admin import KeyUpdate, TenantUpdate
 from gateway.tenancy.quota.limits import LIMIT_FIELDS, LIMITS, MODELS, USD
 from gateway.tenancy.quota.prices import usd_text
 from gateway.tenancy.tenants import QUOTA_FIELDS, Conflict, NotFound, TenantService
@@ -140,6 +136,12 @@ def _quota_values(args: argparse.Namespace, whose: str) -> dict[str, Any]:
         models = args.models.split(",")
         values["models"] = _LIFTED if args.models.lower() == LIFT else [m for m in models if m]
     given = {f: None if v is _LIFTED else v for f, v in values.items() if v is not None}
+    # the admin API's bodies (pydantic) only for the commands that change limits: a
+    # `kvgate` command that reads (tenants list) starts without them
+    from pydantic import ValidationError
+
+    from gateway.schemas.admin import KeyUpdate, TenantUpdate
+
     try:
         body = (TenantUpdate if whose == "tenant" else KeyUpdate).model_validate(given)
     except ValidationError as e:
@@ -150,11 +152,13 @@ def _quota_values(args: argparse.Namespace, whose: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.command == "prefixes":
+        from gateway.cli import prefixes  # the one command here that needs aiohttp
+
+        return prefixes.run(args)
     try:
-        if args.command == "prefixes":
-            return asyncio.run(_prefixes(args))
         return asyncio.run(_run(args, settings))
-    except (NotFound, Conflict, ValueError, aiohttp.ClientError) as e:
+    except (NotFound, Conflict, ValueError) as e:
         print(f"kvgate: {e}", file=sys.stderr)
         return 1
 
@@ -290,92 +294,3 @@ def _batch_row(r: dict[str, Any]) -> dict[str, Any]:
     tenant = r["tenant_name"] or f"{r['tenant_id']} (deleted)"
     tokens = {c: r[c] for c in ("lines", "prompt_tokens", "completion_tokens")}
     return {"batch": r["batch_id"], "tenant": tenant} | tokens | {"spend_usd": usd_text(r["spend"])}
-
-
-async def _prefixes(args: argparse.Namespace) -> int:
-    """GET /admin/prefixes: the catalog lives in the running gateway's memory."""
-    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
-    url = args.url.rstrip("/")
-    async with aiohttp.ClientSession(headers=headers) as http:
-        status, body = 200, {}
-        if args.tenant:  # an unknown tenant is an error, not an empty report
-            status, body = await _tenant_by_ref(http, url, args.tenant)
-        if status == 200:
-            tenant = {"tenant_id": body["id"]} if args.tenant else {}
-            query = {"limit": str(args.limit)} | tenant
-            async with http.get(url + "/admin/prefixes", params=query) as r:
-                status, body = r.status, await r.json()
-    if status != 200:
-        print(f"kvgate: {status}: {body['error']['message']}", file=sys.stderr)
-        return 1
-    if args.json:
-        print_rows(body, True)
-        return 0
-    now = time.time()
-    names = {t["tenant_id"]: t["name"] for t in body["tenants"]}
-    print("hottest prefixes")
-    print_rows([_hot_prefix_row(p, now, names) for p in body["prefixes"]], False)
-    print("\npinned prefixes")
-    print_rows([_pin_row(p, names) for p in body["pins"]], False)
-    print("\nper tenant")
-    print_rows([_tenant_cache_row(t) for t in body["tenants"]], False)
-    return 0
-
-
-async def _tenant_by_ref(
-    http: aiohttp.ClientSession, url: str, ref: str
-) -> tuple[int, dict[str, Any]]:
-    """GET the tenant `ref` names, by id or else by name (the admin key lists tenants)."""
-    async with http.get(f"{url}/admin/tenants/{ref}") as r:
-        status, body = r.status, await r.json()
-    if status != 404:
-        return status, body
-    async with http.get(f"{url}/admin/tenants") as r:
-        if r.status != 200:
-            return status, body
-        named = [t for t in (await r.json())["data"] if t["name"] == ref]
-    return (200, named[0]) if named else (status, body)
-
-
-def _tenant_label(tenant_id: str | None, names: dict[str | None, str | None]) -> str:
-    """A tenant as people know it: its name (its id when the report has no name for it)."""
-    if tenant_id is None:
-        return "(published)"
-    return names.get(tenant_id) or tenant_id
-
-
-def _hot_prefix_row(p: dict, now: float, names: dict) -> dict:
-    return {
-        "replica": p["replica"],
-        "tenant": _tenant_label(p["tenant_id"], names),
-        "pin": p["pin"],
-        "tokens": p["tokens"],
-        "hits": p["hits"],
-        "saved": p["tokens_saved"],
-        "idle_s": round(now - p["last_used"], 1),
-        "block": p["block_hash"][:12],
-    }
-
-
-def _pin_row(p: dict, names: dict) -> dict:
-    return {
-        "name": p["name"],
-        "tenant": _tenant_label(p["tenant_id"], names),
-        "model": p["model"],
-        "tokens": p["tokens"],
-        "replicas": p["replicas"],
-        "hits": p["hits"],
-        "saved": p["tokens_saved"],
-    }
-
-
-def _tenant_cache_row(t: dict) -> dict:
-    return {
-        "tenant": t["name"] or t["tenant_id"],
-        "requests": t["requests"],
-        "prompt_tokens": t["prompt_tokens"],
-        "cached_tokens": t["cached_tokens"],
-        "hit_rate": f"{t['hit_rate']:.1%}",
-        "blocks_held": t["blocks_held"],
-        "tokens_held": t["tokens_held"],
-    }

@@ -10,10 +10,7 @@ import getpass
 import time
 from typing import Any
 
-from pydantic import ValidationError
-
 from gateway.cli.output import cell, print_rows
-from gateway.schemas.audit import AuditQuery
 from gateway.tenancy import audit
 from gateway.tenancy.tenants import NotFound, TenantService
 
@@ -44,6 +41,12 @@ async def show(args: argparse.Namespace, service: TenantService) -> None:
         # a deleted tenant's changes stay in the log under its id
         with contextlib.suppress(NotFound):
             tenant = await service.tenant_id_of(tenant)
+    # here, not at the top: every `kvgate` command builds this module's parser, and the
+    # query's schema (pydantic) is for this command alone
+    from pydantic import ValidationError
+
+    from gateway.schemas.audit import AuditQuery
+
     flags = ("action", "target", "since", "until", "limit", "cursor")
     given = {f: getattr(args, f) for f in flags if getattr(args, f) is not None}
     try:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from gateway.batches import store
 from gateway.cli.output import print_rows
 from gateway.db import Database
-from gateway.schemas.batches import batch_object
 from gateway.tenancy.tenants import NotFound, TenantService
 
 
@@ -27,6 +25,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 
 async def run(args: argparse.Namespace, service: TenantService) -> None:
+    # here, not at the top: every `kvgate` command builds this module's parser, and the
+    # batches' store (with the HTTP layer's errors it checks input files with) and the
+    # API's shapes (pydantic) are for this command alone
+    from gateway.batches import store
+    from gateway.schemas.batches import batch_object
+
     db, cmd = service.db, args.batches_command
     if cmd == "list":
         tenant = None if args.tenant is None else await service.tenant_id_of(args.tenant)
@@ -45,6 +49,8 @@ async def run(args: argparse.Namespace, service: TenantService) -> None:
 
 
 async def _batch(db: Database, batch_id: str):
+    from gateway.batches import store  # (imported by `run` already)
+
     batch = await store.get(db, batch_id)
     if batch is None:
         raise NotFound(f"no batch {batch_id}")

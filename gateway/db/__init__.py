@@ -1,7 +1,8 @@
 """Persistence: SQLAlchemy 2 (async) tables, engine set-up and Alembic migrations."""
 
-from gateway.db.engine import Database, migrate
+from gateway.db.engine import Database
 from gateway.db.outage import is_outage
+from gateway.db.schema import migrate
 from gateway.db.tables import (
     ApiKey,
     AuditLog,

@@ -1,4 +1,4 @@
-"""Engine set-up for SQLite (WAL) and PostgreSQL, and the Alembic upgrade.
+"""Engine set-up for SQLite (WAL) and PostgreSQL (the schema's migration: gateway.db.schema).
 
 SQLite's write-ahead log starts again from its beginning only after a checkpoint has
 copied all of it with no commit since and no reader left on an older snapshot; under
@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, event, make_url, select
 from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.ext.asyncio import (
@@ -32,9 +30,6 @@ from gateway.db.tables import ServerSetting
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
 DRIVER_POOL_SIZE = 8  # asyncpg connections for admission and usage commits (PostgreSQL)
-
-# the advisory lock `migrate` holds on PostgreSQL (any constant of our own)
-MIGRATION_LOCK = 0x6B766761_74650001
 
 # the WAL file's size past which a checkpoint truncates it (Settings.sqlite_wal_limit_bytes)
 SQLITE_WAL_LIMIT_BYTES = 16 * 2**20
@@ -192,29 +187,3 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     """asyncpg resets a connection it takes back (RESET ALL, UNLISTEN, advisory unlocks):
     one more round trip per statement for ours, which leave no session state behind
     (their advisory locks are transaction-scoped)."""
-
-
-def alembic_config(url: str) -> Config:
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("sqlalchemy.url", url)
-    return cfg
-
-
-async def migrate(db: Database, revision: str = "head") -> None:
-    """Upgrade the schema to `revision` on the database's own engine."""
-    if db.is_postgres and db.schema:
-        async with db.engine.begin() as conn:
-            await conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{db.schema}"')
-
-    def upgrade(sync_conn: Any) -> None:
-        cfg = alembic_config(db.url)
-        cfg.attributes["connection"] = sync_conn
-        command.upgrade(cfg, revision)
-
-    async with db.engine.begin() as conn:
-        if db.is_postgres:
-            # gateways started together (a Deployment's replicas) migrate one at a time:
-            # the others wait here, then find the schema current
-            await conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
-        await conn.run_sync(upgrade)

@@ -9,8 +9,9 @@ import asyncio
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.batches import BATCHES, store
+from gateway.batches import store
 from gateway.batches.jsonl import check_lines
+from gateway.batches.start import BATCHES
 from gateway.http.errors import ApiError
 from gateway.http.util import invalid, json_response, parse_body
 from gateway.schemas.batches import BatchCreate, BatchListQuery, batch_object

@@ -10,8 +10,8 @@ from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
-from gateway.batches import BATCHES
 from gateway.batches.jsonl import check_lines
+from gateway.batches.start import BATCHES
 from gateway.http.errors import ApiError
 from gateway.http.util import invalid, json_response
 from gateway.schemas.files import PURPOSES, FileListQuery, file_object

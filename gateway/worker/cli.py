@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.config_backends import ENGINE_SETTINGS, check_no_kv_tier_secret, with_kv_tier_secret
 from gateway.config_load import load_settings
-from gateway.worker_pool.supervisor import READY_LINE
+from gateway.worker_pool import READY_LINE
 
 ENGINE_CHOICES = ["auto", "fake", "gpu", "local"]
 # The engines' defaults, for --help only (the engines own them; a test holds these to

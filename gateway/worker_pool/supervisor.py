@@ -30,11 +30,11 @@ import aiohttp
 
 from gateway.backends import BackendSpec
 from gateway.backends.kv_transfer import BOTH, DECODE, PREFILL
+from gateway.worker_pool import READY_LINE
 from gateway.worker_pool.placement import Placement, place_workers, visible_gpus
 
 log = logging.getLogger("kvgate.supervisor")
 OUTPUT_TAIL = 20  # lines of a worker's output kept to explain a failed start
-READY_LINE = "kvgate worker: listening on "  # a worker prints it; the supervisor waits for it
 
 
 class WorkerStartError(RuntimeError):
