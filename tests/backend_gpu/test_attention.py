@@ -97,6 +97,41 @@ def test_paged_attention_matches_sdpa_on_contiguous_keys(window, one_by_one):
         row += new
 
 
+def test_a_windowed_group_skips_the_blocks_before_its_window():
+    """Decodes as one padded group through SDPA under a sliding window: read from the
+    first block the shortest member's window reaches (the values before it NaN here,
+    which a read would spread), still equal to SDPA on each context."""
+    gen = torch.Generator().manual_seed(1)
+    window, lengths = 5, [22, 26, 30]
+    blocks = -(-max(lengths) // BLOCK)
+    k_cache = torch.randn(len(lengths) * blocks * BLOCK, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(k_cache.shape, generator=gen)
+    tables = torch.randperm(len(lengths) * blocks, generator=gen).view(len(lengths), blocks)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=gen)
+    want = []
+    for i, n in enumerate(lengths):
+        slots = tables[i, torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK
+        want.append(reference(q[i : i + 1], k_cache[slots], v_cache[slots], n - 1, 0.3, window))
+    skipped = (min(lengths) - window) // BLOCK
+    v_cache.view(-1, BLOCK, KV_HEADS, DIM)[tables[:, :skipped].flatten()] = float("nan")
+    last = torch.tensor(
+        [tables[i, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lengths)]
+    )
+    group = DecodeGroup(
+        torch.arange(len(lengths)), tables.flatten(), torch.tensor(lengths), min(lengths)
+    )
+    meta = AttentionMetadata(
+        slot_mapping=last,
+        block_size=BLOCK,
+        k_workspace=torch.empty(k_cache.numel()),
+        v_workspace=torch.empty(k_cache.numel()),
+        decode_groups=[group],
+    )
+    k_new, v_new = k_cache[last].clone(), v_cache[last].clone()
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.3, window)
+    torch.testing.assert_close(out, torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_one_by_one_decodes_match_transformers(tiny_model_dir, arch, monkeypatch):
     """One torch thread switches the runner to one-by-one decodes (else padded groups)."""
