@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 from collections.abc import Callable, Iterator
 from unittest import mock
 
+import gguf
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -19,6 +22,7 @@ from engine_api.sampling import SamplingParams
 # Two tokens whose logits are this close may swap places under a different (but
 # equally valid) floating-point summation order; vLLM's tests accept that too.
 NEAR_TIE = 1e-4
+ARRAY = gguf.GGUFValueType.ARRAY
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, **load_kwargs):
@@ -50,19 +54,50 @@ def one_gguf_read() -> Iterator[None]:
     """transformers opens a GGUF file twice for one model (its config, then its tensors),
     each time a gguf.GGUFReader that parses every metadata field in Python: about 10 s of
     CPU each for Gemma 3's 262k-token vocabulary. Here both get the same reader of the
-    file, which transformers only reads; what it builds from it is unchanged."""
-    import gguf
-
-    real, readers = gguf.GGUFReader, {}
+    file, which transformers only reads, and that reader takes the vocabulary's arrays in
+    one pass (ArraysAtOnce); what transformers builds from it is unchanged."""
+    readers = {}
 
     def shared(path, *args, **kwargs):
         key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = real(path, *args, **kwargs)
+            readers[key] = ArraysAtOnce(path, *args, **kwargs)
         return readers[key]
 
     with mock.patch.object(gguf, "GGUFReader", shared):
         yield
+
+
+class ArraysAtOnce(gguf.GGUFReader):
+    """gguf.GGUFReader, but an array of numbers or strings (a vocabulary's tokens, scores
+    and types: 262k each for Gemma 3) is read in one pass over the file's bytes, where
+    gguf reads each element through a memmap slice of its own (about 2 million in all,
+    most of the reader's 10 CPU-s). The fields are the same: the same parts (each a
+    plain array over the same bytes, not a memmap), data indices and types
+    (tests/backend_gpu/test_gguf_reader.py compares them); anything else is gguf's."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
+        if raw_type != ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        itype, count, start = gguf.GGUFValueType(raw_itype[0]), int(alen[0]), orig_offs + 12
+        scalar = self.gguf_scalar_to_np.get(itype)
+        if count == 0 or (scalar is None and itype != gguf.GGUFValueType.STRING):
+            return super()._get_field_parts(orig_offs, raw_type)  # empty or nested
+        data = self.data.view(np.ndarray)
+        parts: list = [raw_itype, alen]
+        if scalar is not None:
+            size = np.dtype(scalar).itemsize
+            values = data[start : start + size * count].view(scalar)
+            parts += [values[i : i + 1] for i in range(count)]
+            return 12 + size * count, parts, list(range(2, 2 + count)), [ARRAY, itype]
+        offs, indices = start, []
+        for _ in range(count):
+            (length,) = struct.unpack_from("=Q", data, offs)  # the host's order, as "I" says
+            parts += [data[offs : offs + 8].view(np.uint64), data[offs + 8 : offs + 8 + length]]
+            indices.append(len(parts) - 1)
+            offs += 8 + length
+        return offs - orig_offs, parts, indices, [ARRAY, itype]
 
 
 def assert_greedy_matches(ours: list[int], ref_ids: list[int], ref_logits: torch.Tensor) -> None:
