@@ -126,8 +126,6 @@ class ChoiceOutput:
         if self.parser is None and plan.mode == "none":
             # no parser and no tools: a chunk's text is its content as it is
             self.feed = self._plain  # type: ignore[method-assign]
-        elif self.parser is not None and self.spans and not self.forced:
-            self.feed = self._parsed  # type: ignore[method-assign]
 
     def feed(self, chunk: GenChunk) -> Piece:
         """A streamed chunk's Piece (the output's own where it refills one)."""
@@ -148,29 +146,6 @@ class ChoiceOutput:
         if own is None:
             return Piece("", text)
         own.content = text  # its reasoning and calls stay empty: no parser, no tools
-        return own
-
-    def _parsed(self, chunk: GenChunk) -> Piece:
-        """`feed` with a parser whose reasoning is one span (all but harmony's) and no
-        forced call, the common parsed stream: `_text`'s path without its checks for the
-        other cases, in one call a chunk (docs/PERF.md, issue 48)."""
-        if type(chunk) is ParsedChunk:
-            return ChoiceOutput.feed(self, chunk)
-        text = chunk.text
-        self.chars += len(text)
-        parser: OutputParser = self.parser  # type: ignore[assignment]
-        if self.counting:
-            self.chunks.append(chunk)
-            parsed = parser.feed(text)
-            if not parser.in_reasoning and parser.reasoning_end():
-                self._count()  # the reasoning is over: no more to count
-        else:
-            parsed = parser.feed(text)
-        calls = self._calls(parsed.tool_calls) if parsed.tool_calls else []
-        own = self.own
-        if own is None:
-            return Piece(parsed.reasoning, parsed.content, calls)
-        own.reasoning, own.content, own.calls = parsed.reasoning, parsed.content, calls
         return own
 
     def take(self, chunk: GenChunk) -> None:
