@@ -5,6 +5,7 @@ whole and streamed, or its figures time something else (the times are the study'
 from __future__ import annotations
 
 import json
+import re
 
 from studies import parser_costs
 from studies.gateway_parsers import MOCK
@@ -30,3 +31,22 @@ def test_the_loops_answer_as_the_route_does() -> None:
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"]
     [choice] = json.loads(parser_costs.whole("off"))["choices"]
     assert choice["message"]["content"] == MOCK and choice["finish_reason"] == "stop"
+
+
+def test_the_encoding_apart_encodes_what_the_stream_sends() -> None:
+    """The study's encoding part (`encode`, over the chunks' arguments) makes the bytes the
+    streamed loop sends, so its on - off is the route's (call ids aside: they are random)."""
+    for side in ("off", "on"):
+        args = parser_costs.streamed(side, encode=False)
+        bodies = [
+            parser_costs.sse(parser_costs.chunk_body(True, "chatcmpl-1", 1, "fake-model", 0, *a))
+            for a in args[:-1]
+        ]
+        sent = parser_costs.streamed(side)
+        assert len(bodies) == len(sent) - 1 == len(args) - 1
+        assert [_no_id(b) for b in bodies] == [_no_id(b) for b in sent[:-1]]
+    assert len(parser_costs.streamed("on")) < len(parser_costs.streamed("off"))
+
+
+def _no_id(event: bytes) -> bytes:
+    return re.sub(rb'"id":"call_[0-9a-f]+"', b'"id":"call"', event)
