@@ -19,6 +19,9 @@ engine's preemptions in each phase).
 The engines' answers are of fixed length (`ignore_eos`). `--rounds N` runs every phase N
 times in turn and reports the medians, each ratio taken within its round: on a shared
 machine a phase of a few seconds moves with the other jobs more than with the batch.
+The gateway process's CPU (every thread, the engine's included) over the two idle
+phases, a line, moves less with the other jobs: the batch's excess over ordinary
+requests' is the runner's work a line and the polls (`gateway_cpu_ms_a_line`).
 
     .venv/bin/python -m studies.batch_yield --out docs/perf/batch_yield.json
     .venv/bin/python -m studies.batch_yield --backend gpu --lines 48 --interactive 20 --rounds 3 --out docs/perf/batch_yield_gpu_rounds1.json
@@ -38,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from studies.gateway_load import cpu_seconds
 from studies.harness import admin, start_gateway, tenant_key, toml_backend
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}]}
@@ -131,7 +135,7 @@ def preemptions(url: str) -> int:
     return sum(b["preemptions"] for b in admin(url, "GET", "/admin/backends")["data"])
 
 
-async def phases(url: str, args: argparse.Namespace) -> dict:
+async def phases(url: str, pid: int, args: argparse.Namespace) -> dict:
     """Every phase, `--rounds` times in turn; with more than one round, the medians of its
     figures (ratios taken within each round), the rounds' competition all through, the
     preemptions summed, and each round under `rounds`."""
@@ -139,7 +143,7 @@ async def phases(url: str, args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.lines + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await interactive(http, fg, args)  # warm-up
-        rounds = [await one_round(http, url, fg, args, f"-{r}") for r in range(args.rounds)]
+        rounds = [await one_round(http, url, pid, fg, args, f"-{r}") for r in range(args.rounds)]
     if len(rounds) == 1:
         return rounds[0]
     return merged(rounds) | {"rounds": rounds}
@@ -161,20 +165,21 @@ def merged(rounds: list[dict]) -> dict:
 
 
 async def one_round(
-    http: httpx.AsyncClient, url: str, fg: str, args: argparse.Namespace, tag: str
+    http: httpx.AsyncClient, url: str, pid: int, fg: str, args: argparse.Namespace, tag: str
 ) -> dict:
-    """The phases once, against tenants of their own (named with `tag`) but `fg`'s."""
+    """The phases once, against tenants of their own (named with `tag`) but `fg`'s;
+    `pid` is the gateway's process."""
     alone = await interactive(http, fg, args)
     # the batch's throughput, the server otherwise idle
     bg = tenant_key(url, "batch-idle" + tag)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds(pid)
     done = await batch_done(http, bg, await submit_batch(http, bg, args))
-    batch_s = time.perf_counter() - start
+    batch_s, batch_cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
     assert done["request_counts"]["completed"] == args.lines, done
     # the same lines as ordinary requests at full concurrency
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds(pid)
     answers = await ordinary(http, tenant_key(url, "ordinary-idle" + tag), args)
-    ordinary_s = time.perf_counter() - start
+    ordinary_s, ordinary_cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
     tokens = sum(n for _, n in answers)
     # interactive beside a running batch
     bg = tenant_key(url, "batch-beside" + tag)
@@ -210,6 +215,9 @@ async def one_round(
         "batch_tokens_per_s": tokens / batch_s,
         "ordinary_tokens_per_s": tokens / ordinary_s,
         "batch_vs_ordinary_tokens_per_s": ordinary_s / batch_s,
+        "gateway_cpu_ms_a_line": {
+            "batch": 1000 * batch_cpu / args.lines, "ordinary": 1000 * ordinary_cpu / args.lines,
+        },
     }  # fmt: skip
 
 
@@ -243,7 +251,9 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
         start_gateway(Path(tmp), "batch-yield", config(args, Path(tmp))) as gw,
     ):
-        report = {"args": vars(args) | {"out": None}} | asyncio.run(phases(gw.url, args))
+        report = {"args": vars(args) | {"out": None}} | asyncio.run(
+            phases(gw.url, gw.proc.pid, args)
+        )
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
