@@ -173,7 +173,8 @@ def bad_gguf_files(lora: Path) -> dict[str, Path]:
 
 
 async def test_a_gguf_adapter_broken_after_registration(make_gateway, tmp_path):
-    options = {"enable_lora": True, "n_ctx": 1024, "n_parallel": 2}
+    # one llama.cpp thread: two spin at its barriers beside the suite's other workers
+    options = {"enable_lora": True, "n_ctx": 1024, "n_parallel": 2, "n_threads": 1}
     gw = await make_gateway([BackendSpec("local", "local", "", "", options)])
     _, key = await gw.tenant()
     lora = Path(write_lora(tmp_path / "acme.gguf", gw.backend("local").engine.model, seed=3))

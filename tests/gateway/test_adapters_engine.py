@@ -173,7 +173,8 @@ async def test_adapters_through_a_worker(make_gateway, files, tmp_path):
 
 
 async def test_gguf_adapters_on_the_llama_cpp_backend(make_gateway, tmp_path):
-    options = {"enable_lora": True, "n_ctx": 1024, "n_parallel": 2}
+    # one llama.cpp thread: two spin at its barriers beside the suite's other workers
+    options = {"enable_lora": True, "n_ctx": 1024, "n_parallel": 2, "n_threads": 1}
     gw = await make_gateway([BackendSpec("local", "local", "", "", options)])
     lora = write_lora(tmp_path / "acme.gguf", gw.backend("local").engine.model, seed=3)
     _, key = await gw.tenant("a")
