@@ -13,9 +13,10 @@ from aiohttp.test_utils import TestServer
 from gateway.app import create_app
 from gateway.backends import BackendSpec
 from gateway.config import Settings
+from gateway.db import Database, migrate
 from gateway.http.server import GatewayTestServer
 from gateway.state import GW, GatewayState
-from tests.conftest import ADMIN_KEY
+from tests.conftest import ADMIN_KEY, PG_URL
 
 
 @dataclass
@@ -88,3 +89,15 @@ async def make_gateway(tmp_path) -> AsyncIterator:
 @pytest.fixture
 async def gw(make_gateway) -> Gateway:
     return await make_gateway()
+
+
+# a migrated database of each kind, for the modules that test a store on both
+@pytest.fixture(params=["sqlite", "postgres"])
+async def db(request, tmp_path) -> AsyncIterator[Database]:
+    if request.param == "postgres":
+        db = Database(PG_URL, request.getfixturevalue("pg_schema"))
+    else:
+        db = Database(f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}")
+    await migrate(db)
+    yield db
+    await db.close()

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-import pytest
 from sqlalchemy import inspect, select
 
 from gateway.batches import store
@@ -21,18 +19,6 @@ from gateway.batches.runner import BatchRunner, LineAnswer
 from gateway.db import Database, migrate
 from gateway.db.batch_tables import Batch, BatchLine
 from gateway.tenancy.tenants import TenantService
-from tests.conftest import PG_URL
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def db(request, tmp_path) -> AsyncIterator[Database]:
-    if request.param == "postgres":
-        db = Database(PG_URL, request.getfixturevalue("pg_schema"))
-    else:
-        db = Database(f"sqlite+aiosqlite:///{tmp_path / 'batches.db'}")
-    await migrate(db)
-    yield db
-    await db.close()
 
 
 async def _batch(db: Database, n: int = 5, metadata: dict | None = None) -> Batch:

@@ -11,7 +11,6 @@ import json
 import signal
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ from sqlalchemy import select
 
 from gateway.batches import store
 from gateway.batches.jsonl import InputLine
-from gateway.db import DailyUsage, Database, UsageRecord, migrate
+from gateway.db import DailyUsage, UsageRecord
 from gateway.tenancy.tenants import TenantService
 from gateway.tenancy.usage import UsageRecorder, UsageRow
 from tests.conftest import PG_URL, LiveGateway, start_gateway
@@ -154,17 +153,6 @@ def test_a_budget_that_runs_out_fails_the_rest_of_the_batch(tmp_path):
         assert failed[0]["response"]["status_code"] == 429
     finally:
         gw.stop()
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def db(request, tmp_path) -> AsyncIterator[Database]:
-    if request.param == "postgres":
-        db = Database(PG_URL, request.getfixturevalue("pg_schema"))
-    else:
-        db = Database(f"sqlite+aiosqlite:///{tmp_path / 'usage.db'}")
-    await migrate(db)
-    yield db
-    await db.close()
 
 
 def _row(request_id: str, custom_id: str) -> UsageRow:
