@@ -89,12 +89,25 @@ class Ledger:
         self.tenants: dict[str, _Tenant] = {}
         self.virtual_time = 0.0
         self._ticks = itertools.count()
+        # the tenants with a waiting request: a newcomer's lift looks at these alone, not
+        # at every tenant the engine has served since it started
+        self._backlogged: set[_Tenant] = set()
+        # the last shares reported and the tenants changed since: the engine reports its
+        # stats after every step, and rebuilding every tenant's share each time cost a
+        # step more with each tenant ever seen
+        self._shares: dict[str, TenantStats] = {}
+        self._changed: set[str] = set()
 
     def _get(self, seq: Sequence) -> _Tenant:
         tenant = self.tenants.get(seq.tenant_id)
         if tenant is None:
             tenant = self.tenants[seq.tenant_id] = _Tenant()
         return tenant
+
+    def _change(self, seq: Sequence) -> _Tenant:
+        """`seq`'s tenant, to be changed (stats reports it anew)."""
+        self._changed.add(seq.tenant_id)
+        return self._get(seq)
 
     def counter(self, seq: Sequence) -> float:
         return self._get(seq).counter
@@ -107,22 +120,23 @@ class Ledger:
 
     def waits(self, seq: Sequence, arriving: bool = True) -> None:
         """`seq` joins the waiting queue (on arrival, or preempted)."""
-        tenant = self._get(seq)
+        tenant = self._change(seq)
         tenant.weight = seq.weight
         if tenant.waiting == 0:
-            backlogged = [t.counter for t in self.tenants.values() if t.waiting and t is not tenant]
+            backlogged = [t.counter for t in self._backlogged]
             floor = min(backlogged) if backlogged else self.virtual_time
             # the spare seat is for one not ahead of the others: a tenant that keeps
             # coming back with one request at a time cannot ride it past its share
             idle = arriving and tenant.running == 0
             tenant.newcomer = idle and tenant.counter <= floor
             tenant.counter = max(tenant.counter, floor)
+            self._backlogged.add(tenant)
         tenant.waiting += 1
 
     def admitted(self, seq: Sequence) -> None:
         """`seq` left the waiting queue to run; its prompt is charged the first time."""
-        tenant = self._get(seq)
-        tenant.waiting -= 1
+        tenant = self._change(seq)
+        self._leaves_queue(tenant)
         tenant.running += 1
         tenant.last_admitted = next(self._ticks)
         tenant.newcomer = False
@@ -134,33 +148,41 @@ class Ledger:
             self._charge(tenant, seq, computed * PROMPT_TOKEN_COST + cached * CACHED_TOKEN_COST)
 
     def preempted(self, seq: Sequence) -> None:
-        self._get(seq).running -= 1
+        self._change(seq).running -= 1
         self.waits(seq, arriving=False)
 
     def finished(self, seq: Sequence, was_running: bool) -> None:
         self.charge_outputs(seq)
-        tenant = self._get(seq)
+        tenant = self._change(seq)
         if was_running:
             tenant.running -= 1
         else:
-            tenant.waiting -= 1
+            self._leaves_queue(tenant)
+
+    def _leaves_queue(self, tenant: _Tenant) -> None:
+        tenant.waiting -= 1
+        if tenant.waiting == 0:
+            self._backlogged.discard(tenant)
 
     def charge_outputs(self, seq: Sequence) -> None:
         """Charge the output tokens `seq` emitted since the last call."""
         new = seq.num_output_tokens - seq.num_outputs_charged
         if new > 0:
             seq.num_outputs_charged += new
-            self._charge(self._get(seq), seq, new * OUTPUT_TOKEN_COST)
+            self._charge(self._change(seq), seq, new * OUTPUT_TOKEN_COST)
 
     def _charge(self, tenant: _Tenant, seq: Sequence, cost: float) -> None:
         tenant.service += cost
         tenant.counter += cost / seq.weight
 
     def stats(self) -> dict[str, TenantStats]:
-        return {
-            name: TenantStats(t.weight, t.service, t.counter, t.waiting, t.running)
-            for name, t in self.tenants.items()
-        }
+        """Every tenant's share, a new dict each call (another thread may hold the last
+        one): a tenant unchanged since the last call keeps its TenantStats object."""
+        for name in self._changed:
+            t = self.tenants[name]
+            self._shares[name] = TenantStats(t.weight, t.service, t.counter, t.waiting, t.running)
+        self._changed.clear()
+        return dict(self._shares)
 
 
 def _insert_first(queue: deque[Sequence], seq: Sequence) -> None:

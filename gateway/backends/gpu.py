@@ -317,9 +317,8 @@ class GpuBackend(InProcessBackend[AsyncLLM]):
                     for name in KV_TRANSFER_STATS
                     if self._engine.engine.config.kv_transfer
                 },
-                "tenants": {
-                    tenant: dataclasses.asdict(share) for tenant, share in s.tenants.items()
-                },
+                # flat records: asdict's deep copy cost the router 5 us a tenant a request
+                "tenants": {tenant: vars(share).copy() for tenant, share in s.tenants.items()},
                 "adapters_loaded": list(s.adapters_loaded),
                 "lora_loads": s.lora_loads,
                 # a vision model's encoder cache: images found, images encoded

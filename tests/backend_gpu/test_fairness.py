@@ -442,3 +442,23 @@ def test_engine_refuses_a_weight_that_is_not_positive_and_finite(tiny_model_dir)
             llm.engine.add_request(req("x", [5, 6], SamplingParams(), tenant_id="t", weight=bad))
     assert not llm.engine.seqs and not llm.engine.has_unfinished_requests()
     assert llm.stats().tenants == {}
+
+
+def test_stats_report_every_tenant_as_it_is_now_and_keep_earlier_reports():
+    sim = Sim()
+    sim.submit("a", 2, max_tokens=32)
+    sim.submit("b", 1)
+    while any(s.tenant_id == "b" for s in sim.live):
+        sim.step()
+    before = sim.sched.tenant_stats()
+    sim.step()  # a is served more, b is idle
+    sim.step()
+    after = sim.sched.tenant_stats()
+    ledger = sim.sched.ledger.tenants
+    for name in ("a", "b"):  # each as the ledger has it now, idle or not
+        t = ledger[name]
+        assert vars(after[name]) == {"weight": t.weight, "service": t.service,
+                                     "counter": t.counter, "waiting": t.waiting,
+                                     "running": t.running}  # fmt: skip
+    assert after["a"].service > before["a"].service  # the earlier report is not changed
+    assert after is not before and after["b"] is before["b"]  # b, unchanged, not rebuilt
