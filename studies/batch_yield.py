@@ -118,12 +118,20 @@ async def submit_batch(http: httpx.AsyncClient, key: str, args: argparse.Namespa
 
 
 async def batch_done(http: httpx.AsyncClient, key: str, batch_id: str) -> dict:
+    """The batch once ended. Polled after half the time its rest would take at its pace
+    so far, between 10 and 250 ms: each poll is the gateway's work during the phase (a
+    poll every 50 ms was about one a line), and the phase ends at the poll that sees the
+    end, at most 10 ms late (50 before)."""
+    start = time.perf_counter()
     while True:
         r = await http.get(f"/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {key}"})
         batch = r.json()
         if batch["status"] in ("completed", "failed", "expired", "cancelled"):
             return batch
-        await asyncio.sleep(0.05)
+        counts = batch["request_counts"]
+        done = counts["completed"] + counts["failed"]
+        pace = (time.perf_counter() - start) / done if done else 0.05  # s a line
+        await asyncio.sleep(min(0.25, max(0.01, 0.5 * (counts["total"] - done) * pace)))
 
 
 async def ordinary(http: httpx.AsyncClient, key: str, args: argparse.Namespace) -> list:
