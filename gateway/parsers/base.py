@@ -70,6 +70,14 @@ class OutputParser:
         """Flush held-back text; a marker that never completed is content."""
         raise NotImplementedError
 
+    def feed_final(self, text: str) -> ParsedDelta:
+        """`feed` the rest of the text and `finish`, as one delta: a whole answer's parse.
+        The parsers override it to pass their states once, where feed then finish
+        passes them twice (docs/PERF.md, issue 48)."""
+        out = self.feed(text)
+        out.extend(self.finish())
+        return out
+
     def reasoning_end(self) -> int | None:
         """How many characters of the text fed so far the reasoning spans, its markers
         included (0: none). A whole answer parsed at once counts its reasoning tokens
@@ -94,7 +102,6 @@ def merge_calls(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 def parse_whole(parser: OutputParser, text: str) -> ParsedDelta:
     """Feed all of `text` and finish: one delta, tool call deltas merged per index."""
-    out = parser.feed(text)
-    out.extend(parser.finish())
+    out = parser.feed_final(text)
     out.tool_calls = merge_calls(out.tool_calls)
     return out

@@ -67,6 +67,10 @@ class ToolParser(Buffered, OutputParser):
     def finish(self) -> ParsedDelta:
         return self._flush(final=True)
 
+    def feed_final(self, text: str) -> ParsedDelta:
+        self.buf += text  # the states run once, final: what feed then finish would give
+        return self._flush(final=True)
+
     def _flush(self, final: bool) -> ParsedDelta:
         self.run(final)
         out, self.out = self.out, ParsedDelta()

@@ -70,17 +70,20 @@ class ThinkParser(Buffered, OutputParser):
         self.in_reasoning = False
         return out if self.then is None else self._onward(out, final=True)
 
+    def feed_final(self, text: str) -> ParsedDelta:
+        self.fed += len(text)  # the states run once, final: what feed then finish would give
+        self.buf += text
+        return self.finish()
+
     def _onward(self, first: ParsedDelta, final: bool) -> ParsedDelta:
         """The content read so far handed to `then`, after the reasoning."""
         assert self.then is not None
-        if not first.content:  # reasoning (or held text) only
-            if not final:
-                return first
-            out = self.then.finish()  # feeding it "" first would change nothing
+        if final:
+            out = self.then.feed_final(first.content)
+        elif not first.content:  # reasoning (or held text) only
+            return first
         else:
             out = self.then.feed(first.content)
-            if final:
-                out.extend(self.then.finish())
         out.reasoning = first.reasoning
         return out
 

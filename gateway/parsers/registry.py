@@ -49,6 +49,9 @@ class Passthrough(OutputParser):
     def finish(self) -> ParsedDelta:
         return ParsedDelta()
 
+    def feed_final(self, text: str) -> ParsedDelta:
+        return ParsedDelta("", text)
+
 
 def _check(name: str | None, valid: tuple[str, ...], what: str) -> None:
     if name is not None and name not in valid:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backends import GenChunk, ParsedChunk
-from gateway.parsers import OutputParser, ToolCallDelta, output_parser
+from gateway.parsers import OutputParser, ParsedDelta, ToolCallDelta, output_parser
 from gateway.parsers.reasoning import ThinkParser
 from gateway.serving.job import Job
 from gateway.serving.parser_choice import Parsers, parsers_of
@@ -203,10 +203,11 @@ class ChoiceOutput:
             parsed = self.parser.finish()
             if self.counting:
                 self._count()
-            if self.forced:
-                piece = self._forced(parsed.reasoning, parsed.content)
-            else:
-                piece = self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
+            piece = self._parsed(parsed)
+        return self._end(piece, reason)
+
+    def _end(self, piece: Piece, reason: str | None) -> tuple[Piece, str | None]:
+        """`piece` with a forced call's end, and the finish reason."""
         if self.plan.mode == "named":
             piece.extend(self._named(""))
         elif self.plan.mode == "required":
@@ -225,36 +226,36 @@ class ChoiceOutput:
         self.counting, self.chunks = False, []
 
     def _finish_whole(self, reason: str | None) -> tuple[Piece, str | None]:
-        """A whole answer's text read at once, then finished as a stream finishes (what
-        came parsed from upstream first)."""
-        chunks, self.chunks = self.chunks, []
-        counting = self.at_once and self.counting
-        if self.at_once:
-            self._read([c.text for c in chunks])
-            self.counting = False  # counted here, from the chunks
+        """A whole answer's text read at once (fed and finished in one pass), then ended
+        as a stream ends (what came parsed from upstream first)."""
         self.whole = False
-        piece, reason = self.finish(reason)
-        if counting:
-            assert self.parser is not None
-            self.reasoning_tokens += _chunk_tokens_before(chunks, self.parser.reasoning_end() or 0)
-        return self.passed.extend(piece), reason
-
-    def _read(self, texts: list[str]) -> None:
-        text = "".join(texts)
+        if not self.at_once:  # harmony's parser read the chunks as they came
+            piece, reason = self.finish(reason)
+            return self.passed.extend(piece), reason
+        chunks, self.chunks = self.chunks, []
+        text = "".join([c.text for c in chunks])
         parser = self.parser
         if parser is not None:
-            parsed = parser.feed(text)
-            if self.forced:
-                self.passed.extend(self._forced(parsed.reasoning, parsed.content))
-            else:
-                calls = parsed.tool_calls
-                self.passed.extend(self._piece(parsed.reasoning, parsed.content, calls))
+            piece = self._parsed(parser.feed_final(text))
+            if self.counting:  # counted here, from the chunks
+                self.counting = False
+                self.reasoning_tokens += _chunk_tokens_before(chunks, parser.reasoning_end() or 0)
         elif self.plan.mode == "required":
             self.held.append(text)
+            piece = Piece()
         elif self.plan.mode == "named":
-            self.passed.extend(self._named(text))
+            piece = self._named(text)
         else:
-            self.passed.content += text
+            piece = Piece("", text)
+        piece, reason = self._end(piece, reason)
+        return self.passed.extend(piece), reason
+
+    def _parsed(self, parsed: ParsedDelta) -> Piece:
+        """The parser's delta as a Piece: a forced call's text, or reasoning, content and
+        calls."""
+        if self.forced:
+            return self._forced(parsed.reasoning, parsed.content)
+        return self._piece(parsed.reasoning, parsed.content, parsed.tool_calls)
 
     def _forced(self, reasoning: str, text: str) -> Piece:
         """A forced call's text after its reasoning: a named call's arguments as they
