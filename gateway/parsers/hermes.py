@@ -56,6 +56,11 @@ class HermesParser(ToolParser):
             return ParsedDelta()
         return super().feed(text)
 
+    def feed_final(self, text: str) -> ParsedDelta:
+        if not text and not self.buf and self.state == "content":
+            return ParsedDelta()  # nothing held: what the states' final pass would give
+        return super().feed_final(text)
+
     def run(self, final: bool) -> None:
         while getattr(self, "_" + self.state)(final):
             pass

@@ -29,13 +29,13 @@ as it is fed instead (the chunks fed while the parser was in reasoning, before o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backends import GenChunk, ParsedChunk
 from gateway.parsers import OutputParser, ParsedDelta, ToolCallDelta, output_parser
 from gateway.parsers.reasoning import ThinkParser
+from gateway.parsers.text import new_call_id
 from gateway.serving.job import Job
 from gateway.serving.parser_choice import Parsers, parsers_of
 from gateway.serving.tool_calls import ToolPlan, think_first, tool_call
@@ -293,7 +293,7 @@ class ChoiceOutput:
             elif index in self.dropped or not self._may_call():
                 self.dropped.add(index)
             else:
-                ids[index] = call_id = d.id or "call_" + os.urandom(12).hex()
+                ids[index] = call_id = d.id or new_call_id()
                 calls.append({"index": index, **tool_call(d.name or "", d.arguments, call_id)})
         return calls
 

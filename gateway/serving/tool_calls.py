@@ -21,11 +21,11 @@ A reply whose calls parse ends with finish_reason "tool_calls" (gateway.serving.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_api.structured import StructuredOutput
+from gateway.parsers.text import new_call_id
 from gateway.schemas.inference import ChatCompletionRequest
 from gateway.schemas.structured import NamedToolChoice
 
@@ -96,7 +96,7 @@ def think_first(reasoning: str | None, thinking: bool) -> str | None:
 
 def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
     return {
-        "id": call_id or "call_" + os.urandom(12).hex(),
+        "id": call_id or new_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
