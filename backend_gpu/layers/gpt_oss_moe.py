@@ -11,10 +11,11 @@ loader, quantize_model and kvgate plan treat it as the other models' experts), a
 Mxfp4Experts, the published checkpoints' MXFP4 kept packed (quantization/mxfp4.py).
 
 Both run a step's (token, expert) pairs sorted by expert, as layers/moe.py does. The
-CPU: an addmm per expert over its run (its bias the addmm's input), weight @ run.T into
-the run's columns of one transposed buffer of all runs, the activation once over it,
-each pair's output weighted and added into its token's row; an MXFP4 expert's matrix
-widened for its one matmul (its 16-bit copy lives for that matmul alone). CUDA: two grouped GEMM launches for all experts
+CPU: an addmm per expert over its run (its bias the addmm's input) into one buffer of
+all runs (weight @ run.T into a transposed one for stored weights, run @ weight.T for
+an MXFP4 expert's matrix, widened for its one matmul: its 16-bit copy lives for that
+matmul alone), the activation once over it, each pair's output weighted and added into
+its token's row. CUDA: two grouped GEMM launches for all experts
 (triton_moe.py's, or triton_mxfp4.py's decoding MXFP4 in registers), the biases and the
 activation in torch between them, no host sync, so decodes stay in CUDA graphs.
 """
@@ -33,6 +34,8 @@ from backend_gpu.layers.moe import FusedExperts, local_expert_ids
 from backend_gpu.quantization import mxfp4
 
 STACKED = ("gate_up_proj", "gate_up_proj", "down_proj")  # one tensor for all experts
+# (e -> expert e's weight, whether it is the stored tensor rather than a fresh widening)
+ExpertWeights = tuple[Callable[[int], torch.Tensor], bool]
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,13 @@ class BiasedExperts(FusedExperts):
         """Stacked: one tensor per projection (and bias) for all of this rank's experts."""
         return [f"{prefix}.{name}" for name, _ in self.named_parameters()]
 
-    def expert_weights(self, which: str, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
-        """e -> expert e's `which` ("gate_up" or "down") in `dtype`, 8-bit widened by its
-        row scales."""
+    def expert_weights(self, which: str, dtype: torch.dtype) -> ExpertWeights:
+        """(e -> expert e's `which` ("gate_up" or "down") in `dtype`, 8-bit widened by
+        its row scales; whether those are the stored weights, not fresh copies)."""
         weight, scale = getattr(self, f"{which}_proj"), getattr(self, f"{which}_scale")
         if scale is None and weight.dtype == dtype:  # the experts' views, made at once
-            return weight.unbind(0).__getitem__
-        return lambda e: _widened(weight[e], scale, e, dtype)
+            return weight.unbind(0).__getitem__, True
+        return lambda e: _widened(weight[e], scale, e, dtype), False
 
     def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
         from backend_gpu.layers.triton_moe import grouped_gemm
@@ -130,13 +133,14 @@ class Mxfp4Experts(nn.Module):
             nn.Parameter(torch.empty(shard.count, hidden_size)) if down_bias else None
         )
 
-    def expert_weights(self, which: str, dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
-        """e -> expert e's `which` ("gate_up" or "down") widened to `dtype`."""
+    def expert_weights(self, which: str, dtype: torch.dtype) -> ExpertWeights:
+        """(e -> expert e's `which` ("gate_up" or "down") widened to `dtype`, False: a
+        fresh copy, not a stored weight)."""
         blocks, scales = (
             getattr(self, f"{which}_proj_blocks"),
             getattr(self, f"{which}_proj_scales"),
         )
-        return lambda e: mxfp4.dequantize(blocks[e], scales[e], dtype)
+        return lambda e: mxfp4.dequantize(blocks[e], scales[e], dtype), False
 
     def grouped_gemm(self, which: str, a, blocks, out, a_div: int, weights=None):
         from backend_gpu.layers.triton_mxfp4 import mxfp4_grouped_gemm
@@ -206,29 +210,37 @@ def per_expert(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor) ->
 
 def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> torch.Tensor:
     """[out, rows], transposed: each run of `rows` ([rows, in], contiguous) times its
-    expert's `which` weight plus its bias, as weight @ run.T into the run's columns.
-    At a decode's few rows an expert this form streams each weight once (the BLAS
-    call's small side is the run): with the experts' weights past the CPU's cache, as
-    every decode step reads them, it takes 0.6-0.7x the time of run @ weight.T at 2 to 5
-    rows, about 0.9x at 6 to 8 and the same from 16 (PERF.md "gpt-oss decode: the
-    weights from memory"). An MXFP4 expert is widened for its one matmul."""
-    weights = experts.expert_weights(which, rows.dtype)
+    expert's `which` weight plus its bias, in the form that suits where the weight comes
+    from. A stored weight, read from memory (a decode step reads every expert's): weight
+    @ run.T into the run's columns, which streams it once (the BLAS call's small side is
+    the run), 0.6-0.7x the time of run @ weight.T at 2 to 5 rows, about 0.9x at 6 to 8,
+    the same from 16 (PERF.md "gpt-oss decode: the weights from memory"). A weight
+    widened for this one matmul (MXFP4, 8-bit) is in the cache already: run @ weight.T
+    into the run's rows, about 0.93x the other form's time on such a step's 4 layers."""
+    weights, stored = experts.expert_weights(which, rows.dtype)
     biases = getattr(experts, f"{which}_proj_bias")
-    biases = None if biases is None else biases.unsqueeze(-1).unbind(0)  # [out, 1] each
+    if biases is not None:  # views made at once; a stored weight's a column [out, 1]
+        biases = (biases.unsqueeze(-1) if stored else biases).unbind(0)
     out, start = None, 0
     for e, run in enumerate(runs):
         if not run:
             continue
         weight = weights(e)
         if out is None:
-            out = rows.new_empty(weight.shape[0], rows.shape[0])
-        part, into = rows[start : start + run].t(), out[:, start : start + run]
-        if biases is None:
-            torch.mm(weight, part, out=into)
+            size = (weight.shape[0], rows.shape[0])
+            out = rows.new_empty(size if stored else size[::-1])
+        part = rows[start : start + run]
+        if stored:
+            part, into = part.t(), out[:, start : start + run]
+            operands = weight, part
         else:
-            torch.addmm(biases[e], weight, part, out=into)
+            into, operands = out[start : start + run], (part, weight.t())
+        if biases is None:
+            torch.mm(*operands, out=into)
+        else:
+            torch.addmm(biases[e], *operands, out=into)
         start += run
-    return out
+    return out if stored else out.t()
 
 
 def grouped_kernels(experts: Experts, x: torch.Tensor, weights, ids: torch.Tensor):
