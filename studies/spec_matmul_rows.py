@@ -7,10 +7,11 @@ depends on how the BLAS treats those few rows, not only on the weight it reads.
 For a model's shapes (SmolLM2 135M's by default: 30 layers of q/k/v 960 x 576, o 576 x
 576, gate/up 3072 x 576, down 576 x 1536, and its 49,152 x 576 LM head) it times, in
 this thread's CPU time (one torch thread; a loaded machine's waits left out), the
-median over --repeats of: every layer's four products for `rows` rows, as `linear`
-(x @ W.T) and as (W @ x.T).T, in bfloat16 too with --bf16; and the LM head both ways.
-A buffer larger than the cache is written between timings, so the weights come from
-memory as in a step.
+median over --repeats of: every layer's four products for `rows` rows in each of the
+engine's candidate forms (backend_gpu/layers/cpu_rows.py: `linear` (x @ W.T), (W @ x.T).T,
+oneDNN's) and in the form the engine measures fastest for each shape and rows ("chosen"),
+in bfloat16 too with --bf16; and the LM head the same ways. A buffer larger than the
+cache is written between timings, so the weights come from memory as in a step.
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
+from backend_gpu.layers import cpu_rows
 from bench.options import DefaultsHelpFormatter
 
-FORMS = {
-    "linear": lambda x, w: F.linear(x, w),
-    "weight @ x.T": lambda x, w: torch.mm(w, x.t()).t().contiguous(),
-}
+FORMS = {name: lambda x, w, form=form: form(x, w, None) for name, form in cpu_rows.FORMS.items()}
+FORMS["chosen"] = lambda x, w: cpu_rows.linear(x, w)
 
 
 def cpu_ms(fn, flush: torch.Tensor) -> float:
@@ -51,6 +50,9 @@ def measure(args) -> dict:
     for dtype in [torch.float32] + ([torch.bfloat16] if args.bf16 else []):
         layers = layer_weights(args, dtype)
         head = torch.randn(args.vocab, args.hidden, dtype=dtype)
+        for w in [*layers[0], head]:  # "chosen"'s timings at first use left out
+            for rows in args.rows:
+                cpu_rows.chosen_form(w, rows)
         for form, fn in FORMS.items():
             tag = f"{form} {str(dtype).removeprefix('torch.')}"
 
@@ -101,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
         one = by_rows[args.rows[0]]
         cells = [f"{by_rows[r]:.1f} ({by_rows[r] / one:.2f}x)" for r in args.rows]
         print(f"| {case} | " + " | ".join(cells) + " |")
-    result = {"args": vars(args), "torch": torch.__version__, "cpu_ms": cases}
+    chosen = {f"{d} {o}x{i}, {r} rows": f for (d, o, i, r), f in cpu_rows.choices().items()}
+    print("chosen:", chosen)
+    result = {"args": vars(args), "torch": torch.__version__, "cpu_ms": cases, "chosen": chosen}
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(result, f, indent=2)

@@ -9,12 +9,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
+from backend_gpu.layers import cpu_rows
 from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8, int8
 
 TABLE_GROUP = 32  # values of a token-table row that share one scale
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear whose float32 products of a few rows on the CPU take the form measured
+    fastest on the machine (cpu_rows.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_rows.linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
     """Output rows [offset, offset + size) of the weight belong to the shard `name`."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
@@ -36,22 +45,13 @@ class PackedLinear(nn.Linear):
         return list(out.split(sizes, dim=-1))
 
 
-# Rows up to which the CPU's LM head is `linear` (PERF.md, issue 49): MKL's float32
-# product streams the weight once for up to 3 rows (1.15x one row's time at 3) and packs
-# it from 4 rows on (2.3x at 4); (weight @ x.T) costs about 2.9x one row's from 2 rows to
-# 16, so `linear` is as fast or faster up to 5 rows and (weight @ x.T) from 8
-# (torch 2.13's MKL, one thread, CPU time, 49k x 576 and 262k x 640 heads alike).
-CPU_LINEAR_HEAD_ROWS = 5
-
-
 def vocab_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ weight [vocab, in].T. On the CPU past CPU_LINEAR_HEAD_ROWS rows as
-    (weight @ x.T).T: the BLAS then packs the few rows of x instead of the whole
-    vocabulary-sized weight. The copy back to row-major is cheap beside it and keeps the
-    sampler's reads dense."""
-    if x.device.type == "cpu" and x.shape[0] > CPU_LINEAR_HEAD_ROWS:
+    """x [rows, in] @ weight [vocab, in].T. On the CPU a few rows take the form measured
+    fastest for the head's shape (cpu_rows.py); more as (weight @ x.T).T: the BLAS then
+    packs the rows of x instead of the whole vocabulary-sized weight."""
+    if x.device.type == "cpu" and x.shape[0] > cpu_rows.MAX_ROWS:
         return torch.mm(weight, x.t()).t().contiguous()
-    return F.linear(x, weight)
+    return cpu_rows.linear(x, weight)
 
 
 def embedding(rows: int, dim: int) -> nn.Embedding:

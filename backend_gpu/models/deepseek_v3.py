@@ -37,6 +37,7 @@ from torch import nn
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.expert_shards import ExpertShard, MoEConfig
 from backend_gpu.layers.attention import AttentionMetadata
+from backend_gpu.layers.linear import Linear
 from backend_gpu.layers.mla_attention import mla_attention
 from backend_gpu.layers.moe import FusedExperts
 from backend_gpu.layers.norm import RMSNorm
@@ -167,17 +168,17 @@ class MLAAttention(nn.Module):
         q_size = self.num_heads * (self.nope + self.rope_dim)
         self.q_lora = config.q_lora_rank is not None
         if self.q_lora:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_size, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, q_size, bias=False)
         else:  # the checkpoint's q_proj: a name the loader packs into Llama's qkv_proj
-            self.q_heads_proj = nn.Linear(hidden, q_size, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=bias)
+            self.q_heads_proj = Linear(hidden, q_size, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentProjection(self.rank, self.num_heads, self.nope, config.v_head_dim)
         # row-parallel: the ranks' partial sums are added, so the bias is rank 0's alone
         o_in = self.num_heads * config.v_head_dim
-        self.o_proj = nn.Linear(o_in, hidden, bias=bias and tp.rank == 0)
+        self.o_proj = Linear(o_in, hidden, bias=bias and tp.rank == 0)
         self.rotary = rotary  # the model's one table (qk_rope_head_dim wide)
         self.interleaved = getattr(config, "rope_interleave", True)
         self.scale = softmax_scale(config)

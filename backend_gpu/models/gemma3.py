@@ -12,7 +12,7 @@ from torch import nn
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers import vocab_parallel
 from backend_gpu.layers.attention import AttentionMetadata
-from backend_gpu.layers.linear import LMHead, PackedLinear, embedding
+from backend_gpu.layers.linear import Linear, LMHead, PackedLinear, embedding
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
 from backend_gpu.models.llama import (
@@ -39,7 +39,7 @@ class Gemma3Attention(nn.Module):
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias
         )
         # row-parallel: the bias is added once, on rank 0
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias and tp.rank == 0)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=bias and tp.rank == 0)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=1.0)
         self.qk_norm = True

@@ -37,7 +37,7 @@ from backend_gpu.layers.gpt_oss_moe import (
     GptOssRouter,
     Mxfp4Experts,
 )
-from backend_gpu.layers.linear import PackedLinear
+from backend_gpu.layers.linear import Linear, PackedLinear
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.models.llama import LlamaDecoderLayer, LlamaForCausalLM, sliding_window_of
@@ -113,7 +113,7 @@ class GptOssAttention(nn.Module):
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias
         )
         # row-parallel: the ranks' partial sums are added, so the bias is rank 0's alone
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias and tp.rank == 0)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=bias and tp.rank == 0)
         # every head's (a few numbers): this rank's are a slice, no checkpoint cut needed
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))
         self.first_head = tp.rank * self.num_heads

@@ -17,7 +17,7 @@ from torch import nn
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.layers import vocab_parallel
 from backend_gpu.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
-from backend_gpu.layers.linear import LMHead, PackedLinear, embedding
+from backend_gpu.layers.linear import Linear, LMHead, PackedLinear, embedding
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding, rope_settings
 from backend_gpu.tp_shards import VocabShard, local_heads
@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         )
         # row-parallel: the ranks' partial sums are added, so the bias is rank 0's alone
         o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias and tp.rank == 0)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias and tp.rank == 0)
         self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -86,7 +86,7 @@ class GatedMLP(nn.Module):
         self.tp = tp
         size = config.intermediate_size // tp.size
         self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from backend_gpu.distributed import ParallelGroup
 from backend_gpu.expert_shards import ExpertShard, MoEConfig
-from backend_gpu.layers.linear import PackedLinear
+from backend_gpu.layers.linear import Linear, PackedLinear
 from backend_gpu.models.moe import MoEDecoderLayer, MoEForCausalLM, SparseMoeBlock
 
 
@@ -31,7 +31,7 @@ class SharedExpert(nn.Module):
     def __init__(self, hidden_size: int, inter: int) -> None:
         super().__init__()
         self.gate_up_proj = PackedLinear(hidden_size, {"gate": inter, "up": inter}, False)
-        self.down_proj = nn.Linear(inter, hidden_size, bias=False)
+        self.down_proj = Linear(inter, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
