@@ -2,7 +2,8 @@
 vLLM's parser names. Pure text: this room imports no other room of the gateway.
 
 `output_parser(reasoning, tools, ...)` makes one parser per choice (`feed` any split of the
-text, `finish` at the end); `detect` chooses the names from a model's chat template.
+text, `finish` at the end; `feed_final` for a whole answer's text: both in one pass);
+`detect` chooses the names from a model's chat template.
 """
 
 from gateway.parsers.base import OutputParser, ParsedDelta, ToolCallDelta, merge_calls, parse_whole
