@@ -106,17 +106,23 @@ def main(argv: list[str] | None = None) -> dict:
     to_draft = torch.full((cfg["vocab_size"],), -1, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     result: dict = {"head": args.head, "k": args.k, "max_tokens": args.max_tokens, "sets": {}}
+    # the answers' tokens the head can propose at all: a cap on every step's accuracy
+    result["in_draft_vocabulary"] = {}
     start = 0
     for name, prompts in sets.items():
-        oks, chances = [], []
+        oks, chances, targets = [], [], []
         for i, ids in enumerate(prompts, start):
             ok, chance = chains(head, seqs[i], aux[i], choice[i], len(ids), to_draft, args.k)
             oks.append(ok)
             chances.append(chance)
+            targets.append(to_draft[choice[i][len(ids) :]])
         start += len(prompts)
         ok, chance = torch.cat(oks), torch.cat(chances)
         rows = {f"{t:g}": under(ok, chance, t) for t in [0.0, *args.confidence]}
         result["sets"][name] = rows
+        inside = round((torch.cat(targets) >= 0).float().mean().item(), 3)
+        result["in_draft_vocabulary"][name] = inside
+        print(f"{name}: {inside:.3f} of the answers' tokens in the draft vocabulary")
         for t, r in rows.items():
             print(
                 f"{name} k={args.k} threshold {t}: acceptance length {r['acceptance_length']:.2f}"

@@ -380,6 +380,7 @@ def test_the_offline_score_applies_the_engines_stopping_rule(llama_head):
     for r in rows.values():
         assert 1 <= r["acceptance_length"] <= r["verify_rows"]
     assert rows["0.5"]["accuracy"] == rows["0"]["accuracy"]
+    assert result["in_draft_vocabulary"] == {"chat": 1.0}  # the head's is the whole one
 
 
 def test_the_gpu_steps_study_runs_on_a_tiny_shape(tmp_path):
