@@ -193,13 +193,20 @@ def _attention_with_sinks(
         qs = q[:, :, lo : lo + step]
         rows = qs.shape[2]
         grouped = qs.reshape(batch, kv_heads, -1, dim)  # a KV head's query heads, stacked
-        scores = torch.matmul(grouped, k.transpose(-1, -2)).view(batch, heads, rows, keys)
+        scores = _by_kv_head(grouped, k.transpose(-1, -2)).view(batch, heads, rows, keys)
         scores = (scores.float() * scale).masked_fill(~mask[:, :, lo : lo + rows], float("-inf"))
         with_sink = torch.cat([scores, sink.expand(batch, heads, rows, 1)], dim=-1)
         probs = with_sink.softmax(-1)[..., :-1].to(v.dtype)
         probs = probs.view(batch, kv_heads, -1, keys)
-        out[:, :, lo : lo + rows] = torch.matmul(probs, v).view(batch, heads, rows, dim)
+        out[:, :, lo : lo + rows] = _by_kv_head(probs, v).view(batch, heads, rows, dim)
     return out
+
+
+def _by_kv_head(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b over [B, Hkv, ...] as a batched matmul per KV head: a gathered cache's K and
+    V ([B, L, Hkv, D] seen as [B, Hkv, L, D]) are then read in place, where one matmul
+    over both batch dimensions first copies them whole into its layout."""
+    return torch.stack([torch.bmm(a[:, g], b[:, g]) for g in range(a.shape[1])], dim=1)
 
 
 def _sdpa(q, k, v, mask, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
