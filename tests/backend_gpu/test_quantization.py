@@ -14,7 +14,7 @@ from backend_gpu.layers.linear import (
     QuantizedLinear,
     QuantizedLMHead,
 )
-from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8
+from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8, int8
 from backend_gpu.quantization.fp8 import FP8
 from gateway.backends import build_backend
 from gateway.cli import main as kvgate_main
@@ -72,15 +72,19 @@ def test_per_channel_weights_within_tolerance(method):
         assert (((deq - w) ** 2).sum() < 0.95 * plain_err.sum()).item()
 
 
-def test_fp8_rows_in_blocks_are_quantized_as_alone():
-    """The FP8 search runs fp8.ROWS_AT_ONCE rows at a time: each row, in whichever block
-    and wherever the blocks end, gets what it gets quantized on its own."""
+@pytest.mark.parametrize(
+    ("method", "rows_at_once", "width"),
+    [("fp8", fp8.ROWS_AT_ONCE, 48), ("int8", 4, int8.VALUES_AT_ONCE // 4)],
+)
+def test_rows_in_blocks_are_quantized_as_alone(method, rows_at_once, width):
+    """The quantizers run a block of rows at a time: each row, in whichever block and
+    wherever the blocks end, gets what it gets quantized on its own."""
     torch.manual_seed(0)
-    rows = 2 * fp8.ROWS_AT_ONCE + 3
-    w = (torch.randn(rows, 48) * torch.logspace(-3, 2, rows)[:, None]).bfloat16()
-    w[fp8.ROWS_AT_ONCE] = 0
-    q, scale = fp8.quantize_per_channel(w)
-    alone = [fp8.quantize_per_channel(row[None]) for row in w]
+    rows = 2 * rows_at_once + 3
+    w = (torch.randn(rows, width) * torch.logspace(-3, 2, rows)[:, None]).bfloat16()
+    w[rows_at_once] = 0
+    q, scale = QUANTIZE_PER_CHANNEL[method](w)
+    alone = [QUANTIZE_PER_CHANNEL[method](row[None]) for row in w]
     assert torch.equal(q.view(torch.uint8), torch.cat([a[0] for a in alone]).view(torch.uint8))
     assert torch.equal(scale, torch.cat([a[1] for a in alone]))
 
