@@ -12,10 +12,14 @@ write it in the published layout (no head can be downloaded here).
 3. The target (transformers, on the same files the engine reads) gives its hidden
    states at the three layers the head reads and its choice at every position.
 4. The head (studies/eagle3_ttt.py) trains with the training-time test for a bounded
-   time, its loss over the answers' positions (where the engine proposes); lm_head and
-   norm start from the target's own, over the draft vocabulary (the target's most
-   frequent choices). Progress is printed; loss and the step-by-step accuracy on
-   held-out answers (the acceptance length it implies at k = 3) go to --save-result.
+   time, its loss over the answers' positions (where the engine proposes): by default
+   the cross-entropy against the target's whole distribution over the draft vocabulary
+   (its final hidden state through its own lm_head, as SpecForge trains), which says
+   more per position than its choice alone (`--loss choice`) when answers are few;
+   lm_head and norm start from the target's own, over the draft vocabulary (the
+   target's most frequent choices). Progress is printed; loss and the step-by-step
+   accuracy on held-out answers (the acceptance length it implies at k = 3) go to
+   --save-result.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import os
 import random
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +78,23 @@ def generate(
     return [ids + done[key(ids)] for ids in prompt_ids]
 
 
+class Features(NamedTuple):
+    """What the target gives the trainer (per sequence: aux, choice, final)."""
+
+    aux: list[torch.Tensor]  # its hidden states at the head's layers (their inputs) [T, 3H]
+    choice: list[torch.Tensor]  # its greedy choice at every position [T]
+    embed: torch.Tensor  # its input embedding (the head reads it, frozen)
+    lm_head: torch.Tensor
+    norm: torch.Tensor  # its final norm's weight
+    config: object
+    final: list[torch.Tensor]  # its last hidden state after the final norm [T, H]
+
+
 @torch.inference_mode()
-def features(hf_dir: str, seqs: list[list[int]], layers: list[int]):
-    """Per sequence: the target's hidden states at `layers` (their inputs) [T, 3H]
-    and its choice at every position [T]; and the model's input embedding, lm_head
-    and final norm (the head starts from them)."""
+def features(hf_dir: str, seqs: list[list[int]], layers: list[int]) -> Features:
+    """The target's hidden states at `layers`, its choice and its final (normed) hidden
+    state at every position of each sequence; its input embedding, lm_head and final
+    norm (the head starts from them)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,6 +109,9 @@ def features(hf_dir: str, seqs: list[list[int]], layers: list[int]):
     model.float().eval()
     aux: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     choice: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    final: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    normed: list[torch.Tensor] = []  # what the lm_head reads, whatever hidden_states holds
+    hook = model.model.norm.register_forward_hook(lambda _m, _a, out: normed.append(out))
     start = time.perf_counter()
     # 8 sequences of like length a pass, padded at the end: causal attention keeps
     # the padding out of every real position
@@ -99,20 +119,23 @@ def features(hf_dir: str, seqs: list[list[int]], layers: list[int]):
     for n in range(0, len(order), 8):
         group = order[n : n + 8]
         ids = pad([torch.tensor(seqs[i]) for i in group], 0)
+        normed.clear()
         out = model(ids, output_hidden_states=True)
         for row, i in enumerate(group):
             t = len(seqs[i])
             aux[i] = torch.cat([out.hidden_states[j][row, :t] for j in layers], dim=-1)
             choice[i] = out.logits[row, :t].argmax(-1)
+            final[i] = normed[-1][row, :t].clone()
         if (n // 8 + 1) % 8 == 0 or n + 8 >= len(order):
             done = min(n + 8, len(order))
             print(f"  target features {done}/{len(seqs)} ({time.perf_counter() - start:.0f} s)")
+    hook.remove()
     norm = model.model.norm.weight.detach().float().clone()
     if model.config.model_type.startswith("gemma"):  # Gemma stores w - 1
         norm += 1
     embed = model.get_input_embeddings().weight.detach().float().clone()
     lm_head = model.get_output_embeddings().weight.detach().float().clone()
-    return aux, choice, embed, lm_head, norm, model.config
+    return Features(aux, choice, embed, lm_head, norm, model.config, final)
 
 
 def batches(n: int, size: int, seed: int):
@@ -149,10 +172,24 @@ def labels_of(
     return out
 
 
-def train(head: Eagle3TTT, seqs, aux, labels, scored, args, checkpoint) -> list[dict]:
+def step_loss(logits, labels, target=None) -> torch.Tensor:
+    """A chain step's loss at the rows with a label (-100: none): cross-entropy against
+    the target's choice, or, given `target` (the target's logits over the draft
+    vocabulary at the same rows), against its whole distribution there (more to learn
+    from each position than its top choice alone)."""
+    if target is None:
+        return F.cross_entropy(logits, labels, ignore_index=-100)
+    keep = labels >= 0
+    p = target[keep].softmax(-1)
+    return -(p * logits[keep].log_softmax(-1)).sum(-1).mean()
+
+
+def train(head: Eagle3TTT, seqs, aux, labels, scored, args, checkpoint, teacher=None) -> list[dict]:
     """Trains on `labels` until the budget or --max-steps, scores the held-out
     sequences' `scored` labels; at every evaluation `checkpoint(curve)` writes the head
-    as it is (a long run stopped early leaves its last one)."""
+    as it is (a long run stopped early leaves its last one). With `teacher` (per
+    sequence the target's final hidden states, and its lm_head over the draft
+    vocabulary), the loss is against the target's distribution, else its choice."""
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     curve: list[dict] = []
     start = time.perf_counter()
@@ -165,9 +202,14 @@ def train(head: Eagle3TTT, seqs, aux, labels, scored, args, checkpoint) -> list[
         rows = (lab >= 0).any(-1)  # the LM head only where a step has a label
         logits = head(ids, pad([aux[i] for i in idx], 0.0), args.ttt_steps, rows)
         lab = lab[rows]
+        targets: list = [None] * len(logits)
+        if teacher is not None:
+            final, readout = teacher
+            f = pad([final[i] for i in idx], 0.0)  # step j's target: position t + j + 1
+            targets = [f.roll(-(j + 1), 1)[rows] @ readout.T for j in range(len(logits))]
         loss = sum(
-            0.8**j * F.cross_entropy(lg, lab[:, j], ignore_index=-100)
-            for j, lg in enumerate(logits)
+            0.8**j * step_loss(lg, lab[:, j], tg)
+            for j, (lg, tg) in enumerate(zip(logits, targets, strict=True))
         )
         opt.zero_grad()
         loss.backward()
@@ -222,10 +264,17 @@ def resolve(name: str) -> tuple[str, str]:
     return path, convert_gguf(path) if path.endswith(".gguf") else path
 
 
-def draft_vocabulary(choice: list[torch.Tensor], vocab: int, size: int) -> torch.Tensor:
+def draft_vocabulary(
+    choice: list[torch.Tensor], vocab: int, size: int, rest: list[torch.Tensor] = ()
+) -> torch.Tensor:
     """The target's `size` most frequent choices (in its answers), ascending
-    (SpecForge's rule)."""
-    counts = torch.bincount(torch.cat(choice), minlength=vocab)
+    (SpecForge's rule); when its answers hold fewer distinct tokens than that, the
+    places left go to the most frequent of `rest` (its choices over the prompts: the
+    words and names an answer copies from a prompt), not to unseen ids."""
+    counts = torch.bincount(torch.cat(choice), minlength=vocab).double()
+    if len(rest):
+        more = torch.bincount(torch.cat(list(rest)), minlength=vocab).double()
+        counts = counts * (more.sum() + 1) + more  # the answers first, then the rest
     size = min(size, vocab)
     return counts.topk(size).indices.sort().values
 
@@ -272,6 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--held-out", type=int, default=8, help="sequences scored, not trained on")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--prompt-loss", action="store_true", help="train on the prompts' positions too")
+    p.add_argument(
+        "--loss",
+        choices=["distill", "choice"],
+        default="distill",
+        help="against the target's distribution over the draft vocabulary, or its choice",
+    )
     p.add_argument("--answers", help="JSON file caching the target's answers (read, extended)")
     p.add_argument("--save-result", help="append this run's figures to this JSON file")
     p.add_argument("--plot", help="write the loss and acceptance curves of --save-result here")
@@ -300,10 +355,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[{time.perf_counter() - began:.0f} s] {len(prompt_ids)} prompts; the target answers")
     seqs = generate(path, prompt_ids, args.max_tokens, args.answers)
     print(f"[{time.perf_counter() - began:.0f} s] {sum(map(len, seqs))} tokens; target features")
-    aux, choice, embed, lm_head, norm, _ = features(hf_dir, seqs, layers)
+    aux, choice, embed, lm_head, norm, _, final = features(hf_dir, seqs, layers)
     answers = [len(ids) for ids in prompt_ids]
     answered = [c[first - 1 :] for c, first in zip(choice, answers, strict=True)]
-    draft_ids = draft_vocabulary(answered, target_config.vocab_size, args.draft_vocab)
+    draft_ids = draft_vocabulary(answered, target_config.vocab_size, args.draft_vocab, choice)
     to_draft = torch.full((target_config.vocab_size,), -100, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     labels = labels_of(choice, to_draft, args.ttt_steps, answers)
@@ -322,7 +377,9 @@ def main(argv: list[str] | None = None) -> dict:
         with open(os.path.join(args.out, "curve.json"), "w") as f:
             json.dump(curve, f, indent=1)
 
-    curve = train(head, seqs, aux, taught if args.prompt_loss else labels, labels, args, checkpoint)
+    teacher = (final, lm_head[draft_ids]) if args.loss == "distill" else None
+    taught = taught if args.prompt_loss else labels
+    curve = train(head, seqs, aux, taught, labels, args, checkpoint, teacher)
     result = {
         "model": args.model,
         "head": args.out,
@@ -331,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft_vocab_size": len(draft_ids),
         "aux_layers": layers,
         "ttt_steps": args.ttt_steps,
+        "loss": args.loss,
         "curve": curve,
         "wall_s": round(time.perf_counter() - began, 1),
     }

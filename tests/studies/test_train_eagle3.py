@@ -1,0 +1,30 @@
+"""studies.train_eagle3's loss: against the target's distribution over the draft
+vocabulary (the default), or its choice. The whole trainer runs on the tiny Llama in
+tests/backend_gpu/test_spec_eagle3.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from studies.train_eagle3 import step_loss
+
+
+def test_the_distribution_loss_is_least_where_the_head_says_what_the_target_does():
+    target = torch.randn(5, 11)
+    labels = torch.tensor([3, -100, 0, 7, 2])
+    logits = target.clone().requires_grad_()
+    step_loss(logits, labels, target).backward()
+    # at the target's own logits the cross-entropy is its entropy, a minimum
+    torch.testing.assert_close(logits.grad, torch.zeros_like(target), atol=1e-6, rtol=0)
+    other = (target + torch.randn(5, 11)).requires_grad_()
+    assert step_loss(other, labels, target) > step_loss(target, labels, target)
+
+
+def test_rows_without_a_label_are_left_out_and_a_sure_target_is_its_choice():
+    labels = torch.tensor([4, -100, 1])
+    sure = F.one_hot(torch.tensor([4, 9, 1]), 10).float() * 1e4  # the target all but certain
+    logits = torch.randn(3, 10)
+    want = F.cross_entropy(logits, labels, ignore_index=-100)
+    torch.testing.assert_close(step_loss(logits, labels, sure), want)
+    torch.testing.assert_close(step_loss(logits, labels), want)
