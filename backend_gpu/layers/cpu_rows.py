@@ -28,6 +28,9 @@ REPEATS = 7  # timings of each form per key; the least counts (a busy machine on
 # Bytes of weights cycled through while timing, past the last-level cache (32 MiB on the
 # EPYC measured), so each product reads its weight from memory as in a step.
 STREAM_BYTES = 64 << 20
+# Weights under this are timed in place: a tiny model's, which its steps read from cache,
+# and whose products cost their calls' overhead more than their reads
+IN_PLACE_BYTES = 1 << 20
 
 
 def _weight_x_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -92,10 +95,11 @@ def chosen_form(weight: torch.Tensor, rows: int) -> str:
 def time_forms(weight: torch.Tensor, rows: int, repeats: int = REPEATS) -> dict[str, float]:
     """Each form's least CPU seconds (this thread's: a loaded machine's waits left out)
     for `rows` rows by a weight of `weight`'s shape read from memory: `weight` itself
-    where it outsizes STREAM_BYTES, else that many bytes of copies of its shape, one
-    per product in turn. The forms take turns, so a change of load hits them alike."""
+    where it outsizes STREAM_BYTES (or is under IN_PLACE_BYTES), else that many bytes
+    of copies of its shape, one per product in turn. The forms take turns, so a change
+    of load hits them alike."""
     size = weight.numel() * weight.element_size()
-    if size >= STREAM_BYTES:
+    if not IN_PLACE_BYTES <= size < STREAM_BYTES:
         weights = weight[None]
     else:  # constant values: no denormals, and the global generator left alone
         weights = torch.full(

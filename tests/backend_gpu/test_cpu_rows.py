@@ -13,6 +13,7 @@ from backend_gpu.layers.linear import Linear, vocab_matmul
 def fresh_choices(monkeypatch):
     monkeypatch.setattr(cpu_rows, "_chosen", {})
     monkeypatch.setattr(cpu_rows, "STREAM_BYTES", 1 << 20)  # a test's timings stay short
+    monkeypatch.setattr(cpu_rows, "IN_PLACE_BYTES", 0)  # and stream the test's small weights
 
 
 @pytest.mark.parametrize("form", sorted(cpu_rows.FORMS))
