@@ -21,7 +21,14 @@ POOLINGS = {
 
 
 def default_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """One thread a core this process may run on (its affinity: taskset, a container's
+    cpuset), up to 8: llama.cpp's threads meet at a barrier after every op, and one more
+    than there are cores spins there while the core it waits for runs another."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS (macOS)
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 @dataclass

@@ -62,6 +62,11 @@ def start_as_make_serve(cwd: Path, timeout: float = 300) -> Served:
     port = free_port()
     log = cwd / "serve.log"
     env = user_env()
+    # on one core, as `taskset -c N make serve` runs it: its llama.cpp engines then take
+    # one thread each (backend_local.config.default_threads), where two a core spin at
+    # llama.cpp's barriers while the suite's other workers hold the second core. A
+    # KVGATE_N_THREADS would make the start no longer bare (the starter set)
+    one_core = {min(os.sched_getaffinity(0))}
     proc = subprocess.Popen(
         [".venv/bin/kvgate", "serve", "--port", str(port)],
         cwd=cwd,
@@ -69,6 +74,7 @@ def start_as_make_serve(cwd: Path, timeout: float = 300) -> Served:
         stdin=subprocess.DEVNULL,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, one_core),
     )
     deadline = time.monotonic() + timeout
     while "kvgate: listening on" not in (text := log.read_text()):
