@@ -62,8 +62,10 @@ TEST_WORKERS ?= 4
 # compileall first: the suite starts hundreds of Python processes (kvgate serve, workers,
 # the CLI), and where PYTHONDONTWRITEBYTECODE is set each compiled kvgate's own sources
 # again, about a fifth of a start's CPU; Python reads the .pyc files either way
+# warm_asserts: pytest's rewritten test modules once, where each worker rewrote all of them
 test: install lint docs
 	$(BIN)/python -m compileall -q -j 0 gateway engine_api backend_gpu backend_local tui bench studies tests migrations
+	$(BIN)/python -m tools.warm_asserts tests
 	$(BIN)/pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 format: install
