@@ -24,7 +24,7 @@ from gateway.config_backends import (
     with_lora,
 )
 from gateway.config_check import ConfigError, check_parsers, check_types, keep_alive_s, table
-from gateway.db.engine import SQLITE_WAL_LIMIT_BYTES
+from gateway.sqlite_wal import SQLITE_WAL_LIMIT_BYTES
 from gateway.tenancy.quota.prices import FREE, Price, parse_prices
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///kvgate.db"

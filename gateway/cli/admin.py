@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from typing import Any
@@ -17,114 +16,15 @@ from typing import Any
 from gateway.batches.usage import batch_usage
 from gateway.cli import audit as cli_audit
 from gateway.cli import batches as cli_batches
+from gateway.cli.admin_args import LIFT, LIFTED
 from gateway.cli.audit import cli_actor
 from gateway.cli.output import cell, print_rows
 from gateway.config import Settings
 from gateway.db import Database, migrate
-from gateway.tenancy.quota.limits import LIMIT_FIELDS, LIMITS, MODELS, USD
+from gateway.tenancy.quota.limits import LIMIT_FIELDS
 from gateway.tenancy.quota.prices import usd_text
 from gateway.tenancy.tenants import QUOTA_FIELDS, Conflict, NotFound, TenantService
 from gateway.tenancy.usage_queries import USAGE_COUNTS
-
-TENANT_HELP = "the tenant's id or its name"
-LIFT = "none"  # a limit flag's value that lifts the limit: `kvgate keys update K --rpm none`
-
-
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    db = sub.add_parser("db", help="database schema")
-    db_sub = db.add_subparsers(dest="db_command", required=True)
-    db_sub.add_parser("upgrade", help="migrate the database to the newest schema")
-
-    tenants = sub.add_parser("tenants", help="create, list, update and delete tenants")
-    t_sub = tenants.add_subparsers(dest="tenants_command", required=True)
-    create = t_sub.add_parser("create", help="create a tenant")
-    create.add_argument("name")
-    _quota_args(create)
-    t_sub.add_parser("list", help="list tenants")
-    update = t_sub.add_parser("update", help="change a tenant's name or quotas")
-    update.add_argument("tenant_id", metavar="TENANT", help=TENANT_HELP)
-    update.add_argument("--name")
-    _quota_args(update)
-    delete = t_sub.add_parser("delete", help="delete a tenant and its keys")
-    delete.add_argument("tenant_id", metavar="TENANT", help=TENANT_HELP)
-
-    keys = sub.add_parser("keys", help="create, list, update and revoke API keys")
-    k_sub = keys.add_subparsers(dest="keys_command", required=True)
-    kc = k_sub.add_parser("create", help="create a key (shown once)")
-    kc.add_argument(
-        "tenant_id", metavar="TENANT", help=TENANT_HELP + "; 'admin': an admin key of no tenant"
-    )
-    kc.add_argument("--name", default="")
-    kc.add_argument("--scopes", default="inference", help="comma-separated: inference,admin")
-    kc.add_argument("--expires-in", type=float, help="seconds until the key expires")
-    kc.add_argument("--priority", type=int, help=KEY_PRIORITY_HELP)
-    _limit_args(kc, "key")
-    kl = k_sub.add_parser("list", help="list keys")
-    kl.add_argument("tenant_id", nargs="?", metavar="TENANT", help=TENANT_HELP)
-    kl.add_argument("--tenant", dest="tenant_flag", metavar="TENANT", help="as TENANT")
-    ku = k_sub.add_parser("update", help="change a key's name or limits")
-    ku.add_argument("key_id")
-    ku.add_argument("--name")
-    ku.add_argument("--priority", type=_or_lift(int), metavar="N", help=KEY_PRIORITY_HELP)
-    _limit_args(ku, "key")
-    kr = k_sub.add_parser("revoke", help="revoke a key (every running gateway refuses it at once)")
-    kr.add_argument("key_id")
-
-    usage = sub.add_parser("usage", help="daily usage per tenant and model")
-    usage.add_argument("--tenant", help=TENANT_HELP)
-    usage.add_argument("--since", help="YYYY-MM-DD")
-    usage.add_argument("--until", help="YYYY-MM-DD")
-    cli_audit.add_command(sub)
-    cli_batches.add_command(sub)
-
-    prefixes = sub.add_parser(
-        "prefixes", help="a running gateway's hottest cached prefixes, pins and hits per tenant"
-    )
-    prefixes.add_argument("--url", default="http://127.0.0.1:8000", help="default %(default)s")
-    prefixes.add_argument(
-        "--key",
-        default=os.environ.get("KVGATE_ADMIN_KEY"),
-        help="admin key (all tenants) or a tenant's key (its own); default $KVGATE_ADMIN_KEY",
-    )
-    prefixes.add_argument("--tenant", help="only this tenant's view (admin key): its id or name")
-    prefixes.add_argument("--limit", type=int, default=20)
-
-
-def _limit_args(p: argparse.ArgumentParser, whose: str) -> None:
-    lift = f"; {LIFT!r}: no limit (lifts it)"
-    for f in LIMITS:
-        flag = "--" + f.name.replace("_", "-")
-        if f.holds == USD:
-            p.add_argument(flag, type=_or_lift(float), metavar="USD", help="dollars" + lift)
-        elif f.holds == MODELS:
-            p.add_argument(flag, help=f"comma-separated model ids the {whose} may use" + lift)
-        else:
-            p.add_argument(flag, type=_or_lift(int), metavar="N", help=lift[2:])
-
-
-KEY_PRIORITY_HELP = (
-    "the key's default priority, lower first (a background key: a larger number); it "
-    "only yields, never ahead of its tenant's; `none`: the tenant's"
-)
-
-
-def _or_lift(cast: type) -> Any:
-    """A limit's value, or None for `none` (a limit given as None is lifted)."""
-
-    def parse(value: str) -> Any:
-        return _LIFTED if value.lower() == LIFT else cast(value)
-
-    parse.__name__ = cast.__name__  # argparse's "invalid int value" names it
-    return parse
-
-
-_LIFTED = object()  # `--rpm none`: kept apart from a flag not given (None)
-
-
-def _quota_args(p: argparse.ArgumentParser) -> None:
-    _limit_args(p, "tenant")
-    p.add_argument("--priority", type=int)
-    p.add_argument("--weight", type=float)
 
 
 def _quota_values(args: argparse.Namespace, whose: str) -> dict[str, Any]:
@@ -134,8 +34,8 @@ def _quota_values(args: argparse.Namespace, whose: str) -> dict[str, Any]:
     values = {f: getattr(args, f) for f in fields if f != "models"}
     if args.models is not None:
         models = args.models.split(",")
-        values["models"] = _LIFTED if args.models.lower() == LIFT else [m for m in models if m]
-    given = {f: None if v is _LIFTED else v for f, v in values.items() if v is not None}
+        values["models"] = LIFTED if args.models.lower() == LIFT else [m for m in models if m]
+    given = {f: None if v is LIFTED else v for f, v in values.items() if v is not None}
     # the admin API's bodies (pydantic) only for the commands that change limits: a
     # `kvgate` command that reads (tenants list) starts without them
     from pydantic import ValidationError
@@ -232,7 +132,7 @@ async def _keys(args: argparse.Namespace, service: TenantService) -> None:
         changes = _quota_values(args, "key")
         changes |= {"name": args.name} if args.name is not None else {}
         if args.priority is not None:  # `none`: the tenant's again
-            changes["priority"] = None if args.priority is _LIFTED else args.priority
+            changes["priority"] = None if args.priority is LIFTED else args.priority
         print_rows(await service.update_key(args.key_id, changes, cli_actor()), args.json)
     elif cmd == "revoke":
         print_rows(await service.revoke_key(args.key_id, cli_actor()), args.json)

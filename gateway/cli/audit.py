@@ -15,17 +15,6 @@ from gateway.tenancy import audit
 from gateway.tenancy.tenants import NotFound, TenantService
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:
-    log = sub.add_parser("audit", help="the audit log of admin changes, newest first")
-    log.add_argument("--action", help="one (key.revoke) or a family with no dot (key)")
-    log.add_argument("--target", help="the id (or adapter name) of what changed")
-    log.add_argument("--tenant", help="the tenant's id or its name (a deleted one: its id)")
-    for flag in ("since", "until"):
-        log.add_argument(f"--{flag}", help="UNIX seconds or ISO 8601 (UTC unless it says)")
-    log.add_argument("--limit", type=int, default=20, help="rows per page, default 20")
-    log.add_argument("--cursor", type=int, help="the next page: the cursor the last one printed")
-
-
 def cli_actor() -> str:
     """Who the audit log names for a change made here: the command line works on the
     database with no admin key, so the account that ran it."""

@@ -12,18 +12,6 @@ from gateway.db import Database
 from gateway.tenancy.tenants import NotFound, TenantService
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:
-    batches = sub.add_parser("batches", help="the Batch API's batches: list, show, cancel")
-    b_sub = batches.add_subparsers(dest="batches_command", required=True)
-    bl = b_sub.add_parser("list", help="batches, newest first")
-    bl.add_argument("--tenant", help="a tenant's id or name (default: every tenant's)")
-    bl.add_argument("--limit", type=int, default=20, help="at most this many, default 20")
-    bs = b_sub.add_parser("show", help="one batch: status, counts, files")
-    bs.add_argument("batch_id")
-    bc = b_sub.add_parser("cancel", help="cancel a batch: its lines not yet run are not")
-    bc.add_argument("batch_id")
-
-
 async def run(args: argparse.Namespace, service: TenantService) -> None:
     # here, not at the top: every `kvgate` command builds this module's parser, and the
     # batches' store (with the HTTP layer's errors it checks input files with) and the

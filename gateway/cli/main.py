@@ -7,7 +7,7 @@ import os
 import sys
 
 from gateway.cli import adapters as cli_adapters
-from gateway.cli import admin as cli_admin
+from gateway.cli import admin_args
 from gateway.cli import plan as cli_plan
 from gateway.cli.output import print_rows
 from gateway.cli.parsing import Parser
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tune", help="the engine settings that serve a workload best within goals", add_help=False
     )
     sub.add_parser("chat", help="chat with a model in the terminal", add_help=False)
-    cli_admin.add_commands(sub)
+    admin_args.add_commands(sub)
     cli_adapters.add_commands(sub)
     _accept_global_args_anywhere(parser)
     return parser
@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(settings, verbose=args.verbose, source=source)
     if args.command == "models":
         return _models(args.json)
-    return cli_admin.run(args, settings)
+    from gateway.cli import admin  # the database layer: for these commands alone
+
+    return admin.run(args, settings)
 
 
 def _models(as_json: bool) -> int:

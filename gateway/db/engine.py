@@ -26,13 +26,12 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from gateway.db.tables import ServerSetting
+from gateway.sqlite_wal import SQLITE_WAL_LIMIT_BYTES
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
 DRIVER_POOL_SIZE = 8  # asyncpg connections for admission and usage commits (PostgreSQL)
 
-# the WAL file's size past which a checkpoint truncates it (Settings.sqlite_wal_limit_bytes)
-SQLITE_WAL_LIMIT_BYTES = 16 * 2**20
 _SETTING = f"SELECT value FROM {ServerSetting.__tablename__} WHERE key = ?"
 
 

@@ -2,7 +2,8 @@
 serve`, admin commands), and users wait on each. A start on a database already at the
 newest migration imports no Alembic (with Mako and Pygments, about 0.2 CPU-s); an admin
 command that reads the database imports neither aiohttp nor pydantic; none imports torch
-or transformers, not even to learn that a CPU build of torch has no CUDA. The checks
+or transformers, not even to learn that a CPU build of torch has no CUDA; the commands
+that open no database (`top`, `bench`, `chat`, `tune`, `plan`) import no SQLAlchemy. The checks
 read the modules a process imported (`-X importtime`), so they fail the day someone
 imports one of them at the top of a module every command loads."""
 
@@ -97,3 +98,16 @@ def test_auto_on_a_cpu_build_of_torch_picks_without_importing_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["local", "False"]
+
+
+def test_the_commands_that_open_no_database_import_no_sqlalchemy() -> None:
+    """Every `kvgate` command builds the admin commands' parsers and reads gateway.config:
+    neither may bring the database layer (about 0.4 CPU-s) to `top`, `bench`, `chat` or
+    `tune`, which talk HTTP, or to `plan`."""
+    code = (
+        "import sys, bench.cli, bench.tune, gateway.cli.chat, tui.cli; "
+        "from gateway.cli import build_parser; build_parser(); "
+        "print(sorted(sys.modules.keys() & {'sqlalchemy', 'gateway.db'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]"]
