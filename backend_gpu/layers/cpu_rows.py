@@ -9,16 +9,31 @@ product stay nearer one row's; on an Intel machine `linear` led up to 5 rows
 product of each (weight shape, rows) times every form on this machine, with weights of
 that shape read from memory as a step reads the model's, and the fastest serves that key
 for the rest of the process (one form per key: a run's products stay deterministic).
+
+Measuring is paid once a machine, not once a process: the choices are kept in a file of
+the kvgate cache named by the CPU, torch's version and the forms, and a process takes a
+key from there before it times one. Every engine process on the machine (a server, its
+workers and ranks, the test suite's hundreds) then multiplies as the first did, and
+none spends seconds timing an LM head's forms (Gemma 3's 262k rows: 16 row counts x
+four forms x eight products of 671 MB each, where a slice now stands in for it).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import platform
+import tempfile
 import time
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+from backend_gpu.gguf_loader import cache_root
 
 Form = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -31,6 +46,11 @@ STREAM_BYTES = 64 << 20
 # Weights under this are timed in place: a tiny model's, which its steps read from cache,
 # and whose products cost their calls' overhead more than their reads
 IN_PLACE_BYTES = 1 << 20
+# A weight past STREAM_BYTES is timed on row slices of this size cycled over STREAM_BYTES
+# of it (still read from memory): the forms differ in how they take the few rows, which a
+# slice shows as the whole does, at a fraction of an LM head's reads
+SLICE_BYTES = 8 << 20
+CHOICES_FILE_BYTES = 1 << 20  # a choices file past this is not read (and is rewritten)
 
 
 def _weight_x_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -87,9 +107,64 @@ def chosen_form(weight: torch.Tensor, rows: int) -> str:
     measured at the first call for the key, the same after."""
     key = (weight.dtype, weight.shape[0], weight.shape[1], rows)
     if key not in _chosen:
-        times = time_forms(weight, rows)
-        _chosen[key] = min(times, key=times.__getitem__)
+        name = _key_name(key)
+        if _saved().get(name) in FORMS:
+            _chosen[key] = _saved()[name]
+        else:
+            times = time_forms(weight, rows)
+            _chosen[key] = min(times, key=times.__getitem__)
+            _save(name, _chosen[key])
     return _chosen[key]
+
+
+def _key_name(key: tuple[torch.dtype, int, int, int]) -> str:
+    dtype, out_features, in_features, rows = key
+    return f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features} {rows}"
+
+
+def choices_path() -> str:
+    """This machine's file of choices: a CPU, a torch build or a set of forms of its own."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    tag = hashlib.sha256(f"{cpu}|{torch.__version__}|{sorted(FORMS)}".encode()).hexdigest()
+    return os.path.join(cache_root(), "cpu_rows", f"{tag[:16]}.json")
+
+
+@cache
+def _saved() -> dict[str, str]:
+    """The machine's choices as this process last read them."""
+    try:
+        path = choices_path()
+        if os.path.getsize(path) > CHOICES_FILE_BYTES:
+            return {}
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):  # none yet, or unreadable: measured, and written anew
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _save(name: str, form: str) -> None:
+    """Adds a choice to the machine's file, read again first: written whole under a
+    temporary name and renamed, so a reader sees the old file or the new; of two
+    processes saving at once one's new key may be lost, and is measured again later."""
+    _saved.cache_clear()
+    data = {**_saved(), name: form}
+    path = choices_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".partial")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, sort_keys=True)
+        os.replace(partial, path)
+    except OSError:  # a read-only cache: this process keeps its choice, the next measures
+        pass
 
 
 def time_forms(weight: torch.Tensor, rows: int, repeats: int = REPEATS) -> dict[str, float]:
@@ -99,8 +174,12 @@ def time_forms(weight: torch.Tensor, rows: int, repeats: int = REPEATS) -> dict[
     of copies of its shape, one per product in turn. The forms take turns, so a change
     of load hits them alike."""
     size = weight.numel() * weight.element_size()
-    if not IN_PLACE_BYTES <= size < STREAM_BYTES:
+    if size < IN_PLACE_BYTES:
         weights = weight[None]
+    elif size >= STREAM_BYTES:
+        slice_rows = max(1, SLICE_BYTES // (weight.shape[1] * weight.element_size()))
+        count = max(1, min(STREAM_BYTES // SLICE_BYTES, weight.shape[0] // slice_rows))
+        weights = [weight[i * slice_rows : (i + 1) * slice_rows] for i in range(count)]
     else:  # constant values: no denormals, and the global generator left alone
         weights = torch.full(
             (math.ceil(STREAM_BYTES / size), *weight.shape), 0.5, dtype=weight.dtype

@@ -10,7 +10,9 @@ from backend_gpu.layers.linear import Linear, vocab_matmul
 
 
 @pytest.fixture(autouse=True)
-def fresh_choices(monkeypatch):
+def fresh_choices(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path))  # a machine file of the test's own
+    cpu_rows._saved.cache_clear()
     monkeypatch.setattr(cpu_rows, "_chosen", {})
     monkeypatch.setattr(cpu_rows, "STREAM_BYTES", 1 << 20)  # a test's timings stay short
     monkeypatch.setattr(cpu_rows, "IN_PLACE_BYTES", 0)  # and stream the test's small weights
@@ -76,3 +78,44 @@ def test_linear_elsewhere():
     cpu_rows.linear(torch.randn(4, 16), weight).sum().backward()
     assert weight.grad is not None
     assert cpu_rows.choices() == {}
+
+
+def test_a_later_process_takes_the_machines_choices(monkeypatch):
+    """What one process measured, the next reads from the machine's file, untimed; an
+    unreadable file is measured over and written anew."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 32)
+    first = {rows: cpu_rows.chosen_form(weight, rows) for rows in (1, 2, 5)}
+
+    def timed(w, rows):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cpu_rows, "_chosen", {})  # a new process: nothing in memory
+    cpu_rows._saved.cache_clear()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_rows, "time_forms", timed)
+        assert {rows: cpu_rows.chosen_form(weight, rows) for rows in (1, 2, 5)} == first
+
+    with open(cpu_rows.choices_path(), "w") as f:
+        f.write("{not json")
+    monkeypatch.setattr(cpu_rows, "_chosen", {})
+    cpu_rows._saved.cache_clear()
+    assert cpu_rows.chosen_form(weight, 3) in cpu_rows.FORMS
+    cpu_rows._saved.cache_clear()
+    assert list(cpu_rows._saved()) == ["float32 64x32 3"]
+
+
+def test_a_weight_past_the_stream_is_timed_on_slices(monkeypatch):
+    """An LM-head-sized weight is timed on slices of its rows, never whole: each product
+    the timing makes reads at most SLICE_BYTES."""
+    monkeypatch.setattr(cpu_rows, "SLICE_BYTES", 4096)
+    seen = []
+    forms = {
+        name: (lambda x, w, b, f=f: seen.append(w.shape) or f(x, w, b))
+        for name, f in cpu_rows.FORMS.items()
+    }
+    monkeypatch.setattr(cpu_rows, "FORMS", forms)
+    weight = torch.randn(4096, 64)  # 1 MiB: past the test's STREAM_BYTES
+    times = cpu_rows.time_forms(weight, 3, repeats=2)
+    assert set(times) == set(forms)
+    assert seen and all(shape == (16, 64) for shape in seen)
