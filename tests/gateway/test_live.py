@@ -8,18 +8,28 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import aiohttp
 import httpx
 import openai
 import pytest
 
-from tests.conftest import ADMIN_KEY, start_gateway
+from tests.conftest import ADMIN_KEY, LiveGateway, start_gateway
 
 
-def test_openai_client_chat_completions_and_streaming(live_gateway):
-    _, key = live_gateway.tenant_key("acme")
-    client = openai.OpenAI(base_url=live_gateway.url + "/v1", api_key=key)
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    """One gateway for the tests that each make a tenant of their own (its limits, its
+    prefix-cache salt) and need no fresh database: a start is 1.5-2 CPU-s."""
+    gw = start_gateway(tmp_path_factory.mktemp("live"), "--backend", "fake")
+    yield gw
+    gw.stop()
+
+
+def test_openai_client_chat_completions_and_streaming(shared):
+    _, key = shared.tenant_key("acme")
+    client = openai.OpenAI(base_url=shared.url + "/v1", api_key=key)
     assert [m.id for m in client.models.list()] == ["fake-model"]
 
     chat = client.chat.completions.create(
@@ -52,13 +62,13 @@ def test_openai_client_chat_completions_and_streaming(live_gateway):
     assert extras.usage.completion_tokens == 3
 
 
-def test_openai_client_errors(live_gateway):
-    _, key = live_gateway.tenant_key("acme", rpm=1)
+def test_openai_client_errors(shared):
+    _, key = shared.tenant_key("acme-limited", rpm=1)
     messages = [{"role": "user", "content": "x"}]
-    bad = openai.OpenAI(base_url=live_gateway.url + "/v1", api_key="kvg-wrong", max_retries=0)
+    bad = openai.OpenAI(base_url=shared.url + "/v1", api_key="kvg-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="fake-model", messages=messages)
-    client = openai.OpenAI(base_url=live_gateway.url + "/v1", api_key=key, max_retries=0)
+    client = openai.OpenAI(base_url=shared.url + "/v1", api_key=key, max_retries=0)
     client.chat.completions.create(model="fake-model", messages=messages, max_tokens=1)
     with pytest.raises(openai.RateLimitError) as e:
         client.chat.completions.create(model="fake-model", messages=messages, max_tokens=1)
