@@ -65,17 +65,21 @@ def start_as_make_serve(cwd: Path, timeout: float = 300) -> Served:
     # on one core, as `taskset -c N make serve` runs it: its llama.cpp engines then take
     # one thread each (backend_local.config.default_threads), where two a core spin at
     # llama.cpp's barriers while the suite's other workers hold the second core. A
-    # KVGATE_N_THREADS would make the start no longer bare (the starter set)
-    one_core = {min(os.sched_getaffinity(0))}
-    proc = subprocess.Popen(
-        [".venv/bin/kvgate", "serve", "--port", str(port)],
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        preexec_fn=lambda: os.sched_setaffinity(0, one_core),
-    )
+    # KVGATE_N_THREADS would make the start no longer bare (the starter set). The child
+    # inherits this thread's affinity (no preexec_fn: unsafe beside threads)
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        proc = subprocess.Popen(
+            [".venv/bin/kvgate", "serve", "--port", str(port)],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        os.sched_setaffinity(0, cores)
     deadline = time.monotonic() + timeout
     while "kvgate: listening on" not in (text := log.read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
