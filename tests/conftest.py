@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.migrated_db import copy_migrated
+
 ADMIN_KEY = "kvg-test-admin-" + "x" * 32
 PG_URL = os.environ.get("KVGATE_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 
@@ -98,6 +100,8 @@ def start_gateway(
     port = free_port()
     env = dict(os.environ)
     env["KVGATE_ADMIN_KEY"] = ADMIN_KEY
+    if database_url is None and not (tmp_path / "kvgate.db").exists():
+        copy_migrated(tmp_path / "kvgate.db")  # a new database, without its migrations' CPU
     env["KVGATE_DATABASE_URL"] = database_url or f"sqlite+aiosqlite:///{tmp_path / 'kvgate.db'}"
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "gateway.cli"]

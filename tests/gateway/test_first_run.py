@@ -68,12 +68,16 @@ def test_a_failed_backends_traceback_is_for_verbose(tmp_path) -> None:
 def test_start_up_is_quiet_and_verbose_shows_the_rest(tmp_path) -> None:
     (tmp_path / "quiet").mkdir()
     (tmp_path / "loud").mkdir()
-    quiet = start_gateway(tmp_path / "quiet", "--backend", "fake")
+    # new files named here: start_gateway's own databases come migrated (tests/migrated_db.py)
+    new = {d: f"sqlite+aiosqlite:///{tmp_path / d / 'kvgate.db'}" for d in ("quiet", "loud")}
+    quiet = start_gateway(tmp_path / "quiet", "--backend", "fake", database_url=new["quiet"])
     quiet.stop()
     text = quiet.log.read_text()
     assert "alembic" not in text.lower() and " INFO " not in text, text
     assert all(line.startswith("kvgate: ") for line in text.splitlines()), text
-    loud = start_gateway(tmp_path / "loud", "--backend", "fake", "--verbose")
+    loud = start_gateway(
+        tmp_path / "loud", "--backend", "fake", "--verbose", database_url=new["loud"]
+    )
     loud.stop()
     assert "alembic.runtime.migration INFO" in loud.log.read_text()
 
