@@ -1,4 +1,4 @@
-"""Shared fixtures: free ports, live `kvgate serve` processes, PostgreSQL schemas."""
+"""Shared fixtures: free ports (tests/ports.py), live `kvgate serve` processes, PostgreSQL schemas."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.migrated_db import copy_migrated
+from tests.ports import free_port
 
 ADMIN_KEY = "kvg-test-admin-" + "x" * 32
 PG_URL = os.environ.get("KVGATE_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
@@ -44,12 +45,6 @@ def bench_history_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bench-history")
     os.environ["KVGATE_BENCH_HISTORY"] = str(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -1,12 +1,11 @@
 """Command-line parsing for `kvgate bench`: SLOs, percentiles, keys, bad input."""
 
-import socket
-
 import pytest
 
 from bench.cli import build_parser, main
 from bench.options import parse_goodput, parse_metric_names, parse_percentiles, read_api_keys
 from bench.sweep import parse_levels
+from tests.ports import free_port
 
 
 def test_goodput():
@@ -49,9 +48,7 @@ def test_bad_input_is_a_clear_error(capsys):
     assert "--num-prompts" in capsys.readouterr().err
     assert main(["serve", "--goodput", "ttft"]) == 2
     assert "--goodput" in capsys.readouterr().err
-    with socket.socket() as s:  # a port nothing listens on once this closes
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     # every request fails to connect: reported per request, not a traceback
     args = ["serve", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--no-progress"]
     assert main([*args, "--model", "m"]) == 1

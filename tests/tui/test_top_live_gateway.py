@@ -13,8 +13,9 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from top_helpers import SIZE, free_port, wait_for
+from top_helpers import SIZE, wait_for
 
+from tests.ports import free_port
 from tui.app import TopApp
 from tui.source import StatsSource
 from tui.widgets import BackendsTable, TenantsTable

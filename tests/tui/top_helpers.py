@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from pathlib import Path
 
 from aiohttp import web
@@ -34,12 +33,6 @@ async def wait_for(pilot, condition) -> None:
     while not condition():
         await pilot.pause(0.02)
     await pilot.pause()  # and let the screen catch up with it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StatsServer:
