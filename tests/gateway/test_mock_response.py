@@ -133,5 +133,7 @@ async def test_only_the_fake_backend_takes_it(make_gateway):
         assert body["error"]["type"] == "invalid_request_error"
         assert "mock_response" in body["error"]["message"]
         assert up.served == served  # nothing reached the upstream
-        ok = await gw.post("/v1/chat/completions", key, {"model": MODEL, "messages": MESSAGES})
+        # max_tokens: unbounded, the fake upstream would write out the whole context
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+        ok = await gw.post("/v1/chat/completions", key, body)
         assert ok.status == 200  # the same request without it is served
