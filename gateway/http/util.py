@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -30,6 +31,7 @@ from gateway.http.errors import ApiError, is_ollama
 from gateway.http.validation import described
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 # The app's settings (body limit and timeout): the gateway's and a worker's app set it.
 SETTINGS = web.AppKey("settings", Settings)
 
@@ -174,3 +176,9 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 def sse(data: Any) -> bytes:
     return b"data: " + json_bytes(data) + b"\n\n"
+
+
+async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, in a worker thread when the work is large (a big answer's encoding,
+    a held tool call's parse): on the loop it would stall every other request."""
+    return await asyncio.to_thread(fn, *args) if large else fn(*args)

@@ -19,7 +19,8 @@ from gateway.schemas.embeddings import EmbeddingRequest
 from gateway.schemas.inference import ChatCompletionRequest, CompletionRequest
 from gateway.schemas.messages import MessagesRequest
 from gateway.serving.admission import prepare
-from gateway.serving.embedding import answer_bytes, embed
+from gateway.serving.embedding import embed
+from gateway.serving.embedding_answer import answer_bytes
 from gateway.state import GatewayState
 from gateway.tenancy.auth import Principal
 

@@ -7,7 +7,8 @@ from aiohttp import web
 
 from gateway.http.util import parse_body
 from gateway.schemas.embeddings import EmbeddingRequest
-from gateway.serving.embedding import answer_bytes, embed
+from gateway.serving.embedding import embed
+from gateway.serving.embedding_answer import answer_bytes
 from gateway.state import GW
 
 

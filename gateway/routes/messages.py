@@ -16,7 +16,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.http.errors import ApiError, anthropic_error
-from gateway.http.util import json_response, parse_body
+from gateway.http.util import json_response, off_loop_if, parse_body
 from gateway.schemas.messages import CountTokensRequest, MessagesRequest
 from gateway.serving import messages_stream as ms
 from gateway.serving.admission import prepare
@@ -27,7 +27,6 @@ from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
     SSE_HEADERS,
     finish_or_503,
-    off_loop_if,
     streamed,
     whole_answer,
 )

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from gateway.backends import ModelCard
 from gateway.http.errors import ApiError
-from gateway.http.util import json_bytes, json_response, parse_body
+from gateway.http.util import json_bytes, json_response, off_loop_if, parse_body
 from gateway.ondemand import held, of
 from gateway.routes import ollama_manage
 from gateway.schemas.ollama import (
@@ -46,7 +46,6 @@ from gateway.serving.ollama_models import describe
 from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
     finish_or_503,
-    off_loop_if,
     streamed,
     whole_answer,
 )

@@ -25,7 +25,7 @@ from gateway.backends import (
     Usage,
 )
 from gateway.http.errors import ApiError
-from gateway.http.util import json_response, parse_body, sse
+from gateway.http.util import json_response, off_loop_if, parse_body, sse
 from gateway.ondemand import held
 from gateway.schemas.inference import (
     ChatCompletionRequest,
@@ -51,7 +51,6 @@ from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
     SSE_HEADERS,
     finish_or_503,
-    off_loop_if,
     streamed,
     whole_answer,
 )

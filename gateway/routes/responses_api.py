@@ -14,7 +14,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.http.errors import ApiError
-from gateway.http.util import json_response, parse_body
+from gateway.http.util import json_response, off_loop_if, parse_body
 from gateway.schemas.responses_api import ResponseCreateRequest
 from gateway.serving.admission import prepare
 from gateway.serving.job import Job
@@ -22,7 +22,6 @@ from gateway.serving.outcome import (
     LARGE_CALL_CHARS,
     SSE_HEADERS,
     finish_or_503,
-    off_loop_if,
     streamed,
     whole_answer,
 )

@@ -37,19 +37,18 @@ from gateway.backends import (
     EmbeddingBackend,
     EmbedRequest,
     EmbedResult,
-    ModelCard,
     Progress,
     is_text_bound,
 )
 from gateway.backends.capabilities import supports
 from gateway.http.errors import ApiError
-from gateway.http.util import json_bytes
 from gateway.observe.stats import Finished
 from gateway.observe.tracing import step
-from gateway.schemas.embeddings import EmbeddingRequest, embedding_body
+from gateway.schemas.embeddings import EmbeddingRequest
 from gateway.serving.admission import admit
+from gateway.serving.embedding_answer import check_dimensions
 from gateway.serving.model_access import loaded, model_card, require_task, tenant_of
-from gateway.serving.outcome import CLIENT_GONE, off_loop_if
+from gateway.serving.outcome import CLIENT_GONE
 from gateway.serving.rendering import render_on_a_replica
 from gateway.serving.request_ids import time_ordered_hex
 from gateway.serving.token_plan import EMBED_COST, check_input_tokens, check_spend
@@ -62,9 +61,6 @@ from gateway.tenancy.quota.prices import Price
 from gateway.tenancy.usage import UsageRow
 
 log = logging.getLogger("kvgate")
-# An answer of more floats than this (2048 inputs of a few hundred each is megabytes of
-# JSON) is built and encoded in a worker thread: on the loop it would stall the others.
-LARGE_ANSWER_FLOATS = 1 << 16
 
 
 @dataclass
@@ -129,40 +125,6 @@ async def _embed(
         if span is not None:
             span.set_attributes(embedding_attributes(req, tokens))
         return await call.run(order, req)
-
-
-async def answer_bytes(
-    model: str, vectors: list[list[float]], prompt_tokens: int, encoding_format: str
-) -> bytes:
-    """The answer's JSON (the gateway's and a worker's), off the loop when large."""
-    large = sum(len(v) for v in vectors) > LARGE_ANSWER_FLOATS
-    return await off_loop_if(large, _json, model, vectors, prompt_tokens, encoding_format)
-
-
-def _json(model: str, vectors: list[list[float]], tokens: int, encoding_format: str) -> bytes:
-    body = embedding_body(model, vectors, tokens, encoding_format)
-    return json_bytes(body)
-
-
-def check_dimensions(card: ModelCard, dimensions: int | None) -> None:
-    """A 400 for `dimensions` the model cannot give."""
-    if dimensions is None:
-        return
-    size = card.embedding_size
-    if not card.truncatable:
-        sized = f" of {size} dimensions" if size else ""
-        raise ApiError(
-            400,
-            f"The model `{card.id}` does not support `dimensions`: its vectors{sized} "
-            "are not made to be shortened.",
-            param="dimensions",
-        )
-    if size is not None and dimensions > size:
-        raise ApiError(
-            400,
-            f"dimensions ({dimensions}) is more than the {size} of the model `{card.id}`.",
-            param="dimensions",
-        )
 
 
 @dataclass

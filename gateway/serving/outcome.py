@@ -57,11 +57,6 @@ async def finish_or_503(job: Job, status: int, finish_reason: str | None) -> Non
         ) from None
 
 
-async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, in a worker thread when the work is large."""
-    return await asyncio.to_thread(fn, *args) if large else fn(*args)
-
-
 def failure(job: Job, e: Exception) -> ApiError:
     """The error a client gets for a request that failed mid-way: a backend's own
     errors as they are (they name the backend, never an upstream's words); an adapter

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.backends import Backend, BackendSpec, ModelCard
 from gateway.backends.base import ChatTemplateBackend
 from gateway.backends.capabilities import supports
 from gateway.parsers import detect
-from gateway.state import GatewayState
+
+if TYPE_CHECKING:  # a worker imports this module, and gateway.state is the database's
+    from gateway.state import GatewayState
 
 log = logging.getLogger("kvgate")
 

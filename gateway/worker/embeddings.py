@@ -21,7 +21,7 @@ from gateway.backends import EmbeddingBackend
 from gateway.http.errors import ApiError
 from gateway.http.util import parse_body
 from gateway.schemas.embeddings import EmbeddingRequest
-from gateway.serving.embedding import answer_bytes, check_dimensions
+from gateway.serving.embedding_answer import answer_bytes, check_dimensions
 from gateway.serving.token_plan import check_input_tokens
 from gateway.tenancy.quota import QuotaLimits
 from gateway.worker.errors import api_error

@@ -24,6 +24,7 @@ from gateway.db.engine import MIGRATIONS_DIR
 from gateway.db.schema import head_revision
 from gateway.db.schema_upgrade import alembic_config
 from tests.conftest import start_gateway
+from tests.gateway.test_worker import start_worker
 
 ENGINE_LIBRARIES = {"torch", "transformers", "llama_cpp", "triton"}
 MIGRATION_LIBRARIES = {"alembic", "mako", "pygments"}
@@ -112,3 +113,14 @@ def test_the_commands_that_open_no_database_import_no_sqlalchemy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["[]"]
+
+
+def test_a_worker_imports_no_database(tmp_path, monkeypatch) -> None:
+    """`kvgate worker` opens no database: SQLAlchemy and asyncpg (about 0.3 CPU-s) came in
+    through the gateway's shared middleware and serving modules; the suite starts dozens."""
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    w = start_worker(tmp_path, "--backend", "fake")
+    w.stop()
+    modules = imported(w.log.read_text())
+    assert "aiohttp" in modules  # (the check sees what the worker does import)
+    assert not modules & {"sqlalchemy", "asyncpg", "alembic"}
