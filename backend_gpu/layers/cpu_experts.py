@@ -1,0 +1,88 @@
+"""Experts' weights in oneDNN's own layout on the CPU, packed once after loading.
+
+A decode step multiplies each expert's few rows (16 sequences with top 4 of 16 experts:
+about 4 an expert) by every expert's weights, read from memory. oneDNN's linear over a
+weight reordered once into its blocked layout streams it faster than MKL's GEMM over the
+row-major one: 4 layers of 16 gpt-oss experts (gate/up 1024 x 512, down 512 x 512,
+float32, one thread) at 4 rows an expert 15 against 22 ms, at 8 rows 20 against 33, at
+64 rows 74 against 104 (PERF.md, "gpt-oss decode: the experts packed for oneDNN"). Below
+MIN_ROWS rows its few-row kernel is the slower one (the 4 layers' gate/up at 2 rows an
+expert: 11.9 ms, MKL 7.2) and MIN_ROWS rows cost less (8.7 ms; 1 row 10.7, as 4 rows
+9.4, MKL 14.7): a shorter run is computed as MIN_ROWS rows, the run and its neighbours
+in the sorted buffer (their products dropped), with no copy.
+
+The packed copy replaces the stacked parameters (pack_for_cpu), so serving holds the
+weights once: on the CPU nothing reads the stacked tensors after loading (the grouped
+GEMMs are CUDA's; quantization runs before, and its 8-bit weights stay as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MIN_ROWS = 4  # a run is computed as at least this many rows (above)
+# oneDNN picks the packed layout for this many rows; the products take any count
+PACK_ROWS = 16
+
+
+def packable(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether a stacked expert weight can be packed: on the CPU, float32 or a bfloat16
+    that this oneDNN computes, not 8-bit (its row scales are applied by the torch path)."""
+    if weight.device.type != "cpu" or scale is not None or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
+
+
+def pack(stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each expert's [out, in] matrix of a stacked [experts, out, in] weight in oneDNN's
+    layout for a linear (opaque tensors)."""
+    return tuple(
+        torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in stacked.detach().unbind(0)
+    )
+
+
+def pack_for_cpu(model: nn.Module) -> None:
+    """Packs every module's experts that can be (a module with `pack_for_cpu`)."""
+    for module in model.modules():
+        if hasattr(module, "pack_for_cpu"):
+            module.pack_for_cpu()
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of the weights packed in `model`'s modules, which their parameters no
+    longer count (memory.parameter_bytes)."""
+    return sum(
+        w.numel() * w.element_size()
+        for module in model.modules()
+        for weights in (getattr(module, "packed", None) or {}).values()
+        for w in weights
+    )
+
+
+def packed_runs(
+    weights: tuple[torch.Tensor, ...],
+    biases: torch.Tensor | None,
+    rows: torch.Tensor,
+    runs: list[int],
+) -> torch.Tensor:
+    """[rows, out]: each run of `rows` ([rows, in], sorted by expert, runs[e] of expert e)
+    times its expert's packed weight, plus its bias (`biases` [experts, out])."""
+    total = rows.shape[0]
+    out = rows.new_empty(total, weights[0].shape[0])
+    bias = biases.unbind(0) if biases is not None else None
+    start = 0
+    for e, run in enumerate(runs):
+        if not run:
+            continue
+        # a short run with the rows after it (before it, at the end of the buffer)
+        first = max(0, min(start, total - MIN_ROWS))
+        last = min(total, max(start + run, first + MIN_ROWS))
+        y = torch.ops.mkldnn._linear_pointwise(
+            rows[first:last], weights[e], None if bias is None else bias[e], "none", [], ""
+        )
+        out[start : start + run] = y[start - first : start - first + run]
+        start += run
+    return out
