@@ -29,7 +29,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.cuda_graphs import DecodeGraphs, capture_sizes
 from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.kv_budget import KVSizing
-from backend_gpu.layers.cpu_experts import pack_for_cpu
+from backend_gpu.layers.cpu_packed import pack_for_cpu
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
 from backend_gpu.memory import (

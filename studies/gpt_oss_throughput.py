@@ -133,7 +133,7 @@ def transformers_rate(model_dir: str, tokens: int) -> tuple[float, float]:
 def expert_bytes(model: str) -> dict:
     """Bytes the engine holds loading `model` in bfloat16: the experts', everything."""
     from backend_gpu import LLM
-    from backend_gpu.layers.cpu_experts import packed_bytes
+    from backend_gpu.layers.cpu_packed import packed_bytes
     from backend_gpu.memory import parameter_bytes
 
     llm = LLM(model, dtype="bfloat16", kv_cache_memory_bytes=1 << 20, max_model_len=256)

@@ -1,8 +1,9 @@
-"""gpt-oss's experts packed for oneDNN on the CPU (layers/cpu_experts.py): the packed
-path is taken once packed, replaces the stacked weights, and gives the unpacked path's
-outputs (decode-sized runs, runs shorter than MIN_ROWS at either end of the buffer, a
-buffer shorter than MIN_ROWS, a prefill, a rank without down's bias); 8-bit and float16
-experts are left unpacked."""
+"""Weights packed for oneDNN on the CPU (layers/cpu_packed.py). gpt-oss's experts: the
+packed path is taken once packed, replaces the stacked weights, and gives the unpacked
+path's outputs (decode-sized runs, runs shorter than MIN_ROWS at either end of the
+buffer, a buffer shorter than MIN_ROWS, a prefill, a rank without down's bias); 8-bit
+and float16 experts are left unpacked. A linear: its weight parameter becomes the packed
+tensor, outputs as before; a float16 one is left as it is."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 
 from backend_gpu.distributed import ParallelGroup
 from backend_gpu.expert_shards import ExpertShard, MoEConfig
-from backend_gpu.layers import cpu_experts
+from backend_gpu.layers import cpu_packed
 from backend_gpu.layers.gpt_oss_moe import STACKED, BiasedExperts, ClampedSwiGLU, per_expert
+from backend_gpu.layers.linear import Linear
 from backend_gpu.memory import parameter_bytes
 from tests.backend_gpu.test_moe import routing
 
@@ -50,7 +52,7 @@ def test_packed_experts_equal_the_stacked(tokens, skew, down_bias):
     assert packed.packed is not None and len(packed.packed["gate_up"]) == 8
     assert packed.gate_up_proj is None and packed.down_proj is None  # one copy held
     assert all(t.is_mkldnn for t in packed.packed["down"])
-    held = parameter_bytes(packed) + cpu_experts.packed_bytes(packed)
+    held = parameter_bytes(packed) + cpu_packed.packed_bytes(packed)
     assert held == parameter_bytes(experts)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(4))
     weights, ids = routing(tokens, 8, 4, skew)
@@ -67,7 +69,7 @@ def test_short_runs_take_their_neighbours_rows(runs):
     stacked = torch.randn(len(runs), 24, HIDDEN, generator=gen)
     biases = torch.randn(len(runs), 24, generator=gen)
     rows = torch.randn(sum(runs), HIDDEN, generator=gen)
-    got = cpu_experts.packed_runs(cpu_experts.pack(stacked), biases, rows, runs)
+    got = cpu_packed.packed_runs(cpu_packed.pack(stacked), biases, rows, runs)
     expert = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(runs))
     want = torch.einsum("rh,roh->ro", rows, stacked[expert]) + biases[expert]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -98,3 +100,20 @@ def test_unpackable_experts_stay_stacked(kind):
     x = torch.randn(4, HIDDEN, dtype=stacked.dtype if kind == "float16" else torch.float32)
     with torch.inference_mode():
         assert per_expert(experts, x, *routing(4, 8, 4, False)).isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, HIDDEN), (16, HIDDEN), (2, 40, HIDDEN)])
+def test_packed_linear_equals_the_plain_one(dtype, bias, shape):
+    torch.manual_seed(7)
+    linear = Linear(HIDDEN, 48, bias=bias).to(dtype)
+    x = torch.randn(shape).to(dtype)
+    with torch.inference_mode():
+        want = linear(x)
+        cpu_packed.pack_linear(linear)
+        got = linear(x)
+    packed = dtype == torch.float32
+    assert linear.weight.is_mkldnn == packed and linear.weight.shape == (48, HIDDEN)
+    assert parameter_bytes(linear) == (48 * HIDDEN + 48 * bias) * x.element_size()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

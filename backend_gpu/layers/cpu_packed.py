@@ -1,19 +1,24 @@
-"""Experts' weights in oneDNN's own layout on the CPU, packed once after loading.
+"""Weights in oneDNN's own layout on the CPU, packed once after loading: gpt-oss's
+experts and its attention projections.
 
 A decode step multiplies each expert's few rows (16 sequences with top 4 of 16 experts:
 about 4 an expert) by every expert's weights, read from memory. oneDNN's linear over a
 weight reordered once into its blocked layout streams it faster than MKL's GEMM over the
 row-major one: 4 layers of 16 gpt-oss experts (gate/up 1024 x 512, down 512 x 512,
 float32, one thread) at 4 rows an expert 15 against 22 ms, at 8 rows 20 against 33, at
-64 rows 74 against 104 (PERF.md, "gpt-oss decode: the experts packed for oneDNN"). Below
+64 rows 74 against 104 (PERF.md, "gpt-oss decode: weights packed for oneDNN"). Below
 MIN_ROWS rows its few-row kernel is the slower one (the 4 layers' gate/up at 2 rows an
 expert: 11.9 ms, MKL 7.2) and MIN_ROWS rows cost less (8.7 ms; 1 row 10.7, as 4 rows
 9.4, MKL 14.7): a shorter run is computed as MIN_ROWS rows, the run and its neighbours
-in the sorted buffer (their products dropped), with no copy.
+in the sorted buffer (their products dropped), with no copy. The attention's q/k/v
+(768 x 512) and o (512 x 512) at a step's 16 rows: 343 and 205 us against MKL's 424
+and 327 (cpu_rows' forms take the row-major weight and chose MKL there).
 
-The packed copy replaces the stacked parameters (pack_for_cpu), so serving holds the
-weights once: on the CPU nothing reads the stacked tensors after loading (the grouped
-GEMMs are CUDA's; quantization runs before, and its 8-bit weights stay as they are).
+A packed copy replaces what it was packed from, so serving holds the weights once: the
+experts' stacked parameters become None (pack_for_cpu), a linear's weight parameter
+becomes the packed tensor (same shape and bytes). On the CPU nothing reads them
+otherwise after loading (the grouped GEMMs are CUDA's; quantization runs before, and
+its 8-bit weights stay as they are).
 """
 
 from __future__ import annotations
@@ -44,8 +49,24 @@ def pack(stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
     )
 
 
+def pack_linear(linear: nn.Linear) -> None:
+    """The linear's weight packed in place where it can be (its forward then takes
+    packed_linear: layers/linear.py)."""
+    if packable(linear.weight, None):
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS)
+        linear.weight = nn.Parameter(packed, requires_grad=False)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """F.linear(x, weight, bias) for a packed weight, x's leading dimensions kept."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def pack_for_cpu(model: nn.Module) -> None:
-    """Packs every module's experts that can be (a module with `pack_for_cpu`)."""
+    """Packs what every module with a `pack_for_cpu` packs (gpt-oss's experts and
+    attention)."""
     for module in model.modules():
         if hasattr(module, "pack_for_cpu"):
             module.pack_for_cpu()
@@ -68,12 +89,14 @@ def packed_runs(
     rows: torch.Tensor,
     runs: list[int],
 ) -> torch.Tensor:
-    """[rows, out]: each run of `rows` ([rows, in], sorted by expert, runs[e] of expert e)
-    times its expert's packed weight, plus its bias (`biases` [experts, out])."""
+    """[rows, out]: each run of `rows` ([rows, in], sorted by expert, runs[e] of expert e,
+    at least one run not empty) times its expert's packed weight, plus its bias
+    (`biases` [experts, out]). The runs' products are joined by one cat: oneDNN's linear
+    writes no given buffer, and a copy per run into one cost more (4 layers' gate/up at
+    a decode step, 11.65 against 11.33 ms)."""
     total = rows.shape[0]
-    out = rows.new_empty(total, weights[0].shape[0])
     bias = biases.unbind(0) if biases is not None else None
-    start = 0
+    parts, start = [], 0
     for e, run in enumerate(runs):
         if not run:
             continue
@@ -83,6 +106,6 @@ def packed_runs(
         y = torch.ops.mkldnn._linear_pointwise(
             rows[first:last], weights[e], None if bias is None else bias[e], "none", [], ""
         )
-        out[start : start + run] = y[start - first : start - first + run]
+        parts.append(y[start - first : start - first + run])
         start += run
-    return out
+    return torch.cat(parts)
