@@ -8,9 +8,11 @@ row-major one: 4 layers of 16 gpt-oss experts (gate/up 1024 x 512, down 512 x 51
 float32, one thread) at 4 rows an expert 15 against 22 ms, at 8 rows 20 against 33, at
 64 rows 74 against 104 (PERF.md, "gpt-oss decode: weights packed for oneDNN"). Below
 MIN_ROWS rows its few-row kernel is the slower one (the 4 layers' gate/up at 2 rows an
-expert: 11.9 ms, MKL 7.2) and MIN_ROWS rows cost less (8.7 ms; 1 row 10.7, as 4 rows
-9.4, MKL 14.7): a shorter run is computed as MIN_ROWS rows, the run and its neighbours
-in the sorted buffer (their products dropped), with no copy. The attention's q/k/v
+expert: 11.9 ms, MKL 7.2) and 4 to 6 rows cost less (8.6-8.7 ms; 1 row 10.7, as 6 rows
+9.3, MKL 14.7): a shorter run is computed as MIN_ROWS rows, the run and its neighbours
+in the sorted buffer (their products dropped), with no copy. In the engine (the study's
+decode, experts' thread CPU ms a token, medians of 3 and 4 interleaved runs): no
+padding 1.56, 4 rows 1.45 and 1.44, 5 rows 1.36, 6 rows 1.36 and 1.37, 8 rows 1.55. The attention's q/k/v
 (768 x 512) and o (512 x 512) at a step's 16 rows: 343 and 205 us against MKL's 424
 and 327 (cpu_rows' forms take the row-major weight and chose MKL there).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MIN_ROWS = 4  # a run is computed as at least this many rows (above)
+MIN_ROWS = 6  # a run is computed as at least this many rows (above)
 # oneDNN picks the packed layout for this many rows; the products take any count
 PACK_ROWS = 16
 
