@@ -29,6 +29,7 @@ from backend_gpu.config import EngineConfig
 from backend_gpu.cuda_graphs import DecodeGraphs, capture_sizes
 from backend_gpu.distributed import SINGLE, ParallelGroup, rank_device
 from backend_gpu.kv_budget import KVSizing
+from backend_gpu.layers.cpu_packed import pack_for_cpu
 from backend_gpu.loader import Checkpoint, build_model
 from backend_gpu.lora import AdapterWeights, BaseShapes, LoRAStacks
 from backend_gpu.memory import (
@@ -114,6 +115,8 @@ class ModelRunner:
             quantize_model(self.model, config.quantization, tp)
         self.model.eval()
         self.weight_bytes = parameter_bytes(self.model)
+        # counted above: the packed weights replace the stacked ones, bytes for bytes
+        pack_for_cpu(self.model)
         self.hf_config = hf_config
         # a vision model's image inputs, through the encoder cache (rank 0's: TP refused)
         self.vision = (

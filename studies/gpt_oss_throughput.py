@@ -133,11 +133,15 @@ def transformers_rate(model_dir: str, tokens: int) -> tuple[float, float]:
 def expert_bytes(model: str) -> dict:
     """Bytes the engine holds loading `model` in bfloat16: the experts', everything."""
     from backend_gpu import LLM
+    from backend_gpu.layers.cpu_packed import packed_bytes
     from backend_gpu.memory import parameter_bytes
 
     llm = LLM(model, dtype="bfloat16", kv_cache_memory_bytes=1 << 20, max_model_len=256)
     runner = llm.engine.runner
-    experts = sum(parameter_bytes(layer.mlp.experts) for layer in runner.model.model.layers)
+    experts = sum(
+        parameter_bytes(layer.mlp.experts) + packed_bytes(layer.mlp.experts)  # oneDNN's
+        for layer in runner.model.model.layers
+    )
     sizes = {"experts": experts, "weights": runner.weight_bytes}
     del llm
     gc.collect()

@@ -15,7 +15,9 @@ CPU: an addmm per expert over its run (its bias the addmm's input) into one buff
 all runs (weight @ run.T into a transposed one for stored weights, run @ weight.T for
 an MXFP4 expert's matrix, widened for its one matmul: its 16-bit copy lives for that
 matmul alone), the activation once over it, each pair's output weighted and added into
-its token's row. CUDA: two grouped GEMM launches for all experts
+its token's row; 16-bit experts on the CPU are packed for oneDNN once loaded
+(layers/cpu_packed.py), whose linear per run is faster than MKL's from memory. CUDA:
+two grouped GEMM launches for all experts
 (triton_moe.py's, or triton_mxfp4.py's decoding MXFP4 in registers), the biases and the
 activation in torch between them, no host sync, so decodes stay in CUDA graphs.
 """
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_gpu.expert_shards import ExpertShard
+from backend_gpu.layers import cpu_packed
 from backend_gpu.layers.moe import FusedExperts, local_expert_ids
 from backend_gpu.quantization import mxfp4
 
@@ -83,6 +86,19 @@ class BiasedExperts(FusedExperts):
         self.down_proj_bias = (
             nn.Parameter(torch.empty(shard.count, hidden_size)) if down_bias else None
         )
+        # "gate_up" and "down": each expert's weight in oneDNN's layout, once packed
+        self.packed: dict[str, tuple[torch.Tensor, ...]] | None = None
+
+    def pack_for_cpu(self) -> None:
+        """On the CPU, the weights packed for oneDNN (layers/cpu_packed.py) in place of
+        the stacked parameters, which become None: nothing reads them after loading.
+        8-bit weights and a dtype oneDNN does not compute here stay as they are."""
+        if not cpu_packed.packable(self.gate_up_proj, self.gate_up_scale):
+            return
+        self.packed = {
+            which: cpu_packed.pack(getattr(self, f"{which}_proj")) for which in ("gate_up", "down")
+        }
+        self.gate_up_proj = self.down_proj = None
 
     def checkpoint_names(self, prefix: str) -> list[str]:
         """Stacked: one tensor per projection (and bias) for all of this rank's experts."""
@@ -216,9 +232,13 @@ def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> 
     the run), 0.6-0.7x the time of run @ weight.T at 2 to 5 rows, about 0.9x at 6 to 8,
     the same from 16 (PERF.md "gpt-oss decode: the weights from memory"). A weight
     widened for this one matmul (MXFP4, 8-bit) is in the cache already: run @ weight.T
-    into the run's rows, about 0.93x the other form's time on such a step's 4 layers."""
-    weights, stored = experts.expert_weights(which, rows.dtype)
+    into the run's rows, about 0.93x the other form's time on such a step's 4 layers.
+    Weights packed for oneDNN (BiasedExperts.pack_for_cpu): its linear per run, into the
+    run's rows (layers/cpu_packed.py)."""
     biases = getattr(experts, f"{which}_proj_bias")
+    if isinstance(experts, BiasedExperts) and experts.packed is not None:
+        return cpu_packed.packed_runs(experts.packed[which], biases, rows, runs).t()
+    weights, stored = experts.expert_weights(which, rows.dtype)
     if biases is not None:  # views made at once; a stored weight's a column [out, 1]
         biases = (biases.unsqueeze(-1) if stored else biases).unbind(0)
     out, start = None, 0

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
-from backend_gpu.layers import cpu_rows
+from backend_gpu.layers import cpu_packed, cpu_rows
 from backend_gpu.quantization import QUANTIZE_PER_CHANNEL, fp8, int8
 
 TABLE_GROUP = 32  # values of a token-table row that share one scale
@@ -17,9 +17,12 @@ TABLE_GROUP = 32  # values of a token-table row that share one scale
 
 class Linear(nn.Linear):
     """nn.Linear whose float32 products of a few rows on the CPU take the form measured
-    fastest on the machine (cpu_rows.py)."""
+    fastest on the machine (cpu_rows.py), or oneDNN's over a weight packed for it
+    (cpu_packed.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn:  # packed once loaded (cpu_packed.py)
+            return cpu_packed.packed_linear(x, self.weight, self.bias)
         return cpu_rows.linear(x, self.weight, self.bias)
 
 
@@ -48,7 +51,10 @@ class PackedLinear(Linear):
 def vocab_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] @ weight [vocab, in].T. On the CPU a few rows take the form measured
     fastest for the head's shape (cpu_rows.py); more as (weight @ x.T).T: the BLAS then
-    packs the rows of x instead of the whole vocabulary-sized weight."""
+    packs the rows of x instead of the whole vocabulary-sized weight. A weight packed for
+    oneDNN (cpu_packed.py) takes its linear at any count."""
+    if weight.is_mkldnn:  # packed once loaded (cpu_packed.py)
+        return cpu_packed.packed_linear(x, weight, None)
     if x.device.type == "cpu" and x.shape[0] > cpu_rows.MAX_ROWS:
         return torch.mm(weight, x.t()).t().contiguous()
     return cpu_rows.linear(x, weight)

@@ -30,6 +30,7 @@ from torch import nn
 
 from backend_gpu.distributed import SINGLE, ParallelGroup
 from backend_gpu.expert_shards import ExpertShard, MoEConfig
+from backend_gpu.layers import cpu_packed
 from backend_gpu.layers.attention import AttentionMetadata, paged_attention
 from backend_gpu.layers.gpt_oss_moe import (
     BiasedExperts,
@@ -37,7 +38,7 @@ from backend_gpu.layers.gpt_oss_moe import (
     GptOssRouter,
     Mxfp4Experts,
 )
-from backend_gpu.layers.linear import Linear, PackedLinear
+from backend_gpu.layers.linear import Linear, LMHead, PackedLinear
 from backend_gpu.layers.norm import RMSNorm
 from backend_gpu.layers.rotary import RotaryEmbedding
 from backend_gpu.models.llama import LlamaDecoderLayer, LlamaForCausalLM, sliding_window_of
@@ -123,6 +124,12 @@ class GptOssAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
         self.k_scale = self.v_scale = 1.0  # the FP8 cache's, calibrated by the model runner
 
+    def pack_for_cpu(self) -> None:
+        """q/k/v and o packed for oneDNN on the CPU (layers/cpu_packed.py), unless 8-bit."""
+        for linear in (self.qkv_proj, self.o_proj):
+            if isinstance(linear, Linear):
+                cpu_packed.pack_linear(linear)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -199,6 +206,13 @@ class GptOssForCausalLM(LlamaForCausalLM):
         super().__init__(config, tp, layer)
         # the MXFP4 experts are read as they are (the loader skips its quantized layers)
         self.reads_own_quantization = packed
+
+    def pack_for_cpu(self) -> None:
+        """An untied LM head packed for oneDNN on the CPU (layers/cpu_packed.py); a tied
+        one is the token table too, which embedding lookups read as it is."""
+        table = getattr(self.model.embed_tokens, "weight", None)  # None: another stage's
+        if isinstance(self.lm_head, LMHead) and self.lm_head.weight is not table:
+            cpu_packed.pack_linear(self.lm_head)
 
     @staticmethod
     def checkpoint_weights(

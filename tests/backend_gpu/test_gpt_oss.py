@@ -85,12 +85,16 @@ def test_greedy_matches_transformers(model_dir, check, fmt, setting):
     assert [layer.self_attn.window for layer in layers] == [16, None]
     assert max(len(p) for p in mixed_prompts()) > 4 * 16  # past the window
     experts = layers[0].mlp.experts
+    # packed for oneDNN (cpu_packed.py): the attention's projections, the untied head
+    assert layers[0].self_attn.qkv_proj.weight.is_mkldnn
+    assert llm.engine.runner.model.lm_head.weight.is_mkldnn
     if fmt == "mxfp4":  # kept packed: 4 bits a value and a byte per 32
         assert isinstance(experts, Mxfp4Experts)
         assert experts.gate_up_proj_blocks.dtype == torch.uint8
         assert experts.gate_up_proj_blocks.shape == (8, 128, 2, 16)
-    else:
-        assert isinstance(experts, BiasedExperts)
+    else:  # float32 on the CPU: packed for oneDNN, the stacked copies dropped
+        assert isinstance(experts, BiasedExperts) and experts.gate_up_proj is None
+        assert len(experts.packed["gate_up"]) == 8
     check(llm, fmt, mixed_prompts())
     outs = check(llm, fmt, mixed_prompts())  # again: the prompts' full blocks are cached
     if llm.engine.config.enable_prefix_caching:
@@ -190,6 +194,18 @@ def edited(model_dir: str, tmp_path, change) -> str:
     change(config)
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+def test_a_tied_head_is_left_unpacked(model_dir, tmp_path):
+    """The head that is the token table too stays as it is (embedding lookups read it);
+    the attention is packed all the same."""
+    path = edited(model_dir("16-bit"), tmp_path, lambda c: c.update(tie_word_embeddings=True))
+    llm = LLM(path)
+    model = llm.engine.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.lm_head.weight.is_mkldnn
+    assert model.model.layers[0].self_attn.o_proj.weight.is_mkldnn
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == MAX_NEW
 
 
 REFUSED = {
