@@ -15,6 +15,7 @@ t + j, and attends to step 0's keys up to t and to its own chain's keys of steps
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -125,6 +126,15 @@ class Eagle3TTT(nn.Module):
             hidden = x + m.mlp(m.post_attention_layernorm(x))
             out.append(self.lm_head(self.norm(hidden if rows is None else hidden[rows])))
         return out
+
+
+def learning_rate(peak: float, done: float, schedule: str) -> float:
+    """The optimizer's rate at `done` (0 to 1) of the run: `constant`, or `cosine` from
+    `peak` down to 0 at the end (SpecForge's schedule, less its warmup): the last steps
+    settle the head at what the data support instead of stepping about it."""
+    if schedule == "constant":
+        return peak
+    return peak * 0.5 * (1 + math.cos(math.pi * min(max(done, 0.0), 1.0)))
 
 
 def head_config(target_config, draft_vocab: int, aux_layers: list[int], nested: bool) -> dict:

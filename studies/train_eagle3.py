@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from backend_gpu.spec_decode.eagle3_config import default_aux_layers
 from bench.options import DefaultsHelpFormatter
 from studies.eagle3_corpus import prompts
-from studies.eagle3_ttt import Eagle3TTT, head_config, save_head
+from studies.eagle3_ttt import Eagle3TTT, head_config, learning_rate, save_head
 from studies.spec_decode import QUESTIONS
 
 POOL = 1536  # prompts made before the --prompts that fit are taken
@@ -214,8 +214,11 @@ def train(head: Eagle3TTT, seqs, aux, labels, scored, args, checkpoint, teacher=
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
         elapsed = time.perf_counter() - start
+        done_share = step / args.max_steps if args.max_steps else elapsed / args.budget_s
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(args.lr, done_share, args.schedule)
+        opt.step()
         done = elapsed >= args.budget_s or (args.max_steps and step >= args.max_steps)
         if step % args.eval_every == 0 or done:
             point = {"step": step, "seconds": round(elapsed, 1), "loss": float(loss.detach())}
@@ -315,6 +318,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--schedule",
+        choices=["constant", "cosine"],
+        default="constant",
+        help="the rate over the run (--max-steps, else --budget-s): fixed, or down to 0",
+    )
     p.add_argument("--budget-s", type=float, default=300, help="training seconds")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many (0: budget)")
     p.add_argument("--eval-every", type=int, default=10)
@@ -389,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
         "aux_layers": layers,
         "ttt_steps": args.ttt_steps,
         "loss": args.loss,
+        "schedule": args.schedule,
         "curve": curve,
         "wall_s": round(time.perf_counter() - began, 1),
     }

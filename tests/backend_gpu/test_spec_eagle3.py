@@ -347,9 +347,12 @@ def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir,
     head = str(tmp_path / "head")
     args = ["--model", target, "--out", head, "--prompts", "6", "--max-tokens", "8"]
     args += ["--max-steps", "3", "--batch", "2", "--eval-every", "1", "--held-out", "2"]
+    args += ["--schedule", "cosine"]  # the rate down to 0 at step 3
     answers = tmp_path / "answers.json"
     result = train_eagle3.main([*args, "--draft-vocab", "100", "--answers", str(answers)])
     assert [p["step"] for p in result["curve"]] == [1, 2, 3]
+    # the last step, at a rate of 0, leaves the head as it was
+    assert result["curve"][1]["accuracy"] == result["curve"][2]["accuracy"]
     assert len(json.loads(answers.read_text())) == result["sequences"]
     assert all(p["loss"] > 0 and 1 <= p["acceptance_length"] <= 4 for p in result["curve"])
     stored = load_file(f"{head}/model.safetensors")

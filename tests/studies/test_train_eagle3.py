@@ -1,12 +1,13 @@
 """studies.train_eagle3's loss: against the target's distribution over the draft
-vocabulary (the default), or its choice. The whole trainer runs on the tiny Llama in
-tests/backend_gpu/test_spec_eagle3.py."""
+vocabulary (the default), or its choice; and its learning-rate schedule. The whole
+trainer runs on the tiny Llama in tests/backend_gpu/test_spec_eagle3.py."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from studies.eagle3_ttt import learning_rate
 from studies.train_eagle3 import step_loss
 
 
@@ -28,3 +29,10 @@ def test_rows_without_a_label_are_left_out_and_a_sure_target_is_its_choice():
     want = F.cross_entropy(logits, labels, ignore_index=-100)
     torch.testing.assert_close(step_loss(logits, labels, sure), want)
     torch.testing.assert_close(step_loss(logits, labels), want)
+
+
+def test_the_cosine_rate_falls_from_the_peak_to_nothing_and_the_constant_stays():
+    rates = [learning_rate(1e-3, done, "cosine") for done in (0.0, 0.25, 0.5, 1.0, 1.5)]
+    assert rates[0] == 1e-3 and rates[-2] == rates[-1] == 0.0
+    assert rates[0] > rates[1] > rates[2] == 0.5e-3 > rates[3]
+    assert learning_rate(1e-3, 0.7, "constant") == 1e-3
