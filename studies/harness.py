@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+
+from studies.ports import free_port
 
 ADMIN_KEY = "kvg-bench-admin-" + "s" * 32
 GATEWAY_READY = "kvgate: listening on "
@@ -45,12 +46,6 @@ def kv_block_bytes(shape: dict, block_size: int, dtype_bytes: int = 4) -> int:
     every KV head (float32 by default, as the CPU runs the tiny model)."""
     head_dim = shape["hidden_size"] // shape["num_heads"]
     return 2 * shape["num_layers"] * block_size * shape["num_kv_heads"] * head_dim * dtype_bytes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadedApps:

@@ -1,4 +1,4 @@
-"""Shared fixtures: free ports (tests/ports.py), live `kvgate serve` processes, PostgreSQL schemas."""
+"""Shared fixtures: free ports (studies/ports.py), live `kvgate serve` processes, PostgreSQL schemas."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from studies.ports import free_port
 from tests.migrated_db import copy_migrated
-from tests.ports import free_port
 
 ADMIN_KEY = "kvg-test-admin-" + "x" * 32
 PG_URL = os.environ.get("KVGATE_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from tests.ports import free_port
+from studies.ports import free_port
 
 
 @contextmanager

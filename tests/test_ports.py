@@ -1,10 +1,10 @@
-"""The suite's ports (tests/ports.py) come from outside the kernel's ephemeral range."""
+"""The suite's ports (studies/ports.py) come from outside the kernel's ephemeral range."""
 
 from __future__ import annotations
 
 import socket
 
-from tests.ports import _ephemeral_low, free_port
+from studies.ports import _ephemeral_low, free_port
 
 
 def test_ports_are_free_distinct_and_never_an_outgoing_connections():

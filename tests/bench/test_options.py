@@ -5,7 +5,7 @@ import pytest
 from bench.cli import build_parser, main
 from bench.options import parse_goodput, parse_metric_names, parse_percentiles, read_api_keys
 from bench.sweep import parse_levels
-from tests.ports import free_port
+from studies.ports import free_port
 
 
 def test_goodput():

@@ -10,7 +10,7 @@ import json
 
 from top_helpers import ADMIN_KEY, DATA, SIZE, StatsServer, wait_for
 
-from tests.ports import free_port
+from studies.ports import free_port
 from tui.app import TopApp
 from tui.source import StatsSource, load_replay
 from tui.widgets import StatusBar, TenantsTable

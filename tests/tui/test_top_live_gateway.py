@@ -15,7 +15,7 @@ import openai
 import pytest
 from top_helpers import SIZE, wait_for
 
-from tests.ports import free_port
+from studies.ports import free_port
 from tui.app import TopApp
 from tui.source import StatsSource
 from tui.widgets import BackendsTable, TenantsTable

@@ -1,11 +1,14 @@
-"""Ports for the suite's servers, drawn from below the kernel's ephemeral range.
+"""Ports for the servers the suite and the studies start, drawn from below the kernel's
+ephemeral range.
 
 A port the kernel hands out for `bind(0)` comes from the same range it draws the
 source ports of outgoing connections from, so between a test taking such a port and
 its server binding it, any client connection on the machine may take it (a CI run
 failed so: `kvgate serve` found its port in use). Ports below that range are never
-handed out by the kernel; each xdist worker walks a block of its own, and each is
-checked free by binding before it is given."""
+handed out by the kernel; each xdist worker walks a block of its own (a study the
+suite runs, in the worker's environment, walks the same block from another start), and
+each is checked free by binding before it is given. The tests and the studies
+(studies/harness.py) take their ports here."""
 
 from __future__ import annotations
 
