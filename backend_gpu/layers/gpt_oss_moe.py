@@ -15,8 +15,11 @@ CPU: an addmm per expert over its run (its bias the addmm's input) into one buff
 all runs (weight @ run.T into a transposed one for stored weights, run @ weight.T for
 an MXFP4 expert's matrix, widened for its one matmul: its 16-bit copy lives for that
 matmul alone), the activation once over it, each pair's output weighted and added into
-its token's row; 16-bit experts on the CPU are packed for oneDNN once loaded
-(layers/cpu_packed.py), whose linear per run is faster than MKL's from memory. CUDA:
+its token's row. float32 experts on the CPU take the engine's own kernel where it is
+built (layers/cpu_kernels.py: one call for all of a projection's runs, reading each
+weight once, about the memory's rate) for decode-sized runs, the addmm above for a
+prefill's; else they are packed for oneDNN once loaded (layers/cpu_packed.py), whose
+linear per run is faster than MKL's from memory. CUDA:
 two grouped GEMM launches for all experts
 (triton_moe.py's, or triton_mxfp4.py's decoding MXFP4 in registers), the biases and the
 activation in torch between them, no host sync, so decodes stay in CUDA graphs.
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_gpu.expert_shards import ExpertShard
-from backend_gpu.layers import cpu_packed
+from backend_gpu.layers import cpu_kernels, cpu_packed
 from backend_gpu.layers.moe import FusedExperts, local_expert_ids
 from backend_gpu.quantization import mxfp4
 
@@ -88,11 +91,18 @@ class BiasedExperts(FusedExperts):
         )
         # "gate_up" and "down": each expert's weight in oneDNN's layout, once packed
         self.packed: dict[str, tuple[torch.Tensor, ...]] | None = None
+        self.kernel = False  # the engine's CPU kernel reads the stacked weights
 
     def pack_for_cpu(self) -> None:
-        """On the CPU, the weights packed for oneDNN (layers/cpu_packed.py) in place of
-        the stacked parameters, which become None: nothing reads them after loading.
-        8-bit weights and a dtype oneDNN does not compute here stay as they are."""
+        """On the CPU, float32 weights stay as they are for the engine's kernel
+        (layers/cpu_kernels.py) where it is built; else they are packed for oneDNN
+        (layers/cpu_packed.py) in place of the stacked parameters, which become None:
+        nothing reads them after loading. 8-bit weights and a dtype oneDNN does not
+        compute here stay as they are."""
+        pairs = ((self.gate_up_proj, self.gate_up_scale), (self.down_proj, self.down_scale))
+        if all(cpu_kernels.usable(weight, scale) for weight, scale in pairs):
+            self.kernel = True
+            return
         if not cpu_packed.packable(self.gate_up_proj, self.gate_up_scale):
             return
         self.packed = {
@@ -236,6 +246,8 @@ def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> 
     Weights packed for oneDNN (BiasedExperts.pack_for_cpu): its linear per run, into the
     run's rows (layers/cpu_packed.py)."""
     biases = getattr(experts, f"{which}_proj_bias")
+    if isinstance(experts, BiasedExperts) and experts.kernel and max(runs) <= cpu_kernels.MAX_ROWS:
+        return cpu_kernels.expert_runs(rows, runs, getattr(experts, f"{which}_proj"), biases).t()
     if isinstance(experts, BiasedExperts) and experts.packed is not None:
         return cpu_packed.packed_runs(experts.packed[which], biases, rows, runs).t()
     weights, stored = experts.expert_weights(which, rows.dtype)

@@ -14,7 +14,7 @@ import torch
 
 from backend_gpu.distributed import ParallelGroup
 from backend_gpu.expert_shards import ExpertShard, MoEConfig
-from backend_gpu.layers import cpu_packed
+from backend_gpu.layers import cpu_kernels, cpu_packed
 from backend_gpu.layers.gpt_oss_moe import STACKED, BiasedExperts, ClampedSwiGLU, per_expert
 from backend_gpu.layers.linear import Linear
 from backend_gpu.memory import parameter_bytes
@@ -25,6 +25,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 MOE = MoEConfig(8, 4, 64, True, STACKED, frozenset({0}))
+
+
+@pytest.fixture(autouse=True)
+def no_kernel(monkeypatch):
+    """The oneDNN packing, which float32 experts take where the engine's own kernel is
+    not built (test_cpu_kernels.py tests that one)."""
+    monkeypatch.setattr(cpu_kernels, "usable", lambda *args: False)
+
+
 HIDDEN = 64
 
 

@@ -1,0 +1,156 @@
+"""The engine's own CPU kernel for few-row float32 products (cpu_kernels.c), built with
+the machine's C compiler at first use and loaded through ctypes.
+
+A decode step's mixture of experts multiplies a few rows an expert (gpt-oss at 16
+sequences: about 4) by every expert's weights, read from memory. The BLAS libraries'
+kernels for so few rows run well below the memory's rate on an AVX2 machine: 4 layers of
+16 gpt-oss experts at 4 rows an expert cost MKL 41 ms a step and oneDNN 28 (42 at the 6
+rows the packed path computes), where reading the weights once costs about 18; the
+kernel reads each block of weight rows once for all of a run's rows, 20.5 ms (PERF.md,
+"gpt-oss decode: a kernel of its own"). One call covers every run of a layer's
+projection, where the torch paths make a call per expert.
+
+Built as Triton builds its launchers: with `cc` (or $CC) at -O3 -march=native, once per
+machine (the library is kept in the kvgate cache under a name made of the source, the
+compiler, its flags and the CPU), written under a temporary name and renamed, so
+concurrent processes each see a whole file. No compiler, a failed build or
+KVGATE_CPU_KERNELS=0: `library()` is None and the callers keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from backend_gpu.gguf_loader import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# past this many rows in a run (a prefill's), the BLAS's blocked GEMM is faster: 32 rows
+# an expert 84 against the kernel's 112 ms, 16 rows 59 against 48
+MAX_ROWS = 16
+LANES = 8  # the kernel's vectors: the inner dimension is a multiple of this
+# with OpenMP for more than one thread, without where the compiler has none
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"],
+    ["-O3", "-march=native", "-shared", "-fPIC"],
+    ["-O3", "-shared", "-fPIC"],
+)
+BUILD_TIMEOUT_S = 120
+
+
+def _cpu() -> str:
+    """The CPU's model and flags (-march=native builds for them)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(compiler: str, flags: list[str], path: str) -> bool:
+    """Compiles the source into `path` with these flags: whether it worked."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".so.partial")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-o", partial, str(SOURCE)],
+            capture_output=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode:
+            log.debug("cpu kernels: %s %s failed: %s", compiler, flags, done.stderr[-2000:])
+            return False
+        os.replace(partial, path)
+        return True
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.debug("cpu kernels: %s could not run: %s", compiler, exc)
+        return False
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None where it cannot be (see above)."""
+    if os.environ.get("KVGATE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("cpu kernels: no C compiler; the torch paths serve")
+        return None
+    source = SOURCE.read_bytes()
+    for flags in FLAG_SETS:
+        tag = hashlib.sha256(b"|".join([source, compiler.encode(), " ".join(flags).encode()]))
+        tag.update(_cpu().encode())
+        path = os.path.join(cache_root(), "cpu_kernels", f"{tag.hexdigest()[:16]}.so")
+        if os.path.exists(path) or _build(compiler, flags, path):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as exc:
+                log.info("cpu kernels: %s did not load: %s", path, exc)
+                continue
+            runs = lib.kvgate_runs
+            runs.restype = None
+            runs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+            runs.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+            return lib
+    log.info("cpu kernels: the build failed; the torch paths serve")
+    return None
+
+
+def usable(weight: torch.Tensor | None, scale: torch.Tensor | None = None) -> bool:
+    """Whether the kernel can multiply by this stacked [experts, out, in] weight: float32
+    on the CPU, contiguous, unscaled, `in` a multiple of LANES, the library built."""
+    return (
+        weight is not None
+        and scale is None
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and weight.shape[-1] % LANES == 0
+        and library() is not None
+    )
+
+
+def expert_runs(
+    rows: torch.Tensor, runs: list[int], weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """[rows, out]: each run of `rows` ([rows, in], float32; runs[e] rows of expert e, in
+    order) times expert e's weight ([experts, out, in], `usable`) plus its bias
+    ([experts, out] or None), on torch's thread count."""
+    experts, out_features, in_features = weight.shape
+    assert len(runs) == experts and rows.shape == (sum(runs), in_features), (rows.shape, runs)
+    rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    counts = (ctypes.c_int64 * experts)(*runs)
+    if bias is not None:
+        bias = bias.contiguous()
+        assert bias.dtype == torch.float32 and bias.shape == (experts, out_features)
+    library().kvgate_runs(
+        rows.data_ptr(),
+        counts,
+        experts,
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,116 @@
+"""The engine's CPU kernel (layers/cpu_kernels.py): built with the machine's compiler and
+kept in the cache, its products equal torch's (every weight-row remainder, empty and
+one-row runs, no bias, one and two threads), gpt-oss's float32 experts take it for
+decode-sized runs and the BLAS for a prefill's, with the stacked path's outputs; where it
+cannot be built or is switched off, nothing changes but the path."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+
+from backend_gpu.layers import cpu_kernels
+from backend_gpu.layers.gpt_oss_moe import per_expert
+from tests.backend_gpu.test_cpu_packed import HIDDEN, experts_of
+from tests.backend_gpu.test_moe import routing
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler"
+)
+
+
+def reference(rows, runs, weight, bias):
+    expert = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(runs))
+    out = torch.einsum("rh,roh->ro", rows.double(), weight[expert].double())
+    return (out if bias is None else out + bias[expert].double()).float()
+
+
+@needs_compiler
+@pytest.mark.parametrize("out_features", [1, 3, 4, 5, 13, 64])
+@pytest.mark.parametrize("runs", [[1], [2, 0, 3], [0, 5, 1, 0], [17, 2]])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [True, False])
+def test_runs_equal_torch(out_features, runs, threads, bias):
+    gen = torch.Generator().manual_seed(len(runs) * 100 + out_features)
+    weight = torch.randn(len(runs), out_features, 24, generator=gen)
+    biases = torch.randn(len(runs), out_features, generator=gen) if bias else None
+    rows = torch.randn(sum(runs), 24, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_kernels.expert_runs(rows, runs, weight, biases)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference(rows, runs, weight, biases), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_what_the_kernel_takes():
+    weight = torch.randn(2, 8, 16)
+    assert cpu_kernels.usable(weight)
+    assert not cpu_kernels.usable(torch.randn(2, 8, 12))  # not a multiple of the lanes
+    assert not cpu_kernels.usable(weight.half())
+    assert not cpu_kernels.usable(weight.transpose(1, 2))  # not contiguous
+    assert not cpu_kernels.usable(weight, torch.ones(2, 8))  # 8-bit's row scales
+    assert not cpu_kernels.usable(None)
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens,skew", [(1, False), (3, False), (16, False), (40, True)])
+@pytest.mark.parametrize("down_bias", [True, False])
+def test_experts_take_the_kernel_with_the_stacked_outputs(tokens, skew, down_bias, monkeypatch):
+    """40 skewed tokens: a run past MAX_ROWS, which the BLAS serves (no kernel call)."""
+    experts = experts_of(torch.float32, down_bias)
+    kernel = copy.deepcopy(experts)
+    kernel.pack_for_cpu()
+    assert kernel.kernel and kernel.packed is None
+    assert kernel.gate_up_proj is not None  # the stacked weights are what it reads
+    calls = []
+    real = cpu_kernels.expert_runs
+    monkeypatch.setattr(cpu_kernels, "expert_runs", lambda *a: calls.append(a) or real(*a))
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(4))
+    weights, ids = routing(tokens, 8, 4, skew)
+    with torch.inference_mode():
+        want = per_expert(experts, x, weights, ids)
+        got = per_expert(kernel, x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    runs = torch.bincount(ids.flatten(), minlength=8)
+    assert len(calls) == (0 if runs.max() > cpu_kernels.MAX_ROWS else 2)
+
+
+def test_switched_off_or_unbuildable_the_torch_paths_serve(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path))
+    for env in ({"KVGATE_CPU_KERNELS": "0"}, {"CC": "false"}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        cpu_kernels.library.cache_clear()
+        try:
+            assert cpu_kernels.library() is None
+            experts = experts_of(torch.float32)
+            experts.pack_for_cpu()
+            assert not experts.kernel  # packed for oneDNN as before, or left stacked
+        finally:
+            cpu_kernels.library.cache_clear()
+            for name in env:
+                monkeypatch.delenv(name)
+    assert not list(tmp_path.glob("cpu_kernels/*.so"))  # nothing half-built left
+
+
+@needs_compiler
+def test_built_once_a_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is not None
+        (built,) = tmp_path.glob("cpu_kernels/*.so")
+        stamp = os.stat(built).st_mtime_ns
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is not None  # loaded from the cache, not rebuilt
+        assert os.stat(built).st_mtime_ns == stamp
+        assert not list(tmp_path.glob("cpu_kernels/*.partial"))
+    finally:
+        cpu_kernels.library.cache_clear()
