@@ -41,6 +41,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # an expert 84 against the kernel's 112 ms, 16 rows 59 against 48
 MAX_ROWS = 16
 LANES = 8  # the kernel's vectors: the inner dimension is a multiple of this
+BLOCK = 4  # weight rows the kernel reads at once, interleaved LANES columns at a time
 # with OpenMP for more than one thread, without where the compiler has none
 FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"],
@@ -128,12 +129,37 @@ def usable(weight: torch.Tensor | None, scale: torch.Tensor | None = None) -> bo
     )
 
 
+def blocked(stacked: torch.Tensor) -> torch.Tensor:
+    """A stacked [experts, out, in] weight (`usable`) in the kernel's layout, same shape:
+    each whole block of BLOCK rows as [in / LANES, BLOCK, LANES], so that the kernel
+    reads a block as one stream, the rows past the last whole block as they are."""
+    experts, rows, cols = stacked.shape
+    whole = rows // BLOCK * BLOCK
+    out = torch.empty_like(stacked)
+    blocks = stacked[:, :whole].reshape(experts, whole // BLOCK, BLOCK, cols // LANES, LANES)
+    out[:, :whole] = blocks.transpose(2, 3).reshape(experts, whole, cols)
+    out[:, whole:] = stacked[:, whole:]
+    return out
+
+
+def rows_of(weight: torch.Tensor) -> torch.Tensor:
+    """One expert's [out, in] matrix in the kernel's layout back as rows (a copy), for a
+    product the BLAS serves."""
+    rows, cols = weight.shape
+    whole = rows // BLOCK * BLOCK
+    out = torch.empty_like(weight)
+    blocks = weight[:whole].reshape(whole // BLOCK, cols // LANES, BLOCK, LANES)
+    out[:whole] = blocks.transpose(1, 2).reshape(whole, cols)
+    out[whole:] = weight[whole:]
+    return out
+
+
 def expert_runs(
     rows: torch.Tensor, runs: list[int], weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """[rows, out]: each run of `rows` ([rows, in], float32; runs[e] rows of expert e, in
-    order) times expert e's weight ([experts, out, in], `usable`) plus its bias
-    ([experts, out] or None), on torch's thread count."""
+    order) times expert e's weight ([experts, out, in], `usable`, `blocked`) plus its
+    bias ([experts, out] or None), on torch's thread count."""
     experts, out_features, in_features = weight.shape
     assert len(runs) == experts and rows.shape == (sum(runs), in_features), (rows.shape, runs)
     rows = rows.contiguous()

@@ -91,16 +91,20 @@ class BiasedExperts(FusedExperts):
         )
         # "gate_up" and "down": each expert's weight in oneDNN's layout, once packed
         self.packed: dict[str, tuple[torch.Tensor, ...]] | None = None
-        self.kernel = False  # the engine's CPU kernel reads the stacked weights
+        self.kernel = False  # the stacked weights are in the engine's CPU kernel's layout
 
     def pack_for_cpu(self) -> None:
-        """On the CPU, float32 weights stay as they are for the engine's kernel
-        (layers/cpu_kernels.py) where it is built; else they are packed for oneDNN
-        (layers/cpu_packed.py) in place of the stacked parameters, which become None:
-        nothing reads them after loading. 8-bit weights and a dtype oneDNN does not
-        compute here stay as they are."""
+        """On the CPU, float32 weights are put in the engine's kernel's layout
+        (layers/cpu_kernels.py) where it is built, in place; else they are packed for
+        oneDNN (layers/cpu_packed.py) in place of the stacked parameters, which become
+        None: nothing reads them after loading. 8-bit weights and a dtype oneDNN does
+        not compute here stay as they are."""
         pairs = ((self.gate_up_proj, self.gate_up_scale), (self.down_proj, self.down_scale))
         if all(cpu_kernels.usable(weight, scale) for weight, scale in pairs):
+            with torch.no_grad():
+                for name in ("gate_up_proj", "down_proj"):
+                    weight = getattr(self, name)
+                    weight.copy_(cpu_kernels.blocked(weight))
             self.kernel = True
             return
         if not cpu_packed.packable(self.gate_up_proj, self.gate_up_scale):
@@ -118,6 +122,8 @@ class BiasedExperts(FusedExperts):
         """(e -> expert e's `which` ("gate_up" or "down") in `dtype`, 8-bit widened by
         its row scales; whether those are the stored weights, not fresh copies)."""
         weight, scale = getattr(self, f"{which}_proj"), getattr(self, f"{which}_scale")
+        if self.kernel:  # the kernel's layout, as rows for the BLAS (a prefill's runs)
+            return lambda e: cpu_kernels.rows_of(weight[e]).to(dtype), False
         if scale is None and weight.dtype == dtype:  # the experts' views, made at once
             return weight.unbind(0).__getitem__, True
         return lambda e: _widened(weight[e], scale, e, dtype), False

@@ -1,8 +1,9 @@
 """The engine's CPU kernel (layers/cpu_kernels.py): built with the machine's compiler and
 kept in the cache, its products equal torch's (every weight-row remainder, empty and
-one-row runs, no bias, one and two threads), gpt-oss's float32 experts take it for
-decode-sized runs and the BLAS for a prefill's, with the stacked path's outputs; where it
-cannot be built or is switched off, nothing changes but the path."""
+one-row runs, no bias, one and two threads), its blocked layout goes back to rows,
+gpt-oss's float32 experts are held in that layout and take the kernel for decode-sized
+runs and the BLAS for a prefill's, with the stacked path's outputs; where it cannot be
+built or is switched off, nothing changes but the path."""
 
 from __future__ import annotations
 
@@ -42,10 +43,21 @@ def test_runs_equal_torch(out_features, runs, threads, bias):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_kernels.expert_runs(rows, runs, weight, biases)
+        got = cpu_kernels.expert_runs(rows, runs, cpu_kernels.blocked(weight), biases)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, reference(rows, runs, weight, biases), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_features", [3, 4, 13])
+def test_blocks_and_back(out_features):
+    weight = torch.randn(2, out_features, 16)
+    blocked = cpu_kernels.blocked(weight)
+    if out_features >= cpu_kernels.BLOCK:  # a whole block's rows interleaved 8 at a time
+        assert torch.equal(blocked[0].flatten()[8:16], weight[0, 1, :8])
+    assert not torch.equal(blocked, weight) or out_features < cpu_kernels.BLOCK
+    for e in range(2):
+        assert torch.equal(cpu_kernels.rows_of(blocked[e]), weight[e])
 
 
 @needs_compiler
@@ -68,7 +80,9 @@ def test_experts_take_the_kernel_with_the_stacked_outputs(tokens, skew, down_bia
     kernel = copy.deepcopy(experts)
     kernel.pack_for_cpu()
     assert kernel.kernel and kernel.packed is None
-    assert kernel.gate_up_proj is not None  # the stacked weights are what it reads
+    for name in ("gate_up_proj", "down_proj"):  # in place, in the kernel's layout
+        held, stacked = getattr(kernel, name), getattr(experts, name)
+        assert all(torch.equal(cpu_kernels.rows_of(held[e]), stacked[e]) for e in range(8))
     calls = []
     real = cpu_kernels.expert_runs
     monkeypatch.setattr(cpu_kernels, "expert_runs", lambda *a: calls.append(a) or real(*a))
