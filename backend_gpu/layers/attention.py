@@ -16,6 +16,9 @@ An FP8 cache holds K and V divided by the layer's scales; the reads fold them ba
 the query's scale and the attention output. Attention sinks (gpt-oss: a learned logit
 per query head in the softmax's denominator, attending to nothing) have no SDPA form, so
 a layer with sinks computes its scores explicitly (`_attention_with_sinks`).
+A float32 decode group on the CPU takes the engine's own kernel where it is built
+(cpu_kernels.py): it reads the keys where the blocks lie, one call a layer where the
+torch path gathers, pads and makes some twenty (gpt-oss at 16 sequences: PERF.md).
 
 A decoder serving as an embedding model has no cache at all (empty k_cache): its
 inputs are whole prefills from position 0, which attend to their fresh keys only.
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from backend_gpu.layers import cpu_kernels
 from backend_gpu.quantization.fp8 import FP8, to_fp8
 
 
@@ -288,6 +292,9 @@ def paged_attention(
     out = torch.empty_like(q)
     bs = meta.block_size
     for g, group in enumerate(meta.decode_groups):
+        args = (group.rows, group.block_ids, group.lens, bs, window, sinks, cached_scale)
+        if cpu_kernels.decode_attention(q, k_cache, v_cache, *args, v_scale, out):
+            continue  # read where the blocks lie (layers/cpu_kernels.py)
         batch = group.rows.numel()
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [B, H, 1, D]
         # a sliding window reads from the first block the shortest member's reaches into

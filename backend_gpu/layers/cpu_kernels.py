@@ -68,7 +68,7 @@ def _build(compiler: str, flags: list[str], path: str) -> bool:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *flags, "-o", partial, str(SOURCE)],
+            [compiler, *flags, "-o", partial, str(SOURCE), "-lm"],
             capture_output=True,
             timeout=BUILD_TIMEOUT_S,
             check=False,
@@ -84,6 +84,29 @@ def _build(compiler: str, flags: list[str], path: str) -> bool:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.kvgate_runs.restype = None
+    lib.kvgate_runs.argtypes = [pointer, pointer, size, *[pointer] * 3, size, size, ctypes.c_int]
+    lib.kvgate_runs_mxfp4.restype = ctypes.c_int
+    lib.kvgate_runs_mxfp4.argtypes = [
+        pointer,
+        pointer,
+        size,
+        *[pointer] * 4,
+        size,
+        size,
+        ctypes.c_int,
+    ]
+    lib.kvgate_decode_attention.restype = ctypes.c_int
+    lib.kvgate_decode_attention.argtypes = [
+        *[pointer, pointer, size],  # q, rows, batch
+        *[pointer, pointer, pointer, size, pointer, size],  # k, v, tables, per row, lens, bs
+        *[size, size, size, size, pointer],  # heads, kv heads, d, window, sinks
+        *[ctypes.c_float, ctypes.c_float, pointer, ctypes.c_int],  # scale, v_scale, out
+    ]
 
 
 @cache
@@ -106,10 +129,7 @@ def library() -> ctypes.CDLL | None:
             except OSError as exc:
                 log.info("cpu kernels: %s did not load: %s", path, exc)
                 continue
-            runs = lib.kvgate_runs
-            runs.restype = None
-            runs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-            runs.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+            _declare(lib)
             return lib
     log.info("cpu kernels: the build failed; the torch paths serve")
     return None
@@ -180,3 +200,104 @@ def expert_runs(
         torch.get_num_threads(),
     )
     return out
+
+
+def mxfp4_runs(
+    rows: torch.Tensor,
+    runs: list[int],
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """expert_runs over MXFP4 experts kept packed (blocks uint8 [experts, out, groups,
+    16], scales uint8 [experts, out, groups]; quantization/mxfp4.py), each block of weight
+    rows decoded once for every row of its run; None where the kernel cannot serve (not
+    float32 rows on the CPU, no library): the caller widens the experts then."""
+    experts, out_features, groups = scales.shape
+    if (
+        rows.device.type != "cpu"
+        or rows.dtype != torch.float32
+        or (bias is not None and bias.dtype != torch.float32)
+        or blocks.dtype != torch.uint8
+        or library() is None
+    ):
+        return None
+    rows = rows.contiguous()
+    assert len(runs) == experts and rows.shape == (sum(runs), groups * 32), (rows.shape, runs)
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    failed = library().kvgate_runs_mxfp4(
+        rows.data_ptr(),
+        (ctypes.c_int64 * experts)(*runs),
+        experts,
+        blocks.data_ptr(),
+        scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out_features,
+        groups * 32,
+        torch.get_num_threads(),
+    )
+    return None if failed else out
+
+
+# the kernel's accumulator holds a head of at most this many values
+MAX_HEAD_DIM = 512
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    scale: float,
+    v_scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """out[rows[b]] = attention of q[rows[b]] ([T, H, D]) over the first lens[b] keys of
+    sequence b (the last `window`), read from the paged caches ([slots, Hkv, D]) through
+    tables [B, blocks] (cpu_kernels.c, kvgate_decode_attention); `sinks` [H] or None.
+    False, nothing done, where the kernel cannot serve (not float32 on the CPU, a head
+    size it does not take, no library): the caller's torch path then."""
+    dim = q.shape[-1]
+    if (
+        q.device.type != "cpu"
+        or not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+        or dim % LANES
+        or dim > MAX_HEAD_DIM
+        or not out.is_contiguous()
+        or library() is None
+    ):
+        return False
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    rows, lens = rows.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    tables = tables.to(torch.int64).reshape(rows.shape[0], -1).contiguous()
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    failed = library().kvgate_decode_attention(
+        q.data_ptr(),
+        rows.data_ptr(),
+        rows.shape[0],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        block_size,
+        q.shape[1],
+        k_cache.shape[1],
+        dim,
+        window or 0,
+        None if sinks is None else sinks.data_ptr(),
+        scale,
+        v_scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return failed == 0

@@ -254,6 +254,11 @@ def _runs(experts: Experts, which: str, rows: torch.Tensor, runs: list[int]) -> 
     biases = getattr(experts, f"{which}_proj_bias")
     if isinstance(experts, BiasedExperts) and experts.kernel and max(runs) <= cpu_kernels.MAX_ROWS:
         return cpu_kernels.expert_runs(rows, runs, getattr(experts, f"{which}_proj"), biases).t()
+    if isinstance(experts, Mxfp4Experts) and max(runs) <= cpu_kernels.MAX_ROWS:
+        packed = (getattr(experts, f"{which}_proj_{part}") for part in ("blocks", "scales"))
+        out = cpu_kernels.mxfp4_runs(rows, runs, *packed, biases)
+        if out is not None:
+            return out.t()
     if isinstance(experts, BiasedExperts) and experts.packed is not None:
         return cpu_packed.packed_runs(experts.packed[which], biases, rows, runs).t()
     weights, stored = experts.expert_weights(which, rows.dtype)

@@ -16,6 +16,7 @@ import torch
 
 from backend_gpu.layers import cpu_kernels
 from backend_gpu.layers.gpt_oss_moe import per_expert
+from backend_gpu.quantization import mxfp4
 from tests.backend_gpu.test_cpu_packed import HIDDEN, experts_of
 from tests.backend_gpu.test_moe import routing
 
@@ -128,3 +129,87 @@ def test_built_once_a_machine(tmp_path, monkeypatch):
         assert not list(tmp_path.glob("cpu_kernels/*.partial"))
     finally:
         cpu_kernels.library.cache_clear()
+
+
+def attention_reference(q, k_cache, v_cache, rows, tables, lens, bs, window, sinks, scale):
+    """Each sequence's query over its keys, gathered slot by slot, in float64."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    for b, row in enumerate(rows.tolist()):
+        length = int(lens[b])
+        first = max(0, length - window) if window else 0
+        slots = [int(tables[b, t // bs]) * bs + t % bs for t in range(first, length)]
+        keys, values = k_cache[slots].double(), v_cache[slots].double()  # [L, Hkv, D]
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = keys[:, g] @ q[row, h].double() * scale
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h : h + 1].double()])
+            probs = scores.softmax(0)[: len(slots)]
+            out[row, h] = probs @ values[:, g]
+    return out.float()
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_equals_the_reference(heads, kv_heads, window, with_sinks, threads):
+    gen = torch.Generator().manual_seed(heads + (window or 0))
+    bs, dim, blocks = 4, 16, 12
+    k_cache = torch.randn(blocks * bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(blocks * bs, kv_heads, dim, generator=gen)
+    lens = torch.tensor([9, 1, 12, 4])  # tables: 3 blocks a row, scattered
+    tables = torch.randperm(blocks, generator=gen)[:12].view(4, 3)
+    q = torch.randn(6, heads, dim, generator=gen)
+    rows = torch.tensor([5, 0, 2, 3])  # row 1 and 4 are not decodes: left alone
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None
+    out = torch.full_like(q, 7.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        args = (rows, tables.flatten(), lens, bs, window, sinks, 0.25, 1.0, out)
+        assert cpu_kernels.decode_attention(q, k_cache, v_cache, *args)
+    finally:
+        torch.set_num_threads(before)
+    want = attention_reference(q, k_cache, v_cache, rows, tables, lens, bs, window, sinks, 0.25)
+    torch.testing.assert_close(out[rows], want[rows], rtol=1e-5, atol=1e-5)
+    assert (out[[1, 4]] == 7.0).all()
+
+
+@needs_compiler
+def test_decode_attention_declines_what_it_does_not_take():
+    q, cache = torch.randn(2, 4, 16), torch.randn(8, 4, 16)
+    common = (torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([3, 4]), 4, None, None)
+    out = torch.empty_like(q)
+    assert cpu_kernels.decode_attention(q, cache, cache, *common, 1.0, 1.0, out)
+    for q2, c2 in ((q.half(), cache.half()), (q[..., :12], cache[..., :12])):
+        out2 = torch.empty_like(q2)
+        assert not cpu_kernels.decode_attention(q2, c2, c2, *common, 1.0, 1.0, out2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("out_features", [3, 8, 13])
+@pytest.mark.parametrize("runs", [[1], [2, 0, 3], [6, 1]])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mxfp4_runs_equal_the_widened_weights(out_features, runs, threads):
+    """Every code under scales from 2^-9 to 2^2 (and -0): the decoded block is exactly
+    mxfp4.dequantize's."""
+    gen = torch.Generator().manual_seed(out_features + len(runs))
+    experts, groups = len(runs), 2
+    blocks = torch.randint(0, 256, (experts, out_features, groups, 16), generator=gen)
+    blocks = blocks.to(torch.uint8)
+    scales = torch.randint(118, 130, (experts, out_features, groups), generator=gen)
+    scales = scales.to(torch.uint8)
+    biases = torch.randn(experts, out_features, generator=gen)
+    rows = torch.randn(sum(runs), groups * 32, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_kernels.mxfp4_runs(rows, runs, blocks, scales, biases)
+    finally:
+        torch.set_num_threads(before)
+    weight = mxfp4.dequantize(blocks, scales, torch.float32)
+    torch.testing.assert_close(got, reference(rows, runs, weight, biases), rtol=1e-5, atol=1e-5)
+    assert cpu_kernels.mxfp4_runs(rows.double(), runs, blocks, scales, biases) is None
