@@ -48,12 +48,13 @@ static inline void store4(float *o, const v8 *a, const float *b) {
 #endif
 }
 
-/* o[i * ldo + c] = b[c] + x[i] . (weight row c) for i < MB, c < NBV; the NBV rows at w
-   in blocks (NBV 1: a plain row). `next`: the weights read after these, prefetched
-   meanwhile (NULL: none). */
+/* o[i * ldo + c] = b[c] + x[i] . (weight row c) for i < MB, c < NBV: row c's values j to
+   j + 7 at w + j * js + c * cs (a block: js NB, cs 8; plain rows: js 1, cs k). `next`:
+   the weights read after these, prefetched meanwhile (NULL: none). */
 #define TILE(NBV, MB)                                                                     \
     static void tile_##NBV##_##MB(const float *x, int64_t k, const float *w, float *o,    \
-                                  int64_t ldo, const float *b, const float *next) {       \
+                                  int64_t ldo, const float *b, const float *next,         \
+                                  int64_t js, int64_t cs) {                               \
         v8 a[NBV][MB];                                                                    \
         for (int c = 0; c < NBV; c++)                                                     \
             for (int i = 0; i < MB; i++) a[c][i] = (v8){0};                               \
@@ -61,8 +62,8 @@ static inline void store4(float *o, const v8 *a, const float *b) {
             v8 xr[MB];                                                                    \
             for (int i = 0; i < MB; i++) xr[i] = LOAD(x + i * k + j);                     \
             for (int c = 0; c < NBV; c++) {                                               \
-                if (next) __builtin_prefetch(next + j * NBV + c * 8, 0, 0);               \
-                v8 u = LOAD(w + j * NBV + c * 8);                                         \
+                if (next) __builtin_prefetch(next + j * js + c * cs, 0, 0);               \
+                v8 u = LOAD(w + j * js + c * cs);                                         \
                 for (int i = 0; i < MB; i++) a[c][i] += u * xr[i];                        \
             }                                                                             \
         }                                                                                 \
@@ -79,19 +80,21 @@ TILE(4, 2)
 TILE(1, 1)
 TILE(1, 2)
 
-/* rows r0 <= r < r1 of x times the nb (<= NB) weight rows at w (a block, or nb plain
-   rows), their biases b (or NULL), into columns o[r * n]; `next` as the tiles'. */
+/* rows r0 <= r < r1 of x times the nb (<= NB) weight rows at w (a block if `blocked`
+   and nb is NB, else plain rows), their biases b (or NULL), into columns o[r * n];
+   `next` as the tiles'. */
 static void block(const float *x, int64_t r0, int64_t r1, const float *w, const float *b,
-                  float *o, int64_t n, int64_t k, int nb, const float *next) {
+                  float *o, int64_t n, int64_t k, int nb, const float *next, int blocked) {
     for (int64_t r = r0; r < r1; r += MB_MAX) {
         int two = r1 - r >= 2;
         for (int c = 0; c < nb; c += nb == NB ? NB : 1) {
             const float *bc = b ? b + c : 0, *wc = w + c * k;
             float *oc = o + r * n + c;
             if (nb == NB)
-                (two ? tile_4_2 : tile_4_1)(x + r * k, k, wc, oc, n, bc, next);
+                (two ? tile_4_2 : tile_4_1)(x + r * k, k, wc, oc, n, bc, next, blocked ? NB : 1,
+                                            blocked ? 8 : k);
             else
-                (two ? tile_1_2 : tile_1_1)(x + r * k, k, wc, oc, n, bc, next ? wc + k : 0);
+                (two ? tile_1_2 : tile_1_1)(x + r * k, k, wc, oc, n, bc, next ? wc + k : 0, 1, k);
         }
     }
 }
@@ -100,9 +103,10 @@ static void block(const float *x, int64_t r0, int64_t r1, const float *w, const 
    in order in x [rows, k] and out [rows, n]; bias [experts, n] or NULL; k a multiple of 8.
    w: each expert's [n, k] matrix in blocks, the rows of each whole block of NB as
    [k / 8][NB][8], the n % NB rows after the last whole block as they are (cpu_kernels.py,
-   `blocked`). The weight blocks are shared among `threads` threads. */
+   `blocked`), or plain rows where `blocked` is 0. The weight blocks are shared among
+   `threads` threads. */
 void kvgate_runs(const float *x, const int64_t *runs, int64_t experts, const float *w,
-                 const float *bias, float *out, int64_t n, int64_t k, int threads) {
+                 const float *bias, float *out, int64_t n, int64_t k, int threads, int blocked) {
     int64_t *starts = malloc((size_t)(experts + 1) * sizeof *starts);
     if (!starts) return;
     starts[0] = 0;
@@ -116,7 +120,7 @@ void kvgate_runs(const float *x, const int64_t *runs, int64_t experts, const flo
             int nb = n - c < NB ? (int)(n - c) : NB;
             const float *wc = w + (e * n + c) * k;
             block(x, starts[e], starts[e] + m, wc, bias ? bias + e * n + c : 0, out + c, n, k, nb,
-                  wc + nb * k);
+                  wc + nb * k, blocked);
         }
     }
     free(starts);
@@ -204,7 +208,7 @@ int kvgate_runs_mxfp4(const float *x, const int64_t *runs, int64_t experts,
                     __builtin_prefetch(eb + (c + nb) * groups * 16 + line, 0, 0);
                 decode_rows(eb, es, k, c, nb, buf);
                 block(x, starts[e], starts[e] + m, buf, bias ? bias + e * n + c : 0, out + c, n, k,
-                      nb, 0);
+                      nb, 0, 1);
             }
         }
         free(buf);

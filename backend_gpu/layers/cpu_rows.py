@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from backend_gpu.gguf_loader import cache_root
+from backend_gpu.layers import cpu_kernels
 
 Form = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -71,13 +72,23 @@ def _weight_x_t_even(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    if x.dtype == torch.bfloat16 and not _onednn_bf16():
+        # a CPU without AVX-512's bfloat16 (this round's AVX2 EPYC): oneDNN has no
+        # product for it and raises; F.linear stands in, and is timed as itself
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@cache
+def _onednn_bf16() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 FORMS: dict[str, Form] = {
     "linear": F.linear,
     "weight @ x.T": _weight_x_t,
     "weight @ x.T, even rows": _weight_x_t_even,
+    "kvgate kernel": cpu_kernels.linear,  # F.linear where the kernel is not built
 }
 if torch.backends.mkldnn.is_available():
     FORMS["oneDNN"] = _onednn
