@@ -1,12 +1,15 @@
-/* Few-row float32 products on the CPU (layers/cpu_kernels.py builds and loads this).
+/* The engine's CPU kernels (layers/cpu_kernels.py builds and loads this): few-row
+   float32 products (kvgate_runs, kvgate_runs_mxfp4) and a decode group's attention
+   (kvgate_decode_attention).
 
    A decode step multiplies a few rows by weights read from memory: a mixture of
-   experts' sorted runs (gpt-oss at 16 sequences: about 4 rows an expert). The BLAS
-   libraries' kernels for so few rows run below the memory's rate. Here each block of
-   NB weight rows is read once, into registers, for every row of the run, with the next
-   block prefetched: the product costs about what reading the weight costs. The weights
-   are held in blocks (`kvgate_runs`): a block's NB rows interleaved 8 columns at a time,
-   so the block is one stream of memory, not NB (18% less time for gpt-oss's experts).
+   experts' sorted runs (gpt-oss at 16 sequences: about 4 rows an expert), a verify's
+   k + 1 rows. The BLAS libraries' kernels for so few rows run below the memory's rate.
+   Here each block of NB weight rows is read once, into registers, for every row of the
+   run, with the next block prefetched: the product costs about what reading the weight
+   costs. Experts' weights are held in blocks (`kvgate_runs`): a block's NB rows
+   interleaved 8 columns at a time, so the block is one stream of memory, not NB (18%
+   less time for gpt-oss's experts).
 
    Vectors are GCC's (8 floats): AVX2 and FMA where -march=native has them, plain SSE
    code elsewhere, the same results either way up to the order of the sums. */

@@ -1,14 +1,19 @@
-"""The engine's own CPU kernel for few-row float32 products (cpu_kernels.c), built with
-the machine's C compiler at first use and loaded through ctypes.
+"""The engine's own CPU kernels (cpu_kernels.c), built with the machine's C compiler at
+first use and loaded through ctypes.
 
-A decode step's mixture of experts multiplies a few rows an expert (gpt-oss at 16
-sequences: about 4) by every expert's weights, read from memory. The BLAS libraries'
-kernels for so few rows run well below the memory's rate on an AVX2 machine: 4 layers of
-16 gpt-oss experts at 4 rows an expert cost MKL 41 ms a step and oneDNN 28 (42 at the 6
-rows the packed path computes), where reading the weights once costs about 18; the
-kernel reads each block of weight rows once for all of a run's rows, 20.5 ms (PERF.md,
-"gpt-oss decode: a kernel of its own"). One call covers every run of a layer's
-projection, where the torch paths make a call per expert.
+A decode step multiplies a few rows by weights read from memory, and the BLAS
+libraries' kernels for so few rows run well below the memory's rate on an AVX2 machine:
+gpt-oss's 4 layers of 16 experts at 4 rows an expert cost MKL 23.8 ms a step and oneDNN
+30.4 (at the 6 rows its packed path computed), where summing the weights' bytes costs
+11.3; the kernel, which reads each block of weight rows once for every row of a run,
+16.2 (PERF.md, "gpt-oss decode: a CPU kernel of the engine's own";
+studies/cpu_kernels.py). Its uses:
+- `expert_runs`: every run of a layer's projection in one call, over float32 experts in
+  the blocked layout (`blocked`); `mxfp4_runs`: the same over MXFP4 experts kept packed,
+  each block of rows decoded once;
+- `linear`: plain rows, one of cpu_rows.py's forms, picked where the machine times it
+  fastest;
+- `decode_attention`: a decode group's attention read where the paged blocks lie.
 
 Built as Triton builds its launchers: with `cc` (or $CC) at -O3 -march=native, once per
 machine (the library is kept in the kvgate cache under a name made of the source, the
@@ -38,8 +43,8 @@ from backend_gpu.gguf_loader import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# past this many rows in a run (a prefill's), the BLAS's blocked GEMM is faster: 32 rows
-# an expert 84 against the kernel's 112 ms, 16 rows 59 against 48
+# past this many rows in a run (a prefill's), the BLAS's blocked GEMM is as fast or
+# faster: 32 rows an expert the kernel 67 ms a step against MKL's 70, 128 rows 252 against 185
 MAX_ROWS = 16
 LANES = 8  # the kernel's vectors: the inner dimension is a multiple of this
 BLOCK = 4  # weight rows the kernel reads at once, interleaved LANES columns at a time
