@@ -68,10 +68,15 @@ def _cpu() -> str:
 
 
 def _build(compiler: str, flags: list[str], path: str) -> bool:
-    """Compiles the source into `path` with these flags: whether it worked."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".so.partial")
-    os.close(fd)
+    """Compiles the source into `path` with these flags: whether it worked (a cache that
+    cannot be written counts as a failed build)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".so.partial")
+        os.close(fd)
+    except OSError as exc:
+        log.debug("cpu kernels: no place to build in: %s", exc)
+        return False
     try:
         done = subprocess.run(
             [compiler, *flags, "-o", partial, str(SOURCE), "-lm"],
