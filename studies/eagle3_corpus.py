@@ -187,11 +187,8 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def prompts(tokenizer, count: int, excluded: list[str]) -> list[list[int]]:
-    """Token ids of `count` prompts, chat and code alternating (see the module's
-    docstring); a base model's: the paragraphs' first third to continue."""
-    if not getattr(tokenizer, "chat_template", None):
-        return [tokenizer.encode(p[: len(p) // 3]) for p in paragraphs(count)]
+def _texts(count: int, excluded: list[str]) -> tuple[list[str], list[str]]:
+    """The chat and the code prompts' texts, each shuffled (prompts' order)."""
     rng = random.Random(2)
     chat = questions(excluded)
     chat += [rng.choice(CHAT_TASKS).format(text=p) for p in paragraphs(count)]
@@ -199,6 +196,28 @@ def prompts(tokenizer, count: int, excluded: list[str]) -> list[list[int]]:
     code += [rng.choice(CODE_TASKS).format(text=c) for c in functions(count)]
     rng.shuffle(chat)
     rng.shuffle(code)
+    return chat, code
+
+
+def prompts(tokenizer, count: int, excluded: list[str]) -> list[list[int]]:
+    """Token ids of `count` prompts, chat and code alternating (see the module's
+    docstring); a base model's: the paragraphs' first third to continue."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [tokenizer.encode(p[: len(p) // 3]) for p in paragraphs(count)]
+    chat, code = _texts(count, excluded)
     # alternating, as many of each
     texts = [t for pair in zip(chat, code, strict=False) for t in pair]
     return [chat_ids(tokenizer, text) for text in texts[:count]]
+
+
+def more_chat(
+    tokenizer, count: int, excluded: list[str], taken: int, extra: int
+) -> list[list[int]]:
+    """Token ids of up to `extra` chat prompts that the first `taken` of
+    `prompts(tokenizer, count, excluded)` do not hold (chat is the harder half to
+    predict: more of it in the mix)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    chat, code = _texts(count, excluded)
+    used = min(len(chat), len(code), (taken + 1) // 2)  # the mix starts with chat
+    return [chat_ids(tokenizer, text) for text in chat[used : used + extra]]

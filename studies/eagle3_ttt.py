@@ -30,8 +30,10 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA) 
     """Rotary embedding, halves rotated (Llama's, as the engine's RotaryEmbedding)."""
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    angles = positions.float()[:, None] * inv[None, :]  # [T, d/2]
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    angles = positions.float()[..., None] * inv  # [T, d/2], or [B, T, d/2] per row
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    if positions.dim() == 2:  # x [B, heads, T, d]
+        cos, sin = cos[:, None], sin[:, None]
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -50,11 +52,16 @@ class Attention(nn.Module):
         """[B, T, 2H] -> q [B, heads, T, d], k and v [B, heads, T, d] (kv repeated)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        return (rotate(q, positions), *self.kv(x, positions))
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor):
+        """[B, T, 2H] -> k and v [B, heads, T, d] (kv repeated)."""
+        b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return rotate(q, positions), rotate(k, positions), v
+        return rotate(k, positions), v
 
 
 class MLP(nn.Module):
@@ -99,32 +106,49 @@ class Eagle3TTT(nn.Module):
         """ids [B, T] tokens, aux [B, T, 3H] the target's hidden states -> per step j the
         draft logits [B, T, draft vocab] at anchor t, predicting the target's choice at
         t + j + 1 (token t + j + 1 read as input; ids past the end are padding). With
-        `rows` ([B, T] bool), the logits of those anchors only: [rows.sum(), vocab]."""
+        `rows` ([B, T] bool), the logits of those anchors only: [rows.sum(), vocab]; the
+        chains are then run from those anchors alone (step 0's keys and values at every
+        position), the same figures at a fraction of the cost where few are asked."""
         m = self.midlayer
         b, t = ids.shape
         hidden = self.fc(aux)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        anchors = torch.arange(t)
-        causal = anchors[None, :] <= anchors[:, None]  # step 0's keys up to the anchor
+        batch = torch.arange(b)[:, None]
+        if rows is None:
+            anchors = torch.arange(t).expand(b, t)  # [B, A]: every position
+            kept = torch.ones(b, t, dtype=torch.bool)
+        else:  # each row's anchors first, in order, then filler (left out at the end)
+            counts = rows.sum(1)
+            a = max(int(counts.max()), 1) if b else 1
+            anchors = torch.argsort((~rows).to(torch.int8), dim=1, stable=True)[:, :a]
+            kept = torch.arange(a)[None, :] < counts[:, None]
+        # step 0's keys and values at every position
+        x = torch.cat([m.input_layernorm(self.embed[ids.roll(-1, 1)]), m.hidden_norm(hidden)], -1)
+        keys, values = map(list, zip(m.self_attn.kv(x, torch.arange(t)), strict=True))
+        x, hidden = x[batch, anchors], hidden[batch, anchors]  # the anchors' own [B, A, .]
+        causal = (torch.arange(t)[None, None, :] <= anchors[:, :, None])[:, None]  # step 0's
+        scale = m.self_attn.head_dim**-0.5
         out = []
         for j in range(steps):
-            token = torch.roll(ids, -(j + 1), dims=1)  # token t + j + 1 at anchor t
-            x = torch.cat([m.input_layernorm(self.embed[token]), m.hidden_norm(hidden)], -1)
-            q, k, v = m.self_attn.qkv(x, anchors + j)
-            keys.append(k)
-            values.append(v)
-            scale = m.self_attn.head_dim**-0.5
+            if j:  # token t + j + 1 at anchor t (wrapping at the end as a roll would)
+                token = ids[batch, (anchors + j + 1) % t]
+                x = torch.cat([m.input_layernorm(self.embed[token]), m.hidden_norm(hidden)], -1)
+                q, k, v = m.self_attn.qkv(x, anchors + j)
+                keys.append(k)
+                values.append(v)
+            else:
+                heads, d = m.self_attn.heads, m.self_attn.head_dim
+                q = m.self_attn.q_proj(x).view(b, -1, heads, d).transpose(1, 2)
+                q = rotate(q, anchors)
             scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
             scores += [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]
             probs = torch.cat(scores, dim=-1).softmax(-1)
             o = probs[..., :t] @ values[0]
             for i, vi in enumerate(values[1:]):
                 o = o + probs[..., t + i : t + i + 1] * vi
-            o = o.transpose(1, 2).reshape(b, t, -1)
+            o = o.transpose(1, 2).reshape(b, anchors.shape[1], -1)
             x = hidden + m.self_attn.o_proj(o)
             hidden = x + m.mlp(m.post_attention_layernorm(x))
-            out.append(self.lm_head(self.norm(hidden if rows is None else hidden[rows])))
+            out.append(self.lm_head(self.norm(hidden if rows is None else hidden[kept])))
         return out
 
 

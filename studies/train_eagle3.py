@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from backend_gpu.spec_decode.eagle3_config import default_aux_layers
 from bench.options import DefaultsHelpFormatter
-from studies.eagle3_corpus import prompts
+from studies.eagle3_corpus import more_chat, prompts
 from studies.eagle3_ttt import Eagle3TTT, head_config, learning_rate, save_head
 from studies.spec_decode import QUESTIONS
 
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="smollm2-135m-instruct", help="a packaged name or a path")
     p.add_argument("--out", required=True, help="directory the head is written to")
     p.add_argument("--prompts", type=int, default=96)
+    p.add_argument("--extra-chat", type=int, default=0, help="chat prompts added to --prompts' mix")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens of each generated answer")
     p.add_argument("--max-prompt", type=int, default=160, help="longest prompt kept (tokens)")
     p.add_argument("--draft-vocab", type=int, default=4096)
@@ -337,6 +338,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="against the target's distribution over the draft vocabulary, or its choice",
     )
     p.add_argument("--answers", help="JSON file caching the target's answers (read, extended)")
+    p.add_argument(
+        "--answers-only",
+        action="store_true",
+        help="stop once the --answers cache holds the answers (train in a later run)",
+    )
     p.add_argument("--save-result", help="append this run's figures to this JSON file")
     p.add_argument("--plot", help="write the loss and acceptance curves of --save-result here")
     args = p.parse_args(argv)
@@ -358,11 +364,19 @@ def main(argv: list[str] | None = None) -> dict:
     limit = min(target_config.max_position_embeddings - args.max_tokens, args.max_prompt)
     # drawn from a pool of one size, so that the first N are the same prompts whatever
     # --prompts is (up to about 700): the --answers cache serves a shorter run
-    made = prompts(tokenizer, max(2 * args.prompts, POOL), QUESTIONS)
-    prompt_ids = [ids for ids in made if len(ids) <= limit]
-    prompt_ids = prompt_ids[: args.prompts]
+    pool = max(2 * args.prompts, POOL)
+    made = prompts(tokenizer, pool, QUESTIONS)
+    kept = [i for i, ids in enumerate(made) if len(ids) <= limit][: args.prompts]
+    prompt_ids = [made[i] for i in kept]
+    if args.extra_chat:  # after the others: the first --prompts stay as they were
+        taken = kept[-1] + 1 if kept else 0
+        extra = more_chat(tokenizer, pool, QUESTIONS, taken, 2 * args.extra_chat)
+        prompt_ids += [ids for ids in extra if len(ids) <= limit][: args.extra_chat]
     print(f"[{time.perf_counter() - began:.0f} s] {len(prompt_ids)} prompts; the target answers")
     seqs = generate(path, prompt_ids, args.max_tokens, args.answers)
+    if args.answers_only:
+        print(f"[{time.perf_counter() - began:.0f} s] {len(seqs)} answers in {args.answers}")
+        return {"model": args.model, "sequences": len(seqs), "tokens": sum(map(len, seqs))}
     print(f"[{time.perf_counter() - began:.0f} s] {sum(map(len, seqs))} tokens; target features")
     aux, choice, embed, lm_head, norm, _, final = features(hf_dir, seqs, layers)
     answers = [len(ids) for ids in prompt_ids]

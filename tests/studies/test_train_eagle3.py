@@ -36,3 +36,32 @@ def test_the_cosine_rate_falls_from_the_peak_to_nothing_and_the_constant_stays()
     assert rates[0] == 1e-3 and rates[-2] == rates[-1] == 0.0
     assert rates[0] > rates[1] > rates[2] == 0.5e-3 > rates[3]
     assert learning_rate(1e-3, 0.7, "constant") == 1e-3
+
+
+def test_the_chains_from_some_anchors_are_those_of_all_anchors_picked_out():
+    from studies.eagle3_ttt import Eagle3TTT
+
+    torch.manual_seed(0)
+    cfg = {
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 4,
+        "rms_norm_eps": 1e-5,
+        "draft_vocab_size": 12,
+    }
+    head = Eagle3TTT(cfg, torch.randn(30, 16))
+    ids, aux = torch.randint(0, 30, (3, 9)), torch.randn(3, 9, 48)
+    rows = torch.zeros(3, 9, dtype=torch.bool)
+    rows[0, 4:8] = True  # an answer's anchors
+    rows[1, [0, 2, 8]] = True  # scattered, the last position among them
+    every = head(ids, aux, 3)
+    some = head(ids, aux, 3, rows)
+    assert [s.shape for s in some] == [(7, 12)] * 3
+    for e, s in zip(every, some, strict=True):
+        torch.testing.assert_close(s, e[rows], atol=1e-5, rtol=1e-5)
+    s.sum().backward()  # and it trains
+    assert head.fc.weight.grad.abs().sum() > 0
+    none = head(ids, aux, 2, torch.zeros(3, 9, dtype=torch.bool))
+    assert [n.shape for n in none] == [(0, 12)] * 2
