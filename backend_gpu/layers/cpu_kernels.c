@@ -102,6 +102,12 @@ static void block(const float *x, int64_t r0, int64_t r1, const float *w, const 
     }
 }
 
+/* starts[e] = the first row of run e (runs[e] rows each, in order), starts[experts] all */
+static void run_starts(const int64_t *runs, int64_t experts, int64_t *starts) {
+    starts[0] = 0;
+    for (int64_t e = 0; e < experts; e++) starts[e + 1] = starts[e] + runs[e];
+}
+
 /* out[r] = x[r] @ w[e].T + bias[e] for each row r of run e: runs[e] rows each, the runs
    in order in x [rows, k] and out [rows, n]; bias [experts, n] or NULL; k a multiple of 8.
    w: each expert's [n, k] matrix in blocks, the rows of each whole block of NB as
@@ -110,10 +116,8 @@ static void block(const float *x, int64_t r0, int64_t r1, const float *w, const 
    `threads` threads. */
 void kvgate_runs(const float *x, const int64_t *runs, int64_t experts, const float *w,
                  const float *bias, float *out, int64_t n, int64_t k, int threads, int blocked) {
-    int64_t *starts = malloc((size_t)(experts + 1) * sizeof *starts);
-    if (!starts) return;
-    starts[0] = 0;
-    for (int64_t e = 0; e < experts; e++) starts[e + 1] = starts[e] + runs[e];
+    int64_t starts[experts + 1]; /* run e's first row: a few hundred experts at most */
+    run_starts(runs, experts, starts);
     int64_t blocks = (n + NB - 1) / NB;
 #pragma omp parallel for collapse(2) schedule(static) if (threads > 1) num_threads(threads)
     for (int64_t e = 0; e < experts; e++) {
@@ -126,7 +130,6 @@ void kvgate_runs(const float *x, const int64_t *runs, int64_t experts, const flo
                   wc + nb * k, blocked);
         }
     }
-    free(starts);
 }
 
 /* MXFP4 (quantization/mxfp4.py): 32 E2M1 codes two a byte, low nibble first, under an
@@ -191,10 +194,8 @@ static void decode_rows(const uint8_t *blocks, const uint8_t *scales, int64_t k,
 int kvgate_runs_mxfp4(const float *x, const int64_t *runs, int64_t experts,
                       const uint8_t *blocks, const uint8_t *scales, const float *bias, float *out,
                       int64_t n, int64_t k, int threads) {
-    int64_t *starts = malloc((size_t)(experts + 1) * sizeof *starts), failed = 0;
-    if (!starts) return -1;
-    starts[0] = 0;
-    for (int64_t e = 0; e < experts; e++) starts[e + 1] = starts[e] + runs[e];
+    int64_t starts[experts + 1], failed = 0;
+    run_starts(runs, experts, starts);
     int64_t count = (n + NB - 1) / NB, groups = k / 32;
 #pragma omp parallel if (threads > 1) num_threads(threads) reduction(+ : failed)
     {
@@ -216,7 +217,6 @@ int kvgate_runs_mxfp4(const float *x, const int64_t *runs, int64_t experts,
         }
         free(buf);
     }
-    free(starts);
     return failed ? -1 : 0;
 }
 

@@ -196,25 +196,9 @@ def expert_runs(
     bias ([experts, out] or None), on torch's thread count."""
     experts, out_features, in_features = weight.shape
     assert len(runs) == experts and rows.shape == (sum(runs), in_features), (rows.shape, runs)
-    rows = rows.contiguous()
-    out = rows.new_empty(rows.shape[0], out_features)
-    counts = (ctypes.c_int64 * experts)(*runs)
     if bias is not None:
-        bias = bias.contiguous()
         assert bias.dtype == torch.float32 and bias.shape == (experts, out_features)
-    library().kvgate_runs(
-        rows.data_ptr(),
-        counts,
-        experts,
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        out_features,
-        in_features,
-        torch.get_num_threads(),
-        1,
-    )
-    return out
+    return _runs(rows, runs, weight, bias, blocked=True)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -232,19 +216,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         or library() is None
     ):
         return F.linear(x, weight, bias)
-    rows = x.contiguous()
-    out = rows.new_empty(rows.shape[0], weight.shape[0])
+    return _runs(x, [x.shape[0]], weight[None], None if bias is None else bias[None], False)
+
+
+def _runs(rows, runs: list[int], weight, bias, blocked: bool) -> torch.Tensor:
+    """kvgate_runs over checked operands: the weight `blocked` or plain rows."""
+    experts, out_features, in_features = weight.shape
+    rows = rows.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
     library().kvgate_runs(
         rows.data_ptr(),
-        (ctypes.c_int64 * 1)(rows.shape[0]),
-        1,
+        (ctypes.c_int64 * experts)(*runs),
+        experts,
         weight.data_ptr(),
-        None if bias is None else bias.contiguous().data_ptr(),
+        None if bias is None else bias.data_ptr(),
         out.data_ptr(),
-        weight.shape[0],
-        weight.shape[1],
+        out_features,
+        in_features,
         torch.get_num_threads(),
-        0,
+        int(blocked),
     )
     return out
 
