@@ -13,8 +13,10 @@ Per set and per draft_confidence_threshold (0: none), with the engine's rule (gu
 j + 1 is drawn only while the head's probability of guesses 1..j is at least the
 threshold): the acceptance length (1 + the guesses right before the first wrong one)
 and the rows a verifying step scores (1 + the guesses), both averaged over every
-answer position. The engine's own anchors are the positions after each verify, so
-its figure differs a little; this one needs no engine per setting and no timing.
+answer position; and the length walked as the engine's verifies leave the anchors
+(after a chain that keeps a guesses, the next is a + 1 positions on), which is what
+the engine reports at temperature 0 (every position's average reads high where long
+chains cross the easy stretches). Neither needs an engine per setting or a timing.
 """
 
 from __future__ import annotations
@@ -52,17 +54,32 @@ def chains(head: Eagle3TTT, ids: list[int], aux, choice, first: int, to_draft, k
     return torch.stack(ok, -1), torch.stack(chance, -1)
 
 
-def under(ok: torch.Tensor, chance: torch.Tensor, threshold: float) -> dict:
+def walked(accepted: torch.Tensor, sizes: list[int]) -> float:
+    """The acceptance length the engine would see: each sequence's anchors walked as
+    its verifies leave them (after a chain that keeps a guesses, the next anchor is
+    a + 1 positions on), rather than averaged over every position."""
+    lengths = []
+    for part in accepted.split(sizes):
+        p = 0
+        while p < len(part):
+            lengths.append(1 + int(part[p]))
+            p += lengths[-1]
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def under(ok: torch.Tensor, chance: torch.Tensor, threshold: float, sizes: list[int]) -> dict:
     """Acceptance length and verify rows when guess j + 1 is drawn only while the
-    cumulative probability of guesses 1..j is at least `threshold`."""
+    cumulative probability of guesses 1..j is at least `threshold` (`sizes`: each
+    sequence's anchors, in order, for the engine's walk)."""
     k = ok.shape[1]
     sure = chance.cumprod(-1)
     drawn = torch.ones_like(ok)
     drawn[:, 1:] = sure[:, : k - 1] >= threshold
     drawn = drawn.cumprod(-1).bool()
-    accepted = (ok & drawn).int().cumprod(-1).sum(-1).float()
+    accepted = (ok & drawn).int().cumprod(-1).sum(-1)
     return {
-        "acceptance_length": round(1 + accepted.mean().item(), 3),
+        "acceptance_length": round(1 + accepted.float().mean().item(), 3),
+        "walked_length": round(walked(accepted, sizes), 3),
         "verify_rows": round(1 + drawn.sum(-1).float().mean().item(), 3),
         "accuracy": [round(x, 3) for x in ok.float().mean(0).tolist()],
     }
@@ -118,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
             targets.append(to_draft[choice[i][len(ids) :]])
         start += len(prompts)
         ok, chance = torch.cat(oks), torch.cat(chances)
-        rows = {f"{t:g}": under(ok, chance, t) for t in [0.0, *args.confidence]}
+        sizes = [len(o) for o in oks]
+        rows = {f"{t:g}": under(ok, chance, t, sizes) for t in [0.0, *args.confidence]}
         result["sets"][name] = rows
         inside = round((torch.cat(targets) >= 0).float().mean().item(), 3)
         result["in_draft_vocabulary"][name] = inside
@@ -126,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         for t, r in rows.items():
             print(
                 f"{name} k={args.k} threshold {t}: acceptance length {r['acceptance_length']:.2f}"
+                f" (walked as the engine's verifies leave it: {r['walked_length']:.2f})"
                 f", verify rows {r['verify_rows']:.2f}, accuracy by step {r['accuracy']}"
             )
     if args.save_result:
