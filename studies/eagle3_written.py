@@ -4,8 +4,9 @@ small functions to edit. Kept apart from the corpus's assembly because it is dat
 long: the head learns what the target says, so the more distinct prompts the more it
 learns (docs/PERF.md, EAGLE-3's runs).
 
-None of studies/spec_decode.py's measured questions, their topics or its snippets is
-here; its code edits are asked in other words.
+None of studies/spec_decode.py's measured questions or snippets is here, and its code
+edits are asked in other words; a few entries touch the same subjects in other questions
+(email, tea, hashing, a browser extension).
 """
 
 from __future__ import annotations
