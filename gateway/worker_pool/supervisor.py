@@ -175,8 +175,12 @@ class WorkerSupervisor:
             log.log(_relay_level(line), "worker %d: %s", w.index, line)
             if line.startswith(READY_LINE) and not ready.done():
                 ready.set_result(int(line.rsplit(":", 1)[1]))
+        if ready.done():
+            return
+        code = await proc.wait()
+        # start() may have given up on this worker meanwhile (another worker failed and the
+        # task group cancelled the wait on `ready`): nothing is left to tell
         if not ready.done():
-            code = await proc.wait()
             ready.set_exception(
                 WorkerStartError(
                     f"worker {w.index} exited ({code}) before it was ready:\n" + "\n".join(w.output)

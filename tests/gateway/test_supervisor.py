@@ -84,6 +84,24 @@ async def test_a_worker_that_cannot_start_fails_start_and_leaves_nothing():
     assert alive([w.proc.pid for w in sup.workers if w.proc]) == []
 
 
+async def test_a_relay_whose_start_was_given_up_ends_quietly():
+    """Another worker failed first and start() cancelled this one's wait on `ready` while
+    its process, its output already closed, was still exiting: the relay must not raise."""
+    sup = WorkerSupervisor(FAKE, 1)
+    proc = await asyncio.create_subprocess_exec(
+        "sh", "-c", "exec >&-; sleep 0.3", stdout=asyncio.subprocess.PIPE
+    )
+    ready = asyncio.get_running_loop().create_future()
+    relay = asyncio.create_task(sup._relay(sup.workers[0], proc, ready))
+    while not proc.stdout.at_eof():
+        await asyncio.sleep(0.01)
+    for _ in range(3):  # a few turns of the loop: the relay, past its output, awaits the exit
+        await asyncio.sleep(0)
+    ready.cancel()
+    await relay  # raised InvalidStateError before the relay looked at `ready` again
+    assert proc.returncode == 0 and ready.cancelled()
+
+
 @pytest.mark.parametrize(
     ("cores", "n", "shares"),
     [
