@@ -17,6 +17,11 @@ from backend_gpu.rank_handoff import StepRows
 # a decode joins the current group while its context is at least this share of the
 # group's longest; below, padding it would cost more than one more attention call
 DECODE_GROUP_FILL = 0.7
+# a chunk of at most this many rows after a context (a speculative verify's k + 1) is
+# attended row by row as decodes where decodes go one by one: each row then computes
+# what a plain decode at its position does, bit for bit (in bfloat16 the prefill's SDPA
+# rounds otherwise, and greedy speculation would part from plain decoding)
+ROWS_AS_DECODES = 17
 
 
 def group_decodes(decodes: list[int], ends: list[int]) -> list[list[int]]:
@@ -82,6 +87,17 @@ def span_metadata(
             DecodeSpan(q_ends[i] - 1, ends[i], block_tables[i, : -(-ends[i] // bs)])
             for i in decodes
         ]
+        # rows after a context (a chunk from position 0 has nothing a decode would read),
+        # none of which sees ahead (an image's rows do)
+        short = [i for i in prefills if ends[i] > step.num_new[i] <= ROWS_AS_DECODES]
+        short = short if step.key_last is None else []
+        for i in short:
+            n = step.num_new[i]
+            for j in range(n):  # row j sees the context and the chunk's rows up to it
+                end = ends[i] - n + j + 1
+                span = DecodeSpan(q_ends[i] - n + j, end, block_tables[i, : -(-end // bs)])
+                meta.decodes.append(span)
+        prefills = [i for i in prefills if i not in short]
     for i in prefills:
         n = step.num_new[i]
         meta.prefills.append(

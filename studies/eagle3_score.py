@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--confidence", nargs="+", type=float, default=[0.2, 0.5])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--bf16", action="store_true", help="the target's states in bfloat16 (AMX)")
     p.add_argument("--answers", help="JSON file caching the target's answers (train_eagle3's)")
     p.add_argument("--save-result", help="write the figures to this JSON file")
     args = p.parse_args(argv)
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     sets = {name: prompt_ids(tokenizer, name) for name in args.sets}
     flat = [ids for ids in sets.values() for ids in ids]
     seqs = generate(path, flat, args.max_tokens, args.answers, ignore_eos=True)
-    aux, choice, embed, *_ = features(hf_dir, seqs, layers)
+    aux, choice, embed, *_ = features(hf_dir, seqs, layers, args.bf16)
     stored = load_file(os.path.join(args.head, "model.safetensors"))
     head = Eagle3TTT(cfg, embed)
     head.load_state_dict({k: v for k, v in stored.items() if k not in ("d2t", "t2d")})

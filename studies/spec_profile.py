@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=4, help="chat prompts, one at a time")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="the engines' (bfloat16: AMX on a CPU)")
     p.add_argument("--save-result", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     import torch
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = {"method": "eagle3", "model": args.eagle3} if args.eagle3 else {"method": "ngram"}
     spec["num_speculative_tokens"] = args.k
     # a short context and a set cache: the free memory of a shared machine varies
-    opts = {"max_model_len": 1024, "kv_cache_memory_bytes": 96 << 20}
+    opts = {"max_model_len": 1024, "kv_cache_memory_bytes": 96 << 20, "dtype": args.dtype}
     engines = {
         "plain": LLM(path, **opts),
         spec["method"]: LLM(path, **opts, speculative_config=spec),

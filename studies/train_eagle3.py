@@ -91,10 +91,12 @@ class Features(NamedTuple):
 
 
 @torch.inference_mode()
-def features(hf_dir: str, seqs: list[list[int]], layers: list[int]) -> Features:
+def features(hf_dir: str, seqs: list[list[int]], layers: list[int], bf16: bool = False) -> Features:
     """The target's hidden states at `layers`, its choice and its final (normed) hidden
     state at every position of each sequence; its input embedding, lm_head and final
-    norm (the head starts from them)."""
+    norm (the head starts from them). With `bf16` the target runs under bfloat16
+    autocast (as an engine serving it in bfloat16 computes) and its states are kept as
+    float32."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -120,12 +122,13 @@ def features(hf_dir: str, seqs: list[list[int]], layers: list[int]) -> Features:
         group = order[n : n + 8]
         ids = pad([torch.tensor(seqs[i]) for i in group], 0)
         normed.clear()
-        out = model(ids, output_hidden_states=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(ids, output_hidden_states=True)
         for row, i in enumerate(group):
             t = len(seqs[i])
-            aux[i] = torch.cat([out.hidden_states[j][row, :t] for j in layers], dim=-1)
+            aux[i] = torch.cat([out.hidden_states[j][row, :t] for j in layers], dim=-1).float()
             choice[i] = out.logits[row, :t].argmax(-1)
-            final[i] = normed[-1][row, :t].clone()
+            final[i] = normed[-1][row, :t].float()
         if (n // 8 + 1) % 8 == 0 or n + 8 >= len(order):
             done = min(n + 8, len(order))
             print(f"  target features {done}/{len(seqs)} ({time.perf_counter() - start:.0f} s)")
@@ -189,7 +192,9 @@ def train(head: Eagle3TTT, seqs, aux, labels, scored, args, checkpoint, teacher=
     sequences' `scored` labels; at every evaluation `checkpoint(curve)` writes the head
     as it is (a long run stopped early leaves its last one). With `teacher` (per
     sequence the target's final hidden states, and its lm_head over the draft
-    vocabulary), the loss is against the target's distribution, else its choice."""
+    vocabulary), the loss is against the target's distribution, else its choice. With
+    --bf16 the forward passes run under bfloat16 autocast (the weights and the
+    optimizer stay float32)."""
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     curve: list[dict] = []
     start = time.perf_counter()
@@ -200,17 +205,18 @@ def train(head: Eagle3TTT, seqs, aux, labels, scored, args, checkpoint, teacher=
         ids = pad([torch.tensor(seqs[i]) for i in idx], 0)
         lab = pad([labels[i] for i in idx], -100)
         rows = (lab >= 0).any(-1)  # the LM head only where a step has a label
-        logits = head(ids, pad([aux[i] for i in idx], 0.0), args.ttt_steps, rows)
-        lab = lab[rows]
-        targets: list = [None] * len(logits)
-        if teacher is not None:
-            final, readout = teacher
-            f = pad([final[i] for i in idx], 0.0)  # step j's target: position t + j + 1
-            targets = [f.roll(-(j + 1), 1)[rows] @ readout.T for j in range(len(logits))]
-        loss = sum(
-            0.8**j * step_loss(lg, lab[:, j], tg)
-            for j, (lg, tg) in enumerate(zip(logits, targets, strict=True))
-        )
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = head(ids, pad([aux[i] for i in idx], 0.0), args.ttt_steps, rows)
+            lab = lab[rows]
+            targets: list = [None] * len(logits)
+            if teacher is not None:
+                final, readout = teacher
+                f = pad([final[i] for i in idx], 0.0)  # step j's target: position t + j + 1
+                targets = [f.roll(-(j + 1), 1)[rows] @ readout.T for j in range(len(logits))]
+            loss = sum(
+                0.8**j * step_loss(lg.float(), lab[:, j], tg if tg is None else tg.float())
+                for j, (lg, tg) in enumerate(zip(logits, targets, strict=True))
+            )
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -332,6 +338,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--prompt-loss", action="store_true", help="train on the prompts' positions too")
     p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="the target's features and the head's passes under bfloat16 autocast (AMX)",
+    )
+    p.add_argument(
         "--loss",
         choices=["distill", "choice"],
         default="distill",
@@ -378,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{time.perf_counter() - began:.0f} s] {len(seqs)} answers in {args.answers}")
         return {"model": args.model, "sequences": len(seqs), "tokens": sum(map(len, seqs))}
     print(f"[{time.perf_counter() - began:.0f} s] {sum(map(len, seqs))} tokens; target features")
-    aux, choice, embed, lm_head, norm, _, final = features(hf_dir, seqs, layers)
+    aux, choice, embed, lm_head, norm, _, final = features(hf_dir, seqs, layers, args.bf16)
     answers = [len(ids) for ids in prompt_ids]
     answered = [c[first - 1 :] for c, first in zip(choice, answers, strict=True)]
     draft_ids = draft_vocabulary(answered, target_config.vocab_size, args.draft_vocab, choice)
@@ -413,6 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ttt_steps": args.ttt_steps,
         "loss": args.loss,
         "schedule": args.schedule,
+        "bf16": args.bf16,
         "curve": curve,
         "wall_s": round(time.perf_counter() - began, 1),
     }

@@ -17,6 +17,8 @@ from backend_gpu.layers.attention import (
     PrefillSpan,
     paged_attention,
 )
+from backend_gpu.rank_handoff import StepRows
+from backend_gpu.span_metadata import span_metadata
 from tests.backend_gpu.test_correctness import check
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
@@ -151,3 +153,57 @@ def test_one_by_one_decodes_match_transformers(tiny_model_dir, arch, monkeypatch
     finally:
         torch.set_num_threads(threads)
     assert calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verifys_rows_compute_what_decodes_at_their_positions_do(dtype):
+    """On one thread a short chunk after a context (a speculative verify's k + 1 rows)
+    is attended row by row, as decodes: each row's output is, bit for bit, what a plain
+    decode at its position computes, so greedy speculation cannot part from plain
+    decoding there (bfloat16's SDPA over the chunk rounds otherwise)."""
+    gen = torch.Generator().manual_seed(2)
+    past, new, num_blocks = 21, 4, 16
+    k_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[: -(-(past + new) // BLOCK)]
+    block_tables = table[None].to(torch.int32)
+    positions = torch.arange(past, past + new)
+    slots = table[positions // BLOCK] * BLOCK + positions % BLOCK
+    q = torch.randn(new, HEADS, DIM, generator=gen).to(dtype)
+
+    def workspace(blocks: int):
+        size = blocks * BLOCK * KV_HEADS * DIM
+        return torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype)
+
+    def attend(rows: slice, end: int) -> torch.Tensor:
+        n = rows.stop - rows.start
+        step = StepRows(
+            token_ids=[0] * n,
+            num_new=[n],
+            ends=[end],
+            tables=[table.tolist()],
+            sample_rows=[n - 1],
+            padded_seqs=1,
+            scratch_slot=0,
+        )
+        meta = span_metadata(step, BLOCK, block_tables, slots[rows], workspace)
+        assert not meta.prefills and len(meta.decodes) == n
+        k_new, v_new = k_cache[slots[rows]].clone(), v_cache[slots[rows]].clone()
+        return paged_attention(q[rows], k_new, v_new, k_cache, v_cache, meta, 0.3)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        verify = attend(slice(0, new), past + new)
+        one_by_one = [attend(slice(j, j + 1), past + j + 1) for j in range(new)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(verify, torch.cat(one_by_one))
+    keys = k_cache[table.repeat_interleave(BLOCK) * BLOCK + torch.arange(BLOCK).repeat(len(table))]
+    values = v_cache[
+        table.repeat_interleave(BLOCK) * BLOCK + torch.arange(BLOCK).repeat(len(table))
+    ]
+    want = reference(
+        q.float(), keys[: past + new].float(), values[: past + new].float(), past, 0.3, None
+    )
+    torch.testing.assert_close(verify.float(), want, rtol=0.02, atol=0.02)

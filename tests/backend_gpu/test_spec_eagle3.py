@@ -292,6 +292,23 @@ def test_the_engines_chain_computes_what_the_trainer_trains(llama_head):
             assert int(logits[j].argmax()) == draft[j]
 
 
+def test_bf16_features_are_float32_and_near_the_float32_ones(llama_head):
+    """--bf16's features: the target under bfloat16 autocast, its states kept as float32,
+    within bfloat16's rounding of the float32 pass's."""
+    from studies.train_eagle3 import features
+
+    target, head_dir = llama_head
+    with open(f"{head_dir}/config.json") as f:
+        layers = json.load(f)["eagle_aux_hidden_state_layer_ids"]
+    ids = [list(range(3, 40)), list(range(50, 70))]
+    exact, low = features(target, ids, layers), features(target, ids, layers, bf16=True)
+    for a, b in ((exact.aux, low.aux), (exact.final, low.final)):
+        for x, y in zip(a, b, strict=True):
+            assert y.dtype == torch.float32 and y.shape == x.shape
+            assert not torch.equal(x, y)  # it did run in bfloat16
+            assert (x - y).norm() <= 0.05 * x.norm()
+
+
 def test_sampled_output_keeps_the_targets_distribution(tiny_model_dir, tmp_path):
     """600 seeds, three tokens each: a random head over the few tokens the target
     samples here (so that some guesses stand) leaves the target's distribution. A
@@ -337,10 +354,11 @@ def test_preemption_and_abort_give_every_block_back(llama_head):
     assert_head_blocks_back(spec)
 
 
-def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
+def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir, tmp_path, bf16):
     """studies/train_eagle3 for three steps on the tiny Llama: the target answers the
     docs' prompts (kept in --answers), the head trains and is written as published;
-    the engine loads it."""
+    the engine loads it. Under --bf16 too: the passes in bfloat16, the head float32."""
     from studies import train_eagle3
 
     target = tiny_model_dir("llama")
@@ -348,6 +366,7 @@ def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir,
     args = ["--model", target, "--out", head, "--prompts", "6", "--max-tokens", "8"]
     args += ["--max-steps", "3", "--batch", "2", "--eval-every", "1", "--held-out", "2"]
     args += ["--schedule", "cosine"]  # the rate down to 0 at step 3
+    args += ["--bf16"] * bf16
     answers = tmp_path / "answers.json"
     result = train_eagle3.main([*args, "--draft-vocab", "100", "--answers", str(answers)])
     assert [p["step"] for p in result["curve"]] == [1, 2, 3]
@@ -357,6 +376,7 @@ def test_a_head_the_trainer_writes_loads_and_keeps_greedy_output(tiny_model_dir,
     assert all(p["loss"] > 0 and 1 <= p["acceptance_length"] <= 4 for p in result["curve"])
     stored = load_file(f"{head}/model.safetensors")
     assert stored["lm_head.weight"].shape == (result["draft_vocab_size"], 64)
+    assert stored["fc.weight"].dtype == torch.float32 and result["bf16"] == bf16
     assert (
         stored["d2t"].shape == (result["draft_vocab_size"],) and "embed_tokens.weight" not in stored
     )
