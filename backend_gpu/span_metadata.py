@@ -93,10 +93,9 @@ def span_metadata(
         short = short if step.key_last is None else []
         for i in short:
             n = step.num_new[i]
+            blocks = block_tables[i, : -(-ends[i] // bs)]  # one tensor: one gather (attention.py)
             for j in range(n):  # row j sees the context and the chunk's rows up to it
-                end = ends[i] - n + j + 1
-                span = DecodeSpan(q_ends[i] - n + j, end, block_tables[i, : -(-end // bs)])
-                meta.decodes.append(span)
+                meta.decodes.append(DecodeSpan(q_ends[i] - n + j, ends[i] - n + j + 1, blocks))
         prefills = [i for i in prefills if i not in short]
     for i in prefills:
         n = step.num_new[i]

@@ -60,7 +60,9 @@ class DecodeGroup:
 class DecodeSpan:
     row: int  # row of the one-token query in the flat batch
     ctx_len: int  # keys it attends to, its own included
-    block_ids: torch.Tensor  # [n] blocks holding positions [0, ctx_len)
+    block_ids: (
+        torch.Tensor
+    )  # [n] blocks holding positions [0, ctx_len) (a verify's rows: all of it)
 
 
 @dataclass
@@ -161,13 +163,21 @@ def _decode_attention(
     each KV head with the query heads that share it (h // (H / Hkv), as SDPA's enable_gqa).
     `sinks` [H]: a logit per head that joins the softmax and attends to nothing."""
     heads, dim = k.shape[1], k.shape[2]
+    # a lower precision (bfloat16) in float32: at one query's sizes a bfloat16 bmm costs
+    # about four float32 ones (oneDNN's call), and float32 is the more exact
+    wide = q.dtype != torch.float32
+    if wide:
+        q, k, v = q.float(), k.float(), v.float()
     scores = torch.bmm(q.view(heads, -1, dim), k.permute(1, 2, 0)).float()  # [Hkv, H / Hkv, L]
     if sinks is not None:
         sink = sinks.float().view(heads, -1, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1].to(v.dtype)
     else:
         probs = scores.softmax(-1).to(v.dtype)
-    torch.bmm(probs, v.transpose(0, 1), out=out.view(heads, -1, dim))
+    if wide:
+        out.view(heads, -1, dim).copy_(torch.bmm(probs, v.transpose(0, 1)))
+    else:
+        torch.bmm(probs, v.transpose(0, 1), out=out.view(heads, -1, dim))
 
 
 # the most float32 scores (query heads x queries x keys) _attention_with_sinks holds at once
@@ -267,6 +277,37 @@ def _kernel_attention(
     )
 
 
+def _decodes_one_by_one(
+    q_scaled: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    v_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """meta.decodes' rows of out, each over its context. Rows in a row reading the same
+    blocks (a verify's, span_metadata) share one gather, widened once to float32 where
+    the cache is narrower (as _decode_attention computes)."""
+    bs = meta.block_size
+    gathered = None  # (its blocks, the first block read, K, V)
+    for d in meta.decodes:
+        # a sliding window reads only the blocks it reaches into
+        first = 0 if window is None else max(0, d.ctx_len - window)
+        skip = first // bs
+        if gathered is None or gathered[0] is not d.block_ids or gathered[1] != skip:
+            blocks = d.block_ids[skip:]
+            kd = _gather(k_cache, blocks, meta.k_workspace, bs).float()
+            vd = _gather(v_cache, blocks, meta.v_workspace, bs).float()
+            gathered = (d.block_ids, skip, kd, vd)
+        _, _, kd, vd = gathered
+        lo, hi = first - skip * bs, d.ctx_len - skip * bs
+        _decode_attention(q_scaled[d.row], kd[lo:hi], vd[lo:hi], out[d.row], sinks)
+        if v_scale != 1.0:
+            out[d.row] *= v_scale
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -307,17 +348,8 @@ def paged_attention(
         mask = meta.decode_mask(g, window)[..., skip * bs :]
         od = _sdpa(qd, kd, vd, mask, cached_scale, sinks)
         out.index_copy_(0, group.rows, _unscale(od.squeeze(2), v_scale))
-    q_scaled = q * cached_scale if meta.decodes else q
-    for d in meta.decodes:
-        # a sliding window reads only the blocks it reaches into
-        first = 0 if window is None else max(0, d.ctx_len - window)
-        skipped = first // bs * bs
-        blocks = d.block_ids[first // bs :]
-        kd = _gather(k_cache, blocks, meta.k_workspace, bs)[first - skipped : d.ctx_len - skipped]
-        vd = _gather(v_cache, blocks, meta.v_workspace, bs)[first - skipped : d.ctx_len - skipped]
-        _decode_attention(q_scaled[d.row], kd, vd, out[d.row], sinks)
-        if v_scale != 1.0:
-            out[d.row] *= v_scale
+    if meta.decodes:
+        _decodes_one_by_one(q * cached_scale, k_cache, v_cache, meta, window, sinks, v_scale, out)
     for i, span in enumerate(meta.prefills):
         if span.start_pos == 0:  # the whole context is this chunk: no need to gather it
             kp, vp = k[span.q_start : span.q_end], v[span.q_start : span.q_end]
