@@ -128,7 +128,7 @@ def features(hf_dir: str, seqs: list[list[int]], layers: list[int], bf16: bool =
             t = len(seqs[i])
             aux[i] = torch.cat([out.hidden_states[j][row, :t] for j in layers], dim=-1).float()
             choice[i] = out.logits[row, :t].argmax(-1)
-            final[i] = normed[-1][row, :t].float()
+            final[i] = normed[-1][row, :t].to(torch.float32, copy=True)  # not a batch's view
         if (n // 8 + 1) % 8 == 0 or n + 8 >= len(order):
             done = min(n + 8, len(order))
             print(f"  target features {done}/{len(seqs)} ({time.perf_counter() - start:.0f} s)")

@@ -60,9 +60,7 @@ class DecodeGroup:
 class DecodeSpan:
     row: int  # row of the one-token query in the flat batch
     ctx_len: int  # keys it attends to, its own included
-    block_ids: (
-        torch.Tensor
-    )  # [n] blocks holding positions [0, ctx_len) (a verify's rows: all of it)
+    block_ids: torch.Tensor  # [n] blocks holding positions [0, ctx_len), or more (a verify's)
 
 
 @dataclass
@@ -287,9 +285,9 @@ def _decodes_one_by_one(
     v_scale: float,
     out: torch.Tensor,
 ) -> None:
-    """meta.decodes' rows of out, each over its context. Rows in a row reading the same
-    blocks (a verify's, span_metadata) share one gather, widened once to float32 where
-    the cache is narrower (as _decode_attention computes)."""
+    """meta.decodes' rows of out, each over its context. Consecutive rows reading the
+    same blocks (a verify's, span_metadata) share one gather, widened once to float32
+    where the cache is narrower (as _decode_attention computes)."""
     bs = meta.block_size
     gathered = None  # (its blocks, the first block read, K, V)
     for d in meta.decodes:
