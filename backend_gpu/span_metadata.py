@@ -89,8 +89,11 @@ def span_metadata(
         ]
         # rows after a context (a chunk from position 0 has nothing a decode would read),
         # none of which sees ahead (an image's rows do)
-        short = [i for i in prefills if ends[i] > step.num_new[i] <= ROWS_AS_DECODES]
-        short = short if step.key_last is None else []
+        short = [
+            i
+            for i in prefills
+            if ends[i] > step.num_new[i] <= ROWS_AS_DECODES and step.key_last is None
+        ]
         for i in short:
             n = step.num_new[i]
             blocks = block_tables[i, : -(-ends[i] // bs)]  # one tensor: one gather (attention.py)

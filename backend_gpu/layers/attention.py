@@ -161,21 +161,13 @@ def _decode_attention(
     each KV head with the query heads that share it (h // (H / Hkv), as SDPA's enable_gqa).
     `sinks` [H]: a logit per head that joins the softmax and attends to nothing."""
     heads, dim = k.shape[1], k.shape[2]
-    # a lower precision (bfloat16) in float32: at one query's sizes a bfloat16 bmm costs
-    # about four float32 ones (oneDNN's call), and float32 is the more exact
-    wide = q.dtype != torch.float32
-    if wide:
-        q, k, v = q.float(), k.float(), v.float()
     scores = torch.bmm(q.view(heads, -1, dim), k.permute(1, 2, 0)).float()  # [Hkv, H / Hkv, L]
     if sinks is not None:
         sink = sinks.float().view(heads, -1, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1].to(v.dtype)
     else:
         probs = scores.softmax(-1).to(v.dtype)
-    if wide:
-        out.view(heads, -1, dim).copy_(torch.bmm(probs, v.transpose(0, 1)))
-    else:
-        torch.bmm(probs, v.transpose(0, 1), out=out.view(heads, -1, dim))
+    torch.bmm(probs, v.transpose(0, 1), out=out.view(heads, -1, dim))
 
 
 # the most float32 scores (query heads x queries x keys) _attention_with_sinks holds at once
@@ -285,10 +277,13 @@ def _decodes_one_by_one(
     v_scale: float,
     out: torch.Tensor,
 ) -> None:
-    """meta.decodes' rows of out, each over its context. Consecutive rows reading the
-    same blocks (a verify's, span_metadata) share one gather, widened once to float32
-    where the cache is narrower (as _decode_attention computes)."""
+    """meta.decodes' rows of out, each over its context, computed in float32 whatever
+    the cache's dtype: at one query's sizes a bfloat16 bmm costs about four float32
+    ones (oneDNN's call), and float32 is the more exact. Consecutive rows reading the
+    same blocks (a verify's, span_metadata) share one gather, widened once."""
     bs = meta.block_size
+    q_wide = q_scaled.float()
+    out_wide = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
     gathered = None  # (its blocks, the first block read, K, V)
     for d in meta.decodes:
         # a sliding window reads only the blocks it reaches into
@@ -301,9 +296,12 @@ def _decodes_one_by_one(
             gathered = (d.block_ids, skip, kd, vd)
         _, _, kd, vd = gathered
         lo, hi = first - skip * bs, d.ctx_len - skip * bs
-        _decode_attention(q_scaled[d.row], kd[lo:hi], vd[lo:hi], out[d.row], sinks)
-        if v_scale != 1.0:
-            out[d.row] *= v_scale
+        _decode_attention(q_wide[d.row], kd[lo:hi], vd[lo:hi], out_wide[d.row], sinks)
+    rows = [d.row for d in meta.decodes]
+    if out_wide is not out:
+        out[rows] = out_wide[rows].to(out.dtype)
+    if v_scale != 1.0:
+        out[rows] *= v_scale
 
 
 def paged_attention(
